@@ -1,0 +1,3 @@
+from skulkp2p.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""Command line: join, pipe, models, cards, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from skulkp2p.models.cards import DEFAULT_MODEL, CardError
+from skulkp2p.models.store import ModelStoreError
+
+
+class CliError(Exception):
+    """Ends the command with one line on stderr and exit status 1."""
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _store(args):
+    from skulkp2p.models.store import ModelStore
+    return ModelStore(Path(args.data_dir) if args.data_dir else None)
+
+
+def _prepare_engine_process() -> None:
+    """Before mlx is imported: arrange the fast BLAS (may re-exec this process once)."""
+    try:
+        from skulkp2p.engine import blas
+    except ImportError:
+        return
+    blas.ensure_fast_blas()
+
+
+def _log_engine_path() -> None:
+    try:
+        from skulkp2p.engine import blas
+    except ImportError:
+        return
+    blas.log_fast_path(blas.fast_path_report(), logging.getLogger("skulkp2p"))
+
+
+def cmd_join(args) -> int:
+    import asyncio
+    import signal
+
+    from skulkp2p.engine.loader import open_model
+
+    _prepare_engine_process()
+    _log_engine_path()
+    store = _store(args)
+    loaded = open_model(store, args.model)
+    log = logging.getLogger("skulkp2p.node")
+    log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
+             loaded.id, loaded.dtype, len(loaded.model.layers))
+
+    async def run_until_signalled() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+
+    try:
+        import uvloop
+        uvloop.run(run_until_signalled())
+    except ImportError:
+        asyncio.run(run_until_signalled())
+    log.info("stopped")
+    return 0
+
+
+def cmd_pipe(args) -> int:
+    from skulkp2p.pipe import run_pipe
+
+    _prepare_engine_process()
+    _log_engine_path()
+    return run_pipe(_store(args), args.model, sys.stdin, sys.stdout)
+
+
+def cmd_models(args) -> int:
+    from skulkp2p.progress import ProgressBar
+
+    store = _store(args)
+    try:
+        if args.action == "list":
+            for row in store.list():
+                state = "pulled" if row["pulled"] else "not pulled"
+                print(f"{row['id']:24} {row['family']:8} {row['size_bytes'] / 1e6:8.0f} MB  {state}")
+        elif args.action == "pull":
+            path = store.pull(args.id, progress=lambda label: ProgressBar(label))
+            print(path)
+        elif args.action == "path":
+            print(store.path(args.id))
+    except ModelStoreError as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def cmd_cards(args) -> int:
+    from skulkp2p.models.cards import load_cards
+
+    cards = load_cards()
+    if args.action == "list":
+        for card_id, card in sorted(cards.items()):
+            print(f"{card_id:24} {card.family:8} {card.layers:3} layers  {card.name}")
+        return 0
+    if args.id not in cards:
+        raise CliError(f"no card {args.id!r} (known: {', '.join(sorted(cards))})")
+    print(json.dumps(cards[args.id].summary(), indent=2))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    print("skulkp2p bench: arrives with the speculative engine (issue 3)", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m skulkp2p",
+                                description="Serve LLMs from a cluster of identical agents.")
+    p.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sp):
+        sp.add_argument("--data-dir", help="model cache (default: the user's cache dir, "
+                        "or SKULKP2P_DATA_DIR)")
+        return sp
+
+    j = common(sub.add_parser("join", help="start an agent on this node and serve a model"))
+    j.add_argument("--model", default=DEFAULT_MODEL, help=f"card id or path (default {DEFAULT_MODEL})")
+    j.set_defaults(func=cmd_join)
+
+    pp = common(sub.add_parser("pipe", help="JSONL requests on stdin, JSONL results on stdout"))
+    pp.add_argument("--model", default=DEFAULT_MODEL, help=f"card id or path (default {DEFAULT_MODEL})")
+    pp.set_defaults(func=cmd_pipe)
+
+    m = common(sub.add_parser("models", help="the local model store: list, pull, path"))
+    msub = m.add_subparsers(dest="action", required=True, metavar="ACTION")
+    msub.add_parser("list", help="cards and whether each is pulled")
+    for name, text in (("pull", "fetch and convert a model"), ("path", "print its local folder")):
+        a = msub.add_parser(name, help=text)
+        a.add_argument("id", help="card id or local path")
+    m.set_defaults(func=cmd_models)
+
+    c = sub.add_parser("cards", help="model cards: list, show")
+    csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+    csub.add_parser("list", help="all cards")
+    cs = csub.add_parser("show", help="one card as JSON")
+    cs.add_argument("id")
+    c.set_defaults(func=cmd_cards)
+
+    b = sub.add_parser("bench", help="decode benchmarks (JSON)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except (CliError, CardError, ModelStoreError) as e:
+        print(f"skulkp2p: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # stdout closed by the reader (| head): not an error of ours
+        sys.stderr.close()
+        return 0

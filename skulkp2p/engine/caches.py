@@ -1,0 +1,63 @@
+"""Cache rollback for every cache type mlx-lm builds.
+
+Plain KV caches trim. Caches that cannot trim (recurrent state of gated-delta layers, rotating
+caches that have wrapped) are snapshotted before a multi-token verify and restored on rejection;
+the caller then re-runs the tokens it kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+def _trimmable(entry: Any) -> bool:
+    return hasattr(entry, "is_trimmable") and entry.is_trimmable()
+
+
+def needs_snapshot(cache: list[Any]) -> bool:
+    return not all(_trimmable(c) for c in cache)
+
+
+def trim(cache: list[Any], n: int) -> None:
+    for entry in cache:
+        entry.trim(n)
+
+
+def _copy(value: Any) -> Any:
+    # Rotating caches write into their buffers in place, so a snapshot needs its own arrays.
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+@dataclass
+class Snapshot:
+    entries: list[tuple[str, Any]]  # ("offset", n) for trimmable entries, ("state", (state, meta))
+    tokens_for_replay: list[int]
+
+
+def snapshot(cache: list[Any], tokens: list[int]) -> Snapshot:
+    entries: list[tuple[str, Any]] = []
+    for entry in cache:
+        if _trimmable(entry):
+            entries.append(("offset", entry.size()))
+        else:
+            meta = getattr(entry, "meta_state", None)
+            entries.append(("state", (_copy(entry.state), meta)))
+    return Snapshot(entries, list(tokens))
+
+
+def restore(cache: list[Any], snap: Snapshot) -> None:
+    for entry, (kind, value) in zip(cache, snap.entries, strict=True):
+        if kind == "offset":
+            entry.trim(entry.size() - value)
+        else:
+            state, meta = value
+            entry.state = state
+            if meta is not None:
+                entry.meta_state = meta

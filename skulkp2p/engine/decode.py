@@ -1,0 +1,137 @@
+"""The one decode loop: draft -> verify in one forward -> accept -> roll caches back -> emit.
+
+Plain decoding is this loop with no drafter (every round verifies just the pending token), so
+there is a single code path to trust. The loop sees only the `Forward` seam, never where the
+layers run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from skulkp2p.engine.forward import Forward
+from skulkp2p.engine.sampling import (
+    SamplingParams,
+    greedy_token,
+    process_logits,
+    sample_from,
+    target_probs,
+)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        """Up to k draft tokens following `history`, and the drafter's distributions q for each
+        (None for a deterministic drafter, whose q is one-hot on its token)."""
+        ...
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Told after every verify round; gates and depth control listen here."""
+        ...
+
+
+@dataclass
+class DecodeStats:
+    rounds: int = 0  # verify rounds that carried at least one draft token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per draft position
+    drafted_at: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+
+
+def choose(row, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The token plain decoding picks from one processed logits row."""
+    if params.greedy:
+        return greedy_token(row)
+    return sample_from(target_probs(row, params), rng)
+
+
+def verify_one(row, draft: int, q: np.ndarray | None, params: SamplingParams,
+               rng: np.random.Generator) -> tuple[int, bool]:
+    """Decide one draft token against the target row: (token to emit, accepted?).
+
+    Greedy: accept when the draft is the plain choice. Sampled: accept with min(1, p/q) and on
+    rejection draw from norm(max(0, p - q)), which keeps the emitted token distributed exactly as p
+    (Leviathan et al. 2023). A deterministic drafter has q one-hot on its token.
+    """
+    if params.greedy:
+        token = greedy_token(row)
+        return token, token == draft
+    p = target_probs(row, params)
+    if q is None:
+        if rng.random() < p[draft]:
+            return draft, True
+        residual = p.copy()
+        residual[draft] = 0.0
+    else:
+        if rng.random() * q[draft] < p[draft]:  # u < p/q without dividing by a zero q
+            return draft, True
+        residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0.0:  # p == q on the support: any rejection is measure-zero; fall back to p
+        return sample_from(p, rng), False
+    return sample_from(residual / total, rng), False
+
+
+def decode(
+    forward: Forward,
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    rng: np.random.Generator,
+    drafter: Drafter | None = None,
+    depth: int = 0,
+    stats: DecodeStats | None = None,
+) -> Iterator[int]:
+    """Yield generated tokens one at a time. The caller stops consuming at EOS or a stop string."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    stats = stats if stats is not None else DecodeStats()
+    forward.prefill(prompt[:-1])
+    pending = prompt[-1]
+    history = list(prompt)
+    produced = 0
+    while produced < max_tokens:
+        k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
+        draft, q = drafter.propose(history, k) if k > 0 else ([], None)
+        logits = forward([pending, *draft])
+        emitted: list[int] = []
+        accepted = 0
+        for i in range(len(draft) + 1):
+            row = process_logits(logits[i:i + 1], history + emitted, params)
+            if i < len(draft):
+                token, ok = verify_one(row, draft[i], q[i] if q else None, params, rng)
+            else:
+                token, ok = choose(row, params, rng), False
+            emitted.append(token)
+            if not ok:
+                break
+            accepted += 1
+        forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
+        stats.record(len(draft), accepted)
+        if drafter is not None and draft:
+            drafter.observe(len(draft), accepted)
+        history.extend(emitted)
+        pending = emitted[-1]
+        for token in emitted:
+            produced += 1
+            yield token

@@ -1,0 +1,153 @@
+"""Run one generation request on a loaded model: prompt -> decode loop -> text, with stats."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.drafters import PromptLookup
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.sampling import make_rng
+from skulkp2p.engine.text import TextAssembler
+
+log = logging.getLogger("skulkp2p.engine")
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+@dataclass
+class LoadedModel:
+    id: str
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    context_length: int
+    dtype: str
+    runtime: dict[str, Any] = field(default_factory=dict)
+
+
+def load_model(path: Path, model_id: str, context_length: int | None = None,
+               dtype: str = "bfloat16", runtime: dict[str, Any] | None = None) -> LoadedModel:
+    from mlx_lm import load
+
+    model, tokenizer, config = load(str(path), return_config=True)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model.set_dtype(DTYPES[dtype])
+    mx.eval(model.parameters())
+    ctx = context_length or config.get("max_position_embeddings") or 4096
+    return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype, dict(runtime or {}))
+
+
+def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
+    tok = loaded.tokenizer
+    if req.messages is not None:
+        if not getattr(tok, "has_chat_template", True) and not getattr(tok, "chat_template", None):
+            raise RequestError(f"model {loaded.id} has no chat template: send 'prompt'", "messages")
+        ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    # As mlx-lm does: add special tokens (BOS) unless the prompt already starts with BOS.
+    bos = getattr(tok, "bos_token", None)
+    add_special = bos is None or not req.prompt.startswith(bos)
+    return list(tok.encode(req.prompt, add_special_tokens=add_special))
+
+
+@dataclass
+class Chunk:
+    """One step of a generation: newly final text and the tokens behind it."""
+    text: str
+    tokens: list[int]
+
+
+def _choose_drafter(loaded: LoadedModel, req: GenerationRequest):
+    spec = req.speculation
+    if spec.mode != "explicit":
+        return None, 0  # "auto" picks drafters once the gates exist; until then it decodes plain
+    if spec.drafter == "lookup":
+        return PromptLookup(), spec.depth or 4
+    raise RequestError(f"drafter {spec.drafter!r} is not available for model {loaded.id}",
+                       "speculation")
+
+
+def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
+           ) -> Iterator[Chunk]:
+    """Yield chunks as tokens are decoded; fill `result` with finish_reason, usage and stats."""
+    t0 = time.perf_counter()
+    prompt = prompt_tokens(loaded, req)
+    if len(prompt) >= loaded.context_length:
+        raise RequestError(f"prompt is {len(prompt)} tokens; model {loaded.id} takes at most "
+                           f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
+    default_max = int(loaded.runtime.get("max_tokens", 256))
+    max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
+    drafter, depth = _choose_drafter(loaded, req)
+    rng = make_rng(req.sampling.seed)
+    stats = DecodeStats()
+    eos = set(loaded.tokenizer.eos_token_ids)
+    text = TextAssembler(loaded.tokenizer, req.stop)
+    forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)))
+    generated: list[int] = []
+    finish = "length"
+    t_first = None
+    steps = decode(forward, prompt, req.sampling, max_tokens, rng, drafter, depth, stats)
+    try:
+        for token in steps:
+            if t_first is None:
+                t_first = time.perf_counter()
+            if token in eos:
+                finish = "stop"
+                break
+            generated.append(token)
+            yield Chunk(text.add(token), [token])
+            if text.stopped:
+                finish = "stop"
+                break
+    finally:
+        steps.close()
+    tail = text.finish()
+    if tail:
+        yield Chunk(tail, [])
+    t_end = time.perf_counter()
+    result["finish_reason"] = finish
+    result["tokens"] = generated
+    result["text"] = text.text
+    result["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(generated),
+                       "total_tokens": len(prompt) + len(generated)}
+    decode_s = (t_end - t_first) if t_first else 0.0
+    result["timing"] = {
+        "ttft_s": round((t_first or t_end) - t0, 4),
+        "total_s": round(t_end - t0, 4),
+        "decode_tok_s": round((len(generated) - 1) / decode_s, 2) if decode_s > 0 and len(
+            generated) > 1 else None,
+    }
+    if drafter is not None:
+        result["speculation"] = {
+            "drafter": drafter.name, "depth": depth, "rounds": stats.rounds,
+            "drafted": stats.drafted, "accepted": stats.accepted,
+            "acceptance": round(stats.accepted / stats.drafted, 4) if stats.drafted else None,
+            "acceptance_per_position": [round(a / d, 4) if d else None for a, d in
+                                        zip(stats.accepted_at, stats.drafted_at, strict=True)],
+        }
+
+
+def generate(loaded: LoadedModel, req: GenerationRequest) -> dict[str, Any]:
+    """The whole result of one request, as pipe and non-streaming HTTP return it."""
+    result: dict[str, Any] = {}
+    for _ in stream(loaded, req, result):
+        pass
+    out: dict[str, Any] = {"id": req.id, "model": loaded.id, "text": result["text"],
+                           "tokens": result["tokens"], "finish_reason": result["finish_reason"],
+                           "usage": result["usage"], "timing": result["timing"]}
+    if "speculation" in result:
+        out["speculation"] = result["speculation"]
+    return out

@@ -1,0 +1,92 @@
+"""Token choice: greedy exactly as mlx-lm computes it, and the sampling distribution.
+
+Greedy takes argmax of log-probabilities computed in the model's dtype (logits - logsumexp), row by
+row, because that rounding creates ties which argmax over raw float32 logits would break
+differently; plain decoding and every verify row use this one function.
+
+Sampling builds the full target distribution p as a float64 numpy vector, with mlx-lm's semantics
+(top-p, min-p, top-k filter the untempered log-probabilities, then temperature scales the
+survivors), so that speculative acceptance can use exactly the distribution the plain sampler draws
+from. Draws come from a per-request numpy Generator, so concurrent requests never share RNG state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context: int = 20  # mlx-lm's default window
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def process_logits(row: mx.array, history: list[int], params: SamplingParams) -> mx.array:
+    """Logits processors, applied to one row [1, V] with the tokens that precede it.
+
+    Repetition penalty is sign-aware and looks at the last `repetition_context` tokens, as mlx-lm's.
+    """
+    penalty = params.repetition_penalty
+    if penalty is None or penalty == 1.0 or not history:
+        return row
+    recent = mx.array(history[-params.repetition_context:])
+    selected = row[:, recent]
+    selected = mx.where(selected < 0, selected * penalty, selected / penalty)
+    row = mx.array(row)  # do not write into the forward's output buffer
+    row[:, recent] = selected
+    return row
+
+
+def log_probs(row: mx.array) -> mx.array:
+    return row - mx.logsumexp(row, axis=-1, keepdims=True)
+
+
+def greedy_token(row: mx.array) -> int:
+    """argmax of log-probabilities in the model's dtype, as mlx-lm's greedy sampler sees them."""
+    return int(mx.argmax(log_probs(row), axis=-1).item())
+
+
+def target_probs(row: mx.array, params: SamplingParams) -> np.ndarray:
+    """The distribution the sampler draws from for one processed row, as float64 [V]."""
+    lp = np.array(log_probs(row).astype(mx.float32), dtype=np.float64).reshape(-1)
+    keep = np.ones(lp.shape, dtype=bool)
+    if 0.0 < params.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (ties kept).
+        order = np.sort(lp)
+        probs = np.exp(order)
+        mass_above = np.cumsum(probs[::-1])[::-1] - probs
+        dropped = int(np.count_nonzero(mass_above >= params.top_p * probs.sum()))
+        keep &= lp >= order[min(dropped, len(order) - 1)]
+    if params.min_p > 0.0:
+        keep &= lp >= lp.max() + np.log(params.min_p)
+    if 0 < params.top_k < lp.shape[0]:
+        top = np.argpartition(-lp, params.top_k - 1)[: params.top_k]
+        mask = np.zeros(lp.shape, dtype=bool)
+        mask[top] = True
+        keep &= mask
+    scaled = np.where(keep, lp / params.temperature, -np.inf)
+    scaled -= scaled.max()
+    p = np.exp(scaled)
+    return p / p.sum()
+
+
+def sample_from(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw; one uniform per token keeps the RNG stream easy to reason about."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    return np.random.default_rng(seed)

