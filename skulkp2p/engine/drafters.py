@@ -26,13 +26,18 @@ class PromptLookup:
             if n_hist <= n:
                 continue
             key = window[-n:]
-            # Most recent earlier occurrence of the key (not the key itself at the end).
+            # Most recent earlier occurrence of the key with a full k-token continuation; in a
+            # repeating run the very latest match sits near the end and continues only briefly.
+            best: list[int] = []
             for start in range(n_hist - n - 1, -1, -1):
                 if window[start:start + n] == key:
                     cont = window[start + n:start + n + k]
-                    if cont:
-                        return list(cont), None
-                    break
+                    if len(cont) > len(best):
+                        best = cont
+                    if len(best) == k:
+                        break
+            if best:
+                return list(best), None
         return [], None
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -35,11 +35,39 @@ class LoadedModel:
     runtime: dict[str, Any] = field(default_factory=dict)
 
 
+def is_mtp_key(key: str, num_layers: int | None) -> bool:
+    """MTP head tensors in any of the namings real checkpoints use (Qwen `mtp.*`, MiMo
+    `model.mtp_layers.*`, DeepSeek's extra layer past num_hidden_layers)."""
+    return (key.startswith("mtp.") or ".mtp." in key or key.startswith("model.mtp_layers.")
+            or (num_layers is not None and key.startswith(f"model.layers.{num_layers}.")))
+
+
+def _trunk_classes(config: dict[str, Any]):
+    """mlx-lm's classes for the family, with MTP tensors stripped before its strict load (some
+    families' sanitize keeps them and the load then refuses them). The drafter loads them itself."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    n_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get(
+        "num_hidden_layers")
+
+    class Trunk(model_class):
+        def sanitize(self, weights):
+            weights = {k: v for k, v in weights.items() if not is_mtp_key(k, n_layers)}
+            parent = getattr(super(), "sanitize", None)
+            return parent(weights) if parent else weights
+
+    Trunk.__name__ = model_class.__name__
+    return Trunk, args_class
+
+
 def load_model(path: Path, model_id: str, context_length: int | None = None,
                dtype: str = "bfloat16", runtime: dict[str, Any] | None = None) -> LoadedModel:
-    from mlx_lm import load
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
 
-    model, tokenizer, config = load(str(path), return_config=True)
+    model, config = mlx_load_model(Path(path), get_model_classes=_trunk_classes)
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model.set_dtype(DTYPES[dtype])

