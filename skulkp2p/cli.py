@@ -49,9 +49,10 @@ def cmd_join(args) -> int:
 
     from skulkp2p.engine.loader import open_model
 
+    store = _store(args)
+    store.resolve(args.model)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
-    store = _store(args)
     loaded = open_model(store, args.model)
     log = logging.getLogger("skulkp2p.node")
     log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
@@ -76,9 +77,11 @@ def cmd_join(args) -> int:
 def cmd_pipe(args) -> int:
     from skulkp2p.pipe import run_pipe
 
+    store = _store(args)
+    store.resolve(args.model)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
-    return run_pipe(_store(args), args.model, sys.stdin, sys.stdout)
+    return run_pipe(store, args.model, sys.stdin, sys.stdout)
 
 
 def cmd_models(args) -> int:

@@ -1,0 +1,91 @@
+"""The JSONL pipe as a user runs it: a real subprocess, real stdin/stdout."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def pipe(model, lines, **kw):
+    proc = run_cli("pipe", "--model", str(model), input="".join(l + "\n" for l in lines), **kw)
+    return proc, [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
+    lines = [
+        "this is not json",
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        json.dumps({"id": "b", "prompt": "x", "max_tokens": "four"}),
+        json.dumps({"id": "c", "prompt": "x", "model": "no-such-model"}),
+        json.dumps([1, 2, 3]),
+        json.dumps({"id": "d", "prompt": "x", "temperature": "hot"}),
+        json.dumps({"id": "e", "prompt": "x", "speculation": {"drafter": "oracle"}}),
+        json.dumps({"id": "f", "prompt": "hello", "max_tokens": 3}),
+    ]
+    proc, out = pipe(tiny_models["llama"], lines)
+    assert proc.returncode == 0, proc.stderr
+    assert len(out) == len(lines)
+    assert out[0]["error"]["type"] == "invalid_json" and "id" not in out[0]
+    assert out[1]["id"] == "a" and len(out[1]["tokens"]) == 4 and out[1]["finish_reason"] == "length"
+    assert out[2]["id"] == "b" and out[2]["error"]["param"] == "max_tokens"
+    assert out[3]["id"] == "c" and out[3]["error"]["type"] == "model_not_found"
+    assert "no-such-model" in out[3]["error"]["message"]
+    assert "error" in out[4]
+    assert out[5]["error"]["param"] == "temperature"
+    assert out[6]["error"]["param"] == "speculation"
+    assert out[7]["id"] == "f" and out[7]["usage"]["completion_tokens"] == 3
+
+
+def test_pipe_empty_stdin(tiny_models):
+    proc, out = pipe(tiny_models["llama"], [])
+    assert proc.returncode == 0 and out == []
+
+
+def test_pipe_unknown_model_flag_fails_once():
+    proc = run_cli("pipe", "--model", "no-such-model", input="")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown model 'no-such-model'" in lines[0]
+
+
+def test_pipe_prompt_too_long(tiny_models):
+    prompt = "word " * 3000  # the tiny models take 512 positions
+    proc, out = pipe(tiny_models["qwen3"], [json.dumps({"id": 1, "prompt": prompt})])
+    assert out[0]["id"] == 1 and "prompt is" in out[0]["error"]["message"]
+
+
+@pytest.mark.slow
+def test_smollm2_pipe(smollm2_path, tmp_path):
+    """The real default model: chat and raw prompts, greedy equal to mlx-lm, stops, seeds."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    lines = [
+        json.dumps({"id": "chat", "messages": chat, "max_tokens": 40}),
+        json.dumps({"id": "raw", "prompt": "The three primary colors are", "max_tokens": 30}),
+        json.dumps({"id": "stop", "messages": chat, "max_tokens": 40, "stop": ["Paris"]}),
+        json.dumps({"id": "s1", "messages": chat, "max_tokens": 20, "temperature": 0.8,
+                    "seed": 42}),
+        json.dumps({"id": "s2", "messages": chat, "max_tokens": 20, "temperature": 0.8,
+                    "seed": 42}),
+    ]
+    env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent), "SKULKP2P_DTYPE": "bfloat16"}
+    proc, out = pipe("smollm2-135m", lines, env=env)
+    assert proc.returncode == 0, proc.stderr
+    res = {r["id"]: r for r in out}
+    assert "Paris" in res["chat"]["text"]
+    assert res["stop"]["finish_reason"] == "stop" and "Paris" not in res["stop"]["text"]
+    assert res["chat"]["text"].startswith(res["stop"]["text"])
+    assert res["s1"]["tokens"] == res["s2"]["tokens"]
+
+    model, tok = load(str(smollm2_path))
+    for rid, prompt in (("chat", tok.apply_chat_template(chat, add_generation_prompt=True)),
+                        ("raw", tok.encode("The three primary colors are"))):
+        ref = []
+        for r in stream_generate(model, tok, mx.array(prompt), max_tokens=len(res[rid]["tokens"])):
+            if r.token in tok.eos_token_ids:
+                break
+            ref.append(r.token)
+        assert res[rid]["tokens"] == ref, rid
