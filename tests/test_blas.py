@@ -1,0 +1,214 @@
+"""OpenBLAS preload for mlx on Linux CPU (skulkp2p.engine.blas).
+
+LD_PRELOAD only counts at process start, so the re-exec is tested in child interpreters with a
+controlled environment; each child prints START before ensure_fast_blas() (so a re-exec shows as
+a second START) and a JSON report at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skulkp2p.engine import blas
+
+REPO = Path(__file__).resolve().parents[1]
+LINUX = sys.platform.startswith("linux")
+
+CHILD = r"""
+import json, logging, os, sys
+print("START", flush=True)
+from skulkp2p.engine import blas
+blas.ensure_fast_blas()
+import mlx.core  # noqa: F401  (imported after the decision, as the CLI does)
+report = blas.fast_path_report()
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+log = logging.getLogger("child")
+blas.log_fast_path(report, log)
+blas.log_fast_path(report, log)  # a second call must not log again
+report["threads"] = os.environ.get("OPENBLAS_NUM_THREADS")
+report["ld_library_path"] = os.environ.get("LD_LIBRARY_PATH", "")
+report["argv"] = sys.argv[1:]
+print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SKULKP2P_")
+           and k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                         "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def run_child(env: dict[str, str], args: list[str] | None = None) -> tuple[int, dict, str]:
+    """(how many times the child started, its report, its stderr)."""
+    cmd = [sys.executable, *(args or ["-c", CHILD])]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    report_lines = [ln for ln in lines if ln.startswith("REPORT ")]
+    assert len(report_lines) == 1, out.stdout
+    return lines.count("START"), json.loads(report_lines[0][len("REPORT "):]), out.stderr
+
+
+def fast_path_available() -> None:
+    """Skip only when OpenBLAS genuinely cannot run here (not installed, or wrong CPU)."""
+    if not LINUX:
+        pytest.skip("the OpenBLAS preload is for Linux only")
+    lib = blas.find_openblas()
+    if lib is None:
+        pytest.skip("cmeel-openblas is not installed")
+    env, why = blas._fast_env(lib)
+    if env is None and "SIGILL" in (why or ""):
+        pytest.skip(f"this CPU cannot run the cmeel-openblas build: {why}")
+    assert env is not None, f"libopenblas should be usable here: {why}"
+
+
+def test_reexec_turns_openblas_on() -> None:
+    fast_path_available()
+    starts, report, err = run_child(child_env())
+    assert starts == 2, "exactly one re-exec"
+    assert report["blas"] == "openblas", report
+    assert report["dtype"] == "float32"
+    assert report["reason"] is None
+    assert "libopenblas" in report["library"]
+    assert report["gflops_f32"] >= blas.FAST_GFLOPS_MIN
+    assert report["threads"] == str(blas.default_blas_threads())
+    assert err.count("OpenBLAS active") == 1, err
+    assert "WARNING" not in err
+
+
+def test_reexec_keeps_python_dash_m(tmp_path: Path) -> None:
+    fast_path_available()
+    (tmp_path / "blas_child_mod.py").write_text(CHILD)
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    starts, report, _ = run_child(env, ["-m", "blas_child_mod", "alpha", "--beta"])
+    assert starts == 2
+    assert report["argv"] == ["alpha", "--beta"]
+    assert report["blas"] == "openblas"
+
+
+def test_user_thread_setting_is_kept() -> None:
+    fast_path_available()
+    _, report, _ = run_child(child_env(OPENBLAS_NUM_THREADS="1"))
+    assert report["threads"] == "1"
+    assert report["blas"] == "openblas"
+
+
+def test_bundled_gfortran_fallback(tmp_path: Path) -> None:
+    fast_path_available()
+    if blas._bundled_gfortran() is None:
+        pytest.skip("this mlx wheel vendors no libgfortran")
+    env = child_env(SKULKP2P_BLAS_GFORTRAN="bundled", XDG_CACHE_HOME=str(tmp_path))
+    starts, report, _ = run_child(env)
+    assert starts == 2
+    assert report["blas"] == "openblas", report
+    assert str(tmp_path) in report["ld_library_path"]
+    assert (Path(report["ld_library_path"].split(":")[0]) / "libgfortran.so.5").exists()
+
+
+@pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
+def test_missing_library_falls_back_and_warns_once() -> None:
+    starts, report, err = run_child(child_env(SKULKP2P_BLAS_LIB="/nonexistent/libopenblas.so"))
+    assert starts == 1, "no re-exec without a usable library"
+    assert report["blas"] == "reference"
+    assert report["dtype"] == "bfloat16"
+    assert report["library"] is None
+    assert "/nonexistent/libopenblas.so" in report["reason"]
+    assert err.count("WARNING") == 1, err
+    assert "reference BLAS" in err
+
+
+@pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
+def test_off_keeps_reference() -> None:
+    starts, report, err = run_child(child_env(SKULKP2P_BLAS="off"))
+    assert starts == 1
+    assert report["blas"] == "reference"
+    assert report["dtype"] == "bfloat16"
+    assert "SKULKP2P_BLAS=off" in report["reason"]
+    assert report["disabled_by_user"] is True
+    assert "WARNING" not in err  # asked for: informational only
+    assert err.count("reference BLAS") == 1
+
+
+@pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
+def test_marker_prevents_a_second_exec() -> None:
+    # A process that already went through the re-exec but lost LD_PRELOAD must not exec again.
+    starts, report, err = run_child(child_env(SKULKP2P_BLAS_REEXEC="1"))
+    assert starts == 1
+    assert report["blas"] == "reference"
+    assert "SKULKP2P_BLAS_REEXEC" in report["reason"]
+    assert err.count("WARNING") == 1
+
+
+@pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
+def test_dtype_override() -> None:
+    _, report, err = run_child(child_env(SKULKP2P_BLAS="off", SKULKP2P_DTYPE="float16"))
+    assert report["dtype"] == "float16"
+    assert report["dtype_overridden"] is True
+    assert "float16 (SKULKP2P_DTYPE)" in err
+
+
+def test_bad_dtype_override_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKULKP2P_DTYPE", "float64")
+    with pytest.raises(ValueError, match="SKULKP2P_DTYPE"):
+        blas.fast_path_report()
+
+
+def test_find_openblas_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKULKP2P_BLAS_LIB", "/somewhere/libopenblas.so.0")
+    assert blas.find_openblas() == Path("/somewhere/libopenblas.so.0")
+
+
+@pytest.mark.skipif(not LINUX, reason="cmeel-openblas is a Linux dependency")
+def test_find_openblas_from_the_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SKULKP2P_BLAS_LIB", raising=False)
+    lib = blas.find_openblas()
+    if lib is None:
+        pytest.skip("cmeel-openblas is not installed")
+    assert lib.name.startswith("libopenblas") and lib.is_file()
+    assert "cmeel.prefix" in str(lib)
+
+
+@pytest.mark.skipif(not LINUX or shutil.which("ldd") is None, reason="needs Linux and ldd")
+def test_missing_dependencies_names_what_is_missing(tmp_path: Path) -> None:
+    assert blas.missing_dependencies(tmp_path / "nope.so") == [f"{tmp_path / 'nope.so'}: no such file"]
+    not_a_lib = tmp_path / "libfake.so"
+    not_a_lib.write_text("not an ELF file\n")
+    assert blas.missing_dependencies(not_a_lib)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return
+    # A real library whose NEEDED entry cannot be found, like libopenblas without libgfortran.
+    dep_dir = tmp_path / "dep"
+    dep_dir.mkdir()
+    (dep_dir / "dep.c").write_text("int skulk_dep(void) { return 1; }\n")
+    (tmp_path / "top.c").write_text("int skulk_dep(void);\nint top(void) { return skulk_dep(); }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libskulkdep.so.7", "-o",
+                    str(dep_dir / "libskulkdep.so.7"), str(dep_dir / "dep.c")], check=True)
+    top = tmp_path / "libtop.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(top), str(tmp_path / "top.c"),
+                    str(dep_dir / "libskulkdep.so.7")], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    assert blas.missing_dependencies(top, env) == ["libskulkdep.so.7 not found"]
+    assert blas.missing_dependencies(top, dict(env, LD_LIBRARY_PATH=str(dep_dir))) == []
+    assert blas.probe_library(top, env) is not None  # dlopen fails the same way
+
+
+@pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
+def test_in_process_report_has_every_key() -> None:
+    report = blas.fast_path_report()
+    assert {"blas", "library", "dtype", "gflops_f32", "reason"} <= report.keys()
+    assert report["gflops_f32"] > 0
+    if report["blas"] == "reference":
+        assert report["reason"]
