@@ -31,8 +31,16 @@ class Drafter(Protocol):
         (None for a deterministic drafter, whose q is one-hot on its token)."""
         ...
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """Told after every verify round; gates and depth control listen here."""
+    def begin(self, prompt: list[int], forward: Forward) -> None:
+        """Called once after the prompt (all but its last token) is prefilled; a drafter that
+        reads the trunk's hidden rows finds them in `forward.last_hidden`."""
+        ...
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
+        """Called after every verify round, after the caches were rolled back: `drafted` tokens
+        were proposed, the first `accepted` of them were kept, and `emitted` (accepted drafts
+        plus the verifier's own token) were emitted. `forward.last_hidden` holds the hidden rows
+        of [pending, *draft] from that round's verify. Gates and depth control listen here too."""
         ...
 
 
@@ -107,6 +115,8 @@ def decode(
         raise ValueError("empty prompt")
     stats = stats if stats is not None else DecodeStats()
     forward.prefill(prompt[:-1])
+    if drafter is not None:
+        drafter.begin(prompt, forward)
     pending = prompt[-1]
     history = list(prompt)
     produced = 0
@@ -128,8 +138,8 @@ def decode(
             accepted += 1
         forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
         stats.record(len(draft), accepted)
-        if drafter is not None and draft:
-            drafter.observe(len(draft), accepted)
+        if drafter is not None:
+            drafter.observe(len(draft), accepted, emitted, forward)
         history.extend(emitted)
         pending = emitted[-1]
         for token in emitted:

@@ -40,5 +40,8 @@ class PromptLookup:
                 return list(best), None
         return [], None
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def begin(self, prompt: list[int], forward) -> None:
+        pass
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
         pass
