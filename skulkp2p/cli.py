@@ -143,10 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = common(sub.add_parser("models", help="the local model store: list, pull, path"))
     msub = m.add_subparsers(dest="action", required=True, metavar="ACTION")
-    msub.add_parser("list", help="cards and whether each is pulled")
+    leaf_data_dir = dict(default=argparse.SUPPRESS, help="model cache (as above)")
+    msub.add_parser("list", help="cards and whether each is pulled").add_argument(
+        "--data-dir", **leaf_data_dir)
     for name, text in (("pull", "fetch and convert a model"), ("path", "print its local folder")):
         a = msub.add_parser(name, help=text)
         a.add_argument("id", help="card id or local path")
+        a.add_argument("--data-dir", **leaf_data_dir)
     m.set_defaults(func=cmd_models)
 
     c = sub.add_parser("cards", help="model cards: list, show")

@@ -8,7 +8,7 @@ from tests.conftest import run_cli
 
 
 def pipe(model, lines, **kw):
-    proc = run_cli("pipe", "--model", str(model), input="".join(l + "\n" for l in lines), **kw)
+    proc = run_cli("pipe", "--model", str(model), input="".join(line + "\n" for line in lines), **kw)
     return proc, [json.loads(line) for line in proc.stdout.splitlines()]
 
 

@@ -141,7 +141,7 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         source = Source(kind, path=_get(src_table, "path", str, "source.", file), sha256=sha)
 
     runtime = _get(data, "runtime", dict, "", file, required=False, default={})
-    for key, value in runtime.items():
+    for key in runtime:
         if key in RUNTIME_FIELDS:
             _get(runtime, key, RUNTIME_FIELDS[key], "runtime.", file)
 
