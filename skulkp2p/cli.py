@@ -118,8 +118,18 @@ def cmd_cards(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    print("skulkp2p bench: arrives with the speculative engine (issue 3)", file=sys.stderr)
-    return 2
+    from skulkp2p.bench import BenchError, run_bench
+
+    store = _store(args)
+    store.resolve(args.model)  # a bad --model fails before anything loads
+    if args.draft_model:
+        store.resolve(args.draft_model)
+    _prepare_engine_process()
+    _log_engine_path()
+    try:
+        return run_bench(args, store)
+    except BenchError as e:
+        raise CliError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("id")
     c.set_defaults(func=cmd_cards)
 
-    b = sub.add_parser("bench", help="decode benchmarks (JSON)")
+    from skulkp2p.bench import add_bench_arguments  # stdlib-only module: no mlx before BLAS
+
+    b = common(sub.add_parser("bench", help="decode speed of each arm on named workloads (JSON)"))
+    add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -1,0 +1,122 @@
+"""`python -m skulkp2p bench` on a tiny model, as a user runs it; and its small helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from skulkp2p import bench
+from tests.conftest import run_cli
+
+ARMS = {"plain", "spec", "lookup:2", "mlx_lm"}
+WORKLOADS = {"echo", "qa"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "m")
+
+
+def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+            "--max-tokens", "16", "--runs", "1", "--workloads", "echo,qa", "--arms", "lookup:2",
+            "--widths", "--json", str(out)]
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    if has_mpl:
+        args += ["--plot", str(tmp_path / "speedups.png")]
+    proc = run_cli(*args, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert "| workload | arm |" in proc.stdout  # the table goes to stdout with --json
+
+    for key in ("platform", "cpu", "cores", "python", "mlx", "mlx_lm"):
+        assert key in doc["machine"]
+    assert {"blas", "library", "dtype", "gflops_f32"} <= set(doc["engine"])
+    assert doc["model"]["id"] == "m" and doc["model"]["dtype"] in ("float32", "bfloat16")
+    assert doc["settings"]["max_tokens"] == 16 and doc["settings"]["runs"] == 1
+
+    cells = {(r["arm"], r["workload"]): r for r in doc["results"]}
+    assert set(cells) == {(a, w) for a in ARMS for w in WORKLOADS}
+    for r in doc["results"]:
+        assert r["identical_to_plain"] is True, r
+        assert r["tok_s"] > 0 and r["ttft_s"] > 0 and len(r["runs"]) == 1
+        assert r["tokens_generated"] == 16
+    for wl in WORKLOADS:
+        assert cells[("plain", wl)]["speedup_vs_plain"] == 1.0
+        look = cells[("lookup:2", wl)]
+        assert look["drafted"] > 0 and 0 <= look["accepted"] <= look["drafted"]
+        assert len(look["acceptance_per_position"]) == 2
+    assert {"arm": "mlx_lm_draft", "reason": "no --draft-model given"} in doc["skipped"]
+
+    widths = doc["widths"]
+    assert set(widths["relative"]) == {str(w) for w in range(1, 17)}
+    assert widths["relative"]["1"] == 1.0
+    assert all(v > 0 for v in widths["relative"].values())
+    saved = bench.load_width_costs("m", doc["model"]["dtype"], tmp_path / "data")
+    assert saved is not None and sorted(saved) == list(range(1, 17)) and saved[1] == 1.0
+    if has_mpl:
+        assert (tmp_path / "speedups.png").stat().st_size > 1000
+
+
+def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path), "--max-tokens", "4",
+                   "--runs", "1", "--workloads", "qa", "--no-peers", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [r["arm"] for r in doc["results"]] == ["plain", "spec"]
+    assert {s["arm"] for s in doc["skipped"]} == {"mlx_lm", "mlx_lm_draft"}
+    assert "widths" not in doc
+    assert "| qa | plain |" in proc.stderr
+
+
+@pytest.mark.parametrize("bad", [["--workloads", "nope"], ["--arms", "oracle:2"],
+                                 ["--runs", "0"], ["--dtype", "int8"]])
+def test_bad_option_one_line_exit_2(bad):
+    proc = run_cli("bench", *bad, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0], proc.stderr
+
+
+def test_plot_without_matplotlib_fails_clearly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    with pytest.raises(bench.BenchError, match="--plot needs matplotlib"):
+        bench.require_matplotlib()
+
+
+def test_width_costs_round_trip_and_missing(tmp_path):
+    assert bench.load_width_costs("x", "float32", tmp_path) is None
+    path = bench.save_width_costs("org/x", "float32", tmp_path, {1: 0.1, 2: 0.12, 4: 0.2})
+    assert path.parent == tmp_path / "widths" and "/" not in path.name
+    assert bench.load_width_costs("org/x", "float32", tmp_path) == {1: 1.0, 2: 1.2, 4: 2.0}
+    assert bench.load_width_costs("org/x", "bfloat16", tmp_path) is None
+    path.write_text("{not json")
+    assert bench.load_width_costs("org/x", "float32", tmp_path) is None
+
+
+def test_parse_arm_and_select_arms():
+    assert bench.parse_arm("lookup:4").speculation == {"drafter": "lookup", "depth": 4}
+    assert bench.parse_arm("spec").speculation == "auto"
+    for bad in ("lookup", "lookup:0", "oracle:1", "mtp:x"):
+        with pytest.raises(ValueError):
+            bench.parse_arm(bad)
+    arms, skipped = bench.select_arms([bench.parse_arm("mtp:1"), bench.PLAIN], True, None)
+    assert [a.name for a in arms] == ["plain", "spec", "mtp:1", "mlx_lm"]
+    assert skipped == [{"arm": "mlx_lm_draft", "reason": "no --draft-model given"}]
+    arms, _ = bench.select_arms([], True, "some-draft")
+    assert [a.name for a in arms][-2:] == ["mlx_lm", "mlx_lm_draft"]
+
+
+def test_mlx_lm_acceptance_rebuilt_from_flags():
+    # k=2, max_tokens=7: rounds (drafted, accepted) are (2, 2), (2, 0), (2, 1), and the last
+    # one may draft only min(2, 7 - 6) = 1 token, rejected.
+    flags = [True, True, False, False, True, False, False]
+    drafted, accepted, per_pos = bench._mlx_lm_acceptance(flags, 7, 2)
+    assert (drafted, accepted) == (7, 3)
+    assert per_pos == [round(2 / 4, 4), round(1 / 3, 4)]
