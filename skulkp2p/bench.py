@@ -526,8 +526,11 @@ def markdown_tables(doc: dict[str, Any]) -> str:
             f"{_fmt(r['speedup_vs_plain'], '.2f')} | {_fmt(r['ttft_s'], '.3f')} | "
             f"{_fmt(r['drafted'], 'd')} | {_fmt(r['accepted'], 'd')} | "
             f"{_fmt(r['acceptance'], '.0%')} | {pp} | {'yes' if r['identical_to_plain'] else 'NO'} |")
+    if doc.get("skipped"):
+        lines.append("")
     for sk in doc.get("skipped", []):
-        lines.append(f"\nskipped {sk['arm']}: {sk['reason']}")
+        where = f" on {sk['workload']}" if sk.get("workload") else ""
+        lines.append(f"skipped {sk['arm']}{where}: {sk['reason']}")
     if "widths" in doc:
         w = doc["widths"]
         lines += ["", f"verify width cost ({w['prefill_tokens']}-token prefill, median of "
@@ -603,6 +606,7 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     from skulkp2p.engine.loader import open_model, serving_dtype
 
     engine = blas.fast_path_report()
+    load_before = _loadavg()  # other work on a 2-core node skews timings: record it
     dtype = args.dtype or serving_dtype()
     arms, skipped = select_arms(args.arms, not args.no_peers, args.draft_model)
     loaded = open_model(store, args.model, dtype)
@@ -677,7 +681,7 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
 
     model_id = loaded.id
     doc: dict[str, Any] = {
-        "machine": machine_info(),
+        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": _loadavg()},
         "engine": engine,
         "model": {"id": model_id, "path": str(loaded.path), "dtype": loaded.dtype},
         "settings": {
@@ -721,6 +725,13 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         if own:  # our arms must be exact; a peer's mismatch is recorded, not ours to fail on
             raise BenchError(f"greedy output differs from plain for {', '.join(own)}")
     return 0
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _prompt_len(loaded: LoadedModel, workload: str) -> int:
