@@ -65,3 +65,23 @@ def test_not_toml(tmp_path):
     f = write(tmp_path, "id = = 3")
     with pytest.raises(CardError, match="not valid TOML"):
         load_card(f)
+
+
+@pytest.mark.parametrize("extra,field", [
+    ("[speculation]\nmtp_max_depth = 0\n", "speculation.mtp_max_depth"),
+    ("[speculation]\nmtp_max_depth = \"deep\"\n", "speculation.mtp_max_depth"),
+    ("[speculation]\nwarp = 9\n", "speculation.warp"),
+    ("[speculation]\nspeculative_multi_node = 1\n", "speculation.speculative_multi_node"),
+    ("[speculation.lookup]\nmax_key = \"x\"\n", "speculation.lookup.max_key"),
+])
+def test_bad_speculation_fields(tmp_path, extra, field):
+    f = write(tmp_path, GOOD + extra)
+    with pytest.raises(CardError) as e:
+        load_card(f)
+    assert f"'{field}'" in str(e.value) and str(f) in str(e.value)
+
+
+def test_speculation_table(tmp_path):
+    card = load_card(write(tmp_path, GOOD + "[speculation]\nmtp_max_depth = 3\n"
+                           "[speculation.lookup]\nmax_depth = 6\n"))
+    assert card.speculation == {"mtp_max_depth": 3, "lookup": {"max_depth": 6}}

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter, repetition_score
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.sampling import make_rng
 from skulkp2p.engine.text import TextAssembler
@@ -33,6 +34,10 @@ class LoadedModel:
     context_length: int
     dtype: str
     runtime: dict[str, Any] = field(default_factory=dict)
+    speculation: dict[str, Any] = field(default_factory=dict)  # the card's [speculation]
+    width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
+    mtp: Any = None  # a loaded MTP head, when the model has one
+    draft: LoadedModel | None = None  # a draft model, when the card names one
 
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
@@ -98,14 +103,67 @@ class Chunk:
     tokens: list[int]
 
 
-def _choose_drafter(loaded: LoadedModel, req: GenerationRequest):
+def _lookup(loaded: LoadedModel) -> PromptLookup:
+    cfg = loaded.speculation.get("lookup", {})
+    return PromptLookup(max_key=cfg.get("max_key", 3), min_key=cfg.get("min_key", 1))
+
+
+def _costs(loaded: LoadedModel) -> dict[int, float]:
+    return loaded.width_costs or DEFAULT_WIDTH_COSTS.get(loaded.dtype, DEFAULT_WIDTH_COSTS[
+        "bfloat16"])
+
+
+def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int]):
+    """(drafter or None, depth, which trunk hidden state the forward must keep).
+
+    An explicit drafter runs at the asked depth, ungated: the caller asked for it. "auto" wraps
+    the best available drafter in the gates: MTP head, then draft model, then prompt lookup.
+    """
     spec = req.speculation
-    if spec.mode != "explicit":
-        return None, 0  # "auto" picks drafters once the gates exist; until then it decodes plain
-    if spec.drafter == "lookup":
-        return PromptLookup(), spec.depth or 4
-    raise RequestError(f"drafter {spec.drafter!r} is not available for model {loaded.id}",
-                       "speculation")
+    if spec.mode == "off":
+        return None, 0, None
+    if spec.mode == "explicit":
+        if spec.drafter == "lookup":
+            return _lookup(loaded), spec.depth or 4, None
+        if spec.drafter == "mtp":
+            if loaded.mtp is None:
+                raise RequestError(f"model {loaded.id} has no MTP head (no mtp tensors and no "
+                                   "sidecar)", "speculation")
+            return _mtp_drafter(loaded), spec.depth or loaded.mtp.conventions.max_depth, \
+                loaded.mtp.conventions.hidden
+        if loaded.draft is None:
+            raise RequestError(f"model {loaded.id} has no draft model (card field "
+                               "speculation.draft_model)", "speculation")
+        return _draft_drafter(loaded, req), spec.depth or 3, None
+    costs = _costs(loaded)
+    if loaded.mtp is not None:
+        depth = loaded.mtp.conventions.max_depth
+        return (GatedDrafter(_mtp_drafter(loaded), costs, depth, request_id=req.id), depth,
+                loaded.mtp.conventions.hidden)
+    if loaded.draft is not None:
+        depth = int(loaded.speculation.get("draft_max_depth", 4))
+        return GatedDrafter(_draft_drafter(loaded, req), costs, depth, request_id=req.id), \
+            depth, None
+    cfg = loaded.speculation.get("lookup", {})
+    if not cfg.get("enabled", True):
+        return None, 0, None
+    depth = int(cfg.get("max_depth", 6))
+    # Prompt gate: lookup starts on when the prompt repeats itself (code, quoted text); on novel
+    # prompts it starts off and comes back only if the output turns repetitive.
+    start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.05))
+    return GatedDrafter(_lookup(loaded), costs, depth, start_on=start_on, can_return=True,
+                        request_id=req.id), depth, None
+
+
+def _mtp_drafter(loaded: LoadedModel):
+    from skulkp2p.engine.mtp import MtpDrafter
+    return MtpDrafter(loaded.mtp)
+
+
+def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
+    from skulkp2p.engine.draft_model import DraftModelDrafter
+    return DraftModelDrafter(loaded.draft, req.sampling, make_rng(
+        None if req.sampling.seed is None else req.sampling.seed + 1))
 
 
 def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
@@ -118,12 +176,13 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
                            f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
     default_max = int(loaded.runtime.get("max_tokens", 256))
     max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
-    drafter, depth = _choose_drafter(loaded, req)
+    drafter, depth, hidden = _choose_drafter(loaded, req, prompt)
     rng = make_rng(req.sampling.seed)
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
-    forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)))
+    forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
+                           hidden=hidden)
     generated: list[int] = []
     finish = "length"
     t_first = None
@@ -159,12 +218,16 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
             generated) > 1 else None,
     }
     if drafter is not None:
+        gated = isinstance(drafter, GatedDrafter)
         result["speculation"] = {
-            "drafter": drafter.name, "depth": depth, "rounds": stats.rounds,
+            "drafter": drafter.name, "mode": "auto" if gated else "explicit",
+            "max_depth": depth, "rounds": stats.rounds,
             "drafted": stats.drafted, "accepted": stats.accepted,
             "acceptance": round(stats.accepted / stats.drafted, 4) if stats.drafted else None,
             "acceptance_per_position": [round(a / d, 4) if d else None for a, d in
                                         zip(stats.accepted_at, stats.drafted_at, strict=True)],
+            "gate_fired": bool(gated and drafter.events),
+            "gate_events": drafter.events if gated else [],
         }
 
 

@@ -44,6 +44,7 @@ class Card:
     size_bytes: int
     name: str = ""
     runtime: dict[str, Any] = field(default_factory=dict)
+    speculation: dict[str, Any] = field(default_factory=dict)
     file: Path | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -65,6 +66,7 @@ class Card:
             "context_length": self.context_length,
             "size_bytes": self.size_bytes,
             "runtime": dict(self.runtime),
+            "speculation": dict(self.speculation),
         }
 
 
@@ -107,6 +109,25 @@ RUNTIME_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+# [speculation]: which drafters a model uses and how (see skulkp2p/engine/gates.py).
+SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "mtp_max_depth": int,
+    "mtp_sidecar": str,  # path (relative to the card file or absolute) or an hf repo id
+    "mtp_style": str,  # qwen | deepseek | mimo (detected from tensor names when absent)
+    "mtp_hidden": str,  # after | before the trunk's final norm
+    "mtp_concat": str,  # embed_first | hidden_first
+    "mtp_norm_offset": (int, float),
+    "speculative_multi_node": bool,
+    "draft_model": str,  # card id or path of a smaller model with the same tokenizer
+    "draft_max_depth": int,
+    "lookup": dict,
+}
+LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "enabled": bool, "max_key": int, "min_key": int, "max_depth": int,
+    "min_repetition": (int, float),
+}
+
+
 def parse_card(data: dict[str, Any], file: Path) -> Card:
     card_id = _get(data, "id", str, "", file)
     if not card_id or any(c in card_id for c in "/\\ ") or card_id.startswith("."):
@@ -140,6 +161,19 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
     else:
         source = Source(kind, path=_get(src_table, "path", str, "source.", file), sha256=sha)
 
+    speculation = _get(data, "speculation", dict, "", file, required=False, default={})
+    for key, value in speculation.items():
+        if key not in SPECULATION_FIELDS:
+            raise CardError(f"{file}: unknown field 'speculation.{key}' (known: "
+                            f"{', '.join(sorted(SPECULATION_FIELDS))})")
+        _get(speculation, key, SPECULATION_FIELDS[key], "speculation.", file)
+        if key == "lookup":
+            for lk in value:
+                if lk not in LOOKUP_FIELDS:
+                    raise CardError(f"{file}: unknown field 'speculation.lookup.{lk}'")
+                _get(value, lk, LOOKUP_FIELDS[lk], "speculation.lookup.", file)
+        if key in ("mtp_max_depth", "draft_max_depth") and not 1 <= value <= 16:
+            raise CardError(f"{file}: field 'speculation.{key}' must be 1..16, got {value}")
     runtime = _get(data, "runtime", dict, "", file, required=False, default={})
     for key in runtime:
         if key in RUNTIME_FIELDS:
@@ -157,6 +191,7 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         context_length=_positive(_get(data, "context_length", int, "", file), "context_length", file),
         size_bytes=_positive(_get(data, "size_bytes", int, "", file), "size_bytes", file),
         runtime=dict(runtime),
+        speculation=dict(speculation),
         file=file,
     )
 

@@ -1,0 +1,158 @@
+"""When speculation pays, and how deep: the prompt gate, the runtime gate, the depth controller.
+
+A verify of w tokens costs c(w) times a single-token step (measured per machine and dtype; see
+`bench --widths`). With per-position acceptance a_1..a_k (a_i: chance that draft i is accepted
+given the ones before it were), a round of depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... tokens
+for c(k+1), so the controller picks the k that maximises E(k) / c(k+1), and k = 0 (plain) when no
+depth beats a plain step. The runtime gate turns a drafter off for the rest of a request once the
+measured acceptance says it cannot pay; lookup may come back when the output turns repetitive.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("skulkp2p.spec")
+
+# Cost of a verify of w tokens relative to one, measured on a 2-core x86 CPU for SmolLM2-135M
+# (DESIGN §6 and tools/blas_probe.py). Used until `bench --widths` has measured this machine.
+DEFAULT_WIDTH_COSTS = {
+    "float32": {1: 1.0, 2: 1.15, 3: 1.3, 4: 1.35, 6: 1.5, 8: 1.6, 12: 1.75, 16: 1.9},
+    "bfloat16": {1: 1.0, 2: 1.3, 3: 2.0, 4: 2.1, 6: 3.0, 8: 2.8, 12: 3.9, 16: 4.9},
+}
+
+
+def width_cost(costs: dict[int, float], w: int) -> float:
+    """c(w), linearly interpolated between measured widths, extrapolated past the widest."""
+    if w in costs:
+        return costs[w]
+    ws = sorted(costs)
+    if w > ws[-1]:
+        slope = (costs[ws[-1]] - costs[ws[-2]]) / (ws[-1] - ws[-2]) if len(ws) > 1 else 1.0
+        return costs[ws[-1]] + slope * (w - ws[-1])
+    return float(np.interp(w, ws, [costs[x] for x in ws]))
+
+
+def repetition_score(tokens: list[int], n: int = 3) -> float:
+    """Share of n-grams that already occurred earlier in the sequence."""
+    if len(tokens) <= n:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    total = len(tokens) - n + 1
+    for i in range(total):
+        gram = tuple(tokens[i:i + n])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / total
+
+
+@dataclass
+class DepthController:
+    """Per-position acceptance estimates (Beta prior + counts) and the best depth given costs."""
+    costs: dict[int, float]
+    max_depth: int
+    prior_accept: float = 0.5
+    prior_weight: float = 2.0
+    accepted: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def rates(self) -> list[float]:
+        out = []
+        for i in range(self.max_depth):
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            t = self.tried[i] if i < len(self.tried) else 0.0
+            out.append((a + self.prior_accept * self.prior_weight) / (t + self.prior_weight))
+        return out
+
+    def record(self, drafted: int, accepted: int) -> None:
+        while len(self.tried) < drafted:
+            self.tried.append(0.0)
+            self.accepted.append(0.0)
+        # Position i was tried only if every earlier position was accepted.
+        for i in range(min(drafted, accepted + 1)):
+            self.tried[i] += 1
+            self.accepted[i] += int(i < accepted)
+
+    def best_depth(self, limit: int) -> tuple[int, float]:
+        """(k, expected speed-up over plain) for k in 0..limit."""
+        best_k, best_gain = 0, 1.0
+        expected, reach = 1.0, 1.0
+        for k, a in enumerate(self.rates()[:limit], start=1):
+            reach *= a
+            expected += reach
+            gain = expected / width_cost(self.costs, k + 1)
+            if gain > best_gain:
+                best_k, best_gain = k, gain
+        return best_k, best_gain
+
+
+class GatedDrafter:
+    """Wraps a drafter with the runtime gate and the depth controller.
+
+    The inner drafter always observes every round (an MTP head must keep its cache in step with
+    the trunk even while it is gated off); only its proposals are withheld.
+    """
+
+    def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
+                 start_on: bool = True, can_return: bool = False,
+                 prior_accept: float = 0.5, log_every: int = 64, request_id=None):
+        self.inner = inner
+        self.name = inner.name
+        self.controller = DepthController(costs, max_depth, prior_accept=prior_accept)
+        self.on = start_on
+        self.can_return = can_return
+        self.events: list[dict] = []
+        self.generated = 0
+        self.rounds = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.log_every = log_every
+        self._next_log = log_every
+        self.request_id = request_id
+        self._recent: list[int] = []
+
+    def begin(self, prompt: list[int], forward) -> None:
+        self.inner.begin(prompt, forward)
+
+    def propose(self, history: list[int], k: int):
+        if not self.on:
+            return [], None
+        depth, _ = self.controller.best_depth(k)
+        if depth == 0:
+            # Once the estimate says no depth pays, it cannot change without drafting: the
+            # drafter is off for this request (lookup may come back, see observe).
+            self._switch(False, "acceptance below break-even")
+            return [], None
+        return self.inner.propose(history, depth)
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+        self.inner.observe(drafted, accepted, emitted, forward)
+        self.generated += len(emitted)
+        self._recent = (self._recent + emitted)[-64:]
+        if drafted:
+            self.rounds += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            self.controller.record(drafted, accepted)
+        elif not self.on and self.can_return and repetition_score(self._recent) >= 0.3:
+            # Output turned repetitive: give lookup another chance with a fresh estimate.
+            self.controller.accepted.clear()
+            self.controller.tried.clear()
+            self.rounds = 0
+            self._switch(True, "output turned repetitive")
+        if self.generated >= self._next_log and self.drafted:
+            self._next_log += self.log_every
+            log.info("%s acceptance so far: %d/%d (%.0f%%)%s", self.name, self.accepted,
+                     self.drafted, 100 * self.accepted / self.drafted,
+                     f" [request {self.request_id}]" if self.request_id is not None else "")
+
+    def _switch(self, on: bool, reason: str) -> None:
+        self.on = on
+        self.events.append({"at_token": self.generated, "event": "on" if on else "off",
+                            "reason": reason})
+        log.info("%s drafter %s at token %d: %s", self.name, "on" if on else "off",
+                 self.generated, reason)

@@ -1,0 +1,113 @@
+"""The prompt gate, the runtime gate and the depth controller."""
+
+import json
+
+import pytest
+
+from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.drafters import PromptLookup
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.gates import (
+    DEFAULT_WIDTH_COSTS,
+    DepthController,
+    GatedDrafter,
+    repetition_score,
+    width_cost,
+)
+from skulkp2p.engine.generate import load_model
+from skulkp2p.engine.sampling import SamplingParams, make_rng
+from tests.conftest import run_cli
+
+F32 = DEFAULT_WIDTH_COSTS["float32"]
+
+
+def test_repetition_score():
+    assert repetition_score([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repetition_score([1, 2, 3] * 4) >= 0.7
+
+
+def test_width_cost_interpolates_and_extrapolates():
+    assert width_cost(F32, 1) == 1.0
+    assert F32[4] < width_cost(F32, 5) < F32[6]
+    assert width_cost(F32, 20) > F32[16]
+
+
+def test_depth_controller_follows_acceptance():
+    dc = DepthController(F32, max_depth=8)
+    for _ in range(50):
+        dc.record(drafted=8, accepted=8)
+    k, gain = dc.best_depth(8)
+    assert k == 8 and gain > 3
+    dc = DepthController(F32, max_depth=8)
+    for _ in range(50):
+        dc.record(drafted=4, accepted=0)
+    assert dc.best_depth(8) == (0, 1.0)  # nothing beats a plain step
+    # bf16 costs make wide verifies dear: the same 60% acceptance buys less depth.
+    mid_f32, mid_bf16 = DepthController(F32, 8), DepthController(DEFAULT_WIDTH_COSTS["bfloat16"], 8)
+    for dc in (mid_f32, mid_bf16):
+        for _ in range(40):
+            dc.record(drafted=3, accepted=2)
+            dc.record(drafted=3, accepted=1)
+    assert mid_f32.best_depth(8)[0] >= mid_bf16.best_depth(8)[0]
+
+
+class WrongDrafter:
+    """Always proposes a token the model will not pick (its own plain choice plus one)."""
+    name = "wrong"
+
+    def begin(self, prompt, forward):
+        pass
+
+    def propose(self, history, k):
+        return [(history[-1] * 7 + 1) % 500] * k, None
+
+    def observe(self, drafted, accepted, emitted, forward):
+        pass
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return load_model(tiny_models["llama"], "llama")
+
+
+def test_runtime_gate_turns_off_a_losing_drafter_and_output_stays_exact(llama):
+    prompt = llama.tokenizer.encode("The quick brown fox")
+    plain = list(decode(LocalForward(llama.model), prompt, SamplingParams(), 60, make_rng(0)))
+    gated = GatedDrafter(WrongDrafter(), F32, max_depth=4)
+    stats = DecodeStats()
+    out = list(decode(LocalForward(llama.model), prompt, SamplingParams(), 60, make_rng(0),
+                      gated, 4, stats))
+    assert out == plain
+    assert not gated.on and gated.events[0]["event"] == "off"
+    assert stats.rounds <= 10  # it stopped drafting soon after the evidence came in
+
+
+def test_lookup_stays_on_for_repetitive_output(llama):
+    text = "alpha beta gamma delta " * 12
+    prompt = llama.tokenizer.encode(text)
+    assert repetition_score(prompt) > 0.5
+    gated = GatedDrafter(PromptLookup(), F32, max_depth=6)
+    stats = DecodeStats()
+    list(decode(LocalForward(llama.model), prompt, SamplingParams(), 40, make_rng(0), gated, 6,
+                stats))
+    assert stats.drafted > 0
+
+
+@pytest.mark.slow
+def test_auto_lookup_on_echo_off_on_novel_smollm2(smollm2_path):
+    """The real model: an echo prompt keeps lookup on and accepts many drafts; a novel prompt
+    starts with lookup off (prompt gate) and never pays for a draft."""
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(8))
+    echo = {"id": "echo", "messages": [{"role": "user", "content":
+            "Copy this code exactly, changing nothing:\n```python\n" + code + "```"}],
+            "max_tokens": 80}
+    novel = {"id": "novel", "messages": [{"role": "user", "content":
+             "Write a haiku about the sea."}], "max_tokens": 40}
+    env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent)}
+    proc = run_cli("pipe", input=json.dumps(echo) + "\n" + json.dumps(novel) + "\n", env=env)
+    assert proc.returncode == 0, proc.stderr
+    res = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    e, n = res["echo"]["speculation"], res["novel"]["speculation"]
+    assert e["mode"] == "auto" and e["accepted"] > 20 and not any(
+        ev["event"] == "off" for ev in e["gate_events"])
+    assert n["drafted"] == 0
