@@ -1,0 +1,49 @@
+"""Issue 9: greedy output on the OpenBLAS float32 path equals mlx-lm's own generate on the same
+float32 weights, in one process (so both run on the same BLAS)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = r"""
+import json, sys
+from skulkp2p.engine import blas
+blas.ensure_fast_blas()
+import mlx.core as mx
+from mlx_lm import stream_generate
+from skulkp2p.engine.generate import generate, load_model
+from skulkp2p.engine.request import parse_request
+report = blas.fast_path_report()
+lm = load_model(sys.argv[1], "smollm2-135m", dtype="float32")
+out = {"report": report, "cases": []}
+for messages in ([{"role": "user", "content": "What is the capital of France?"}],
+                 [{"role": "user", "content": "Write a Python function that reverses a string."}]):
+    for spec in ("off", {"drafter": "lookup", "depth": 4}):
+        req = parse_request({"messages": messages, "max_tokens": 48, "speculation": spec})
+        ours = generate(lm, req)["tokens"]
+        prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ref = []
+        for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=48):
+            if r.token in lm.tokenizer.eos_token_ids:
+                break
+            ref.append(r.token)
+        out["cases"].append({"ours": ours, "ref": ref, "spec": str(spec)})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_float32_openblas_greedy_equals_mlx_lm(smollm2_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(smollm2_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["report"]["blas"] == "openblas", out["report"]
+    assert out["report"]["dtype"] == "float32"
+    for case in out["cases"]:
+        assert case["ours"] == case["ref"], case["spec"]
+        assert len(case["ours"]) > 5
