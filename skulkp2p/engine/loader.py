@@ -30,6 +30,14 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None) -> Loaded
     card = resolved.card
     dtype = dtype or serving_dtype()
     log.info("loading %s from %s (%s)", resolved.id, path, dtype)
-    return load_model(path, resolved.id,
-                      context_length=card.context_length if card and card.family else None,
-                      dtype=dtype, runtime=card.runtime if card else None)
+    loaded = load_model(path, resolved.id,
+                        context_length=card.context_length if card and card.family else None,
+                        dtype=dtype, runtime=card.runtime if card else None)
+    if card is not None:
+        loaded.speculation = dict(card.speculation)
+    from skulkp2p.bench import load_width_costs  # written by `bench --widths` on this machine
+    loaded.width_costs = load_width_costs(resolved.id, dtype, store.data_dir)
+    if loaded.width_costs:
+        log.info("verify width costs for %s (%s) measured here: %s", resolved.id, dtype,
+                 ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())[:8]))
+    return loaded
