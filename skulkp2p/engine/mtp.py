@@ -1,0 +1,488 @@
+"""Native MTP head drafter: the checkpoint's own multi-token-prediction head proposes drafts.
+
+The head (DESIGN.md §5) maps the trunk's hidden state h_t at position t and the embedding of the
+next token x_{t+1} to a prediction of x_{t+2}:
+
+    h' = proj(concat(norm_e(embed(x_{t+1})), norm_h(h_t)))     (MiMo: hidden first)
+    y  = decoder_layer(h', own KV cache, position t)
+    logits = lm_head(final_norm(y))                             (the trunk's shared lm_head)
+
+Three checkpoint namings carry such a head; `detect_conventions` recognises them by tensor names:
+
+* qwen (Qwen3-Next / Qwen3.5): `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
+  `mtp.layers.0.*`, `mtp.norm`. Qwen3.5 / Qwen3-Next raw checkpoints store RMSNorm weights
+  zero-centred (the model computes x * (1 + w)): norm_offset 1.0 adds the 1 at load.
+* deepseek (DeepSeek-V3): the extra layer `model.layers.{num_hidden_layers}.` with `enorm`,
+  `hnorm`, `eh_proj`, `shared_head.norm`, optional `shared_head.head`; embedding zeroed at
+  position 0 (as vLLM and SGLang run it).
+* mimo (MiMo): `model.mtp_layers.0.` with `token_layernorm`, `hidden_layernorm`, `input_proj`
+  (hidden FIRST in the concat), `final_layernorm`; embedding zeroed at position 0.
+
+The decoder layer is built from the family's own mlx-lm class (the class of a trunk layer whose
+parameter names match the head's layer tensors), so attention, RoPE and the MLP are the trunk's
+code. The embedding and lm_head are the trunk's (DeepSeek's `shared_head.head` when present).
+
+Pairing. Row t of the head's cache holds (h_t, x_{t+1}) at position t, exactly like the trunk's
+row t holds x_t. A round's draft 1 guesses the token the verifier will emit from the pending
+token x_p; the pair (h_{p-1}, x_p) predicts precisely that, and it is the last pair appended
+(by `begin` from the prompt, or by `observe` from the previous round), so draft 1 costs no
+extra head call: its logits are kept from that append.
+
+Depth > 1 feeds the head its own output with the token it just drafted, at the next position,
+as speculative cache rows that the next `observe` trims. Which output is fed back is
+`MtpConventions.chain`: "after" the head's final norm for qwen and mimo, "before" it for
+deepseek. That is how vLLM's Qwen3-Next / MiMo / DeepSeek MTP modules return their hidden state
+to the proposer (the first two return the final-normed state, DeepSeek's returns the residual
+stream and normalises only inside compute_logits); a card can override it (`mtp_chain`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import re
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from skulkp2p.engine.trunk import Trunk
+
+log = logging.getLogger("skulkp2p.mtp")
+
+STYLES = ("qwen", "deepseek", "mimo")
+# Families whose raw checkpoints store RMSNorm weights zero-centred (x * (1 + w)).
+ZERO_CENTRED_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+# Per style: (concat order, which head output is chained at depth > 1, zero the embedding at
+# position 0). See the module docstring for where these come from.
+_STYLE_DEFAULTS: dict[str, tuple[str, str, bool]] = {
+    "qwen": ("embed_first", "after", False),
+    "deepseek": ("embed_first", "before", True),
+    "mimo": ("hidden_first", "after", True),
+}
+
+# Per style, the head's own modules (relative to the style's tensor prefix); every other tensor
+# under the layer prefix belongs to the decoder layer.
+_PARTS: dict[str, dict[str, str]] = {
+    "qwen": {"proj": "fc", "norm_embed": "pre_fc_norm_embedding",
+             "norm_hidden": "pre_fc_norm_hidden", "final_norm": "norm"},
+    "deepseek": {"proj": "eh_proj", "norm_embed": "enorm", "norm_hidden": "hnorm",
+                 "final_norm": "shared_head.norm", "head": "shared_head.head"},
+    "mimo": {"proj": "input_proj", "norm_embed": "token_layernorm",
+             "norm_hidden": "hidden_layernorm", "final_norm": "final_layernorm"},
+}
+# DeepSeek's MTP layer carries a copy of the shared embedding; the trunk's is used instead.
+_IGNORED = {"deepseek": ("embed_tokens.",)}
+
+
+@dataclass(frozen=True)
+class MtpConventions:
+    """How to run one checkpoint's MTP head. Card fields override the detected values."""
+    style: str  # "qwen" | "deepseek" | "mimo"
+    hidden: str = "after"  # trunk hidden fed to the head: "after" | "before" the final norm
+    concat: str = "embed_first"  # "embed_first" | "hidden_first"
+    norm_offset: float = 0.0  # 1.0 when the checkpoint stores RMSNorm weights zero-centred
+    max_depth: int = 4  # most drafts per round (chained head calls)
+    chain: str = "after"  # head output fed back at depth > 1: "after" | "before" its final norm
+    zero_first_embed: bool = False  # zero the embedding at position 0 (DeepSeek, MiMo)
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"mtp style must be one of {STYLES}, got {self.style!r}")
+        for name, value, allowed in (("hidden", self.hidden, ("after", "before")),
+                                     ("concat", self.concat, ("embed_first", "hidden_first")),
+                                     ("chain", self.chain, ("after", "before"))):
+            if value not in allowed:
+                raise ValueError(f"mtp {name} must be one of {allowed}, got {value!r}")
+        if self.max_depth < 1:
+            raise ValueError(f"mtp max_depth must be at least 1, got {self.max_depth}")
+
+
+# --- finding the tensors ------------------------------------------------------------------
+
+
+def _safetensors_files(source: Path) -> list[Path]:
+    source = Path(source)
+    if source.is_file():
+        return [source]
+    return sorted(source.glob("*.safetensors"))
+
+
+def _header_names(path: Path) -> list[str]:
+    """Tensor names from a safetensors header, without reading any tensor data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__"]
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config") or config
+
+
+def _num_layers(config: dict[str, Any]) -> int | None:
+    n = _text_config(config).get("num_hidden_layers", config.get("num_hidden_layers"))
+    return int(n) if n is not None else None
+
+
+def _locate(names: list[str], config: dict[str, Any]) -> tuple[str, str] | None:
+    """(style, tensor prefix) of the MTP head among `names`, or None when there is none."""
+    for name in names:
+        if name.endswith("mtp.fc.weight"):
+            return "qwen", name[: -len("fc.weight")]
+    deepseek = sorted(int(m.group(1)) for n in names
+                      if (m := re.fullmatch(r"model\.layers\.(\d+)\.enorm\.weight", n)))
+    if deepseek:
+        n_layers = _num_layers(config)
+        index = n_layers if n_layers in deepseek else deepseek[0]
+        return "deepseek", f"model.layers.{index}."
+    if any(n.startswith("model.mtp_layers.0.") for n in names):
+        return "mimo", "model.mtp_layers.0."
+    return None
+
+
+def _family(config: dict[str, Any]) -> str:
+    return str(config.get("model_type") or _text_config(config).get("model_type") or "")
+
+
+def _conventions(style: str, config: dict[str, Any],
+                 overrides: dict[str, Any] | None) -> MtpConventions:
+    concat, chain, zero_first = _STYLE_DEFAULTS[style]
+    family = _family(config)
+    offset = 1.0 if any(family.startswith(f) for f in ZERO_CENTRED_FAMILIES) else 0.0
+    conv = MtpConventions(style=style, concat=concat, norm_offset=offset, chain=chain,
+                          zero_first_embed=zero_first)
+    o = overrides or {}
+    if "mtp_style" in o and o["mtp_style"] != style:
+        # A style named by the card re-derives the style's defaults; explicit fields still win.
+        concat, chain, zero_first = _STYLE_DEFAULTS[o["mtp_style"]]
+        conv = replace(conv, style=o["mtp_style"], concat=concat, chain=chain,
+                       zero_first_embed=zero_first)
+    fields = {"mtp_hidden": ("hidden", str), "mtp_concat": ("concat", str),
+              "mtp_norm_offset": ("norm_offset", float), "mtp_max_depth": ("max_depth", int),
+              "mtp_chain": ("chain", str), "mtp_zero_first_embed": ("zero_first_embed", bool)}
+    changes = {field: cast(o[key]) for key, (field, cast) in fields.items()
+               if o.get(key) is not None}
+    return replace(conv, **changes) if changes else conv
+
+
+def detect_conventions(model_path: Path, config: dict[str, Any],
+                       overrides: dict[str, Any] | None = None) -> MtpConventions | None:
+    """The MTP conventions of the checkpoint at `model_path` (a model folder or one safetensors
+    file such as an `mtp.safetensors` sidecar), or None when it has no MTP tensors.
+
+    The style comes from tensor names, norm_offset from the family (qwen3_5 / qwen3_next store
+    zero-centred norms); `overrides` holds card fields: mtp_style, mtp_hidden, mtp_concat,
+    mtp_norm_offset, mtp_max_depth (and mtp_chain, mtp_zero_first_embed).
+    """
+    names = [n for f in _safetensors_files(model_path) for n in _header_names(f)]
+    found = _locate(names, config)
+    if found is None:
+        return None
+    return _conventions(found[0], config, overrides)
+
+
+# --- building the head --------------------------------------------------------------------
+
+
+@dataclass
+class MtpOutput:
+    logits: mx.array  # [rows, V]: the last row only unless all rows were asked for
+    pre_norm: mx.array  # [L, H] decoder layer output, before the head's final norm
+    post_norm: mx.array  # [L, H] after it
+
+    def chain(self, which: str) -> mx.array:
+        return self.post_norm if which == "after" else self.pre_norm
+
+
+class MtpHead(nn.Module):
+    """The MTP head's own modules; embedding and (shared) lm_head stay the trunk's."""
+
+    def __init__(self, trunk: Trunk, layer: nn.Module, hidden_size: int, eps: float,
+                 conventions: MtpConventions, own_head_vocab: int | None = None):
+        super().__init__()
+        self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.norm_embed = nn.RMSNorm(hidden_size, eps=eps)
+        self.norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
+        self.layer = layer
+        self.final_norm = nn.RMSNorm(hidden_size, eps=eps)
+        if own_head_vocab is not None:
+            self.head = nn.Linear(hidden_size, own_head_vocab, bias=False)
+        # Plain attributes (not child modules): the trunk's weights are not the head's parameters.
+        self._trunk = trunk
+        self._conventions = conventions
+
+    @property
+    def conventions(self) -> MtpConventions:
+        return self._conventions
+
+    @property
+    def trunk(self) -> Trunk:
+        return self._trunk
+
+    def make_cache(self) -> KVCache:
+        return KVCache()
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: KVCache,
+                 all_logits: bool = False) -> MtpOutput:
+        """Run rows (hidden[i], tokens[i]) at positions cache.offset + i, appending them to
+        `cache`. `hidden` is [L, H] trunk (or chained head) states, `tokens` [L] the next tokens.
+        Logits come for the last row only unless `all_logits` (the lm_head is the big matmul)."""
+        conv = self._conventions
+        embed = self._trunk.embed_tokens(tokens[None])
+        if conv.zero_first_embed and cache.offset == 0:
+            mask = (mx.arange(embed.shape[1]) > 0)[None, :, None]
+            embed = mx.where(mask, embed, mx.zeros_like(embed))
+        e = self.norm_embed(embed)
+        h = self.norm_hidden(hidden[None].astype(e.dtype))
+        x = self.proj(mx.concatenate([e, h] if conv.concat == "embed_first" else [h, e], -1))
+        pre = self.layer(x, create_attention_mask(x, cache), cache)
+        post = self.final_norm(pre)
+        rows = post if all_logits else post[:, -1:]
+        logits = self.head(rows) if "head" in self else self._trunk.head(rows)
+        return MtpOutput(logits[0], pre[0], post[0])
+
+
+def _read_tensors(files: list[Path], prefix: str) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for f in files:
+        if not any(n.startswith(prefix) for n in _header_names(f)):
+            continue
+        # mx.load maps the file lazily; only the arrays kept here are ever read.
+        out.update({k: v for k, v in mx.load(str(f)).items() if k.startswith(prefix)})
+    return out
+
+
+def _stack_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Raw per-expert MoE tensors -> mlx-lm's stacked `switch_mlp` layout (the trunk's sanitize
+    does this for the trunk's layers only). Handles per-expert `experts.{e}.{proj}.weight`
+    (with quantised scales/biases) and the fused `experts.gate_up_proj` / `experts.down_proj`."""
+    out = dict(tensors)
+    per_expert = re.compile(
+        r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
+    groups: dict[tuple[str, str, str], dict[int, str]] = {}
+    for k in tensors:
+        if m := per_expert.fullmatch(k):
+            groups.setdefault((m.group(1), m.group(3), m.group(4)), {})[int(m.group(2))] = k
+    for (base, proj, kind), keys in groups.items():
+        out[f"{base}.switch_mlp.{proj}.{kind}"] = mx.stack(
+            [out.pop(keys[e]) for e in sorted(keys)])
+    for k in [k for k in out if k.endswith(".experts.gate_up_proj")]:
+        base = k[: -len(".experts.gate_up_proj")]
+        gate_up = out.pop(k)
+        mid = gate_up.shape[-2] // 2
+        out[f"{base}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[f"{base}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[f"{base}.switch_mlp.down_proj.weight"] = out.pop(f"{base}.experts.down_proj")
+    return out
+
+
+def _is_norm(name: str, value: mx.array) -> bool:
+    parts = name.split(".")
+    return value.ndim == 1 and parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2]
+
+
+def _names(module: nn.Module) -> set[str]:
+    # Quantisation adds scales/biases; compare layers by their float tensor names.
+    return {k for k, _ in tree_flatten(module.parameters())
+            if not k.endswith((".scales", ".biases"))}
+
+
+def _build_layer(trunk: Trunk, layer_tensors: dict[str, mx.array]) -> nn.Module:
+    """A fresh decoder layer of the family's own mlx-lm class, shaped like the head's tensors.
+
+    The class and constructor arguments are those of a trunk layer with the same parameter
+    names (for qwen3_5 a full-attention DecoderLayer, not a gated-delta one)."""
+    args = trunk.text.args
+    layers = list(getattr(trunk.body, "layers", None) or trunk.text.layers)
+    wanted = {k for k in layer_tensors if not k.endswith((".scales", ".biases"))}
+
+    def make(cls: type, index: int) -> nn.Module:
+        params = inspect.signature(cls.__init__).parameters
+        return cls(args, layer_idx=index) if "layer_idx" in params else cls(args)
+
+    for i, layer in enumerate(layers):
+        if _names(layer) == wanted and _names(built := make(type(layer), i)) == wanted:
+            return built
+    # DeepSeek numbers its MTP layer after the trunk's: that index picks the right MLP kind.
+    if _names(built := make(type(layers[-1]), len(layers))) == wanted:
+        return built
+    missing = sorted(_names(built) - wanted)[:5]
+    extra = sorted(wanted - _names(built))[:5]
+    raise ValueError(f"MTP decoder layer matches no {type(layers[-1]).__name__} of the trunk "
+                     f"(missing {missing}, unexpected {extra})")
+
+
+def _quantization(config: dict[str, Any]) -> tuple[int, int, str] | None:
+    q = config.get("quantization")
+    if not q:
+        return None
+    return int(q.get("group_size", 64)), int(q.get("bits", 4)), str(q.get("mode", "affine"))
+
+
+def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
+                  overrides: dict[str, Any] | None = None,
+                  sidecar: Path | None = None) -> MtpHead | None:
+    """The MTP head of the checkpoint at `model_path` (or of the `sidecar` safetensors file, a
+    separate mtp.safetensors holding only the head's tensors), attached to the loaded trunk
+    `model`; None when there are no MTP tensors. `config` is the model's config.json, `overrides`
+    the card's mtp_* fields."""
+    files = _safetensors_files(Path(sidecar) if sidecar is not None else Path(model_path))
+    names = [n for f in files for n in _header_names(f)]
+    found = _locate(names, config)
+    if found is None:
+        return None
+    style, prefix = found
+    conv = _conventions(style, config, overrides)
+    tensors = _read_tensors(files, prefix)
+    parts = _PARTS[style]
+    layer_prefix = prefix + "layers.0." if style == "qwen" else prefix
+    ignored = tuple(prefix + p for p in _IGNORED.get(style, ()))
+    if style == "qwen" and any(n.startswith(prefix + "layers.1.") for n in tensors):
+        log.warning("MTP head has more than one layer; only layer 0 is used")
+
+    trunk = Trunk(model)
+    weights: dict[str, mx.array] = {}
+    layer_tensors: dict[str, mx.array] = {}
+    for name, value in tensors.items():
+        if name.startswith(ignored):
+            continue
+        part = next((p for p, raw in parts.items() if name.startswith(prefix + raw + ".")), None)
+        if part is not None:
+            weights[part + name[len(prefix + parts[part]):]] = value
+        elif name.startswith(layer_prefix):
+            layer_tensors[name[len(layer_prefix):]] = value
+    layer_tensors = _stack_experts(layer_tensors)
+    weights.update({"layer." + k: v for k, v in layer_tensors.items()})
+    if conv.norm_offset:
+        # Zero-centred checkpoints: x * (1 + w), for every RMSNorm of the head (norm_embed,
+        # norm_hidden, final_norm, the layer's layernorms and q/k norms). Added in float32, as
+        # the reference kernels compute it.
+        weights = {k: (v.astype(mx.float32) + conv.norm_offset if _is_norm(k, v) else v)
+                   for k, v in weights.items()}
+
+    args = trunk.text.args
+    hidden_size = int(args.hidden_size)
+    eps = float(getattr(args, "rms_norm_eps", None) or _text_config(config).get("rms_norm_eps")
+                or 1e-6)
+    own_head = weights.get("head.weight")  # DeepSeek's shared_head.head, when the file has it
+    vocab = int(own_head.shape[0]) if own_head is not None else None
+    head = MtpHead(trunk, _build_layer(trunk, layer_tensors), hidden_size, eps, conv, vocab)
+    quant = _quantization(config)
+    prequantized = any(k.endswith(".scales") for k in weights)
+    if prequantized:
+        # Quantised head tensors: quantise exactly the modules that carry scales, then load.
+        group_size, bits, mode = quant or (64, 4, "affine")
+        nn.quantize(head, group_size, bits, mode=mode,
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    head.load_weights(list(weights.items()), strict=True)
+    # The engine may run the trunk in float32 over bf16 weights: compute the head alike.
+    head.set_dtype(trunk.body.norm.weight.dtype)
+    if quant and not prequantized:
+        # Float head beside a quantised trunk: quantise on load to match it (DESIGN.md §5).
+        group_size, bits, mode = quant
+        nn.quantize(head, group_size, bits, mode=mode,
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear)
+                    and m.weight.shape[-1] % group_size == 0)
+    mx.eval(head.parameters())
+    return head
+
+
+# --- the drafter --------------------------------------------------------------------------
+
+
+class MtpDrafter:
+    """Greedy (argmax) drafts from the MTP head, following the Drafter protocol of decode.py.
+
+    Deterministic: propose returns q = None, so the decode loop treats q as one-hot and sampled
+    decoding stays exact. Needs a forward that keeps the trunk's hidden rows:
+    LocalForward(model, hidden=conventions.hidden)."""
+
+    name = "mtp"
+
+    def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
+                 prefill_step: int = 2048):
+        self.head = head
+        # The head computes with its own conventions; these cap the depth and check the forward.
+        self.conventions = conventions or head.conventions
+        self.prefill_step = prefill_step
+        self.cache: KVCache = head.make_cache()
+        self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
+        self._speculative = 0  # rows propose appended past the verified ones
+        self.drafted_at: list[int] = []
+        self.accepted_at: list[int] = []
+
+    def _check_forward(self, forward: Any) -> None:
+        kind = getattr(forward, "hidden", self.conventions.hidden)
+        if kind != self.conventions.hidden:
+            raise ValueError(f"MTP head wants the trunk hidden {self.conventions.hidden!r} its "
+                             f"final norm; the forward keeps {kind!r}")
+
+    def _append(self, hidden: mx.array, tokens: list[int]) -> None:
+        out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self.cache)
+        self._next = (out.logits[-1], out.chain(self.head.conventions.chain)[-1])
+
+    def begin(self, prompt: list[int], forward: Any) -> None:
+        """Fill the head's cache over the prompt: pair (h_i, x_{i+1}) at position i for
+        i = 0..n-2 (the prefill covered prompt[:-1]). The last pair, (h_{n-2}, x_{n-1}),
+        predicts what the verifier emits from the pending x_{n-1}: round 1's draft 1."""
+        self._check_forward(forward)
+        self.cache = self.head.make_cache()
+        self._next = None
+        self._speculative = 0
+        n = len(prompt) - 1
+        if n == 0:
+            return  # nothing prefilled: the first round goes without a draft
+        hidden = forward.last_hidden
+        if hidden is None or hidden.shape[0] != n:
+            got = None if hidden is None else hidden.shape[0]
+            raise ValueError(f"MTP drafter needs the {n} prefill hidden rows, got {got}; build "
+                             f"the forward with hidden={self.conventions.hidden!r}")
+        for start in range(0, n, self.prefill_step):
+            stop = min(start + self.prefill_step, n)
+            self._append(hidden[start:stop], prompt[start + 1:stop + 1])
+            mx.eval(self.cache.keys, self.cache.values, *self._next)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        k = min(k, self.conventions.max_depth)
+        if k <= 0 or self._next is None:
+            return [], None
+        logits, chained = self._next
+        drafts = [int(mx.argmax(logits).item())]
+        chain = self.head.conventions.chain
+        while len(drafts) < k:
+            # Speculative row (own output, own draft) at the next position; observe trims it.
+            out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32), self.cache)
+            self._speculative += 1
+            chained = out.chain(chain)[-1]
+            drafts.append(int(mx.argmax(out.logits[-1]).item()))
+        return drafts, None
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
+        """Trim the speculative rows, then append the verified pairs: row j of the verify
+        ([pending, d1..]) is h at the pending position + j, paired with emitted[j]."""
+        if self._speculative:
+            self.cache.trim(self._speculative)
+            self._speculative = 0
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+        hidden = forward.last_hidden
+        keep = 1 + accepted
+        if hidden is None or hidden.shape[0] < keep or len(emitted) != keep:
+            raise ValueError(f"MTP drafter: {keep} verified rows expected, got hidden "
+                             f"{None if hidden is None else hidden.shape[0]} and "
+                             f"{len(emitted)} emitted tokens")
+        self._append(hidden[:keep], emitted)
