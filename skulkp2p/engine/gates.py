@@ -57,6 +57,7 @@ class DepthController:
     max_depth: int
     prior_accept: float = 0.5
     prior_weight: float = 2.0
+    draft_cost: float = 0.0  # cost of drafting one token, relative to one trunk step
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
@@ -84,7 +85,7 @@ class DepthController:
         for k, a in enumerate(self.rates()[:limit], start=1):
             reach *= a
             expected += reach
-            gain = expected / width_cost(self.costs, k + 1)
+            gain = expected / (width_cost(self.costs, k + 1) + self.draft_cost * k)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k, best_gain
@@ -93,16 +94,17 @@ class DepthController:
 class GatedDrafter:
     """Wraps a drafter with the runtime gate and the depth controller.
 
-    The inner drafter always observes every round (an MTP head must keep its cache in step with
-    the trunk even while it is gated off); only its proposals are withheld.
+    The inner drafter observes every round while it may still draft (an MTP head must keep its
+    cache in step with the trunk); a drafter gated off for good is no longer run at all.
     """
 
     def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
-                 start_on: bool = True, can_return: bool = False,
+                 start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
                  prior_accept: float = 0.5, log_every: int = 64, request_id=None):
         self.inner = inner
         self.name = inner.name
-        self.controller = DepthController(costs, max_depth, prior_accept=prior_accept)
+        self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
+                                          draft_cost=draft_cost)
         self.on = start_on
         self.can_return = can_return
         self.events: list[dict] = []
@@ -130,7 +132,8 @@ class GatedDrafter:
         return self.inner.propose(history, depth)
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
-        self.inner.observe(drafted, accepted, emitted, forward)
+        if self.on or self.can_return:  # a drafter that is off for good stops costing anything
+            self.inner.observe(drafted, accepted, emitted, forward)
         self.generated += len(emitted)
         self._recent = (self._recent + emitted)[-64:]
         if drafted:

@@ -67,7 +67,11 @@ def _trunk_classes(config: dict[str, Any]):
 
 
 def load_model(path: Path, model_id: str, context_length: int | None = None,
-               dtype: str = "bfloat16", runtime: dict[str, Any] | None = None) -> LoadedModel:
+               dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
+               speculation: dict[str, Any] | None = None,
+               sidecar: Path | None = None) -> LoadedModel:
+    """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
+    its MTP head beside it when the checkpoint or a sidecar has one."""
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
@@ -77,8 +81,19 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
-    ctx = context_length or config.get("max_position_embeddings") or 4096
-    return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype, dict(runtime or {}))
+    ctx = context_length or config.get("max_position_embeddings") or config.get(
+        "text_config", {}).get("max_position_embeddings") or 4096
+    speculation = dict(speculation or {})
+    from skulkp2p.engine.mtp import load_mtp_head
+    overrides = {k: v for k, v in speculation.items()
+                 if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
+    head = load_mtp_head(Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    if head is not None:
+        log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
+                 model_id, head.conventions.style, head.conventions.hidden,
+                 head.conventions.max_depth)
+    return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
+                       dict(runtime or {}), speculation, mtp=head)
 
 
 def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
@@ -138,12 +153,15 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     costs = _costs(loaded)
     if loaded.mtp is not None:
         depth = loaded.mtp.conventions.max_depth
-        return (GatedDrafter(_mtp_drafter(loaded), costs, depth, request_id=req.id), depth,
+        prior = float(loaded.speculation.get("mtp_prior_acceptance", 0.5))
+        return (GatedDrafter(_mtp_drafter(loaded), costs, depth, request_id=req.id,
+                             draft_cost=_relative_cost(loaded.mtp, loaded), prior_accept=prior),
+                depth,
                 loaded.mtp.conventions.hidden)
     if loaded.draft is not None:
         depth = int(loaded.speculation.get("draft_max_depth", 4))
-        return GatedDrafter(_draft_drafter(loaded, req), costs, depth, request_id=req.id), \
-            depth, None
+        return GatedDrafter(_draft_drafter(loaded, req), costs, depth, request_id=req.id,
+                            draft_cost=_relative_cost(loaded.draft.model, loaded)), depth, None
     cfg = loaded.speculation.get("lookup", {})
     if not cfg.get("enabled", True):
         return None, 0, None
@@ -153,6 +171,27 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.05))
     return GatedDrafter(_lookup(loaded), costs, depth, start_on=start_on, can_return=True,
                         request_id=req.id), depth, None
+
+
+def _param_count(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
+    """A drafter's per-token cost relative to a trunk step, from weights read per token (decode
+    on these machines is bound by reading weights). An MTP head shares the trunk's lm_head,
+    which it reads once per draft too."""
+    key = id(drafter_module)
+    cache = loaded.runtime.setdefault("_draft_costs", {})
+    if key not in cache:
+        from skulkp2p.engine.trunk import Trunk
+        trunk = Trunk(loaded.model)
+        own = _param_count(drafter_module)
+        if drafter_module is loaded.mtp and trunk.tied:
+            own += trunk.embed_tokens.weight.size  # the shared head is read again per draft
+        cache[key] = own / max(_param_count(loaded.model), 1)
+    return cache[key]
 
 
 def _mtp_drafter(loaded: LoadedModel):

@@ -117,6 +117,7 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mtp_hidden": str,  # after | before the trunk's final norm
     "mtp_concat": str,  # embed_first | hidden_first
     "mtp_norm_offset": (int, float),
+    "mtp_prior_acceptance": (int, float),  # held-out depth-1 acceptance: the gate's starting belief
     "speculative_multi_node": bool,
     "draft_model": str,  # card id or path of a smaller model with the same tokenizer
     "draft_max_depth": int,
