@@ -507,6 +507,10 @@ def machine_info() -> dict[str, Any]:
             "mlx_lm": version("mlx-lm")}
 
 
+def _yes_no(x: bool | None) -> str:
+    return "—" if x is None else ("yes" if x else "NO")
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
@@ -525,7 +529,7 @@ def markdown_tables(doc: dict[str, Any]) -> str:
             f"| {r['workload']} | {r['arm']} | {_fmt(r['tok_s'], '.2f')} | "
             f"{_fmt(r['speedup_vs_plain'], '.2f')} | {_fmt(r['ttft_s'], '.3f')} | "
             f"{_fmt(r['drafted'], 'd')} | {_fmt(r['accepted'], 'd')} | "
-            f"{_fmt(r['acceptance'], '.0%')} | {pp} | {'yes' if r['identical_to_plain'] else 'NO'} |")
+            f"{_fmt(r['acceptance'], '.0%')} | {pp} | {_yes_no(r['identical_to_plain'])} |")
     if doc.get("skipped"):
         lines.append("")
     for sk in doc.get("skipped", []):
@@ -649,7 +653,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     plain_tok_s: dict[str, float | None] = {}
     for wl in args.workloads:
         plain_runs = cells[(wl, "plain")].runs
-        reference = plain_runs[0].tokens
+        # None when plain could not run this workload (e.g. the prompt exceeds the context)
+        reference = plain_runs[0].tokens if plain_runs else None
         for arm in arms:
             cell = cells[(wl, arm.name)]
             if cell.skip:
@@ -661,8 +666,9 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                 plain_tok_s[wl] = med
             base = plain_tok_s.get(wl)
             first = cell.runs[0]
-            identical = all(x.tokens == reference for x in cell.runs)
-            if not identical:
+            identical = None if reference is None else all(x.tokens == reference
+                                                           for x in cell.runs)
+            if identical is False:
                 mismatched.append(f"{arm.name}/{wl}")
             results.append({
                 "arm": arm.name, "workload": wl, "peer": arm.peer,
@@ -693,7 +699,7 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
             "prompt_tokens": {wl: _prompt_len(loaded, wl) for wl in args.workloads},
             "plain_text": {wl: cells[(wl, "plain")].runs[0].text[:400]
-                           for wl in args.workloads},
+                           for wl in args.workloads if cells[(wl, "plain")].runs},
         },
         "results": results,
         "skipped": skipped,
