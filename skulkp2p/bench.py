@@ -239,7 +239,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "DRAFTER:DEPTH (lookup:4, mtp:1, draft:3)")
     p.add_argument("--no-peers", action="store_true", help="skip the mlx-lm peer arms")
     p.add_argument("--draft-model", metavar="ID|PATH",
-                   help="draft model for mlx-lm's speculative generate (peer mlx_lm_draft)")
+                   help="draft model for mlx-lm's speculative generate (peer mlx_lm_draft) and, "
+                        "unless the card names one, for the engine's draft:k arms and spec")
     p.add_argument("--draft-tokens", type=_positive, default=MLX_LM_DRAFT_TOKENS,
                    help=f"mlx-lm's num_draft_tokens (default {MLX_LM_DRAFT_TOKENS})")
     p.add_argument("--json", metavar="PATH", dest="json_out",
@@ -614,8 +615,7 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     dtype = args.dtype or serving_dtype()
     arms, skipped = select_arms(args.arms, not args.no_peers, args.draft_model)
     loaded = open_model(store, args.model, dtype)
-    draft = open_model(store, args.draft_model, dtype) if args.draft_model and any(
-        a.kind == "mlx_lm_draft" for a in arms) else None
+    draft = _open_draft(store, args.draft_model, loaded) if args.draft_model else None
 
     # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
     # cannot run on this model at all.
@@ -697,6 +697,9 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             "greedy": True, "chat_template": True,
             "workloads": list(args.workloads), "arms": [a.name for a in arms],
             "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
+            "engine_draft_model": getattr(getattr(loaded, "draft", None), "id", None),
+            # what the engine's depth controller read from <data-dir>/widths (spec arm)
+            "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
             "prompt_tokens": {wl: _prompt_len(loaded, wl) for wl in args.workloads},
             "plain_text": {wl: cells[(wl, "plain")].runs[0].text[:400]
                            for wl in args.workloads if cells[(wl, "plain")].runs},
@@ -731,6 +734,33 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         if own:  # our arms must be exact; a peer's mismatch is recorded, not ours to fail on
             raise BenchError(f"greedy output differs from plain for {', '.join(own)}")
     return 0
+
+
+def _open_draft(store: ModelStore, spec: str, loaded: LoadedModel) -> LoadedModel:
+    """Load --draft-model in the target's dtype. It drafts for mlx-lm's speculative peer and,
+    unless the card already names one, becomes the engine's draft model too (draft:k arms and
+    spec), as a card's speculation.draft_model would."""
+    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.request import RequestError
+
+    draft = open_model(store, spec, loaded.dtype)
+    if hasattr(loaded, "draft") and loaded.draft is None:
+        try:
+            from skulkp2p.engine.draft_model import check_compatible
+            from skulkp2p.engine.trunk import Trunk
+
+            vocab = [int(Trunk(m.model).embed_tokens.weight.shape[0]) for m in (loaded, draft)]
+            check_compatible(loaded.tokenizer, draft.tokenizer, *vocab, draft_id=draft.id)
+        except RequestError as e:
+            raise BenchError(str(e)) from None
+        except ImportError:  # an engine without draft-model support: the peer still runs
+            return draft
+        loaded.draft = draft
+    return draft
+
+
+def _str_keys(d: dict[int, float] | None) -> dict[str, float] | None:
+    return None if d is None else {str(k): v for k, v in sorted(d.items())}
 
 
 def _loadavg() -> list[float] | None:

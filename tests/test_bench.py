@@ -11,7 +11,7 @@ import pytest
 from skulkp2p import bench
 from tests.conftest import run_cli
 
-ARMS = {"plain", "spec", "lookup:2", "mlx_lm", "mlx_lm_draft"}
+ARMS = {"plain", "spec", "lookup:2", "draft:2", "mlx_lm", "mlx_lm_draft"}
 WORKLOADS = {"echo", "qa"}
 
 
@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
     out = tmp_path / "out.json"
     args = ["bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
-            "--max-tokens", "16", "--runs", "1", "--workloads", "echo,qa", "--arms", "lookup:2",
+            "--max-tokens", "16", "--runs", "1", "--workloads", "echo,qa", "--arms", "lookup:2,draft:2",
             "--widths", "--json", str(out),
             "--draft-model", str(tiny)]  # the model as its own draft: every draft is accepted
     has_mpl = importlib.util.find_spec("matplotlib") is not None
@@ -53,8 +53,11 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
         look = cells[("lookup:2", wl)]
         assert look["drafted"] > 0 and 0 <= look["accepted"] <= look["drafted"]
         assert len(look["acceptance_per_position"]) == 2
-        peer = cells[("mlx_lm_draft", wl)]
-        assert peer["peer"] and peer["drafted"] > 0 and peer["accepted"] == peer["drafted"]
+        for arm in ("draft:2", "mlx_lm_draft"):  # same model drafting: every draft accepted
+            cell = cells[(arm, wl)]
+            assert cell["drafted"] > 0 and cell["accepted"] == cell["drafted"], cell
+        assert cells[("mlx_lm_draft", wl)]["peer"] and not cells[("draft:2", wl)]["peer"]
+    assert doc["settings"]["engine_draft_model"] == "m"
 
     widths = doc["widths"]
     assert set(widths["relative"]) == {str(w) for w in range(1, 17)}
