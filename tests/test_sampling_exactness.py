@@ -1,0 +1,538 @@
+"""Sampling exactness of speculative decoding, tested statistically.
+
+Speculative sampling must emit tokens distributed exactly as plain sampling does (Leviathan et
+al. 2023): accept draft x with min(1, p(x)/q(x)), on rejection draw from norm(max(0, p - q)).
+A skewed drafter is the hard case, so every test here uses one.
+
+* Unit level: `verify_one` on a fixed target row, with a deterministic draft (q one-hot on a
+  token of modest p) and a stochastic draft whose q is far from p (reversed preferences, half
+  its mass outside p's support). The emitted tokens must follow p = target_probs(row) under
+  temperature 0.8 + top-p 0.9 + top-k 20, under min-p, and on a row with a repetition penalty
+  applied first. N = 20,000 draws each, chi-square goodness of fit.
+* End to end through `decode()`: a tiny llama target with fixed skewed drafts at depth 3 (and a
+  draft model sampling from a different distribution at depth 2), with top-k 30 and with a
+  repetition penalty; the pairs of first two emitted tokens of speculative decoding against
+  those of plain decoding (`decode()` without a drafter) over thousands of seeds, two-sample
+  chi-square; the first token also against the exact target distribution. A synthetic bigram
+  target with strong self-transitions checks that the repetition penalty of a verify row
+  includes the earlier drafts of the same round (and compares the third token too).
+
+False-alarm rate: every statistical assertion rejects at alpha = 1e-3 (p-values from an exact
+chi-square tail, below), and the passing tests make 17 of them, so a correct implementation fails
+with probability at most about 1.7% over the choice of seeds (checked: on 2,000 simulated null
+replications the binned tests rejected 0.75-0.85% at alpha = 0.01). All seeds are fixed, so given the code the
+outcome is deterministic: a change that only reorders random draws can flip a test with that
+small probability, a real bias flips it for sure.
+
+Power: the tests must not pass vacuously, so the same tests are run on deliberately wrong
+verifiers (always accept the draft; resample from p instead of the residual on rejection; a
+penalty window that forgets the round's earlier drafts) and must reject them. With 20,000 draws
+the unit test detects moving 2 points of probability between two tokens of p ~ 0.1
+(noncentrality ~160 against critical values of 45-73) essentially always; the wrong rules
+above are rejected end to end with p-values below 1e-15 from a few hundred samples.
+
+Bins: a goodness-of-fit bin per outcome expected at least 5 times, the rest lumped; a two-sample
+bin per outcome seen at least 5 * total / min(n_a, n_b) times in the pooled sample (so every
+expected cell count is >= 5), the rest lumped. Bins are chosen from pooled counts only, which
+keeps the two-sample test valid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from skulkp2p.engine import decode as decode_module
+from skulkp2p.engine.decode import decode, verify_one
+from skulkp2p.engine.draft_model import DraftModelDrafter
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.generate import LoadedModel, load_model
+from skulkp2p.engine.sampling import (
+    SamplingParams,
+    make_rng,
+    process_logits,
+    sample_from,
+    target_probs,
+)
+
+ALPHA = 1e-3
+
+# --- statistics -----------------------------------------------------------------------------
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square(df): the regularised upper incomplete gamma Q(df/2, x/2)
+    (series below a + 1, Lentz continued fraction above; Numerical Recipes 6.2)."""
+    a, z = df / 2.0, x / 2.0
+    if z <= 0.0:
+        return 1.0
+    log_front = -z + a * math.log(z) - math.lgamma(a)
+    if z < a + 1.0:
+        term = total = 1.0 / a
+        n = a
+        for _ in range(10_000):
+            n += 1.0
+            term *= z / n
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b = z + 1.0 - a
+    c = 1.0 / tiny
+    d = 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def _merge_small(obs: list[np.ndarray], exp: list[np.ndarray], rest_obs: np.ndarray,
+                 rest_exp: np.ndarray, enough: Callable[[np.ndarray], bool]) -> None:
+    """Append the lumped remainder as a bin, or fold it into the smallest bin when too small."""
+    if not rest_exp.any():
+        return
+    if enough(rest_exp) or not exp:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+        return
+    i = min(range(len(exp)), key=lambda j: float(np.sum(exp[j])))
+    obs[i] = obs[i] + rest_obs
+    exp[i] = exp[i] + rest_exp
+
+
+def goodness_of_fit(samples: Iterable[int], p: np.ndarray) -> float:
+    """p-value of samples ~ p. A sample of a zero-probability token fails outright."""
+    counts = np.bincount(np.fromiter(samples, dtype=np.int64), minlength=len(p)).astype(float)
+    impossible = np.nonzero((p == 0) & (counts > 0))[0]
+    assert not len(impossible), f"tokens of zero probability were emitted: {impossible.tolist()}"
+    expected = counts.sum() * p
+    big = expected >= 5.0
+    obs = [counts[i:i + 1] for i in np.nonzero(big)[0]]
+    exp = [expected[i:i + 1] for i in np.nonzero(big)[0]]
+    _merge_small(obs, exp, np.array([counts[~big].sum()]), np.array([expected[~big].sum()]),
+                 lambda e: float(e.sum()) >= 5.0)
+    o, e = np.concatenate(obs), np.concatenate(exp)
+    return chi2_sf(float(((o - e) ** 2 / e).sum()), len(o) - 1)
+
+
+def two_sample(a: Iterable[Hashable], b: Iterable[Hashable]) -> float:
+    """p-value of 'a and b come from the same distribution' (chi-square on a 2 x bins table)."""
+    ca, cb = Counter(a), Counter(b)
+    na, nb = sum(ca.values()), sum(cb.values())
+    total = na + nb
+    floor = 5.0 * total / min(na, nb)  # pooled count that gives every cell an expectation >= 5
+    keys = sorted(set(ca) | set(cb), key=repr)
+    pooled = {k: ca[k] + cb[k] for k in keys}
+    big = [k for k in keys if pooled[k] >= floor]
+    small = [k for k in keys if pooled[k] < floor]
+    obs = [np.array([ca[k], cb[k]], dtype=float) for k in big]
+    exp = [np.array([na, nb]) * pooled[k] / total for k in big]
+    rest = np.array([sum(ca[k] for k in small), sum(cb[k] for k in small)], dtype=float)
+    _merge_small(obs, exp, rest, np.array([na, nb]) * rest.sum() / total,
+                 lambda e: float(e.min()) >= 5.0)
+    if len(obs) < 2:
+        return 1.0
+    o, e = np.stack(obs), np.stack(exp)
+    return chi2_sf(float(((o - e) ** 2 / e).sum()), len(o) - 1)
+
+
+@pytest.mark.parametrize("df,quantile", [(1, 10.828), (2, 13.816), (5, 20.515), (10, 29.588),
+                                         (30, 59.703), (100, 149.449)])
+def test_chi2_tail_matches_tables(df, quantile):
+    # 0.999 quantiles of chi-square from standard tables.
+    assert chi2_sf(quantile, df) == pytest.approx(1e-3, rel=2e-3)
+    assert chi2_sf(df - 1.0, df) > 0.3 and chi2_sf(0.0, df) == 1.0
+
+
+def test_tests_hold_their_level_on_exact_samples():
+    """Sanity of the binning: direct draws from p pass; the tests are not biased against it."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(40, 0.3))
+    draws = rng.choice(40, size=20_000, p=p)
+    assert goodness_of_fit(draws, p) > ALPHA
+    assert two_sample(draws[:10_000].tolist(), draws[10_000:].tolist()) > ALPHA
+
+
+# --- unit level: verify_one -----------------------------------------------------------------
+
+Verifier = Callable[..., tuple[int, bool]]
+
+UNIT_CASES = {
+    "temp0.8-topp0.9-topk20": (SamplingParams(temperature=0.8, top_p=0.9, top_k=20), []),
+    "minp0.1": (SamplingParams(temperature=1.0, min_p=0.1), []),
+    # History holding the row's strongest tokens, so the penalty reshapes p substantially.
+    "penalty1.5-topk40": (SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.5),
+                          "top"),
+}
+N_UNIT = 20_000
+
+
+def _unit_row(case: str) -> tuple[mx.array, SamplingParams, np.ndarray]:
+    """A fixed bf16 logits row (as a model emits them) processed as the loop does; and p."""
+    params, history = UNIT_CASES[case]
+    raw = np.random.default_rng(1234).normal(0.0, 2.0, 512).astype(np.float32)
+    row = mx.array(raw)[None].astype(mx.bfloat16)
+    if history == "top":
+        order = np.argsort(-raw)
+        history = [int(t) for t in order[[0, 2, 4, 5, 9]]] + [7, 8, 9]
+    row = process_logits(row, history, params)
+    return row, params, target_probs(row, params)
+
+
+def _skewed_q(p: np.ndarray) -> np.ndarray:
+    """Far from p: half its mass on ten tokens p excludes, half on p's support with reversed
+    preferences (the rarest token of p gets the most)."""
+    q = np.zeros_like(p)
+    support = np.nonzero(p)[0]
+    q[support] = 1.0 / p[support]
+    q *= 0.5 / q.sum()
+    outside = np.nonzero(p == 0)[0][:10]
+    q[outside] = 0.05
+    return q
+
+
+def _emitted(case: str, draft_kind: str, n: int, verifier: Verifier = verify_one,
+             seed: int = 0) -> tuple[list[int], np.ndarray]:
+    row, params, p = _unit_row(case)
+    rng, draft_rng = make_rng(seed), make_rng(seed + 1)
+    out = []
+    if draft_kind == "one-hot":
+        # A deterministic drafter on the token whose p is closest to 0.1.
+        draft = int(np.argmin(np.abs(p - 0.1)))
+        assert 0.03 < p[draft] < 0.3
+        for _ in range(n):
+            out.append(verifier(row, draft, None, params, rng)[0])
+    else:
+        q = _skewed_q(p)
+        for _ in range(n):
+            draft = sample_from(q, draft_rng)
+            out.append(verifier(row, draft, q, params, rng)[0])
+    return out, p
+
+
+@pytest.mark.parametrize("draft_kind", ["one-hot", "skewed-q"])
+@pytest.mark.parametrize("case", list(UNIT_CASES))
+def test_verify_one_emits_p(case, draft_kind):
+    emitted, p = _emitted(case, draft_kind, N_UNIT)
+    assert goodness_of_fit(emitted, p) > ALPHA
+
+
+def _always_accept(row, draft, q, params, rng):
+    return draft, True
+
+
+def _resample_from_p(row, draft, q, params, rng):
+    """The classic mistake: on rejection draw from p itself instead of the residual."""
+    p = target_probs(row, params)
+    q_draft = 1.0 if q is None else q[draft]
+    if rng.random() * q_draft < p[draft]:
+        return draft, True
+    return sample_from(p, rng), False
+
+
+@pytest.mark.parametrize("draft_kind", ["one-hot", "skewed-q"])
+@pytest.mark.parametrize("wrong", [_always_accept, _resample_from_p],
+                         ids=["always-accept", "resample-from-p"])
+def test_unit_test_rejects_wrong_rules(draft_kind, wrong):
+    emitted, p = _emitted("temp0.8-topp0.9-topk20", draft_kind, N_UNIT // 4, verifier=wrong)
+    if wrong is _always_accept and draft_kind == "skewed-q":
+        # Half the drafts are tokens p excludes: the zero-probability check catches it outright.
+        with pytest.raises(AssertionError, match="zero probability"):
+            goodness_of_fit(emitted, p)
+        return
+    assert goodness_of_fit(emitted, p) < ALPHA
+
+
+# --- end to end through decode() -------------------------------------------------------------
+
+# Random weights give near-uniform rows; scaling lm_head gives the peaked rows of a trained model,
+# where drafts are often accepted and multi-token acceptances actually occur.
+SHARPEN = 3.0
+N_E2E = 2000
+DEPTH = 3
+
+
+class PrefilledForward(LocalForward):
+    """LocalForward that prefills a prompt it has seen before from a copy of its KV cache, so
+    thousands of short decodes do not each recompute it. Plain KV caches only."""
+
+    # (id of the model, prompt) -> (the model, kept so its id is never reused; per-layer K, V, n)
+    _saved: dict[tuple[int, tuple[int, ...]], tuple[object, list]] = {}
+
+    def prefill(self, tokens: list[int]) -> None:
+        key = (id(self.model), tuple(tokens))
+        entry = self._saved.get(key)
+        if entry is None:
+            super().prefill(tokens)
+            # Exact-size copies: the next update reallocates instead of writing into them.
+            saved = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset)
+                     for c in self.cache]
+            mx.eval([s[:2] for s in saved])
+            self._saved[key] = (self.model, saved)
+            return
+        for c, (k, v, n) in zip(self.cache, entry[1], strict=True):
+            c.keys, c.values, c.offset = k, v, n
+
+
+class FixedDrafter:
+    """Proposes the same tokens whatever the history: a maximally skewed deterministic drafter."""
+
+    name = "fixed"
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def begin(self, prompt, forward) -> None:
+        pass
+
+    def propose(self, history, k):
+        return list(self.tokens[:k]), None
+
+    def observe(self, drafted, accepted, emitted, forward) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tiny_models) -> LoadedModel:
+    lm = load_model(tiny_models["llama"], "llama-sharp")
+    w = lm.model.lm_head.weight
+    lm.model.lm_head.weight = (w.astype(mx.float32) * SHARPEN).astype(w.dtype)
+    mx.eval(lm.model.parameters())
+    return lm
+
+
+def _probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
+    """The exact distribution plain decoding draws the token after `history` from."""
+    f = LocalForward(model)
+    f.prefill(history[:-1])
+    return target_probs(process_logits(f([history[-1]]), history, params), params)
+
+
+def _skewed_sequence(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Drafts [likely, likely, unlikely]: the first two are accepted often enough for chains to
+    happen, the third is the least likely token the target still allows."""
+    a = int(np.argmax(_probs_after(model, prompt, params)))
+    b = int(np.argmax(_probs_after(model, prompt + [a], params)))
+    p3 = _probs_after(model, prompt + [a, b], params)
+    c = int(np.argmin(np.where(p3 > 0, p3, np.inf)))
+    return [a, b, c]
+
+
+def _first_tokens(forward_factory: Callable[[], object], prompt: list[int],
+                  params: SamplingParams, n: int, seed0: int,
+                  drafter_factory: Callable[[int], object] | None = None, depth: int = 0,
+                  take: int = 3) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(n):
+        drafter = drafter_factory(i) if drafter_factory is not None else None
+        # max_tokens leaves room for a full-depth first round; only `take` tokens are read.
+        steps = decode(forward_factory(), prompt, params, take + depth + 1, make_rng(seed0 + i),
+                       drafter, depth)
+        out.append(tuple(itertools.islice(steps, take)))
+        steps.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_samples(sharp_llama):
+    """Plain sampled decoding, memoised per (prompt, params): shared by several tests."""
+    cache: dict = {}
+
+    def get(prompt: list[int], params: SamplingParams) -> list[tuple[int, ...]]:
+        key = (tuple(prompt), params)
+        if key not in cache:
+            cache[key] = _first_tokens(lambda: PrefilledForward(sharp_llama.model), prompt,
+                                       params, N_E2E, seed0=0, take=2)
+        return cache[key]
+
+    return get
+
+
+TOPK = SamplingParams(temperature=1.0, top_k=30)
+PENALTY = SamplingParams(temperature=1.0, top_k=30, repetition_penalty=1.3)
+
+
+def _prompt(lm: LoadedModel, params: SamplingParams) -> list[int]:
+    base = lm.tokenizer.encode("The morning train")
+    if params.repetition_penalty is None:
+        return base
+    # Extend with the model's own greedy continuation, so that the tokens it likes next are in
+    # the penalty window and the penalty reshapes p (by ~0.19 in total variation here).
+    greedy = decode(LocalForward(lm.model), base, SamplingParams(), 10, make_rng(0))
+    return base + list(greedy)
+
+
+def _spec_samples(lm: LoadedModel, prompt: list[int], params: SamplingParams,
+                  drafter_factory: Callable[[int], object], depth: int,
+                  n: int = N_E2E) -> list[tuple[int, ...]]:
+    return _first_tokens(lambda: PrefilledForward(lm.model), prompt, params, n,
+                         seed0=1_000_000, drafter_factory=drafter_factory, depth=depth, take=2)
+
+
+def _check_against_plain(spec: list[tuple[int, ...]], plain: list[tuple[int, ...]],
+                         p1: np.ndarray) -> None:
+    assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA
+    assert two_sample([s[:2] for s in spec], [s[:2] for s in plain]) > ALPHA
+    if len(spec[0]) > 2:  # the third token's marginal, where samples are cheap
+        assert two_sample([s[2] for s in spec], [s[2] for s in plain]) > ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [TOPK, PENALTY], ids=["topk30", "topk30-penalty1.3"])
+def test_fixed_skewed_drafts_match_plain(sharp_llama, plain_samples, params):
+    lm = sharp_llama
+    prompt = _prompt(lm, params)
+    drafts = _skewed_sequence(lm.model, prompt, params)
+    spec = _spec_samples(lm, prompt, params, lambda i: FixedDrafter(drafts), DEPTH)
+    # The drafts were accepted in some samples and rejected in others, at both positions.
+    first_two = Counter(s[:2] for s in spec)
+    assert 0.1 * N_E2E < sum(v for k, v in first_two.items() if k[0] == drafts[0]) < 0.9 * N_E2E
+    assert first_two[tuple(drafts[:2])] > 0.02 * N_E2E
+    _check_against_plain(spec, plain_samples(prompt, params), _probs_after(lm.model, prompt,
+                                                                           params))
+
+
+@pytest.mark.slow
+def test_draft_model_with_skewed_q_matches_plain(sharp_llama, plain_samples):
+    """A stochastic drafter whose q (temperature 1.6, top-k 60) is far from p (temperature 1,
+    top-k 30): half of q's support lies where p is zero."""
+    lm = sharp_llama
+    prompt = _prompt(lm, TOPK)
+    q_params = SamplingParams(temperature=1.6, top_k=60)
+
+    def drafter(i: int) -> DraftModelDrafter:
+        d = DraftModelDrafter(lm, q_params, make_rng(2_000_000 + i))
+        d.forward = PrefilledForward(lm.model)  # same computation, prefill reused
+        return d
+
+    spec = _spec_samples(lm, prompt, TOPK, drafter, 2, n=N_E2E * 3 // 4)  # + 2 draft calls each
+    _check_against_plain(spec, plain_samples(prompt, TOPK), _probs_after(lm.model, prompt, TOPK))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong", [_always_accept, _resample_from_p],
+                         ids=["always-accept", "resample-from-p"])
+def test_end_to_end_test_rejects_wrong_rules(sharp_llama, plain_samples, monkeypatch, wrong):
+    lm = sharp_llama
+    prompt = _prompt(lm, TOPK)
+    drafts = _skewed_sequence(lm.model, prompt, TOPK)
+    monkeypatch.setattr(decode_module, "verify_one", wrong)
+    spec = _spec_samples(lm, prompt, TOPK, lambda i: FixedDrafter(drafts), DEPTH, n=N_E2E // 3)
+    assert two_sample([s[:2] for s in spec], [s[:2] for s in plain_samples(prompt, TOPK)]) < ALPHA
+
+
+# --- the penalty window inside a verify round --------------------------------------------------
+
+
+BIGRAM_V = 64
+N_BIGRAM = 6000
+
+
+class BigramForward:
+    """A synthetic target whose next-token logits depend on the last token only, with strong
+    self-transitions: a token just emitted is likely again unless the penalty holds it back. So
+    the row after an accepted draft x differs sharply depending on whether x is in the window.
+    `round_base` is the history length when the current verify round began."""
+
+    last_hidden = None
+
+    def __init__(self, table: mx.array, prompt_len: int):
+        self.table = table
+        self.length = prompt_len - 1  # tokens whose rows have been computed
+        self.round_base = prompt_len
+
+    def prefill(self, tokens: list[int]) -> None:
+        self.length = len(tokens)
+
+    def __call__(self, tokens: list[int]) -> mx.array:
+        self.round_base = self.length + 1  # history already holds the pending token
+        self.length += len(tokens)
+        return self.table[mx.array(tokens)]
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        self.length -= dropped
+
+
+BIGRAM_PROMPT = [10, 11, 12, 13, 14]
+BIGRAM_X = 40  # the prompt's likely successor, itself likely to repeat
+
+
+def _bigram_table() -> mx.array:
+    rng = np.random.default_rng(77)
+    table = rng.normal(0.0, 1.0, (BIGRAM_V, BIGRAM_V)) + 4.5 * np.eye(BIGRAM_V)
+    # p(x | prompt) ~ 0.6; p(x | ..., x) ~ 0.6 with x outside the window, ~ 0.35 inside it.
+    table[BIGRAM_PROMPT[-1], BIGRAM_X] = 5.5
+    return mx.array(table.astype(np.float32))
+
+
+def _bigram_samples(params: SamplingParams, n: int, seed0: int, drafts: list[int] | None,
+                    forgetful: bool = False) -> list[tuple[int, ...]]:
+    table = _bigram_table()
+    forwards: list[BigramForward] = []
+
+    def factory() -> BigramForward:
+        forwards.append(BigramForward(table, len(BIGRAM_PROMPT)))
+        return forwards[-1]
+
+    if not forgetful:
+        return _first_tokens(factory, BIGRAM_PROMPT, params, n, seed0,
+                             (lambda i: FixedDrafter(drafts)) if drafts else None, DEPTH)
+    # The bug this guards against: rows of a verify round penalised with the history from
+    # before the round, i.e. without the drafts accepted earlier in the same round.
+    real = decode_module.process_logits
+
+    def forgetful_process(row, history, params_):
+        return real(row, history[:forwards[-1].round_base], params_)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_module, "process_logits", forgetful_process)
+        return _first_tokens(factory, BIGRAM_PROMPT, params, n, seed0,
+                             lambda i: FixedDrafter(drafts), DEPTH)
+
+
+def _bigram_p1(params: SamplingParams) -> np.ndarray:
+    row = _bigram_table()[BIGRAM_PROMPT[-1]][None]
+    return target_probs(process_logits(row, BIGRAM_PROMPT, params), params)
+
+
+BIGRAM_PARAMS = SamplingParams(temperature=1.0, top_k=30, repetition_penalty=1.3)
+
+
+@pytest.fixture(scope="module")
+def bigram_plain() -> list[tuple[int, ...]]:
+    return _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 0, None)
+
+
+def _bigram_drafts() -> list[int]:
+    # Accepting x puts it in the window of the next row, which must then hold x back.
+    return [BIGRAM_X] * DEPTH
+
+
+def test_penalty_window_includes_the_rounds_drafts(bigram_plain):
+    drafts = _bigram_drafts()
+    spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts)
+    assert sum(s[:2] == tuple(drafts[:2]) for s in spec) > 0.1 * N_BIGRAM  # chains happen
+    _check_against_plain(spec, bigram_plain, _bigram_p1(BIGRAM_PARAMS))
+
+
+def test_penalty_test_rejects_a_forgetful_window(bigram_plain):
+    drafts = _bigram_drafts()
+    spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts, forgetful=True)
+    assert two_sample([s[:2] for s in spec], [s[:2] for s in bigram_plain]) < ALPHA
