@@ -13,12 +13,18 @@ from typing import Any
 import mlx.core as mx
 
 
-def _trimmable(entry: Any) -> bool:
-    return hasattr(entry, "is_trimmable") and entry.is_trimmable()
+def _trimmable(entry: Any, incoming: int = 0) -> bool:
+    """Whether `incoming` more tokens can be appended and later trimmed off again. A rotating
+    (sliding-window) cache trims only while nothing has wrapped: if the append would wrap it, the
+    evicted entries could not come back on a trim, so it needs a snapshot instead."""
+    if not (hasattr(entry, "is_trimmable") and entry.is_trimmable()):
+        return False
+    max_size = getattr(entry, "max_size", None)
+    return max_size is None or entry.offset + incoming < max_size
 
 
-def needs_snapshot(cache: list[Any]) -> bool:
-    return not all(_trimmable(c) for c in cache)
+def needs_snapshot(cache: list[Any], incoming: int) -> bool:
+    return not all(_trimmable(c, incoming) for c in cache)
 
 
 def trim(cache: list[Any], n: int) -> None:
@@ -44,7 +50,7 @@ class Snapshot:
 def snapshot(cache: list[Any], tokens: list[int]) -> Snapshot:
     entries: list[tuple[str, Any]] = []
     for entry in cache:
-        if _trimmable(entry):
+        if _trimmable(entry, len(tokens)):
             entries.append(("offset", entry.size()))
         else:
             meta = getattr(entry, "meta_state", None)

@@ -68,7 +68,7 @@ class LocalForward:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
 
     def __call__(self, tokens: list[int]) -> mx.array:
-        if len(tokens) > 1 and caches.needs_snapshot(self.cache):
+        if len(tokens) > 1 and caches.needs_snapshot(self.cache, len(tokens)):
             self._snapshot = caches.snapshot(self.cache, tokens)
         else:
             self._snapshot = None
