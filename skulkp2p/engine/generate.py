@@ -200,9 +200,11 @@ def _mtp_drafter(loaded: LoadedModel):
 
 
 def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
-    from skulkp2p.engine.draft_model import DraftModelDrafter
+    from skulkp2p.engine.draft_model import DraftModelDrafter, vocab_size
+    # Tokenizers were checked once when the draft model loaded (loader.open_model).
     return DraftModelDrafter(loaded.draft, req.sampling, make_rng(
-        None if req.sampling.seed is None else req.sampling.seed + 1))
+        None if req.sampling.seed is None else req.sampling.seed + 1),
+        target_vocab=vocab_size(loaded.model))
 
 
 def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
