@@ -22,6 +22,8 @@ def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
         json.dumps({"id": "d", "prompt": "x", "temperature": "hot"}),
         json.dumps({"id": "e", "prompt": "x", "speculation": {"drafter": "oracle"}}),
         json.dumps({"id": "f", "prompt": "hello", "max_tokens": 3}),
+        json.dumps({"id": "g", "prompt": "x", "speculation": {"drafter": "mtp", "depth": 2}}),
+        json.dumps({"id": "h", "prompt": "x", "speculation": {"drafter": "draft"}}),
     ]
     proc, out = pipe(tiny_models["llama"], lines)
     assert proc.returncode == 0, proc.stderr
@@ -35,6 +37,9 @@ def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
     assert out[5]["error"]["param"] == "temperature"
     assert out[6]["error"]["param"] == "speculation"
     assert out[7]["id"] == "f" and out[7]["usage"]["completion_tokens"] == 3
+    assert out[8]["error"]["param"] == "speculation" and "no MTP head" in out[8]["error"]["message"]
+    assert out[9]["error"]["param"] == "speculation" and "no draft model" in out[9]["error"][
+        "message"]
 
 
 def test_pipe_empty_stdin(tiny_models):
