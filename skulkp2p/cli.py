@@ -44,33 +44,68 @@ def _log_engine_path() -> None:
 
 
 def cmd_join(args) -> int:
+    """Serve the HTTP API at once (health 503 while loading), load the model on its worker
+    thread, serve until SIGINT/SIGTERM, exit 0."""
     import asyncio
+    import os
     import signal
 
-    from skulkp2p.engine.loader import open_model
-
     store = _store(args)
-    store.resolve(args.model)  # a bad --model fails before anything loads
+    resolved = store.resolve(args.model)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
-    loaded = open_model(store, args.model)
-    log = logging.getLogger("skulkp2p.node")
-    log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
-             loaded.id, loaded.dtype, len(loaded.model.layers))
+    from skulkp2p.api.app import serve
+    from skulkp2p.api.server import ServerConfig
+    from skulkp2p.api.worker import ModelWorker
 
-    async def run_until_signalled() -> None:
+    log = logging.getLogger("skulkp2p.node")
+    config = ServerConfig(max_body_bytes=args.max_body_bytes,
+                          header_timeout=args.http_header_timeout,
+                          idle_timeout=args.http_idle_timeout)
+
+    def on_listening(host: str, port: int) -> None:
+        log.info("http: OpenAI/Anthropic API on http://%s:%d/v1 (health: http://%s:%d/health)",
+                 host, port, host, port)
+
+    def load_model():
+        # On the model's worker thread: even importing mlx-lm takes seconds, and the API is
+        # already answering (503 on /health) meanwhile.
+        from skulkp2p.engine.loader import open_model
+        return open_model(store, args.model)
+
+    def on_ready(loaded) -> None:
+        log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
+                 loaded.id, loaded.dtype, len(loaded.model.layers))
+
+    async def run() -> tuple[bool, BaseException | None]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        try:
+            worker = ModelWorker(resolved.id, load_model, max_queue=args.max_queue)
+            return await serve(worker, args.http_host, args.http_port, stop,
+                               aliases=(args.model,), keepalive_s=args.sse_keepalive,
+                               config=config, on_listening=on_listening, on_ready=on_ready)
+        except OSError as e:
+            raise CliError(f"cannot serve HTTP on {args.http_host}:{args.http_port}: "
+                           f"{e.strerror or e}") from None
 
     try:
         import uvloop
-        uvloop.run(run_until_signalled())
+        runner = uvloop.run
     except ImportError:
-        asyncio.run(run_until_signalled())
+        runner = asyncio.run
+    clean, load_error = runner(run())
+    if load_error is not None:
+        raise CliError(f"model {resolved.id} failed to load: {type(load_error).__name__}: "
+                       f"{load_error}")
     log.info("stopped")
+    if not clean:
+        # The worker is inside one long MLX call (a model load or a prefill chunk) that cannot
+        # be interrupted; leave without waiting for it rather than hang the shutdown.
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 
@@ -145,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     j = common(sub.add_parser("join", help="start an agent on this node and serve a model"))
     j.add_argument("--model", default=DEFAULT_MODEL, help=f"card id or path (default {DEFAULT_MODEL})")
+    j.add_argument("--http-host", default="127.0.0.1",
+                   help="address the HTTP API binds to (default 127.0.0.1)")
+    j.add_argument("--http-port", type=int, default=52415, help="HTTP API port (default 52415)")
+    j.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for the model; one more gets 429 (default 16)")
+    j.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body; larger gets 413 (default 8 MiB)")
+    j.add_argument("--http-header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request head; then 408 (default 10)")
+    j.add_argument("--http-idle-timeout", type=float, default=30.0,
+                   help="seconds an idle keep-alive connection stays open (default 30)")
+    j.add_argument("--sse-keepalive", type=float, default=10.0,
+                   help="seconds of silence in a stream before a keep-alive comment (default 10)")
     j.set_defaults(func=cmd_join)
 
     pp = common(sub.add_parser("pipe", help="JSONL requests on stdin, JSONL results on stdout"))

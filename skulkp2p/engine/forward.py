@@ -8,6 +8,7 @@ the rows of its last call in `last_hidden` (prefill included).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import mlx.core as mx
@@ -29,7 +30,8 @@ class Forward(Protocol):
 class LocalForward:
     """All layers here. `__call__` returns logits [w, V] for w tokens appended to the cache."""
 
-    def __init__(self, model: nn.Module, prefill_step: int = 2048, hidden: str | None = None):
+    def __init__(self, model: nn.Module, prefill_step: int = 2048, hidden: str | None = None,
+                 interrupt: Callable[[], None] | None = None):
         if hidden not in (None, "after", "before"):
             raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
         self.model = model
@@ -39,6 +41,7 @@ class LocalForward:
         self.prefill_step = prefill_step
         self.last_hidden: mx.array | None = None
         self._snapshot: caches.Snapshot | None = None
+        self.interrupt = interrupt  # raises to abandon a long prefill between chunks
 
     def _run(self, tokens: list[int], logits: bool) -> mx.array | None:
         inputs = mx.array(tokens)[None]
@@ -60,6 +63,8 @@ class LocalForward:
         # Same chunking as mlx-lm's generate_step, so the cache holds bit-identical keys/values.
         rows = []
         for start in range(0, len(tokens), self.prefill_step):
+            if self.interrupt is not None:
+                self.interrupt()
             self._run(tokens[start:start + self.prefill_step], logits=False)
             if self.last_hidden is not None:
                 rows.append(self.last_hidden)

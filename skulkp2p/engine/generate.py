@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,9 +207,12 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
         target_vocab=vocab_size(loaded.model))
 
 
-def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
-           ) -> Iterator[Chunk]:
-    """Yield chunks as tokens are decoded; fill `result` with finish_reason, usage and stats."""
+def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
+           interrupt: Callable[[], None] | None = None) -> Iterator[Chunk]:
+    """Yield chunks as tokens are decoded; fill `result` with finish_reason, usage and stats.
+
+    `interrupt` is called between prefill chunks and between decoded tokens; it raises (any
+    exception, which propagates) to abandon the request, e.g. when an HTTP client went away."""
     t0 = time.perf_counter()
     prompt = prompt_tokens(loaded, req)
     if len(prompt) >= loaded.context_length:
@@ -223,13 +226,15 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any]
     eos = set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
     forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
-                           hidden=hidden)
+                           hidden=hidden, interrupt=interrupt)
     generated: list[int] = []
     finish = "length"
     t_first = None
     steps = decode(forward, prompt, req.sampling, max_tokens, rng, drafter, depth, stats)
     try:
         for token in steps:
+            if interrupt is not None:
+                interrupt()
             if t_first is None:
                 t_first = time.perf_counter()
             if token in eos:

@@ -1,0 +1,63 @@
+"""The one error shape of the HTTP API: `{"error": {"message", "type", "param", "code"}}` with a
+real status code (OpenAI's shape; the Anthropic route adds its top-level `"type": "error"`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from skulkp2p.engine.request import RequestError
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    414: "invalid_request_error",
+    417: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "server_error",
+    501: "invalid_request_error",
+    503: "service_unavailable",
+    505: "invalid_request_error",
+}
+
+_CODES = {
+    404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+    413: "payload_too_large", 414: "uri_too_long", 417: "expectation_failed",
+    429: "queue_full", 431: "headers_too_large", 500: "internal_error",
+    501: "not_implemented", 503: "unavailable", 505: "http_version_not_supported",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str | None = None,
+                 param: str | None = None, code: str | None = None,
+                 headers: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500
+                                       else "server_error")
+        self.param = param
+        self.code = code or _CODES.get(status)
+        self.headers = list(headers or [])
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+    @classmethod
+    def from_request_error(cls, e: RequestError, rename: dict[str, str] | None = None
+                           ) -> ApiError:
+        """A request-parsing error, with its param renamed to the API's own field name."""
+        param = (rename or {}).get(e.param, e.param) if e.param else e.param
+        code = "invalid_value" if e.type == "invalid_request_error" else e.type
+        return cls(e.status, e.message, "invalid_request_error" if e.status < 500
+                   else "server_error", param, code)

@@ -1,0 +1,360 @@
+"""The asyncio side of the HTTP server: sockets, clocks and tasks around `http.ServerConnection`.
+
+Per connection, one task reads a request (header and body deadlines), runs its handler and writes
+the response, then waits for the next request (idle keep-alive deadline). While a handler runs, a
+watcher task keeps reading the socket: end-of-file there means the client is gone, and the handler
+task is cancelled at once, so whatever it started (a generation) is cancelled with it. Any
+exception is contained in its connection: nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from skulkp2p.api import http
+from skulkp2p.api.errors import ApiError
+
+log = logging.getLogger("skulkp2p.http")
+
+JSON = "application/json"
+
+
+@dataclass
+class ServerConfig:
+    max_header_bytes: int = http.MAX_HEADER_BYTES
+    max_body_bytes: int = http.DEFAULT_MAX_BODY_BYTES
+    header_timeout: float = 10.0  # from a request's first byte to the end of its head
+    body_timeout: float = 60.0  # from the end of the head to the end of the body
+    idle_timeout: float = 30.0  # keep-alive: how long an idle connection is kept open
+    write_timeout: float = 60.0  # a client that reads nothing for this long is dropped
+    max_connections: int = 1024
+    read_size: int = 65536
+
+
+@dataclass
+class HttpRequest:
+    method: str
+    target: str
+    path: str
+    query: str
+    headers: http.Headers
+    body: bytes
+    client: str = ""
+
+    def json(self) -> Any:
+        if not self.body.strip():
+            raise ApiError(400, "the request body is empty; send a JSON object",
+                           code="invalid_json")
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def json(cls, status: int, obj: Any, headers: list[tuple[str, str]] | None = None
+             ) -> Response:
+        return cls(status, orjson.dumps(obj), [("Content-Type", JSON), *(headers or [])])
+
+    @classmethod
+    def error(cls, e: ApiError, extra: dict[str, Any] | None = None) -> Response:
+        body = {**(extra or {}), **e.body()}
+        return cls.json(e.status, body, e.headers)
+
+
+@dataclass
+class StreamingResponse:
+    """A body written piece by piece, each piece flushed at once. `on_close` runs however the
+    response ends (completed, client gone, server stopping), even if the body never started."""
+    status: int
+    body: AsyncIterator[bytes]
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    on_close: Callable[[], None] | None = None
+
+
+Handler = Callable[[HttpRequest], Awaitable[Response | StreamingResponse]]
+
+
+class Router:
+    def __init__(self) -> None:
+        self._routes: dict[str, dict[str, Handler]] = {}
+
+    def add(self, method: str, path: str, handler: Handler) -> None:
+        self._routes.setdefault(path, {})[method] = handler
+
+    def resolve(self, method: str, path: str) -> Handler:
+        methods = self._routes.get(path)
+        if methods is None:
+            raise ApiError(404, f"no route {path[:200]!r}")
+        if method not in methods:
+            allow = ", ".join(sorted(methods))
+            raise ApiError(405, f"{path} takes {allow}, not {method[:20]}",
+                           headers=[("Allow", allow)])
+        return methods[method]
+
+
+class _Gone(Exception):
+    """The client closed the connection or stopped reading."""
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    if target.startswith(("http://", "https://")):  # absolute-form: keep only the path
+        rest = target.split("://", 1)[1]
+        target = "/" + rest.split("/", 1)[1] if "/" in rest else "/"
+    path, _, query = target.partition("?")
+    return path, query
+
+
+class HttpServer:
+    def __init__(self, router: Router, config: ServerConfig | None = None):
+        self.router = router
+        self.config = config or ServerConfig()
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        """Listen; returns the bound (host, port) — port 0 picks a free one."""
+        self._server = await asyncio.start_server(self._on_connection, host, port,
+                                                  limit=self.config.read_size, reuse_address=True)
+        sock = self._server.sockets[0].getsockname()
+        return sock[0], sock[1]
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._connections)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        peer = writer.get_extra_info("peername")
+        client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        try:
+            if len(self._connections) > self.config.max_connections:
+                conn = http.ServerConnection()
+                err = ApiError(503, "too many open connections", headers=[("Retry-After", "1")])
+                writer.write(conn.send_response(503, self._error_headers(err), err.json()))
+                await self._drain(writer)
+                return
+            await self._serve(reader, writer, client)
+        except (_Gone, ConnectionError, TimeoutError):
+            pass
+        except asyncio.CancelledError:
+            # The server is closing. This is the connection task's top level: end it quietly
+            # (asyncio's stream callback would log a cancelled task as an error).
+            pass
+        except Exception:  # a bug of ours: this connection ends, the server goes on
+            log.exception("connection %s failed", client)
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    @staticmethod
+    def _error_headers(err: ApiError) -> list[tuple[str, str]]:
+        return [("Content-Type", JSON), *err.headers]
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        if writer.transport.is_closing():
+            raise _Gone()
+        try:
+            await asyncio.wait_for(writer.drain(), self.config.write_timeout)
+        except TimeoutError:
+            raise _Gone() from None
+
+    async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if data:
+            if writer.transport.is_closing():
+                raise _Gone()
+            writer.write(data)
+            await self._drain(writer)
+
+    async def _read(self, reader: asyncio.StreamReader, conn: http.ServerConnection,
+                    deadline: float) -> bool:
+        """Feed the connection one read; False when the deadline passed first."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        try:
+            data = await asyncio.wait_for(reader.read(self.config.read_size), remaining)
+        except TimeoutError:
+            return False
+        conn.receive_data(data)
+        return True
+
+    async def _send_error(self, writer: asyncio.StreamWriter, conn: http.ServerConnection,
+                          err: ApiError) -> None:
+        await self._write(writer, conn.send_response(err.status, self._error_headers(err),
+                                                     err.json()))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     client: str) -> None:
+        cfg = self.config
+        conn = http.ServerConnection(cfg.max_header_bytes, cfg.max_body_bytes)
+        first = True
+        while True:
+            try:
+                request = await self._read_head(reader, conn, first)
+                if request is None:
+                    return
+                first = False
+                handler: Handler | None = None
+                path, query = _split_target(request.target)
+                try:
+                    handler = self.router.resolve(request.method, path)
+                except ApiError as e:
+                    if conn.waiting_for_100_continue:  # refuse before the client sends a body
+                        await self._send_error(writer, conn, e)
+                        return
+                    route_error: ApiError | None = e
+                else:
+                    route_error = None
+                body = await self._read_body(reader, writer, conn)
+            except http.ProtocolError as e:
+                log.info("%s: HTTP %d: %s", client, e.status, e.message)
+                await self._send_error(writer, conn, ApiError(e.status, e.message))
+                return
+            req = HttpRequest(request.method, request.target, path, query, request.headers,
+                              body, client)
+            await self._handle(reader, writer, conn, req, handler, route_error)
+            if conn.must_close:
+                return
+
+    async def _read_head(self, reader: asyncio.StreamReader, conn: http.ServerConnection,
+                         first: bool) -> http.Request | None:
+        cfg = self.config
+        # A fresh connection gets the header deadline; one between requests the idle one.
+        idle_deadline = time.monotonic() + (min(cfg.header_timeout, cfg.idle_timeout) if first
+                                            else cfg.idle_timeout)
+        head_deadline: float | None = None
+        while True:
+            event = conn.next_event()
+            if isinstance(event, http.Request):
+                return event
+            if isinstance(event, http.ConnectionClosed):
+                return None
+            if head_deadline is None and conn.has_partial_request:
+                head_deadline = time.monotonic() + cfg.header_timeout  # slowloris clock
+            if not await self._read(reader, conn, head_deadline or idle_deadline):
+                if head_deadline is None:
+                    return None  # idle keep-alive connection: close quietly
+                raise http.ProtocolError(408, "request headers took too long")
+
+    async def _read_body(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         conn: http.ServerConnection) -> bytes:
+        deadline = time.monotonic() + self.config.body_timeout
+        body = bytearray()
+        while True:
+            event = conn.next_event()
+            if isinstance(event, http.Data):
+                body += event.data
+            elif isinstance(event, http.EndOfMessage):
+                return bytes(body)
+            else:
+                await self._write(writer, conn.send_continue())
+                if not await self._read(reader, conn, deadline):
+                    raise http.ProtocolError(408, "request body took too long")
+
+    async def _watch(self, reader: asyncio.StreamReader, conn: http.ServerConnection) -> None:
+        """Read on while a handler runs; returns when the client is gone. Pipelined bytes are
+        buffered for later (up to a bound; past it we stop reading and stop watching)."""
+        limit = self.config.max_header_bytes + self.config.max_body_bytes
+        while conn.buffered <= limit:
+            try:
+                data = await reader.read(self.config.read_size)
+            except (ConnectionError, OSError):
+                return
+            conn.receive_data(data)
+            if not data:
+                return
+        await asyncio.Event().wait()  # buffer full: nothing more to learn until cancelled
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      conn: http.ServerConnection, req: HttpRequest, handler: Handler | None,
+                      route_error: ApiError | None) -> None:
+        started = time.monotonic()
+        respond = asyncio.ensure_future(self._respond(writer, conn, req, handler, route_error))
+        watch = asyncio.ensure_future(self._watch(reader, conn))
+        try:
+            await asyncio.wait({respond, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not respond.done():
+                # The client went away (or we are stopping): cancel its work at once.
+                respond.cancel()
+                log.info("%s: %s %s: client disconnected after %.2f s; cancelled", req.client,
+                         req.method, req.path, time.monotonic() - started)
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            with contextlib.suppress(asyncio.CancelledError, _Gone, ConnectionError):
+                await respond
+        if respond.cancelled():
+            raise _Gone()
+        status = respond.result()
+        log.debug("%s: %s %s -> %s in %.3f s", req.client, req.method, req.path, status,
+                  time.monotonic() - started)
+
+    async def _respond(self, writer: asyncio.StreamWriter, conn: http.ServerConnection,
+                       req: HttpRequest, handler: Handler | None, route_error: ApiError | None
+                       ) -> int:
+        try:
+            if route_error is not None:
+                raise route_error
+            assert handler is not None
+            resp = await handler(req)
+        except ApiError as e:
+            resp = Response.error(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("%s %s failed", req.method, req.path)
+            resp = Response.error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        if isinstance(resp, Response):
+            await self._write(writer, conn.send_response(resp.status, resp.headers, resp.body))
+            return resp.status
+        try:
+            await self._write(writer, conn.start_stream(resp.status, resp.headers))
+            async for piece in resp.body:
+                await self._write(writer, conn.stream_data(piece))
+            await self._write(writer, conn.end_stream())
+        except (asyncio.CancelledError, _Gone, ConnectionError):
+            raise
+        except Exception:
+            # The head is out: the only honest signal left is to cut the body short.
+            log.exception("%s %s failed mid-stream", req.method, req.path)
+            raise _Gone() from None
+        finally:
+            with contextlib.suppress(Exception):
+                await resp.body.aclose()  # type: ignore[attr-defined]
+            if resp.on_close is not None:
+                resp.on_close()
+        return resp.status

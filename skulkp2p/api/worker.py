@@ -1,0 +1,250 @@
+"""One worker thread per model: it loads the model, then runs generations one at a time, first in
+first out, off the event loop (MLX calls block for a whole forward).
+
+The loop side submits a `Job` and reads its events from an asyncio queue; the thread posts them
+with `call_soon_threadsafe`. Cancelling a job (its client went away) sets a flag that the engine
+checks between prefill chunks and between decode rounds, so the model is free for the next job
+within one forward; a job cancelled while still queued is dropped from the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from skulkp2p.engine.request import GenerationRequest, RequestError
+
+log = logging.getLogger("skulkp2p.worker")
+
+
+class QueueFull(Exception):
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"{waiting} requests are already waiting for this model")
+        self.retry_after = retry_after
+
+
+class NotReady(Exception):
+    """The model is still loading (or failed to load)."""
+
+
+class Cancelled(Exception):
+    """Raised inside the worker thread by the engine's interrupt check."""
+
+
+class Job:
+    _ids = itertools.count(1)
+
+    def __init__(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.id = next(self._ids)
+        self.req = req
+        self.loop = loop
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.finished = False  # set on the loop side when a final event was read
+        self._worker: ModelWorker | None = None
+
+    # -- loop side --
+    async def next(self, timeout: float | None = None) -> tuple[str, Any] | None:
+        """The next event: ("start", prompt_tokens), ("chunk", Chunk), ("done", result) or
+        ("error", exception); None when `timeout` passed first."""
+        try:
+            event = await asyncio.wait_for(self.events.get(), timeout)
+        except TimeoutError:
+            return None
+        if event[0] in ("done", "error"):
+            self.finished = True
+        return event
+
+    def cancel(self) -> None:
+        """Give up on this job (idempotent, safe after it finished)."""
+        if self.finished or self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        if self._worker is not None:
+            self._worker._dequeue(self)
+
+    # -- thread side --
+    def post(self, kind: str, payload: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is closed: the node is stopping
+            pass
+
+    def interrupt(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled()
+
+
+Runner = Callable[[Any, GenerationRequest, dict[str, Any], Callable[[], None]], Any]
+
+
+def _default_runner(loaded: Any, req: GenerationRequest, result: dict[str, Any],
+                    interrupt: Callable[[], None]):
+    from skulkp2p.engine.generate import stream
+    return stream(loaded, req, result, interrupt=interrupt)
+
+
+def _prompt_length(loaded: Any, req: GenerationRequest) -> int:
+    """Tokenise once more up front (cheap next to a forward) so the client learns the prompt
+    size, and an over-long prompt is refused with a 400, before the stream commits to a 200."""
+    from skulkp2p.engine.generate import prompt_tokens
+    n = len(prompt_tokens(loaded, req))
+    if n >= loaded.context_length:
+        raise RequestError(f"prompt is {n} tokens; model {loaded.id} takes at most "
+                           f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
+    return n
+
+
+def _stop_sequence(loaded: Any, req: GenerationRequest, result: dict[str, Any]) -> str | None:
+    """Which stop string ended the text, if one did (Anthropic reports it)."""
+    if result.get("finish_reason") != "stop" or not req.stop:
+        return None
+    full = loaded.tokenizer.decode(result.get("tokens", []))
+    rest = full[len(result.get("text", "")):] if full.startswith(result.get("text", "")) else full
+    return next((s for s in req.stop if rest.startswith(s)), None) or next(
+        (s for s in req.stop if s in rest), None)
+
+
+class ModelWorker:
+    def __init__(self, model_id: str, load: Callable[[], Any], max_queue: int = 16,
+                 runner: Runner = _default_runner,
+                 prompt_length: Callable[[Any, GenerationRequest], int] = _prompt_length):
+        self.model_id = model_id
+        self.max_queue = max_queue
+        self._load = load
+        self._runner = runner
+        self._prompt_length = prompt_length
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.load_error: BaseException | None = None
+        self.loaded: Any = None
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.current: Job | None = None
+        self._avg_job_s = 2.0
+        self._thread = threading.Thread(target=self._main, name=f"model-{model_id}", daemon=True)
+        self._ready: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- loop side -------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Future:
+        """Start the thread; the future resolves when the model is loaded (or fails)."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._thread.start()
+        return self._ready
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, req: GenerationRequest) -> Job:
+        if self.state != "ready":
+            raise NotReady(self.state)
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                retry = max(1, round(self._avg_job_s * (len(self._waiting) + 1) / 2))
+                raise QueueFull(len(self._waiting), retry)
+            job = Job(req, loop)
+            job._worker = self
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def _dequeue(self, job: Job) -> None:
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                pass  # already running (the interrupt check stops it) or done
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Cancel everything and end the thread; True when it ended within `timeout`."""
+        with self._cond:
+            self._stopping = True
+            jobs = list(self._waiting)
+            self._waiting.clear()
+            if self.current is not None:
+                jobs.append(self.current)
+            self._cond.notify_all()
+        for job in jobs:
+            job.cancelled.set()
+        if self.state == "loading":
+            timeout = min(timeout, 1.0)  # a load cannot be interrupted: do not wait it out
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- thread side -----------------------------------------------------------------------
+
+    def _resolve_ready(self, error: BaseException | None) -> None:
+        def done() -> None:
+            if self._ready is not None and not self._ready.done():
+                if error is None:
+                    self._ready.set_result(self.loaded)
+                else:
+                    self._ready.set_exception(error)
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(done)
+        except RuntimeError:
+            pass
+
+    def _main(self) -> None:
+        try:
+            self.loaded = self._load()
+        except BaseException as e:  # noqa: BLE001 - reported to the loop, which decides
+            self.state = "failed"
+            self.load_error = e
+            self._resolve_ready(e)
+            return
+        self.state = "ready"
+        self._resolve_ready(None)
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    self.state = "stopped"
+                    return
+                job = self._waiting.popleft()
+                self.current = job
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self.current = None
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        t0 = time.monotonic()
+        result: dict[str, Any] = {}
+        tokens = 0
+        try:
+            n_prompt = self._prompt_length(self.loaded, job.req)
+            job.post("start", n_prompt)
+            for chunk in self._runner(self.loaded, job.req, result, job.interrupt):
+                tokens += len(chunk.tokens)
+                job.post("chunk", chunk)
+            result["stop_sequence"] = _stop_sequence(self.loaded, job.req, result)
+            job.post("done", result)
+        except Cancelled:
+            log.info("job %d cancelled after %d tokens, %.2f s: the model is free", job.id,
+                     tokens, time.monotonic() - t0)
+        except RequestError as e:
+            job.post("error", e)
+        except Exception as e:
+            log.exception("job %d failed", job.id)
+            job.post("error", e)
+        finally:
+            # A running average of job length, for the Retry-After of a full queue.
+            self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - t0)
