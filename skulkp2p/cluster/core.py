@@ -1,0 +1,267 @@
+"""The control plane of one node as a pure state machine: membership + election + placement.
+
+``ClusterCore`` routes each message to the machine that owns its type, keeps the election's
+view of voters in step with membership, and, on the leader, keeps placements up to date and
+attaches them to its heartbeats. It does no I/O and reads no clock: node.py (asyncio TCP) and
+the tests' simulated network both drive it the same way, with ``tick(now)`` and
+``on_message(msg, now)``, each returning ``[(addr, msg), ...]`` to send.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from skulkp2p.cluster.election import ELECTION_TYPES, LEADER, Election
+from skulkp2p.cluster.membership import ALIVE, DEAD, LEFT, SUSPECT, Membership, Out
+from skulkp2p.cluster.placement import (
+    ModelSpec,
+    NodeOffer,
+    Placement,
+    PlacementError,
+    Request,
+    plan,
+)
+from skulkp2p.cluster.timers import Timers
+
+MEMBERSHIP_TYPES = frozenset({"ping", "ack", "ping-req", "sync"})
+
+
+def _error_dict(e: PlacementError) -> dict[str, Any]:
+    return {"model": e.model, "error": str(e), "needs": e.needs, "available": e.available}
+
+
+class ClusterCore:
+    def __init__(self, name: str, addr: str, *, facts: Mapping[str, Any] | None = None,
+                 seeds: Iterable[str] = (), priority: int = 0, timers: Timers | None = None,
+                 rng: random.Random | None = None, now: float = 0.0,
+                 instance: str | None = None):
+        self.timers = timers or Timers()
+        rng = rng or random.Random()
+        facts = {**(facts or {}), "priority": priority}
+        self.membership = Membership(name, addr, facts, seeds=seeds, timers=self.timers,
+                                     rng=rng, instance=instance, now=now)
+        self.election = Election(name, addr, priority, timers=self.timers, rng=rng, now=now)
+        self.name = name
+        self.addr = addr
+        # Models asked for (by members' --model, or by place requests); the leader places them.
+        self._explicit: dict[str, Request] = {}
+        self._placements: dict[str, Placement] = {}
+        self._errors: dict[str, dict[str, Any]] = {}
+        self._plan_inputs: Any = None
+        self._plan_term = -1
+        self.placement_version = 0
+        self._sync_view()
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def leader(self) -> str | None:
+        return self.election.leader
+
+    @property
+    def term(self) -> int:
+        return self.election.term
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.role == LEADER
+
+    def placements(self) -> dict[str, Placement]:
+        """Current placements; empty while there is no leader (a minority serves nothing)."""
+        return dict(self._placements) if self.leader is not None else {}
+
+    def placement_errors(self) -> dict[str, dict[str, Any]]:
+        return dict(self._errors) if self.leader is not None else {}
+
+    def member_addr(self, name: str) -> str | None:
+        m = self.membership.get(name)
+        return m.addr if m is not None else None
+
+    def status(self) -> dict[str, Any]:
+        members = []
+        for n in sorted(self.membership.members):
+            m = self.membership.members[n]
+            f = m.facts
+            members.append({
+                "name": m.name, "addr": m.addr, "state": m.state, "incarnation": m.inc,
+                "memory": f.get("memory"), "engines": f.get("engines", []),
+                "models": f.get("models", []), "http": f.get("http"), "dtype": f.get("dtype"),
+                "priority": f.get("priority", 0), "self": m is self.membership.me,
+            })
+        return {
+            "node": self.name, "leader": self.leader, "term": self.term,
+            "role": self.election.role, "members": members,
+            "placements": [self._placement_view(p) for _, p in sorted(self.placements().items())],
+            "errors": [e for _, e in sorted(self.placement_errors().items())],
+        }
+
+    def _placement_view(self, p: Placement) -> dict[str, Any]:
+        d = p.to_dict()
+        d.pop("spec", None)
+        return d
+
+    def drain_events(self) -> list[str]:
+        """Human-readable lines about what changed (for the node's log)."""
+        lines = []
+        for name, old, new in self.membership.drain_events():
+            lines.append(f"member {name}: {old or 'new'} -> {new}")
+        for role, term, leader in self.election.drain_events():
+            lines.append(f"election: {role}, term {term}, leader {leader or 'none'}")
+        return lines
+
+    # ---------------------------------------------------------------- driving
+
+    def tick(self, now: float) -> list[Out]:
+        out = self.membership.tick(now)
+        self._sync_view()
+        out += self.election.tick(now)
+        self._after(now)
+        return out
+
+    def on_message(self, msg: Mapping[str, Any], now: float) -> list[Out]:
+        kind = msg.get("t")
+        out: list[Out] = []
+        if kind in MEMBERSHIP_TYPES:
+            out = self.membership.on_message(msg, now)
+            self._sync_view()
+        elif kind in ELECTION_TYPES:
+            if not self.membership.bootstrapped and kind == "lead":
+                # A leader's heartbeat: we belong to an established cluster even if our seeds
+                # are gone (a node restarted with a dead seed).
+                self.membership.bootstrapped = True
+                self._sync_view()
+            out = self.election.on_message(msg, now)
+        elif kind == "place":
+            out = self._on_place(msg, now)
+        self._after(now)
+        return out
+
+    def request_placement(self, spec: ModelSpec, nodes: Sequence[str] = (),
+                          now: float = 0.0) -> list[Out]:
+        """Ask for a model to be placed (on a follower: forwarded to the leader, if any).
+        The outcome shows in ``placements()``/``placement_errors()`` once the leader has it."""
+        if self.is_leader:
+            self._explicit[spec.id] = Request(spec, tuple(nodes))
+            self._errors.pop(spec.id, None)
+            self._plan_inputs = None  # re-plan now
+            self._after(now)
+            return []
+        addr = self.member_addr(self.leader) if self.leader else None
+        if addr is None:
+            return []
+        return [(addr, {"t": "place", "from": self.name, "addr": self.addr,
+                        "spec": spec.to_dict(), "nodes": list(nodes)})]
+
+    def leave(self, now: float) -> list[Out]:
+        return self.membership.leave(now)
+
+    def update_facts(self, facts: Mapping[str, Any]) -> None:
+        self.membership.update_facts({**facts, "priority": self.election.priority})
+
+    # ---------------------------------------------------------------- internals
+
+    def _sync_view(self) -> None:
+        ms = self.membership
+        voters = {n: ms.members[n].addr for n in ms.voters()}
+        prios = {n: int(m.facts.get("priority") or 0) for n, m in ms.members.items()}
+        self.election.set_view(voters, ms.names(ALIVE), prios, joined=ms.bootstrapped)
+
+    def _on_place(self, msg: Mapping[str, Any], now: float) -> list[Out]:
+        try:
+            spec = ModelSpec.from_dict(msg.get("spec") or {})
+        except (ValueError, TypeError, KeyError):
+            return []
+        nodes = msg.get("nodes") or []
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            return []
+        if not self.is_leader:
+            return []  # it was sent to an old leader; the asker retries against the new one
+        return self.request_placement(spec, nodes, now)
+
+    def _requests(self) -> dict[str, Request]:
+        reqs: dict[str, Request] = {}
+        for m in self.membership.members.values():
+            if m.state == LEFT:
+                continue
+            for w in m.facts.get("wants") or ():
+                try:
+                    spec = ModelSpec.from_dict(w)
+                except (ValueError, TypeError, KeyError):
+                    continue
+                reqs.setdefault(spec.id, Request(spec))
+        for model, p in self._placements.items():  # placed once, placed for good
+            if p.spec is not None:
+                reqs.setdefault(model, Request(p.spec, p.ring if p.explicit else ()))
+        reqs.update(self._explicit)
+        return reqs
+
+    def _after(self, now: float) -> None:
+        """Keep placements in step: the leader plans; followers take the leader's."""
+        el = self.election
+        if el.role == LEADER:
+            self._plan(now)
+        elif el.leader is not None and el.leader_payload:
+            self._adopt_payload(el.leader_payload)
+
+    def _adopt_payload(self, payload: Mapping[str, Any]) -> None:
+        if payload.get("version") == self.placement_version and self._plan_term == self.term:
+            return
+        placements: dict[str, Placement] = {}
+        for d in payload.get("placements") or ():
+            try:
+                p = Placement.from_dict(d)
+            except (ValueError, TypeError, KeyError):
+                continue
+            placements[p.model] = p
+        self._placements = placements
+        self._errors = {e["model"]: dict(e) for e in payload.get("errors") or ()
+                        if isinstance(e, dict) and isinstance(e.get("model"), str)}
+        explicit = {}
+        for d in payload.get("requests") or ():
+            try:
+                spec = ModelSpec.from_dict(d["spec"])
+                explicit[spec.id] = Request(spec, tuple(d.get("nodes") or ()))
+            except (ValueError, TypeError, KeyError):
+                continue
+        self._explicit = explicit  # a future leader keeps honouring them
+        self.placement_version = int(payload.get("version") or 0)
+        self._plan_term = self.term
+
+    def _plan(self, now: float) -> None:
+        ms = self.membership
+        holders = [m for m in ms.members.values() if m.state in (ALIVE, SUSPECT)]
+        offers = [NodeOffer(m.name, int(m.facts.get("memory") or 0),
+                            str(m.facts.get("dtype") or "bfloat16")) for m in holders]
+        eligible = [m.name for m in holders if m.state == ALIVE]
+        reqs = self._requests()
+        inputs = (tuple(sorted((o.name, o.memory, o.dtype) for o in offers)), tuple(eligible),
+                  tuple(sorted((k, r.spec, r.nodes) for k, r in reqs.items())), self.term)
+        if inputs == self._plan_inputs:
+            return
+        self._plan_inputs = inputs
+        previous = {k: p for k, p in self._placements.items()
+                    if not any(ms.get(n) is None or ms.get(n).state in (DEAD, LEFT)
+                               for n in p.ring)}
+        result = plan(list(reqs.values()), offers, previous, eligible)
+        placements: dict[str, Placement] = {}
+        errors: dict[str, dict[str, Any]] = {}
+        for model, got in result.items():
+            if isinstance(got, PlacementError):
+                errors[model] = _error_dict(got)
+            else:
+                if got.term == 0 or model not in previous:
+                    got = Placement(got.model, got.ring, got.layers, got.needs, got.spec,
+                                    got.explicit, self.term)
+                placements[model] = got
+        if placements != self._placements or errors != self._errors or self._plan_term != self.term:
+            self.placement_version += 1
+        self._placements, self._errors, self._plan_term = placements, errors, self.term
+        self.election.payload = {
+            "version": self.placement_version,
+            "placements": [p.to_dict() for _, p in sorted(placements.items())],
+            "errors": [e for _, e in sorted(errors.items())],
+            "requests": [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
+                         for _, r in sorted(self._explicit.items())],
+        }

@@ -1,0 +1,281 @@
+"""Placement: which ring of nodes serves each model, and which layers each member holds.
+
+A pure function of shared state (model specs, node offers, previous placements), so every node
+that runs it on the same inputs gets the same answer; the leader runs it and stamps the result
+with its term.
+
+For one model:
+
+- a member holding ``n`` of the model's ``L`` layers needs
+  ``n/L * size_bytes * overhead * s + n * kv_per_layer * s`` bytes, where ``overhead`` (about
+  1.3 for MLX) covers activations and allocator slack, ``kv_per_layer`` is a KV cache for the
+  card's whole context, and ``s`` scales bfloat16 sizes to the dtype that node runs in;
+- candidate rings are tried smallest first (fewer hops: faster decode, more room for
+  speculation); among the fitting rings of the smallest size the one with the most free memory
+  wins, then the larger smallest headroom, then names (for determinism);
+- layers are split contiguously in proportion to each member's free memory, at least one each
+  (largest remainder rounding);
+- a model that fits nowhere gets a PlacementError that says how much it needs and what the
+  cluster has.
+
+Several models are placed one after another (previous placements first, then new ones by id);
+each takes its share of memory before the next is placed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+OVERHEAD = 1.3
+DTYPE_SCALE = {"bfloat16": 1.0, "float16": 1.0, "float32": 2.0}  # vs bf16 card sizes
+MAX_COMBINATIONS = 4096  # beyond this many rings of one size, only the largest nodes are tried
+
+
+class PlacementError(Exception):
+    """A model that cannot be placed; the message names what it needs and what there is."""
+
+    def __init__(self, model: str, message: str, needs: int = 0, available: int = 0):
+        super().__init__(message)
+        self.model = model
+        self.needs = needs
+        self.available = available
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What placement needs to know about a model (from its card or its config.json)."""
+
+    id: str
+    layers: int
+    size_bytes: int
+    context_length: int = 4096
+    hidden_size: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0  # 0: estimated from hidden_size
+
+    def kv_bytes_per_layer(self) -> int:
+        """bf16 K and V for the whole context of one layer."""
+        head_dim = self.head_dim or (64 if self.hidden_size < 1536 else 128)
+        return 2 * self.kv_heads * head_dim * self.context_length * 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "layers": self.layers, "size_bytes": self.size_bytes,
+                "context_length": self.context_length, "hidden_size": self.hidden_size,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
+        ints = ("layers", "size_bytes", "context_length", "hidden_size", "kv_heads", "head_dim")
+        if not isinstance(d.get("id"), str) or not all(
+                isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool)
+                for k in ints):
+            raise ValueError(f"bad model spec {dict(d)!r}")
+        spec = cls(d["id"], **{k: d[k] for k in ints if k in d})
+        if spec.layers <= 0 or spec.size_bytes <= 0:
+            raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
+        return spec
+
+    @classmethod
+    def from_card(cls, card: Any) -> ModelSpec:
+        return cls(card.id, card.layers, card.size_bytes, card.context_length,
+                   card.hidden_size, card.kv_heads)
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    """A node as placement sees it: its name and the memory it offers."""
+
+    name: str
+    memory: int  # usable bytes (capped by --memory-limit)
+    dtype: str = "bfloat16"  # what the node runs models in (float32 on Linux CPU + OpenBLAS)
+
+
+@dataclass(frozen=True)
+class Placement:
+    model: str
+    ring: tuple[str, ...]
+    layers: tuple[tuple[int, int], ...]  # [start, end) per ring member, contiguous
+    needs: tuple[int, ...] = ()  # bytes each member holds for it
+    spec: ModelSpec | None = field(default=None, compare=False)
+    explicit: bool = False  # the ring was named by the request ("nodes")
+    term: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"model": self.model, "ring": list(self.ring),
+                             "layers": [list(r) for r in self.layers],
+                             "needs": list(self.needs), "term": self.term,
+                             "explicit": self.explicit}
+        if self.spec is not None:
+            d["spec"] = self.spec.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Placement:
+        spec = ModelSpec.from_dict(d["spec"]) if isinstance(d.get("spec"), dict) else None
+        return cls(str(d["model"]), tuple(str(n) for n in d["ring"]),
+                   tuple((int(a), int(b)) for a, b in d["layers"]),
+                   tuple(int(x) for x in d.get("needs", ())), spec,
+                   bool(d.get("explicit")), int(d.get("term", 0)))
+
+
+@dataclass(frozen=True)
+class Request:
+    spec: ModelSpec
+    nodes: tuple[str, ...] = ()  # an explicit ring, in order; empty: choose
+
+
+def split_layers(layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, sizes proportional to ``weights``, at least one each."""
+    k = len(weights)
+    if k == 0 or k > layers:
+        raise ValueError(f"cannot split {layers} layers over {k} nodes")
+    total = float(sum(weights))
+    quotas = [layers * w / total if total > 0 else layers / k for w in weights]
+    counts = [max(1, math.floor(q)) for q in quotas]
+    # Take back from the largest shares if the minimum of one pushed us over.
+    while sum(counts) > layers:
+        i = max((j for j in range(k) if counts[j] > 1), key=lambda j: (counts[j] - quotas[j], j))
+        counts[i] -= 1
+    # Hand out the rest by largest remainder; ties to the earlier member.
+    order = sorted(range(k), key=lambda j: (-(quotas[j] - counts[j]), j))
+    i = 0
+    while sum(counts) < layers:
+        counts[order[i % k]] += 1
+        i += 1
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+def member_need(spec: ModelSpec, n_layers: int, dtype: str = "bfloat16",
+                overhead: float = OVERHEAD) -> int:
+    scale = DTYPE_SCALE.get(dtype, 1.0)
+    weights = spec.size_bytes * n_layers / spec.layers * overhead
+    return math.ceil((weights + n_layers * spec.kv_bytes_per_layer()) * scale)
+
+
+def _ring_order(names: Iterable[str], free: Mapping[str, int]) -> list[str]:
+    return sorted(names, key=lambda n: (-free[n], n))
+
+
+def _try_ring(spec: ModelSpec, ring: Sequence[str], free: Mapping[str, int],
+              dtypes: Mapping[str, str], overhead: float) -> Placement | None:
+    if len(ring) > spec.layers or any(free[n] <= 0 for n in ring):
+        return None
+    ranges = split_layers(spec.layers, [free[n] for n in ring])
+    needs = tuple(member_need(spec, b - a, dtypes.get(n, "bfloat16"), overhead)
+                  for n, (a, b) in zip(ring, ranges, strict=True))
+    if any(need > free[n] for n, need in zip(ring, needs, strict=True)):
+        return None
+    return Placement(spec.id, tuple(ring), tuple(ranges), needs, spec)
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, int] | None = None,
+                ring: Sequence[str] = (), overhead: float = OVERHEAD) -> Placement:
+    """The placement of one model over ``nodes`` with ``free`` bytes left on each (default:
+    all they offer). ``ring`` forces those nodes in that order. Raises PlacementError."""
+    offers = {n.name: n for n in nodes}
+    free = {n.name: n.memory for n in nodes} if free is None else dict(free)
+    dtypes = {n.name: n.dtype for n in nodes}
+    if ring:
+        unknown = [n for n in ring if n not in offers]
+        if unknown:
+            raise PlacementError(spec.id, f"model {spec.id}: cannot place on "
+                                          f"{', '.join(unknown)}: not alive members of the "
+                                          f"cluster (alive: {', '.join(sorted(offers)) or 'none'})")
+        if len(set(ring)) != len(ring):
+            raise PlacementError(spec.id, f"model {spec.id}: a node appears twice in the ring")
+        got = _try_ring(spec, ring, free, dtypes, overhead)
+        if got is None:
+            raise _no_fit(spec, [offers[n] for n in ring], free, overhead, named=True)
+        return Placement(got.model, got.ring, got.layers, got.needs, spec, explicit=True)
+    names = sorted((n for n in offers if free.get(n, 0) > 0), key=lambda n: (-free[n], n))
+    for size in range(1, min(len(names), spec.layers) + 1):
+        if math.comb(len(names), size) <= MAX_COMBINATIONS:
+            combos: Iterable[tuple[str, ...]] = itertools.combinations(names, size)
+        else:  # many nodes: the largest ones, then each single swap of the smallest
+            top = names[:size]
+            combos = [tuple(top)] + [tuple(top[:-1] + [n]) for n in names[size:]]
+        best: tuple[tuple[Any, ...], Placement] | None = None
+        for combo in combos:
+            order = _ring_order(combo, free)
+            got = _try_ring(spec, order, free, dtypes, overhead)
+            if got is None:
+                continue
+            headroom = min(free[n] - need for n, need in zip(order, got.needs, strict=True))
+            key = (-sum(free[n] for n in order), -headroom, tuple(order))
+            if best is None or key < best[0]:
+                best = (key, got)
+        if best is not None:
+            return best[1]
+    raise _no_fit(spec, [offers[n] for n in offers], free, overhead, named=False)
+
+
+def _no_fit(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, int],
+            overhead: float, named: bool) -> PlacementError:
+    need_bf16 = member_need(spec, spec.layers, "bfloat16", overhead)
+    dtypes = sorted({n.dtype for n in nodes})
+    need = max((member_need(spec, spec.layers, d, overhead) for d in dtypes), default=need_bf16)
+    total = sum(max(0, free.get(n.name, 0)) for n in nodes)
+    kv = spec.kv_bytes_per_layer() * spec.layers
+    where = "the named nodes offer" if named else "the cluster has"
+    largest = max(nodes, key=lambda n: free.get(n.name, 0), default=None)
+    biggest = (f"; largest free: {largest.name} {_fmt(free.get(largest.name, 0))}"
+               if largest else "")
+    dtype_note = f" in {'/'.join(dtypes)}" if dtypes and dtypes != ["bfloat16"] else ""
+    return PlacementError(
+        spec.id,
+        f"model {spec.id} does not fit: it needs {_fmt(need)}{dtype_note} (weights "
+        f"{_fmt(spec.size_bytes)} x {overhead:g} overhead + KV cache {_fmt(kv)} for "
+        f"{spec.context_length} tokens), {where} {_fmt(total)} free over {len(nodes)} "
+        f"node{'s' if len(nodes) != 1 else ''}{biggest}",
+        needs=need, available=total)
+
+
+def plan(requests: Sequence[Request], nodes: Sequence[NodeOffer],
+         previous: Mapping[str, Placement] | None = None,
+         eligible: Iterable[str] | None = None,
+         overhead: float = OVERHEAD) -> dict[str, Placement | PlacementError]:
+    """Placements for every request over ``nodes`` (every member that may hold a placement).
+
+    A previous placement is kept, and its memory reserved, while all its ring members are still
+    among ``nodes`` and its request did not change: a suspect member keeps its share until it is
+    declared dead. New placements go only to ``eligible`` nodes (default: all), by model id.
+    """
+    previous = previous or {}
+    offers = {n.name: n for n in nodes}
+    allowed = set(offers) if eligible is None else set(eligible) & set(offers)
+    free = {n.name: n.memory for n in nodes}
+    out: dict[str, Placement | PlacementError] = {}
+    by_id = {r.spec.id: r for r in requests}
+    for model in sorted(by_id):
+        old, req = previous.get(model), by_id[model]
+        if (old is not None and all(n in offers for n in old.ring) and old.spec == req.spec
+                and (not req.nodes or tuple(req.nodes) == old.ring)):
+            out[model] = old
+            for n, need in zip(old.ring, old.needs, strict=False):
+                free[n] -= need
+    candidates = [offers[n] for n in sorted(allowed)]
+    for model in sorted(by_id):
+        if model in out:
+            continue
+        req = by_id[model]
+        try:
+            got = place_model(req.spec, candidates, free, ring=req.nodes, overhead=overhead)
+        except PlacementError as e:
+            out[model] = e
+            continue
+        out[model] = got
+        for n, need in zip(got.ring, got.needs, strict=True):
+            free[n] -= need
+    return out

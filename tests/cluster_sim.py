@@ -1,0 +1,158 @@
+"""A simulated network and clock for the cluster's state machines.
+
+Every message goes through the real wire encoding (so it must be msgpack-able and under the
+control cap), then waits in a queue for a random delay; it can be lost, cut by a partition, or
+held while its receiver is paused (as a TCP buffer would). Nodes can crash (lose everything sent
+to them), pause (SIGSTOP: no ticks, messages wait) and resume.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import defaultdict
+
+from skulkp2p import wire
+from skulkp2p.cluster.core import ClusterCore
+from skulkp2p.cluster.election import LEADER
+from skulkp2p.cluster.timers import Timers
+
+KEY = wire.frame_key("sim-secret")
+
+
+class SimNet:
+    def __init__(self, seed: int = 0, loss: float = 0.0, delay: tuple[float, float] = (0.001, 0.02),
+                 timers: Timers | None = None, step: float = 0.01):
+        self.rng = random.Random(seed)
+        self.loss = loss
+        self.delay = delay
+        self.timers = timers or Timers()
+        self.step = step
+        self.now = 0.0
+        self.nodes: dict[str, ClusterCore] = {}  # addr -> core
+        self.crashed: set[str] = set()
+        self.paused: set[str] = set()
+        self.blocked: set[tuple[str, str]] = set()  # (src addr, dst addr)
+        self._queue: list[tuple[float, int, str, str, bytes]] = []
+        self._held: list[tuple[str, str, bytes]] = []
+        self._counter = itertools.count()
+        # Safety record: every (term -> leaders) ever observed.
+        self.leaders_by_term: dict[int, set[str]] = defaultdict(set)
+        self.sent = 0
+
+    # ---------------------------------------------------------------- building
+
+    @staticmethod
+    def addr(i: int) -> str:
+        return f"10.0.0.{i}:52416"
+
+    def add(self, name: str, i: int, seeds: list[str] | None = None, facts: dict | None = None,
+            priority: int = 0) -> ClusterCore:
+        addr = self.addr(i)
+        core = ClusterCore(name, addr, facts=facts or {}, seeds=seeds or [], priority=priority,
+                           timers=self.timers, rng=random.Random(self.rng.random()), now=self.now)
+        self.nodes[addr] = core
+        self.crashed.discard(addr)
+        return core
+
+    def cluster(self, n: int, facts: dict | None = None) -> list[ClusterCore]:
+        """n nodes n0..n{n-1}; each knows node 0 as its seed (node 0 knows node 1)."""
+        return [self.add(f"n{i}", i, [self.addr(0)] if i else [self.addr(1)], facts)
+                for i in range(n)]
+
+    # ---------------------------------------------------------------- faults
+
+    def partition(self, *groups: list[ClusterCore]) -> None:
+        """Cut every link between different groups."""
+        self.blocked.clear()
+        for ga, gb in itertools.permutations(groups, 2):
+            for a in ga:
+                for b in gb:
+                    self.blocked.add((a.addr, b.addr))
+
+    def cut(self, a: ClusterCore, b: ClusterCore) -> None:
+        self.blocked |= {(a.addr, b.addr), (b.addr, a.addr)}
+
+    def heal(self) -> None:
+        self.blocked.clear()
+
+    def crash(self, core: ClusterCore) -> None:
+        self.crashed.add(core.addr)
+
+    def pause(self, core: ClusterCore) -> None:
+        self.paused.add(core.addr)
+
+    def resume(self, core: ClusterCore) -> None:
+        self.paused.discard(core.addr)
+        held, self._held = self._held, []
+        for src, dst, frame in held:
+            if dst == core.addr:
+                self._push(src, dst, frame)
+            else:
+                self._held.append((src, dst, frame))
+
+    # ---------------------------------------------------------------- running
+
+    def live(self) -> list[ClusterCore]:
+        return [c for a, c in self.nodes.items() if a not in self.crashed and a not in self.paused]
+
+    def send(self, src: str, outs) -> None:
+        for dst, msg in outs:
+            frame = wire.encode_frame(msg, KEY)  # must survive the real encoding
+            self.sent += 1
+            if (src, dst) in self.blocked or self.rng.random() < self.loss:
+                continue
+            self._push(src, dst, frame)
+
+    def _push(self, src: str, dst: str, frame: bytes) -> None:
+        at = self.now + self.rng.uniform(*self.delay)
+        heapq.heappush(self._queue, (at, next(self._counter), src, dst, frame))
+
+    def run(self, seconds: float, until=None) -> bool:
+        """Advance time; stop early (True) when ``until()`` holds."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now = round(self.now + self.step, 6)
+            while self._queue and self._queue[0][0] <= self.now:
+                _, _, src, dst, frame = heapq.heappop(self._queue)
+                if dst in self.crashed or dst not in self.nodes or (src, dst) in self.blocked:
+                    continue
+                if dst in self.paused:
+                    self._held.append((src, dst, frame))
+                    continue
+                (msg,) = wire.FrameDecoder(KEY).feed(frame)
+                self.send(dst, self.nodes[dst].on_message(msg, self.now))
+            for addr, core in list(self.nodes.items()):
+                if addr in self.crashed or addr in self.paused:
+                    continue
+                self.send(addr, core.tick(self.now))
+            for core in self.live():
+                if core.election.role == LEADER:
+                    self.leaders_by_term[core.term].add(core.name)
+            if until is not None and until():
+                return True
+        return until() if until is not None else True
+
+    # ---------------------------------------------------------------- observations
+
+    def leaders(self, among: list[ClusterCore] | None = None) -> set[str]:
+        return {c.name for c in (among or self.live()) if c.is_leader}
+
+    def agreed_leader(self, among: list[ClusterCore] | None = None) -> str | None:
+        """The one leader every node of ``among`` (default: the live ones) follows, or None."""
+        among = among or self.live()
+        seen = {(c.leader, c.term) for c in among}
+        if len(seen) != 1:
+            return None
+        (leader, _term), = seen
+        return leader if leader is not None and len(self.leaders(among)) == 1 else None
+
+    def views_agree(self, among: list[ClusterCore] | None = None) -> bool:
+        among = among or self.live()
+        views = {tuple(sorted((n, m.state) for n, m in c.membership.members.items()))
+                 for c in among}
+        return len(views) == 1
+
+    def safety_violations(self) -> dict[int, set[str]]:
+        return {t: ls for t, ls in self.leaders_by_term.items() if len(ls) > 1}

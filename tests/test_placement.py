@@ -1,0 +1,149 @@
+"""Placement: smallest fitting ring, proportional contiguous layer split, clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from skulkp2p.cluster.placement import (
+    ModelSpec,
+    NodeOffer,
+    PlacementError,
+    Request,
+    member_need,
+    place_model,
+    plan,
+    split_layers,
+)
+
+MB = 1_000_000
+# 30 layers, 300 MB of weights, no KV to speak of: easy arithmetic (10 MB x 1.3 per layer).
+SPEC = ModelSpec("m", layers=30, size_bytes=300 * MB, context_length=1, hidden_size=64,
+                 kv_heads=1)
+
+
+def nodes(**mem_mb):
+    return [NodeOffer(n, m * MB) for n, m in mem_mb.items()]
+
+
+def test_split_is_contiguous_proportional_and_at_least_one_each():
+    assert split_layers(30, [1, 1, 1]) == [(0, 10), (10, 20), (20, 30)]
+    assert split_layers(30, [2, 1]) == [(0, 20), (20, 30)]
+    assert split_layers(4, [1000, 1, 1]) == [(0, 2), (2, 3), (3, 4)]
+    rng = random.Random(0)
+    for _ in range(500):
+        layers = rng.randint(1, 80)
+        k = rng.randint(1, min(layers, 8))
+        w = [rng.randint(1, 10**9) for _ in range(k)]
+        ranges = split_layers(layers, w)
+        assert ranges[0][0] == 0 and ranges[-1][1] == layers
+        assert all(a < b for a, b in ranges)
+        assert all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
+        total = sum(w)
+        for (a, b), wi in zip(ranges, w, strict=True):  # within one layer of its quota
+            assert abs((b - a) - layers * wi / total) < 1 + 1e-9 or b - a == 1
+    with pytest.raises(ValueError):
+        split_layers(2, [1, 1, 1])
+
+
+def test_need_counts_overhead_kv_and_dtype():
+    spec = ModelSpec("x", layers=10, size_bytes=100 * MB, context_length=1000, hidden_size=576,
+                     kv_heads=3)
+    kv = 2 * 3 * 64 * 1000 * 2  # K and V, 3 heads of 64, 1000 tokens, bf16
+    assert spec.kv_bytes_per_layer() == kv
+    assert member_need(spec, 10) == pytest.approx(130 * MB + 10 * kv, abs=1)
+    assert member_need(spec, 5, "float32") == pytest.approx(2 * (65 * MB + 5 * kv), abs=1)
+
+
+def test_smallest_fitting_ring_wins_over_more_memory():
+    # a alone fits (390 MB needed); b+c have more in total but are two hops.
+    got = place_model(SPEC, nodes(a=400, b=300, c=300))
+    assert got.ring == ("a",) and got.layers == ((0, 30),)
+
+
+def test_ties_go_to_more_free_memory():
+    got = place_model(SPEC, nodes(a=400, b=500, c=450))
+    assert got.ring == ("b",)
+    # two-node rings: {b, c} has the most memory of all fitting pairs
+    got = place_model(SPEC, nodes(a=150, b=250, c=240, d=100))
+    assert got.ring == ("b", "c") and len(got.layers) == 2
+
+
+def test_ring_layers_proportional_to_memory():
+    got = place_model(SPEC, nodes(a=100, b=150, c=200))  # 390 MB needed: all three
+    assert got.ring == ("c", "b", "a")  # most memory first
+    sizes = [b - a for a, b in got.layers]
+    assert sizes == [13, 10, 7]  # 13.3, 10, 6.7 by largest remainder
+    assert all(need <= mem * MB for need, mem in zip(got.needs, (200, 150, 100), strict=True))
+
+
+def test_not_fitting_error_names_need_and_supply():
+    with pytest.raises(PlacementError) as e:
+        place_model(SPEC, nodes(a=100, b=100))
+    msg = str(e.value)
+    assert "model m does not fit" in msg and "needs 390 MB" in msg and "200 MB" in msg
+    assert "2 nodes" in msg and e.value.needs >= 390 * MB and e.value.available == 200 * MB
+
+
+def test_explicit_ring_in_given_order():
+    got = place_model(SPEC, nodes(a=400, b=400, c=400), ring=["c", "a"])
+    assert got.ring == ("c", "a") and got.explicit
+    with pytest.raises(PlacementError, match="not alive"):
+        place_model(SPEC, nodes(a=400), ring=["zz"])
+    with pytest.raises(PlacementError, match="named nodes offer"):
+        place_model(SPEC, nodes(a=100, b=400), ring=["a"])
+
+
+def test_float32_nodes_need_twice_the_memory():
+    both = [NodeOffer("a", 500 * MB, "float32"), NodeOffer("b", 500 * MB, "float32")]
+    got = place_model(SPEC, both)  # 780 MB in float32: two nodes
+    assert len(got.ring) == 2
+
+
+def test_plan_is_deterministic_and_accounts_memory_across_models():
+    small = ModelSpec("s", layers=10, size_bytes=200 * MB, context_length=1, hidden_size=64,
+                      kv_heads=1)
+    offers = nodes(a=400, b=300)
+    reqs = [Request(SPEC), Request(small)]
+    r1 = plan(reqs, offers)
+    r2 = plan(list(reversed(reqs)), list(reversed(offers)))
+    assert r1 == r2
+    assert r1["m"].ring == ("a",)  # placed first (by id): takes a
+    assert r1["s"].ring == ("b",)  # 260 MB left only on b
+
+
+def test_plan_keeps_previous_and_replaces_lost_ones():
+    offers = nodes(a=400, b=420, c=400)
+    first = plan([Request(SPEC)], offers)
+    assert first["m"].ring == ("b",)
+    # b gains a rival with more memory: the placement stays where it is (no churn)
+    again = plan([Request(SPEC)], offers + nodes(d=900), previous=first)
+    assert again["m"].ring == ("b",)
+    # b is gone: placed again on what is left
+    lost = plan([Request(SPEC)], nodes(a=400, c=401), previous=first)
+    assert lost["m"].ring == ("c",)
+    # a suspect node keeps its placement but gets no new ones
+    kept = plan([Request(SPEC)], offers, previous=first, eligible=["a", "c"])
+    assert kept["m"].ring == ("b",)
+    fresh = plan([Request(SPEC)], offers, eligible=["a", "c"])
+    assert fresh["m"].ring in (("a",), ("c",))
+
+
+def test_plan_reports_errors_per_model():
+    result = plan([Request(SPEC)], nodes(a=10))
+    assert isinstance(result["m"], PlacementError)
+
+
+def test_spec_from_dict_validates():
+    assert ModelSpec.from_dict(SPEC.to_dict()) == SPEC
+    for bad in ({}, {"id": "x", "layers": 0, "size_bytes": 1}, {"id": "x", "layers": "3"},
+                {"id": 3, "layers": 1, "size_bytes": 1}):
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            ModelSpec.from_dict(bad)
+
+
+def test_many_nodes_stay_fast():
+    offers = [NodeOffer(f"n{i:02d}", (50 + i) * MB) for i in range(40)]
+    got = place_model(SPEC, offers)
+    assert 2 <= len(got.ring) <= 10
