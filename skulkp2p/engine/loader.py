@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,9 +35,7 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None) -> Loaded
     speculation = dict(card.speculation) if card else {}
     sidecar = None
     if speculation.get("mtp_sidecar"):
-        sidecar = Path(speculation["mtp_sidecar"])
-        if not sidecar.is_absolute() and card.file is not None:
-            sidecar = card.file.parent / sidecar  # relative to the card, e.g. a file in the project
+        sidecar = resolve_sidecar(speculation["mtp_sidecar"], card.file if card else None)
     loaded = load_model(path, resolved.id,
                         context_length=card.context_length if card and card.family else None,
                         dtype=dtype, runtime=card.runtime if card else None,
@@ -52,6 +51,58 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None) -> Loaded
         log.info("verify width costs for %s (%s) measured here: %s", resolved.id, dtype,
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())[:8]))
     return loaded
+
+
+SIDECAR_FILE = "mtp.safetensors"
+_HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_sidecar(value: str, card_file: Path | None = None) -> Path:
+    """The local file a card's `speculation.mtp_sidecar` names:
+
+    * a path, absolute or relative to the card file (a file in the project, e.g.
+      "sidecars/smollm2-135m/mtp.safetensors"); a folder stands for its mtp.safetensors;
+    * "hf:owner/repo" (or a bare "owner/repo" that is no local path): the repo's
+      mtp.safetensors from the Hugging Face hub, from the local cache only when offline.
+    """
+    repo = value[3:] if value.startswith("hf:") else None
+    if repo is None:
+        path = Path(value).expanduser()
+        if not path.is_absolute() and card_file is not None:
+            path = Path(card_file).parent / path
+        if path.is_dir():
+            path = path / SIDECAR_FILE
+        if path.is_file():
+            return path
+        if not _HF_REPO.fullmatch(value) or value.endswith(".safetensors"):
+            raise FileNotFoundError(f"MTP sidecar {value!r}: no file {path}")
+        repo = value
+    if not _HF_REPO.fullmatch(repo):
+        raise ValueError(f"MTP sidecar {value!r}: not an 'owner/repo' Hugging Face repo id")
+    return _hf_sidecar(repo)
+
+
+def _hf_offline() -> bool:
+    import huggingface_hub.constants as hf_constants
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    return bool(hf_constants.HF_HUB_OFFLINE) or env in ("1", "true", "yes", "on")
+
+
+def _hf_sidecar(repo: str) -> Path:
+    import huggingface_hub
+    if _hf_offline():
+        # Offline: the local cache or a clear error, never a network attempt.
+        cached = huggingface_hub.try_to_load_from_cache(repo, SIDECAR_FILE)
+        if isinstance(cached, str):
+            return Path(cached)
+        raise FileNotFoundError(
+            f"MTP sidecar hf:{repo}: {SIDECAR_FILE} is not in the local Hugging Face cache and "
+            "HF_HUB_OFFLINE is set; fetch it once online or name a local file in the card")
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo, SIDECAR_FILE))
+    except Exception as e:  # the hub's errors vary by version; the message says what happened
+        raise FileNotFoundError(f"MTP sidecar hf:{repo}: cannot fetch {SIDECAR_FILE}: "
+                                f"{type(e).__name__}: {e}") from e
 
 
 def _vocab_size(loaded: LoadedModel) -> int:

@@ -18,6 +18,11 @@ Three checkpoint namings carry such a head; `detect_conventions` recognises them
 * mimo (MiMo): `model.mtp_layers.0.` with `token_layernorm`, `hidden_layernorm`, `input_proj`
   (hidden FIRST in the concat), `final_layernorm`; embedding zeroed at position 0.
 
+A sidecar may also hold `{prefix}vocab_ids` (int32 [K]): a reduced draft vocabulary. The head
+then scores only those K rows of the shared lm_head (taken at load, quantised like the base),
+which cuts a draft's cost when the vocabulary is large; other tokens are never drafted. Heads
+trained by tools/train_sidecar.py use it.
+
 The decoder layer is built from the family's own mlx-lm class (the class of a trunk layer whose
 parameter names match the head's layer tensors), so attention, RoPE and the MLP are the trunk's
 code. The embedding and lm_head are the trunk's (DeepSeek's `shared_head.head` when present).
@@ -82,6 +87,8 @@ _PARTS: dict[str, dict[str, str]] = {
 }
 # DeepSeek's MTP layer carries a copy of the shared embedding; the trunk's is used instead.
 _IGNORED = {"deepseek": ("embed_tokens.",)}
+# Optional int32 tensor (under the style's prefix) listing a reduced draft vocabulary.
+VOCAB_IDS = "vocab_ids"
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,8 @@ class MtpHead(nn.Module):
         # Plain attributes (not child modules): the trunk's weights are not the head's parameters.
         self._trunk = trunk
         self._conventions = conventions
+        self._vocab_ids: mx.array | None = None
+        self._vocab_size = 0
 
     @property
     def conventions(self) -> MtpConventions:
@@ -232,24 +241,74 @@ class MtpHead(nn.Module):
     def make_cache(self) -> KVCache:
         return KVCache()
 
+    @property
+    def vocab_ids(self) -> mx.array | None:
+        """Token ids the head drafts from (a reduced draft vocabulary), or None for all."""
+        return self._vocab_ids
+
+    def restrict_vocab(self, ids: mx.array) -> None:
+        """Draft only tokens `ids`: the head's logits come from those rows of the (shared)
+        lm_head, taken once here, so a draft reads K rows instead of the whole vocabulary.
+        Exactness does not depend on it: the verifier decides every token."""
+        ids = ids.astype(mx.int32)
+        vocab = int(self._trunk.embed_tokens.weight.shape[0])
+        if ids.ndim != 1 or ids.size == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"MTP vocab_ids must be a non-empty list of token ids below {vocab}")
+        source = self.head if "head" in self else (
+            self._trunk.body.embed_tokens if self._trunk.tied else self._trunk.text.lm_head)
+        if "scales" in source:
+            # Quantised rows: dequantise them; a quantised base quantises the head again.
+            rows = mx.dequantize(source["weight"][ids], source["scales"][ids],
+                                 source["biases"][ids] if "biases" in source else None,
+                                 source.group_size, source.bits,
+                                 mode=getattr(source, "mode", "affine"))
+        else:
+            rows = source["weight"][ids]
+        self.vocab_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+        self.vocab_head.weight = rows
+        self.vocab_head.freeze()
+        self._vocab_ids = ids
+        self._vocab_size = vocab
+
+    def features(self, hidden: mx.array, tokens: mx.array, cache: KVCache | None = None,
+                 first: bool = True) -> tuple[mx.array, mx.array]:
+        """(pre, post) head states [B, L, H] for rows (hidden[b, i], tokens[b, i]): batched,
+        for decoding (B = 1, with `cache`) and for training (no cache, causal over L). `first`:
+        row 0 is position 0 (where DeepSeek/MiMo zero the embedding)."""
+        conv = self._conventions
+        embed = self._trunk.embed_tokens(tokens)
+        if conv.zero_first_embed and first:
+            mask = (mx.arange(embed.shape[1]) > 0)[None, :, None]
+            embed = mx.where(mask, embed, mx.zeros_like(embed))
+        e = self.norm_embed(embed)
+        h = self.norm_hidden(hidden.astype(e.dtype))
+        x = self.proj(mx.concatenate([e, h] if conv.concat == "embed_first" else [h, e], -1))
+        pre = self.layer(x, create_attention_mask(x, cache), cache)
+        return pre, self.final_norm(pre)
+
+    def draft_logits(self, rows: mx.array) -> mx.array:
+        """Logits over the draft vocabulary (K columns when restricted) for head states."""
+        if "vocab_head" in self:
+            return self.vocab_head(rows)
+        return self.head(rows) if "head" in self else self._trunk.head(rows)
+
+    def logits(self, rows: mx.array) -> mx.array:
+        """Full-vocabulary logits; tokens outside a restricted draft vocabulary get -inf."""
+        sub = self.draft_logits(rows)
+        if "vocab_head" not in self:
+            return sub
+        full = mx.full((*sub.shape[:-1], self._vocab_size), -mx.inf, dtype=sub.dtype)
+        full[..., self._vocab_ids] = sub
+        return full
+
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: KVCache,
                  all_logits: bool = False) -> MtpOutput:
         """Run rows (hidden[i], tokens[i]) at positions cache.offset + i, appending them to
         `cache`. `hidden` is [L, H] trunk (or chained head) states, `tokens` [L] the next tokens.
         Logits come for the last row only unless `all_logits` (the lm_head is the big matmul)."""
-        conv = self._conventions
-        embed = self._trunk.embed_tokens(tokens[None])
-        if conv.zero_first_embed and cache.offset == 0:
-            mask = (mx.arange(embed.shape[1]) > 0)[None, :, None]
-            embed = mx.where(mask, embed, mx.zeros_like(embed))
-        e = self.norm_embed(embed)
-        h = self.norm_hidden(hidden[None].astype(e.dtype))
-        x = self.proj(mx.concatenate([e, h] if conv.concat == "embed_first" else [h, e], -1))
-        pre = self.layer(x, create_attention_mask(x, cache), cache)
-        post = self.final_norm(pre)
+        pre, post = self.features(hidden[None], tokens[None], cache, first=cache.offset == 0)
         rows = post if all_logits else post[:, -1:]
-        logits = self.head(rows) if "head" in self else self._trunk.head(rows)
-        return MtpOutput(logits[0], pre[0], post[0])
+        return MtpOutput(self.logits(rows)[0], pre[0], post[0])
 
 
 def _read_tensors(files: list[Path], prefix: str) -> dict[str, mx.array]:
@@ -322,6 +381,19 @@ def _build_layer(trunk: Trunk, layer_tensors: dict[str, mx.array]) -> nn.Module:
                      f"(missing {missing}, unexpected {extra})")
 
 
+def _check_shapes(head: MtpHead, weights: dict[str, mx.array], origin: dict[str, str],
+                  source: Path) -> None:
+    """Refuse tensors that do not fit the base model, naming the file's tensor (a sidecar made
+    for another model, or a corrupt one); mlx's own error would name the head's parameter."""
+    params = dict(tree_flatten(head.parameters()))
+    for key, value in weights.items():
+        want = params.get(key)
+        if want is not None and tuple(want.shape) != tuple(value.shape):
+            raise ValueError(f"MTP tensor {origin.get(key, key)} in {source} has shape "
+                             f"{tuple(value.shape)}, but the base model needs "
+                             f"{tuple(want.shape)}: this head was made for another model")
+
+
 def _quantization(config: dict[str, Any]) -> tuple[int, int, str] | None:
     q = config.get("quantization")
     if not q:
@@ -351,18 +423,28 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
         log.warning("MTP head has more than one layer; only layer 0 is used")
 
     trunk = Trunk(model)
+    # A reduced draft vocabulary (trained heads): token ids whose lm_head rows the head uses.
+    vocab_ids = tensors.pop(prefix + VOCAB_IDS, None)
     weights: dict[str, mx.array] = {}
     layer_tensors: dict[str, mx.array] = {}
+    origin: dict[str, str] = {}  # head parameter -> the file's tensor name, for errors
     for name, value in tensors.items():
         if name.startswith(ignored):
             continue
         part = next((p for p, raw in parts.items() if name.startswith(prefix + raw + ".")), None)
         if part is not None:
-            weights[part + name[len(prefix + parts[part]):]] = value
+            key = part + name[len(prefix + parts[part]):]
+            weights[key] = value
+            origin[key] = name
         elif name.startswith(layer_prefix):
             layer_tensors[name[len(layer_prefix):]] = value
-    layer_tensors = _stack_experts(layer_tensors)
-    weights.update({"layer." + k: v for k, v in layer_tensors.items()})
+            origin["layer." + name[len(layer_prefix):]] = name
+    stacked = _stack_experts(layer_tensors)
+    for k in set(stacked) - set(layer_tensors):  # restacked experts: name the first source
+        base = k.split(".switch_mlp.")[0]
+        origin["layer." + k] = layer_prefix + base + ".experts.*"
+    weights.update({"layer." + k: v for k, v in stacked.items()})
+    layer_tensors = stacked
     if conv.norm_offset:
         # Zero-centred checkpoints: x * (1 + w), for every RMSNorm of the head (norm_embed,
         # norm_hidden, final_norm, the layer's layernorms and q/k norms). Added in float32, as
@@ -384,9 +466,12 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
         group_size, bits, mode = quant or (64, 4, "affine")
         nn.quantize(head, group_size, bits, mode=mode,
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
+    _check_shapes(head, weights, origin, sidecar or model_path)
     head.load_weights(list(weights.items()), strict=True)
     # The engine may run the trunk in float32 over bf16 weights: compute the head alike.
     head.set_dtype(trunk.body.norm.weight.dtype)
+    if vocab_ids is not None:
+        head.restrict_vocab(vocab_ids)
     if quant and not prequantized:
         # Float head beside a quantised trunk: quantise on load to match it (DESIGN.md §5).
         group_size, bits, mode = quant

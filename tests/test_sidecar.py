@@ -1,0 +1,373 @@
+"""MTP sidecars: publish -> load round trips for every naming (dense and MoE), loading beside a
+4-bit base, refusals (no MTP tensors, shapes that do not fit), where a card's sidecar comes from,
+and train_sidecar on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from skulkp2p.engine import loader
+from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.generate import is_mtp_key, load_model
+from skulkp2p.engine.mtp import MtpDrafter, load_mtp_head
+from skulkp2p.engine.sampling import SamplingParams, make_rng
+from tools import publish_sidecar, train_sidecar
+from tools.make_tiny_model import make_tiny_model
+
+TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
+MAX_TOKENS = 24
+HIDDEN, VOCAB, LAYERS, EXPERTS = 64, 512, 2, 4
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _strip(src: Path, dst: Path) -> Path:
+    """A copy of `src` without its MTP tensors: what quantised or trimmed releases look like."""
+    shutil.copytree(src, dst)
+    n_layers = _config(src).get("num_hidden_layers") or _config(src)["text_config"][
+        "num_hidden_layers"]
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    (dst / "model.safetensors.index.json").unlink(missing_ok=True)
+    weights = {k: v for f in sorted(src.glob("*.safetensors"))
+               for k, v in mx.load(str(f)).items() if not is_mtp_key(k, n_layers)}
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "pt"})
+    return dst
+
+
+def _decode(lm, head=None, depth=0, stats=None) -> list[int]:
+    fwd = LocalForward(lm.model, hidden=head.conventions.hidden if head else None)
+    prompt = lm.tokenizer.encode(TEXT)
+    drafter = MtpDrafter(head) if head else None
+    return list(decode(fwd, prompt, SamplingParams(), MAX_TOKENS, make_rng(0), drafter, depth,
+                       stats))
+
+
+def _rows(seed: int, n: int = 6) -> tuple[mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    return (mx.array(rng.standard_normal((n, HIDDEN)).astype(np.float32)),
+            mx.array(rng.integers(3, VOCAB, n)))
+
+
+def _logits(head, hidden, tokens) -> np.ndarray:
+    return np.array(head(hidden, tokens, head.make_cache(), all_logits=True).logits)
+
+
+# --- a tiny MoE checkpoint (make_tiny_model writes dense ones only) ----------------------------
+
+
+def _moe_config() -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128,
+        "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": EXPERTS, "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": None, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+        "hidden_act": "silu", "bos_token_id": None, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    }
+
+
+def _raw_layer(layer: nn.Module, prefix: str) -> dict[str, mx.array]:
+    """A decoder layer's tensors as a raw checkpoint names them: one tensor per expert."""
+    out = {}
+    for k, v in tree_flatten(layer.parameters()):
+        if ".switch_mlp." in k:
+            base, proj = k.split(".switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{prefix}{base}.experts.{e}.{proj}"] = v[e]
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def make_moe_model(out: Path, style: str, shards: int = 1) -> Path:
+    """A tiny qwen3_moe checkpoint (bf16, per-expert tensors, optionally sharded with an index)
+    with an MoE MTP head in `style`'s naming; tokenizer from make_tiny_model."""
+    from mlx_lm.models import qwen3_moe
+
+    tok = make_tiny_model("llama", out.parent / f"{out.name}-tok")
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tok / name, out / name)
+    config = _moe_config()
+    args = qwen3_moe.ModelArgs.from_dict(config)
+    mx.random.seed(7)
+    trunk = qwen3_moe.Model(args)
+    mx.random.seed(8)
+    spare = qwen3_moe.Model(args)  # its first layer becomes the head's decoder layer
+    weights: dict[str, mx.array] = {}
+    for i, layer in enumerate(trunk.model.layers):
+        weights.update(_raw_layer(layer, f"model.layers.{i}."))
+    weights["model.embed_tokens.weight"] = trunk.model.embed_tokens.weight
+    weights["model.norm.weight"] = trunk.model.norm.weight
+    weights["lm_head.weight"] = trunk.lm_head.weight
+    rng = np.random.default_rng(3)
+
+    def norm() -> mx.array:
+        return mx.array((1 + 0.05 * rng.standard_normal(HIDDEN)).astype(np.float32))
+
+    proj = mx.array((rng.standard_normal((HIDDEN, 2 * HIDDEN)) * 0.09).astype(np.float32))
+    if style == "qwen":
+        p, names = "mtp.", ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        layer_prefix = "mtp.layers.0."
+    elif style == "deepseek":
+        p, names = f"model.layers.{LAYERS}.", ("eh_proj", "enorm", "hnorm", "shared_head.norm")
+        layer_prefix = p
+        weights[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        weights[p + "shared_head.head.weight"] = weights["lm_head.weight"]
+        config["num_nextn_predict_layers"] = 1
+    else:
+        p, names = "model.mtp_layers.0.", ("input_proj", "token_layernorm", "hidden_layernorm",
+                                           "final_layernorm")
+        layer_prefix = p
+        config["num_nextn_predict_layers"] = 1
+    weights[p + names[0] + ".weight"] = proj
+    for n in names[1:]:
+        weights[p + n + ".weight"] = norm()
+    weights.update(_raw_layer(spare.model.layers[0], layer_prefix))
+    weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    names_sorted = sorted(weights)
+    if shards == 1:
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+        return out
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k] for k in names_sorted[s::shards]}
+        mx.save_safetensors(str(out / file), part, metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out
+
+
+# --- publish -> load round trips --------------------------------------------------------------
+
+CASES = [("llama", "qwen", False), ("llama", "deepseek", False), ("llama", "mimo", False),
+         ("qwen3_5", "qwen", False), ("qwen3_moe", "qwen", True), ("qwen3_moe", "deepseek", True),
+         ("qwen3_moe", "mimo", True)]
+
+
+@pytest.mark.parametrize("family,style,moe", CASES)
+def test_publish_load_round_trip(tmp_path, family, style, moe):
+    if moe:
+        src = make_moe_model(tmp_path / "src", style, shards=2 if style == "qwen" else 1)
+    else:
+        src = make_tiny_model(family, tmp_path / "src", mtp=True, mtp_style=style)
+    side_dir = tmp_path / "side"
+    assert publish_sidecar.main([str(src), str(side_dir)]) == 0
+    sidecar = side_dir / "mtp.safetensors"
+    names = set(mx.load(str(sidecar)))
+    # The sidecar holds the head alone; experts are stacked; DeepSeek's copies are dropped.
+    assert names and all(is_mtp_key(n, _config(src).get("num_hidden_layers", 4)) for n in names)
+    assert not any(".experts." in n for n in names)
+    assert moe == any(".switch_mlp." in n for n in names)
+    assert not any("embed_tokens" in n or "shared_head.head" in n for n in names)
+    prov = tomllib.loads((side_dir / "mtp.provenance.toml").read_text())
+    conv = prov["conventions"]
+    assert conv["style"] == style and conv["layers"] == 1 and conv["dtype"] == "bfloat16"
+    assert conv["concat"] == ("hidden_first" if style == "mimo" else "embed_first")
+    assert conv["norm_offset"] == (1.0 if family == "qwen3_5" else 0.0)
+    assert prov["experts_restacked"] == moe
+    for f in src.glob("*.safetensors"):
+        assert prov["source"][f.name]["sha256"] == publish_sidecar.sha256_file(f)
+    assert prov["sidecar"]["sha256"] == publish_sidecar.sha256_file(sidecar)
+
+    base = _strip(src, tmp_path / "base")
+    lm = load_model(base, "base", dtype="float32", sidecar=sidecar)
+    assert lm.mtp is not None and lm.mtp.conventions.style == style
+    original = load_mtp_head(src, lm.model, _config(src))  # from the original tensors
+    hidden, tokens = _rows(1)
+    np.testing.assert_array_equal(_logits(lm.mtp, hidden, tokens),
+                                  _logits(original, hidden, tokens))
+    plain = _decode(lm)
+    for depth in (1, 3):
+        stats = DecodeStats()
+        assert _decode(lm, lm.mtp, depth, stats) == plain, f"depth {depth}"
+        assert stats.drafted > 0
+    text = lm.tokenizer.decode(plain).encode()
+    assert lm.tokenizer.decode(_decode(lm, lm.mtp, 2)).encode() == text
+
+
+def test_publish_refuses_a_checkpoint_without_mtp(tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert publish_sidecar.main([str(tiny_models["llama"]), str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no MTP tensors" in err
+    assert not (out / "mtp.safetensors").exists()
+
+
+# --- beside a quantised base, and refusals --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_sidecar(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(original with head, stripped base, sidecar file) for a tiny llama with a qwen head."""
+    root = tmp_path_factory.mktemp("llama-side")
+    src = make_tiny_model("llama", root / "src", mtp=True, mtp_style="qwen")
+    publish_sidecar.publish(src, root / "side")
+    return src, _strip(src, root / "base"), root / "side" / "mtp.safetensors"
+
+
+def _quantise(base: Path, out: Path, bits: int = 4, group: int = 32) -> Path:
+    from mlx_lm import convert
+    convert(hf_path=str(base), mlx_path=str(out), quantize=True, q_bits=bits,
+            q_group_size=group)
+    return out
+
+
+def test_sidecar_beside_a_4bit_base_quantises_to_match(llama_sidecar, tmp_path):
+    src, base, sidecar = llama_sidecar
+    q4 = _quantise(base, tmp_path / "q4")
+    assert _config(q4)["quantization"]["bits"] == 4
+    lm = load_model(q4, "q4", dtype="float32", sidecar=sidecar)
+    for module in (lm.mtp.proj, lm.mtp.layer.self_attn.q_proj, lm.mtp.layer.mlp.down_proj):
+        assert isinstance(module, nn.QuantizedLinear)
+        assert (module.bits, module.group_size) == (4, 32)
+    ref = load_model(src, "full", dtype="float32")
+    hidden, tokens = _rows(2)
+    a = _logits(ref.mtp, hidden, tokens)
+    b = _logits(lm.mtp, hidden, tokens)
+    assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.97  # 4-bit: close, not equal
+    assert _decode(lm, lm.mtp, 3) == _decode(lm)
+
+
+def test_shape_mismatch_is_refused_by_name(llama_sidecar, tmp_path):
+    _, base, sidecar = llama_sidecar
+    tensors = dict(mx.load(str(sidecar)))
+    name = "mtp.layers.0.mlp.up_proj.weight"
+    tensors[name] = mx.zeros((96, HIDDEN), mx.bfloat16)
+    bad = tmp_path / "bad.safetensors"
+    mx.save_safetensors(str(bad), tensors)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_model(base, "base", dtype="float32", sidecar=bad)
+    # A head made for a wider model: the first mismatching tensor is named, too.
+    tensors = dict(mx.load(str(sidecar)))
+    tensors["mtp.fc.weight"] = mx.zeros((HIDDEN, 3 * HIDDEN), mx.bfloat16)
+    mx.save_safetensors(str(bad), tensors)
+    with pytest.raises(ValueError, match=r"mtp\.fc\.weight"):
+        load_model(base, "base", dtype="float32", sidecar=bad)
+
+
+# --- where a card's sidecar comes from ---------------------------------------------------------
+
+
+def test_card_sidecar_local_path_folder_and_project_file(llama_sidecar, tmp_path, monkeypatch):
+    _, base, sidecar = llama_sidecar
+    cards = tmp_path / "cards"
+    (cards / "sidecars" / "tiny").mkdir(parents=True)
+    shutil.copy(sidecar, cards / "sidecars" / "tiny" / "mtp.safetensors")
+    card = cards / "tiny.toml"
+    assert loader.resolve_sidecar("sidecars/tiny/mtp.safetensors", card) == \
+        cards / "sidecars" / "tiny" / "mtp.safetensors"
+    assert loader.resolve_sidecar("sidecars/tiny", card).name == "mtp.safetensors"
+    assert loader.resolve_sidecar(str(sidecar)) == sidecar
+    with pytest.raises(FileNotFoundError, match="no file"):
+        loader.resolve_sidecar("sidecars/missing/mtp.safetensors", card)
+    # The whole path: a card in SKULKP2P_CARDS_DIR names its sidecar relative to itself.
+    card.write_text(f'''id = "tiny-side"
+family = "llama"
+format = "mlx"
+layers = 4
+hidden_size = {HIDDEN}
+kv_heads = 2
+context_length = 4096
+size_bytes = 1000000
+[source]
+kind = "local"
+path = "{base}"
+[speculation]
+mtp_sidecar = "sidecars/tiny/mtp.safetensors"
+mtp_max_depth = 2
+''')
+    monkeypatch.setenv("SKULKP2P_CARDS_DIR", str(cards))
+    from skulkp2p.models.store import ModelStore
+    lm = loader.open_model(ModelStore(tmp_path / "data"), "tiny-side", dtype="float32")
+    assert lm.mtp is not None and lm.mtp.conventions.max_depth == 2
+
+
+def test_card_sidecar_from_hf_repo(tmp_path, monkeypatch):
+    import huggingface_hub
+    got = {}
+    fake = tmp_path / "mtp.safetensors"
+    fake.write_bytes(b"")
+
+    def download(repo, filename, **kw):
+        got["args"] = (repo, filename)
+        return str(fake)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert loader.resolve_sidecar("hf:someone/smol-mtp") == fake
+    assert got["args"] == ("someone/smol-mtp", "mtp.safetensors")
+    # A bare owner/repo that is no local path means the hub too.
+    assert loader.resolve_sidecar("someone/other", tmp_path / "card.toml") == fake
+    assert got["args"][0] == "someone/other"
+
+
+def test_card_sidecar_from_hf_offline(tmp_path, monkeypatch):
+    import huggingface_hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cached = tmp_path / "cached.safetensors"
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *a, **k: pytest.fail("no network call when offline"))
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache and "
+                                                "HF_HUB_OFFLINE is set"):
+        loader.resolve_sidecar("hf:someone/smol-mtp")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: str(cached))
+    assert loader.resolve_sidecar("hf:someone/smol-mtp") == cached
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path):
+    base = tiny_models["llama"]
+    out = tmp_path / "trained"
+    common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "12",
+              "--limit-files", "30", "--max-batches", "2", "--eval-tokens", "40"]
+    assert train_sidecar.main([*common, "--steps", "3"]) == 0
+    prov = tomllib.loads((out / "mtp.provenance.toml").read_text())
+    assert prov["training"]["steps"] == 3
+    acc = prov["acceptance"]
+    assert [len(acc[f"depth{d}_per_position"]) for d in (1, 2, 3)] == [1, 2, 3]
+    assert all(0.0 <= a <= 1.0 for a in acc["depth3_per_position"])
+    tensors = mx.load(str(out / "mtp.safetensors"))
+    assert tensors["mtp.fc.weight"].dtype == mx.bfloat16
+    assert "lm_head.weight" not in tensors and "mtp.vocab_ids" in tensors
+
+    lm = load_model(base, "tiny", dtype="float32", sidecar=out / "mtp.safetensors")
+    head = lm.mtp
+    assert head is not None and head.conventions.hidden == "after"
+    ids = np.array(head.vocab_ids)
+    assert len(ids) == tensors["mtp.vocab_ids"].size <= VOCAB
+    hidden, tokens = _rows(4)
+    logits = _logits(head, hidden, tokens)
+    assert logits.shape[-1] == VOCAB  # full vocabulary, -inf outside the draft vocabulary
+    assert np.isin(logits.argmax(-1), ids).all()
+    assert _decode(lm, head, 3) == _decode(lm)
+
+    # Resumable: the checkpoint carries the step; a resumed run goes on from it.
+    assert train_sidecar.main([*common, "--steps", "5", "--resume"]) == 0
+    assert json.loads((out / ".train" / "state.json").read_text())["step"] == 5
+    # Beside a 4-bit base the reduced head is quantised too (from the base's quantised rows).
+    q4 = _quantise(base, tmp_path / "q4")
+    lq = load_model(q4, "q4", dtype="float32", sidecar=out / "mtp.safetensors")
+    assert isinstance(lq.mtp.vocab_head, nn.QuantizedLinear)
+    assert _decode(lq, lq.mtp, 2) == _decode(lq)

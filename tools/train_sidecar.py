@@ -1,0 +1,782 @@
+"""Train an MTP head (a sidecar) for a model that has none, by self-distillation, trunk frozen.
+
+Usage::
+
+    python tools/train_sidecar.py --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
+
+What it trains (DESIGN.md §5, qwen naming ``mtp.*`` with one decoder layer of the trunk's own
+family, read by skulkp2p.engine.mtp.load_mtp_head): from the trunk's hidden state h_t (after its
+final norm) and the embedding of token t+1, predict what the trunk itself predicts for t+2. The
+targets are the trunk's top-k distribution at t+1, so the head learns what the verifier accepts.
+
+How (the lessons of the first attempt, DESIGN.md §6):
+
+1. Data: prompts built from text that ships with the machine (Python stdlib docstrings and
+   source, /usr/share/doc READMEs), as chat requests (explain, summarise, edit code, ...) and
+   plain continuations; the model answers them greedily, in batches, in float32. Training rows
+   are mostly those generations: the distribution the head drafts on. A separate set of prompts
+   (other source files) is held out for the acceptance measurement.
+2. A reduced draft vocabulary: the K most frequent target tokens (covering --coverage of the
+   training targets). The head scores K rows of the shared lm_head, so a draft costs a small
+   fraction of a trunk step; it stays exact because the verifier decides every token.
+3. A head that starts close to right: the decoder layer is a copy of the trunk's last layer with
+   its residual output projections (o_proj, down_proj) zeroed, so it starts as the identity; the
+   final norm is the trunk's; fc is the ridge-regression solution mapping
+   [norm(embed(x_{t+1})), norm(h_t)] to the trunk's next hidden state, so the initial head already
+   predicts x_{t+2} as a linear model would instead of starting from a large loss.
+4. Loss: cross-entropy against the trunk's top-k distribution at t+1 (over the draft vocabulary)
+   plus a feature term pulling the head's normed output towards the trunk's h_{t+1}, which is what
+   the head is fed back at depth > 1 (EAGLE's lesson).
+5. Held-out acceptance is measured by replaying the held-out generations through the engine's
+   own decode loop and MtpDrafter (the trunk's stored outputs stand in for the verifier): per
+   position at depths 1-3, beside the baseline of a (token, token) -> next-label table.
+
+The run is bounded (--minutes, shared between generation and training), shows progress, and is
+resumable (--resume): generated shards and a checkpoint (head + optimizer + step) live in
+OUT/.train/. The result is OUT/mtp.safetensors (bf16, the shared lm_head is not stored) and
+OUT/mtp.provenance.toml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import hashlib
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `skulkp2p` and `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__":  # before mlx loads: the fast float32 path on Linux CPUs
+    from skulkp2p.engine import blas
+
+    blas.ensure_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from skulkp2p.engine.decode import DecodeStats, decode  # noqa: E402
+from skulkp2p.engine.mtp import _PARTS, VOCAB_IDS, MtpDrafter, MtpHead, load_mtp_head  # noqa: E402
+from skulkp2p.engine.sampling import SamplingParams, make_rng  # noqa: E402
+from skulkp2p.engine.trunk import Trunk  # noqa: E402
+from skulkp2p.progress import ProgressBar  # noqa: E402
+from tools.publish_sidecar import sha256_file, write_sidecar  # noqa: E402
+
+PREFIX = "mtp."
+LAYER_PREFIX = "mtp.layers.0."
+TOP_K = 8  # teacher distribution kept per position
+PROMPT_ROW_WEIGHT = 0.5  # rows inside the prompt count less: drafts happen on generated text
+GEN_SHARE = 0.5  # of the time budget spent generating (the rest: init, training, evaluation)
+EVAL_SHARE = 0.12  # kept back for the held-out replay and writing
+CHECKPOINT_EVERY_S = 60.0
+
+
+# --- offline text and prompts ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snippet:
+    source: str  # file it came from (decides the train / held-out split)
+    kind: str  # "doc" | "code" | "text"
+    name: str
+    text: str
+
+
+def _stdlib_snippets(limit_files: int | None) -> list[Snippet]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not {"test", "tests", "site-packages", "idlelib", "lib2to3"}
+                   & set(p.relative_to(root).parts))
+    out: list[Snippet] = []
+    for path in files[:limit_files]:
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef):
+                continue
+            name = module if isinstance(node, ast.Module) else f"{module}.{node.name}"
+            doc = ast.get_docstring(node)
+            if doc and 80 <= len(doc) <= 1500:
+                out.append(Snippet(str(path), "doc", name, doc))
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                seg = ast.get_source_segment(text, node)
+                if seg and 4 <= seg.count("\n") <= 30 and len(seg) <= 1500:
+                    out.append(Snippet(str(path), "code", name, seg))
+    return out
+
+
+def _doc_snippets(limit_files: int | None) -> list[Snippet]:
+    root = Path("/usr/share/doc")
+    if not root.is_dir():
+        return []
+    files = sorted(p for p in root.glob("*/*") if p.is_file() and re.match(
+        r"(?i)(readme|news|changelog\.Debian|.*\.txt)", p.name))
+    out: list[Snippet] = []
+    for path in files[:limit_files]:
+        try:
+            raw = path.read_bytes()
+            if path.suffix == ".gz":
+                raw = gzip.decompress(raw)[:200_000]
+            text = raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+            continue
+        for para in re.split(r"\n\s*\n", text):
+            para = para.strip()
+            if 120 <= len(para) <= 1200 and sum(c.isalpha() for c in para) > 0.6 * len(para):
+                out.append(Snippet(str(path), "text", path.parent.name, para))
+    return out
+
+
+_DOC_TASKS = (
+    "Explain this Python documentation in simple words:\n\n{text}",
+    "Summarize the following in a few sentences:\n\n{text}",
+    "What is `{name}` used for? Here is its documentation:\n\n{text}",
+    "Write a short Python example that uses `{name}`.",
+    "Answer in one paragraph: what does `{name}` do?",
+)
+_CODE_TASKS = (
+    "Add a docstring and type hints to this function:\n\n```python\n{text}\n```",
+    "Explain what this code does:\n\n```python\n{text}\n```",
+    "Rename the variables in this function to be more descriptive:\n\n```python\n{text}\n```",
+    "Is there a bug in this function? Answer and show the fixed code.\n\n```python\n{text}\n```",
+    "Rewrite this function to be shorter:\n\n```python\n{text}\n```",
+)
+_TEXT_TASKS = (
+    "Summarize this text:\n\n{text}",
+    "Explain this to a beginner:\n\n{text}",
+    "Write three questions a reader might ask about this text, and answer them:\n\n{text}",
+    "Rewrite this more clearly:\n\n{text}",
+)
+RAW_SHARE = 0.15  # plain continuations (no chat template)
+CONTENT_CHARS = 700
+
+
+def build_prompts(tokenizer: Any, seed: int, limit_files: int | None = None
+                  ) -> tuple[list[list[int]], list[list[int]], dict[str, int]]:
+    """(train prompts, held-out prompts, counts) as token lists. The split is by source file
+    (one in ten files is held out), so held-out prompts are about things training never saw."""
+    rng = random.Random(seed)
+    snippets = _stdlib_snippets(limit_files) + _doc_snippets(limit_files)
+    rng.shuffle(snippets)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    train: list[list[int]] = []
+    held: list[list[int]] = []
+    for s in snippets:
+        text = s.text[:CONTENT_CHARS]
+        if not chat or rng.random() < RAW_SHARE:
+            ids = tokenizer.encode(text)
+        else:
+            tasks = {"doc": _DOC_TASKS, "code": _CODE_TASKS, "text": _TEXT_TASKS}[s.kind]
+            content = rng.choice(tasks).format(text=text, name=s.name)
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+        bucket = int(hashlib.sha1(s.source.encode()).hexdigest(), 16) % 10
+        (held if bucket == 0 else train).append(list(ids))
+    counts = {"snippets": len(snippets), "train_prompts": len(train), "heldout_prompts": len(held)}
+    return train, held, counts
+
+
+def _tail_length(tokenizer: Any) -> int:
+    """Tokens the chat template puts after the user's content (end of turn, assistant header):
+    equalising prompt lengths cuts content, never these."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    a, b = (tokenizer.apply_chat_template([{"role": "user", "content": c}],
+                                          add_generation_prompt=True, tokenize=True)
+            for c in ("alpha", "omega"))
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def batches_of(prompts: list[list[int]], batch: int, max_len: int, tail: int
+               ) -> list[list[list[int]]]:
+    """Equal-length batches (batched decoding needs no padding then): sorted by length, each
+    batch cut to its shortest member by dropping content tokens just before the template tail."""
+    prompts = sorted((p for p in prompts if len(p) > tail + 4), key=len)
+    out = []
+    for i in range(0, len(prompts) - batch + 1, batch):
+        group = prompts[i:i + batch]
+        n = min(min(len(p) for p in group), max_len)
+        out.append([p[:n - tail] + p[len(p) - tail:] if tail else p[:n] for p in group])
+    return out
+
+
+# --- generation: the trunk's own greedy answers, with its hidden states and top-k ---------------
+
+
+def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
+                   eos: set[int], deadline: float | None = None) -> dict[str, np.ndarray]:
+    """Greedy continuations of equal-length prompts, batched, float32. Returns, per sample and
+    position: tokens, the hidden state after the final norm, the trunk's top-k logits; `ends`
+    is the first EOS position (or the length). Past `deadline` (time.monotonic) the answers
+    are cut short: a batch takes minutes on a busy CPU and must not overrun the budget."""
+    trunk = Trunk(model)
+    cache = make_prompt_cache(model)
+    batch, plen = len(prompts), len(prompts[0])
+    hidden, top_ids, top_vals, tokens = [], [], [], [mx.array(prompts, dtype=mx.int32)]
+
+    def step(x: mx.array) -> mx.array:
+        h = trunk.body(x, cache)
+        logits = trunk.head(h).astype(mx.float32)
+        ids = mx.argpartition(-logits, TOP_K - 1, axis=-1)[..., :TOP_K]
+        vals = mx.take_along_axis(logits, ids, -1)
+        order = mx.argsort(-vals, axis=-1)  # top-1 first: it is the greedy token
+        ids, vals = mx.take_along_axis(ids, order, -1), mx.take_along_axis(vals, order, -1)
+        mx.eval(h, ids, vals)
+        hidden.append(np.array(h.astype(mx.float16)))
+        top_ids.append(np.array(ids.astype(mx.int32)))
+        top_vals.append(np.array(vals.astype(mx.float16)))
+        return ids[:, -1:, 0]
+
+    nxt = step(tokens[0])
+    for i in range(gen_tokens):
+        tokens.append(nxt)
+        nxt = step(nxt)  # the last step gives the final token's hidden state and targets too
+        if i % 16 == 15:
+            seen = np.concatenate([np.array(t) for t in tokens[1:]], axis=1)
+            if all(any(int(x) in eos for x in row) for row in seen):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+    toks = np.concatenate([np.array(t) for t in tokens], axis=1).astype(np.int32)
+    ends = np.full(batch, toks.shape[1], np.int32)
+    for b in range(batch):
+        hits = [j for j in range(plen, toks.shape[1]) if int(toks[b, j]) in eos]
+        if hits:
+            ends[b] = hits[0]
+    return {"tokens": toks, "hidden": np.concatenate(hidden, axis=1),
+            "top_ids": np.concatenate(top_ids, axis=1),
+            "top_vals": np.concatenate(top_vals, axis=1),
+            "prompt_len": np.array(plen, np.int32), "ends": ends}
+
+
+# --- the head -----------------------------------------------------------------------------------
+
+
+def _to_file_name(param: str) -> str:
+    """Head parameter name -> the sidecar's tensor name (qwen naming)."""
+    if param.startswith("layer."):
+        return LAYER_PREFIX + param[len("layer."):]
+    part, rest = param.split(".", 1)
+    return PREFIX + _PARTS["qwen"][part] + "." + rest
+
+
+def head_tensors(head: MtpHead, dtype: mx.Dtype) -> dict[str, mx.array]:
+    out = {_to_file_name(k): v.astype(dtype) for k, v in tree_flatten(head.trainable_parameters())}
+    if head.vocab_ids is not None:
+        out[PREFIX + VOCAB_IDS] = head.vocab_ids.astype(mx.int32)
+    return out
+
+
+def initial_tensors(model: nn.Module, fc: np.ndarray, vocab_ids: np.ndarray
+                    ) -> dict[str, mx.array]:
+    """The starting head: the trunk's last layer with zeroed residual outputs, unit input norms,
+    the trunk's final norm, and fc from the ridge fit."""
+    trunk = Trunk(model)
+    last = trunk.body.layers[-1]
+    hidden = int(trunk.body.norm.weight.shape[0])
+    out: dict[str, mx.array] = {}
+    for k, v in tree_flatten(last.parameters()):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            v = mx.zeros_like(v)  # the layer starts as the identity on the residual stream
+        out[LAYER_PREFIX + k] = v.astype(mx.float32)
+    out[PREFIX + "fc.weight"] = mx.array(fc.astype(np.float32))
+    out[PREFIX + "pre_fc_norm_embedding.weight"] = mx.ones((hidden,))
+    out[PREFIX + "pre_fc_norm_hidden.weight"] = mx.ones((hidden,))
+    out[PREFIX + "norm.weight"] = trunk.body.norm.weight.astype(mx.float32)
+    out[PREFIX + VOCAB_IDS] = mx.array(vocab_ids.astype(np.int32))
+    return out
+
+
+def _rms(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def ridge_fc(model: nn.Module, shards: list[dict[str, np.ndarray]], eps: float,
+             max_rows: int = 60_000, lam: float = 1.0) -> np.ndarray:
+    """fc [H, 2H] minimising |fc [n(e_{t+1}); n(h_t)] - z_{t+1}|^2 + lam |fc|^2, where z is the
+    trunk's next hidden state before its final norm's weight (the head's final norm is the
+    trunk's, so the initial head predicts as the trunk would from the fitted state)."""
+    trunk = Trunk(model)
+    embed = np.array(trunk.embed_tokens.weight.astype(mx.float32))
+    norm_w = np.array(trunk.body.norm.weight.astype(mx.float32))
+    safe = np.where(np.abs(norm_w) < 1e-3, 1e-3, norm_w)
+    xs, ys, rows = [], [], 0
+    for s in shards:
+        for b in range(s["tokens"].shape[0]):
+            end = int(s["ends"][b])
+            n = min(end, s["tokens"].shape[1]) - 1
+            if n < 1:
+                continue
+            h = s["hidden"][b, :n].astype(np.float32)
+            e = embed[s["tokens"][b, 1:n + 1]]
+            xs.append(np.concatenate([_rms(e, eps), _rms(h, eps)], -1))
+            ys.append(s["hidden"][b, 1:n + 1].astype(np.float32) / safe)
+            rows += n
+            if rows >= max_rows:
+                break
+        if rows >= max_rows:
+            break
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    y = _rms(y, eps)  # scale-free target: the final norm removes the scale anyway
+    gram = (x.T @ x).astype(np.float64) + lam * np.eye(x.shape[1])
+    w = np.linalg.solve(gram, (x.T @ y).astype(np.float64))  # [2H, H]
+    return w.T.astype(np.float32)
+
+
+def choose_vocab(shards: list[dict[str, np.ndarray]], coverage: float, vocab_size: int,
+                 eos: set[int], fixed: int = 0) -> tuple[np.ndarray, float]:
+    """The most frequent greedy targets covering `coverage` of the training rows (or `fixed`
+    of them), in multiples of 256; EOS always included. Returns (sorted ids, coverage)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for s in shards:
+        top1 = s["top_ids"][..., 0]
+        for b in range(top1.shape[0]):
+            np.add.at(counts, top1[b, :int(s["ends"][b])], 1)
+    order = np.argsort(-counts, kind="stable")
+    total = max(int(counts.sum()), 1)
+    if fixed:
+        k = min(fixed, vocab_size)
+    else:
+        cum = np.cumsum(counts[order]) / total
+        k = int(np.searchsorted(cum, coverage) + 1)
+        k = min(vocab_size, max(256, int(math.ceil(k / 256) * 256)))
+    ids = set(order[:k].tolist()) | {e for e in eos if e < vocab_size}
+    ids_arr = np.array(sorted(ids), np.int32)
+    return ids_arr, float(counts[ids_arr].sum() / total)
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+class Batches:
+    """Training batches from generated shards: B sequences of one shard (equal lengths)."""
+
+    def __init__(self, shards: list[dict[str, np.ndarray]], vocab_ids: np.ndarray,
+                 vocab_size: int, batch: int, seed: int):
+        self.shards = shards
+        self.batch = batch
+        self.rng = np.random.default_rng(seed)
+        self.local = np.full(vocab_size, -1, np.int64)
+        self.local[vocab_ids] = np.arange(len(vocab_ids))
+
+    def sample(self) -> tuple[mx.array, ...]:
+        s = self.shards[int(self.rng.integers(len(self.shards)))]
+        n_seq = s["tokens"].shape[0]
+        pick = self.rng.choice(n_seq, size=min(self.batch, n_seq), replace=False)
+        return self.rows(s, pick)
+
+    def rows(self, s: dict[str, np.ndarray], pick: np.ndarray) -> tuple[mx.array, ...]:
+        """Row t pairs (h_t, x_{t+1}); its targets are the trunk's top-k and h at t+1."""
+        n = s["tokens"].shape[1]
+        hidden = s["hidden"][pick, :n - 1].astype(np.float32)
+        tokens = s["tokens"][pick, 1:n]
+        tid = s["top_ids"][pick, 1:n]
+        tval = s["top_vals"][pick, 1:n].astype(np.float32)
+        local = self.local[tid]
+        w = np.exp(tval - tval.max(-1, keepdims=True)) * (local >= 0)
+        w = w / np.maximum(w.sum(-1, keepdims=True), 1e-9)
+        feat = s["hidden"][pick, 1:n].astype(np.float32)
+        t = np.arange(n - 1)[None, :]
+        valid = (t + 1) < s["ends"][pick][:, None]
+        plen = int(s["prompt_len"])
+        weight = np.where(t + 1 < plen, PROMPT_ROW_WEIGHT, 1.0) * valid
+        return (mx.array(hidden), mx.array(tokens), mx.array(np.maximum(local, 0)),
+                mx.array(w.astype(np.float32)), mx.array(feat),
+                mx.array(weight.astype(np.float32)))
+
+
+def make_loss(feat_weight: float):
+    def loss_fn(head: MtpHead, hidden, tokens, tids, tw, feat, weight):
+        _, post = head.features(hidden, tokens)
+        logits = head.draft_logits(post).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ce = -(mx.take_along_axis(logp, tids, -1) * tw).sum(-1)
+        scale = mx.mean(feat * feat, axis=-1) + 1e-6
+        fl = mx.mean((post.astype(mx.float32) - feat) ** 2, axis=-1) / scale
+        total = mx.maximum(weight.sum(), 1.0)
+        return ((ce + feat_weight * fl) * weight).sum() / total, (ce * weight).sum() / total
+    return loss_fn
+
+
+def top1_accuracy(head: MtpHead, batches: Batches, shards: list[dict[str, np.ndarray]],
+                  max_seqs: int = 16) -> float:
+    """Teacher-forced depth-1 accuracy on generated rows (a quick check during training)."""
+    hits = total = 0
+    for s in shards:
+        pick = np.arange(min(max_seqs, s["tokens"].shape[0]))
+        hidden, tokens, _, _, _, weight = batches.rows(s, pick)
+        _, post = head.features(hidden, tokens)
+        pred = mx.argmax(head.draft_logits(post), -1)
+        want = mx.array(batches.local[s["top_ids"][pick, 1:, 0]])
+        plen = int(s["prompt_len"])
+        gen = np.array(weight) * (np.arange(weight.shape[1])[None] + 1 >= plen)
+        ok = np.array(pred == want) * (gen > 0)
+        hits += int(ok.sum())
+        total += int((gen > 0).sum())
+    return hits / max(total, 1)
+
+
+# --- held-out acceptance: replay through the engine's own decode loop --------------------------
+
+
+class ReplayForward:
+    """A Forward over a stored greedy generation: the verifier's rows are the trunk's recorded
+    top-1 and hidden states, so decode() with an MtpDrafter counts exactly the acceptance the
+    engine would see on that text (at the drafter's position in it)."""
+
+    def __init__(self, tokens: np.ndarray, hidden: np.ndarray, top1: np.ndarray, vocab: int):
+        self.hidden = "after"
+        self.tokens, self.h, self.top1, self.vocab = tokens, hidden, top1, vocab
+        self.offset = 0
+        self.last_hidden: mx.array | None = None
+
+    def prefill(self, tokens: list[int]) -> None:
+        self.offset = len(tokens)
+        self.last_hidden = mx.array(self.h[:self.offset].astype(np.float32))
+
+    def __call__(self, tokens: list[int]) -> mx.array:
+        pos = np.arange(self.offset, self.offset + len(tokens))
+        rows = np.zeros((len(tokens), self.vocab), np.float32)
+        rows[np.arange(len(tokens)), self.top1[pos]] = 1.0
+        self.last_hidden = mx.array(self.h[pos].astype(np.float32))
+        self.offset += len(tokens)
+        return mx.array(rows)
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        self.offset -= dropped
+
+
+def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab: int,
+                       max_tokens: int | None = None) -> dict[str, Any]:
+    """Per-position acceptance at depths 1, 2, 3 over the held-out generations."""
+    result: dict[str, Any] = {}
+    for depth in (1, 2, 3):
+        stats = DecodeStats()
+        emitted = 0
+        for s in shards:
+            plen = int(s["prompt_len"])
+            for b in range(s["tokens"].shape[0]):
+                end = int(s["ends"][b])
+                n_gen = min(end + 1, s["tokens"].shape[1]) - plen
+                if n_gen < 2:
+                    continue
+                fwd = ReplayForward(s["tokens"][b], s["hidden"][b], s["top_ids"][b, :, 0], vocab)
+                prompt = [int(t) for t in s["tokens"][b, :plen]]
+                out = list(decode(fwd, prompt, SamplingParams(), n_gen, make_rng(0),
+                                  MtpDrafter(head), depth, stats))
+                want = [int(t) for t in s["tokens"][b, plen:plen + n_gen]]
+                if out != want:
+                    raise RuntimeError("replay diverged from the stored generation")
+                emitted += len(out)
+                if max_tokens and emitted >= max_tokens:
+                    break
+            if max_tokens and emitted >= max_tokens:
+                break
+        per = [round(a / d, 4) if d else 0.0 for a, d in zip(stats.accepted_at, stats.drafted_at,
+                                                               strict=True)]
+        result[f"depth{depth}"] = {
+            "per_position": per,
+            "rounds": stats.rounds,
+            "tokens_per_round": round(emitted / max(stats.rounds, 1), 4),
+        }
+    return result
+
+
+def pair_table_baseline(train: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]]
+                        ) -> float:
+    """DESIGN.md's baseline: the most frequent next label per (x_t, x_{t+1}) pair, learnt on the
+    training generations, scored on the held-out generated positions (a miss when unseen)."""
+    from collections import Counter, defaultdict
+    table: dict[tuple[int, int], Counter] = defaultdict(Counter)
+    for s in train:
+        for b in range(s["tokens"].shape[0]):
+            toks, top1, end = s["tokens"][b], s["top_ids"][b, :, 0], int(s["ends"][b])
+            for t in range(end - 1):
+                table[int(toks[t]), int(toks[t + 1])][int(top1[t + 1])] += 1
+    best = {k: c.most_common(1)[0][0] for k, c in table.items()}
+    hits = total = 0
+    for s in held:
+        plen = int(s["prompt_len"])
+        for b in range(s["tokens"].shape[0]):
+            toks, top1, end = s["tokens"][b], s["top_ids"][b, :, 0], int(s["ends"][b])
+            for t in range(plen - 2, end - 1):
+                total += 1
+                hits += int(best.get((int(toks[t]), int(toks[t + 1]))) == int(top1[t + 1]))
+    return hits / max(total, 1)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def _resolve_model(spec: str, data_dir: Path | None) -> tuple[str, Path]:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.name, path
+    from skulkp2p.models.store import ModelStore
+    store = ModelStore(data_dir) if data_dir else ModelStore()
+    resolved = store.resolve(spec)
+    return resolved.id, store.pull(spec, progress=lambda label: ProgressBar(label, sys.stderr))
+
+
+def _save_shard(path: Path, shard: dict[str, np.ndarray]) -> None:
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **shard)
+    tmp.replace(path)
+
+
+def _load_shards(work: Path, kind: str) -> list[dict[str, np.ndarray]]:
+    return [dict(np.load(p)) for p in sorted(work.glob(f"{kind}-*.npz"))]
+
+
+def _log(msg: str) -> None:
+    print(f"train_sidecar: {msg}", file=sys.stderr, flush=True)
+
+
+def train(args: argparse.Namespace) -> Path:
+    t_start = time.monotonic()
+    budget = args.minutes * 60.0
+    out = Path(args.out)
+    work = out / ".train"
+    if work.exists() and not args.resume:
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_id, model_path = _resolve_model(args.model, args.data_dir)
+    from skulkp2p.engine.generate import load_model
+    lm = load_model(model_path, model_id, dtype="float32")
+    config = json.loads((model_path / "config.json").read_text())
+    if config.get("quantization"):
+        raise SystemExit("train_sidecar: train on a full-precision base (the sidecar is "
+                         "quantised on load beside a quantised one)")
+    vocab = int(Trunk(lm.model).embed_tokens.weight.shape[0])
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    eos = set(int(e) for e in lm.tokenizer.eos_token_ids)
+
+    # 1. prompts and generations (held-out first: it is needed whatever the budget)
+    train_p, held_p, counts = build_prompts(lm.tokenizer, args.seed, args.limit_files)
+    tail = _tail_length(lm.tokenizer)
+    # Batches are length buckets: shuffle them, so neither set is only the shortest prompts.
+    held_b = batches_of(held_p, args.batch, args.prompt_tokens, tail)
+    random.Random(args.seed + 1).shuffle(held_b)
+    held_b = held_b[:args.heldout_batches]
+    train_b = batches_of(train_p, args.batch, args.prompt_tokens, tail)
+    random.Random(args.seed).shuffle(train_b)
+    if args.max_batches:
+        train_b = train_b[:args.max_batches]
+    if not held_b or not train_b:
+        raise SystemExit("train_sidecar: too few prompts for one batch; lower --batch")
+    gen_deadline = t_start + budget * GEN_SHARE
+    # Generation runs until its share of the time is spent (or the prompts run out): the bar
+    # shows the larger of the two fractions.
+    bar = ProgressBar("generating", sys.stderr)
+    jobs = [("heldout", i, b) for i, b in enumerate(held_b)] + \
+           [("train", i, b) for i, b in enumerate(train_b)]
+    for j, (kind, i, prompts) in enumerate(jobs):
+        path = work / f"{kind}-{i:04d}.npz"
+        if path.exists():
+            continue
+        if kind == "train" and time.monotonic() > gen_deadline and any(work.glob("train-*")):
+            break
+        deadline = gen_deadline if kind == "train" else None
+        _save_shard(path, generate_shard(lm.model, prompts, args.gen_tokens, eos, deadline))
+        spent = (time.monotonic() - t_start) / max(gen_deadline - t_start, 1e-9)
+        bar(max(int(1000 * spent), int(1000 * (j + 1) / len(jobs))), 1000)
+        _log(f"{kind} batch {i}: {len(prompts)} x {len(prompts[0])} prompt tokens, "
+             f"{time.monotonic() - t_start:.0f}s")
+    bar(1, 1)
+    held = _load_shards(work, "heldout")
+    shards = _load_shards(work, "train")
+    gen_rows = sum(int(np.minimum(s["ends"], s["tokens"].shape[1]).sum()) for s in shards)
+    _log(f"{len(shards)} training shards ({gen_rows} rows), {len(held)} held-out shards, "
+         f"{time.monotonic() - t_start:.0f}s")
+
+    # 2. the starting head (or the checkpoint)
+    ckpt, state_file = work / "checkpoint.safetensors", work / "state.json"
+    state: dict[str, Any] = json.loads(state_file.read_text()) if (
+        args.resume and state_file.exists()) else {}
+    if state:
+        head_file = ckpt
+        vocab_ids = np.array(mx.load(str(ckpt))[PREFIX + VOCAB_IDS])
+        coverage = state["coverage"]
+    else:
+        vocab_ids, coverage = choose_vocab(shards, args.coverage, vocab, eos, args.vocab)
+        fc = ridge_fc(lm.model, shards, eps)
+        head_file = work / "init.safetensors"
+        mx.save_safetensors(str(head_file), initial_tensors(lm.model, fc, vocab_ids))
+    head = load_mtp_head(model_path, lm.model, config, sidecar=head_file)
+    head.set_dtype(mx.float32)
+    batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state))
+    acc0 = top1_accuracy(head, batches, held)
+    _log(f"draft vocabulary {len(vocab_ids)} tokens ({coverage:.1%} of training targets); "
+         f"held-out teacher-forced depth-1 accuracy at start {acc0:.1%}")
+
+    # 3. training
+    loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight))
+    step = int(state.get("step", 0))
+    train_deadline = t_start + budget * (1.0 - EVAL_SHARE)
+    total = int(state.get("total_steps", 0))
+    if total and step >= total and not args.steps:
+        total = 0  # a resumed run that had finished its schedule starts a new one from here
+    start = step if not total else int(state.get("schedule_start", 0))
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
+    opt.init(head.trainable_parameters())
+    if state:
+        opt.state = tree_unflatten(list(mx.load(str(work / "optimizer.safetensors")).items()))
+    bar = ProgressBar("training", sys.stderr)
+    last_ckpt = time.monotonic()
+    t_train = time.monotonic()
+    losses: list[float] = []
+    steps_here = 0
+    while True:
+        if args.steps and step >= args.steps:
+            break
+        if total and step >= total:
+            break
+        if time.monotonic() > train_deadline and steps_here > 0:
+            break
+        if not total and steps_here == 5:
+            # Fix the schedule's length from the measured step time and the time left.
+            per = (time.monotonic() - t_train) / steps_here
+            total = step + max(1, int((train_deadline - time.monotonic()) / per))
+            if args.steps:
+                total = min(total, args.steps)
+        span = max((total or args.steps or 1000) - start, 1)
+        warm = min(20, max(1, span // 10))
+        frac = min((step - start) / span, 1.0)
+        opt.learning_rate = args.lr * min(1.0, (step - start + 1) / warm) * (
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        (loss, ce), grads = loss_and_grad(head, *batches.sample())
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(head, grads)
+        mx.eval(head.trainable_parameters(), opt.state, loss, ce)
+        losses.append(float(ce))
+        step += 1
+        steps_here += 1
+        bar(step, max(total or args.steps or step, step))
+        if step % 50 == 0:
+            _log(f"step {step}: ce {np.mean(losses[-50:]):.3f}, held-out teacher-forced "
+                 f"depth-1 {top1_accuracy(head, batches, held):.1%}")
+        if time.monotonic() - last_ckpt > CHECKPOINT_EVERY_S:
+            _checkpoint(work, head, opt, step, total, start, coverage)
+            last_ckpt = time.monotonic()
+    bar(1, 1)
+    _checkpoint(work, head, opt, step, total, start, coverage)
+    train_s = time.monotonic() - t_train
+
+    # 4. held-out acceptance through the real drafter, and the sidecar
+    acc1 = top1_accuracy(head, batches, held)
+    acceptance = heldout_acceptance(head, held, vocab, args.eval_tokens)
+    baseline = pair_table_baseline(shards, held)
+    _log("held-out acceptance per position: " + "; ".join(
+        f"depth {d}: {acceptance[f'depth{d}']['per_position']}" for d in (1, 2, 3)) +
+        f" (pair-table baseline {baseline:.1%})")
+    tensors = head_tensors(head, mx.bfloat16)
+    model_files = sorted(model_path.glob("*.safetensors"))
+    provenance = {
+        "format": "skulkp2p mtp sidecar 1",
+        "made_by": "tools/train_sidecar.py",
+        "base_model": model_id,
+        "model_type": str(config.get("model_type")),
+        "licence": "as the base model's",
+        "conventions": {
+            "style": "qwen", "prefix": PREFIX, "hidden": "after", "concat": "embed_first",
+            "norm_offset": 0.0, "chain": "after", "zero_first_embed": False, "layers": 1,
+            "dtype": "bfloat16", "vocab_ids": len(vocab_ids),
+            "shared_lm_head": "not stored: the base's lm_head rows for vocab_ids are used",
+        },
+        "acceptance": {
+            "measured_on": "held-out greedy generations of the base (float32), replayed through "
+                           "the engine's decode loop and MtpDrafter",
+            "depth1_per_position": acceptance["depth1"]["per_position"],
+            "depth2_per_position": acceptance["depth2"]["per_position"],
+            "depth3_per_position": acceptance["depth3"]["per_position"],
+            "depth3_tokens_per_round": acceptance["depth3"]["tokens_per_round"],
+            "teacher_forced_depth1_start": round(acc0, 4),
+            "teacher_forced_depth1_end": round(acc1, 4),
+            "pair_table_baseline": round(baseline, 4),
+        },
+        "training": {
+            "steps": step, "batch_sequences": args.train_batch, "lr": args.lr,
+            "feat_weight": args.feat_weight, "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
+            "train_seconds": round(train_s, 1),
+            "total_seconds_this_run": round(time.monotonic() - t_start, 1),
+            "minutes_budget": args.minutes, "seed": args.seed,
+            "generation_batch": args.batch, "prompt_tokens_max": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens, "train_shards": len(shards),
+            "heldout_shards": len(held), "train_rows": gen_rows,
+            "draft_vocab_coverage": round(coverage, 4),
+            "data": "greedy float32 generations of the base from prompts built from Python "
+                    "stdlib docstrings/source and /usr/share/doc texts; 1 in 10 source files "
+                    "held out", **counts,
+        },
+        "source": {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+                   for f in [model_path / "config.json", *model_files]},
+    }
+    return write_sidecar(out, tensors, provenance,
+                         f"MTP head for {model_id} trained by tools/train_sidecar.py")
+
+
+def _checkpoint(work: Path, head: MtpHead, opt: optim.Optimizer, step: int, total: int,
+                start: int, coverage: float) -> None:
+    mx.save_safetensors(str(work / "checkpoint.tmp.safetensors"), head_tensors(head, mx.float32))
+    mx.save_safetensors(str(work / "optimizer.tmp.safetensors"), dict(tree_flatten(opt.state)))
+    (work / "checkpoint.tmp.safetensors").replace(work / "checkpoint.safetensors")
+    (work / "optimizer.tmp.safetensors").replace(work / "optimizer.safetensors")
+    (work / "state.json").write_text(json.dumps({"step": step, "total_steps": total,
+                                                 "schedule_start": start,
+                                                 "coverage": coverage}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="card id or model folder (full precision)")
+    p.add_argument("--out", required=True, type=Path, help="folder for the sidecar")
+    p.add_argument("--minutes", type=float, default=30.0, help="time budget (default 30)")
+    p.add_argument("--steps", type=int, default=0, help="stop after this many training steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/.train/")
+    p.add_argument("--data-dir", type=Path, default=None, help="model store (default: user's)")
+    p.add_argument("--batch", type=int, default=48, help="sequences per generation batch")
+    p.add_argument("--prompt-tokens", type=int, default=112, help="longest prompt")
+    p.add_argument("--gen-tokens", type=int, default=160, help="tokens generated per prompt")
+    p.add_argument("--heldout-batches", type=int, default=1)
+    p.add_argument("--max-batches", type=int, default=0, help="cap on training batches")
+    p.add_argument("--limit-files", type=int, default=None, help="cap on source files read")
+    p.add_argument("--train-batch", type=int, default=8, help="sequences per training step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--feat-weight", type=float, default=0.5)
+    p.add_argument("--coverage", type=float, default=0.98,
+                   help="share of training targets the draft vocabulary covers")
+    p.add_argument("--vocab", type=int, default=0, help="fixed draft vocabulary size")
+    p.add_argument("--eval-tokens", type=int, default=6000, help="held-out tokens replayed")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    mx.random.seed(args.seed)
+    path = train(args)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
