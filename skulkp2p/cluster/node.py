@@ -1,0 +1,590 @@
+"""The control plane's I/O: asyncio TCP around the ClusterCore state machine.
+
+Every control message is a one-way datagram carried over a persistent TCP connection per
+destination (opened on demand, re-opened after failures with a short back-off); replies travel
+on the replier's own connection to the sender's advertised address. The protocol tolerates loss,
+so a full queue, a failed connect or a slow peer simply drops frames. Bad bytes on an inbound
+connection (wrong secret, oversize, undecodable) close that connection and are counted in
+``metrics``; nothing a peer sends can stop the node.
+
+One exception to one-way: a ``status`` request is answered on the connection it came on (tests,
+``pipe --peer`` and operators use it).
+
+Run one node without a model (for tests and for looking at a cluster)::
+
+    python -m skulkp2p.cluster.node --name a --port 52416 --peer 10.0.0.2:52416 --secret S
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import importlib.util
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skulkp2p import wire
+from skulkp2p.cluster.core import ClusterCore
+from skulkp2p.cluster.placement import ModelSpec, Placement
+from skulkp2p.cluster.timers import Timers, timers_from_env
+
+log = logging.getLogger("skulkp2p.cluster")
+
+DEFAULT_PORT = 52416
+ENV_SECRET = "SKULKP2P_SECRET"
+TICK_S = 0.05
+CONNECT_TIMEOUT_S = 1.0
+WRITE_TIMEOUT_S = 2.0
+IDLE_TIMEOUT_S = 120.0  # an inbound connection silent this long is closed (senders reconnect)
+MAX_QUEUE = 512  # frames waiting for one peer; more are dropped (the protocol tolerates loss)
+MAX_INBOUND = 256
+
+
+class ClusterConfigError(ValueError):
+    """A cluster setting that cannot work; the message says which and how to fix it."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+def parse_size(text: str) -> int:
+    """"300MB", "1.5GB", "512MiB", "2g" or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ClusterConfigError(f"bad size {text!r} (e.g. 300MB, 1.5GB, 512MiB)")
+    number, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    base = 1024 if binary else 1000
+    return int(number * base ** " kmgt".index(unit or " "))
+
+
+def parse_addr(text: str, default_port: int = DEFAULT_PORT) -> str:
+    """"host:port" (or a bare host) -> "host:port"; IPv6 as "[::1]:port"."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""
+    try:
+        port_n = int(port) if port else default_port
+    except ValueError:
+        raise ClusterConfigError(f"bad address {text!r}: port must be a number") from None
+    if not host or not 0 < port_n < 65536:
+        raise ClusterConfigError(f"bad address {text!r} (expected HOST:PORT)")
+    return f"[{host}]:{port_n}" if ":" in host else f"{host}:{port_n}"
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_allowed(host: str, secret: str | None) -> None:
+    """Without a secret anyone on the network could join or inject: loopback only."""
+    if not secret and not is_loopback(host):
+        raise ClusterConfigError(
+            f"refusing to listen on {host} without a cluster secret: anyone who can reach it "
+            f"could join or inject. Set --secret or {ENV_SECRET} (the same on every node), or "
+            "use a loopback --host such as 127.0.0.1")
+
+
+@dataclass
+class NodeConfig:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    advertise: str | None = None  # the address others reach us at (default host:port)
+    peers: list[str] = field(default_factory=list)
+    secret: str | None = None
+    priority: int = 0
+    memory_limit: int | None = None
+    timers: Timers = field(default_factory=Timers)
+    max_control_frame: int = wire.CONTROL_MAX_FRAME
+    max_data_frame: int = wire.DATA_MAX_FRAME
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster flags, shared by `join` and by this module's own main."""
+    g = p.add_argument_group("cluster")
+    g.add_argument("--name", help="this node's name in the cluster (default HOSTNAME:PORT)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the cluster listener binds to (default 127.0.0.1; anything "
+                        "but loopback needs a secret)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"cluster listener port (default {DEFAULT_PORT}; 0 picks a free one)")
+    g.add_argument("--advertise", metavar="HOST:PORT",
+                   help="address other nodes reach this one at (default --host:--port)")
+    g.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a node of the cluster to join through (repeatable)")
+    g.add_argument("--secret", help=f"shared cluster secret (or {ENV_SECRET}; prefer the "
+                                    "variable: flags show up in ps)")
+    g.add_argument("--priority", type=int, default=0,
+                   help="election priority: higher wins among equal terms (default 0)")
+    g.add_argument("--memory-limit", metavar="SIZE",
+                   help="cap on the memory this node offers to placements, e.g. 300MB")
+    g.add_argument("--timers", metavar="SPEC",
+                   help="control-plane timers, e.g. probe=0.5,suspect=2,election=1.5 "
+                        "(or SKULKP2P_TIMERS)")
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    secret = args.secret or os.environ.get(ENV_SECRET) or None
+    check_bind_allowed(args.host, secret)
+    try:
+        timers = timers_from_env(args.timers)
+    except ValueError as e:
+        raise ClusterConfigError(str(e)) from None
+    name = args.name or f"{socket.gethostname()}:{args.port}"
+    return NodeConfig(
+        name=name, host=args.host, port=args.port,
+        advertise=parse_addr(args.advertise) if args.advertise else None,
+        peers=[parse_addr(p) for p in args.peer], secret=secret, priority=args.priority,
+        memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
+        timers=timers)
+
+
+# --------------------------------------------------------------------------------------------
+# Facts this node announces
+
+
+def available_memory() -> int:
+    """Bytes this machine could give a model now (Linux: MemAvailable; else physical)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def detect_engines() -> list[str]:
+    """Engines this node can run, without importing them (mlx import is slow)."""
+    engines = []
+    if importlib.util.find_spec("mlx") is not None:
+        if sys.platform == "darwin":
+            engines.append("mlx-metal")
+        elif importlib.util.find_spec("mlx_cuda") is not None or \
+                os.environ.get("SKULKP2P_DEVICE", "").lower() == "cuda":
+            engines.append("mlx-cuda")
+        else:
+            engines.append("mlx-cpu")
+    if shutil.which("llama-server"):
+        engines.append("llama_server-cpu")
+    return engines
+
+
+def offered_memory(limit: int | None) -> int:
+    avail = available_memory()
+    if limit is None:
+        return avail
+    return min(limit, avail) if avail else limit
+
+
+def model_spec(store: Any, model: str) -> ModelSpec:
+    """Placement facts for a card id or a local mlx folder (read from its config.json)."""
+    resolved = store.resolve(model)
+    if resolved.card is not None and resolved.path is None:
+        return ModelSpec.from_card(resolved.card)
+    path = Path(resolved.path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    heads = int(cfg.get("num_attention_heads") or 1)
+    hidden = int(cfg.get("hidden_size") or 0)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) or 1
+    return ModelSpec(resolved.id, int(cfg.get("num_hidden_layers") or 1), size,
+                     int(cfg.get("max_position_embeddings") or 4096), hidden,
+                     int(cfg.get("num_key_value_heads") or heads),
+                     int(cfg.get("head_dim") or (hidden // heads if hidden else 0)))
+
+
+# --------------------------------------------------------------------------------------------
+# Outbound connections
+
+
+class _Peer:
+    """Frames for one destination, written in order over one connection."""
+
+    def __init__(self, node: ClusterNode, addr: str):
+        self.node = node
+        self.addr = addr
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.failures = 0
+        self.backoff_until = 0.0
+
+    def send(self, frame: bytes) -> None:
+        if time.monotonic() < self.backoff_until or len(self.queue) >= MAX_QUEUE:
+            self.node.metrics["frames_dropped"] += 1
+            return
+        self.queue.append(frame)
+        self.wake.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if not self.queue:
+                continue
+            try:
+                if self.writer is None:
+                    await self._connect()
+                while self.queue:
+                    self.writer.write(self.queue.popleft())
+                    self.node.metrics["frames_out"] += 1
+                await asyncio.wait_for(self.writer.drain(), WRITE_TIMEOUT_S)
+                self.failures = 0
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
+                self._fail(e)
+
+    async def _connect(self) -> None:
+        host, port = split_addr(self.addr)
+        bind = self.node.bind_source
+        reader, self.writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, local_addr=(bind, 0) if bind else None),
+            CONNECT_TIMEOUT_S)
+        self.node.metrics["connects"] += 1
+        asyncio.get_running_loop().create_task(self._watch(reader, self.writer))
+
+    async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Nothing comes back on this connection; EOF means the peer closed it (it restarted,
+        or found our bytes wrong): drop it now rather than lose the next frame to it."""
+        try:
+            while await reader.read(1 << 12):
+                pass
+        except OSError:
+            pass
+        if self.writer is writer:
+            self.close()
+
+    def _fail(self, e: BaseException) -> None:
+        self.node.metrics["frames_dropped"] += len(self.queue)
+        self.queue.clear()
+        self.close()
+        self.failures += 1
+        # Back off a little so a dead node costs us nothing; short enough to notice its return.
+        self.backoff_until = time.monotonic() + min(2.0, 0.1 * 2 ** min(self.failures, 5))
+        log.debug("send to %s failed (%s): %s", self.addr, type(e).__name__, e)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.transport.abort()
+            self.writer = None
+
+    def cancel(self) -> None:
+        self.close()
+        if self.task is not None:
+            self.task.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# The node
+
+
+class ClusterNode:
+    """One node's control plane on the running event loop."""
+
+    def __init__(self, config: NodeConfig, facts: dict[str, Any] | None = None,
+                 on_change: Callable[[ClusterNode], None] | None = None):
+        self.config = config
+        self.key = wire.frame_key(config.secret)
+        self.facts = {"memory": offered_memory(config.memory_limit), "engines": detect_engines(),
+                      **(facts or {})}
+        self.metrics: collections.Counter[str] = collections.Counter()
+        self.on_change = on_change
+        self.core: ClusterCore | None = None
+        self.addr = ""
+        self.bind_source: str | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self._inbound: set[asyncio.StreamWriter] = set()
+        self._last_view: Any = None
+        self._clock0 = time.monotonic()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        cfg = self.config
+        check_bind_allowed(cfg.host, cfg.secret)
+        self._server = await asyncio.start_server(self._serve, cfg.host, cfg.port,
+                                                  reuse_address=True)
+        port = self._server.sockets[0].getsockname()[1]
+        if cfg.advertise:
+            self.addr = cfg.advertise
+        elif cfg.host in ("0.0.0.0", "::", ""):
+            self.addr = parse_addr(f"{_primary_ip()}:{port}")
+        else:
+            self.addr = parse_addr(f"{cfg.host}:{port}")
+        # Outbound connections leave from our own address, so peers (and the tests' fault
+        # proxy) see which node a connection comes from.
+        self.bind_source = cfg.host if cfg.host not in ("0.0.0.0", "::", "", "localhost") \
+            else None
+        self.core = ClusterCore(cfg.name, self.addr, facts=self.facts, seeds=cfg.peers,
+                                priority=cfg.priority, timers=cfg.timers, rng=random.Random(),
+                                now=self._now())
+        log.info("cluster: node %s listening on %s:%d (advertised %s), %s, offers %.0f MB, "
+                 "engines %s%s", cfg.name, cfg.host, port, self.addr,
+                 "secret set" if cfg.secret else "no secret (loopback only)",
+                 self.facts["memory"] / 1e6, ", ".join(self.facts["engines"]) or "none",
+                 f", peers {', '.join(cfg.peers)}" if cfg.peers else "")
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+
+    async def close(self, leave: bool = True) -> None:
+        """Stop; with ``leave`` tell the others first, so we stop counting towards quorum."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if leave and self.core is not None:
+            self._send(self.core.leave(self._now()))
+            deadline = time.monotonic() + 0.5
+            while any(p.queue for p in self._peers.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.05)
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._inbound):
+            w.transport.abort()
+        for p in self._peers.values():
+            p.cancel()
+        self._peers.clear()
+
+    # ---------------------------------------------------------------- queries and requests
+
+    @property
+    def port(self) -> int:
+        return split_addr(self.addr)[1]
+
+    def status(self) -> dict[str, Any]:
+        st = self.core.status() if self.core else {"node": self.config.name}
+        st["addr"] = self.addr
+        st["metrics"] = dict(self.metrics)
+        return st
+
+    def placements(self) -> dict[str, Placement]:
+        return self.core.placements() if self.core else {}
+
+    def request_placement(self, spec: ModelSpec, nodes: Iterable[str] = ()) -> None:
+        self._send(self.core.request_placement(spec, list(nodes), self._now()))
+
+    def update_facts(self, **facts: Any) -> None:
+        self.facts.update(facts)
+        self.core.update_facts(self.facts)
+
+    # ---------------------------------------------------------------- internals
+
+    def _now(self) -> float:
+        return time.monotonic() - self._clock0
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                self._send(self.core.tick(self._now()))
+                self._after()
+            except Exception:  # a bug must not silence the node's heartbeat for good
+                log.exception("cluster tick failed")
+            await asyncio.sleep(TICK_S)
+
+    def _after(self) -> None:
+        for line in self.core.drain_events():
+            log.info("cluster: %s", line)
+        view = (self.core.leader, self.core.term, self.core.placement_version,
+                tuple(sorted(self.core.placements().items())))
+        if view != self._last_view:
+            if self._last_view is None or view[3] != self._last_view[3]:
+                for model, p in sorted(self.core.placements().items()):
+                    log.info("cluster: placement of %s: ring %s, layers %s (term %d)", model,
+                             " -> ".join(p.ring), p.layers, p.term)
+                for _model, e in sorted(self.core.placement_errors().items()):
+                    log.warning("cluster: %s", e["error"])
+            self._last_view = view
+            if self.on_change is not None:
+                try:
+                    self.on_change(self)
+                except Exception:
+                    log.exception("cluster: change handler failed")
+
+    def _send(self, outs: list[tuple[str, dict[str, Any]]]) -> None:
+        for addr, msg in outs:
+            if addr == self.addr:
+                continue
+            try:
+                frame = wire.encode_frame(msg, self.key, self.config.max_control_frame)
+            except wire.WireError as e:
+                log.warning("cluster: not sending %s to %s: %s", msg.get("t"), addr, e)
+                continue
+            peer = self._peers.get(addr)
+            if peer is None:
+                peer = self._peers[addr] = _Peer(self, addr)
+            peer.send(frame)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._inbound) >= MAX_INBOUND:
+            self.metrics["inbound_refused"] += 1
+            writer.transport.abort()
+            return
+        self._inbound.add(writer)
+        decoder = wire.FrameDecoder(self.key, self.config.max_control_frame)
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                data = await asyncio.wait_for(reader.read(1 << 16), IDLE_TIMEOUT_S)
+                if not data:
+                    err = decoder.eof_error()
+                    if err is not None:
+                        raise err
+                    break
+                for msg in decoder.feed(data):
+                    self.metrics["frames_in"] += 1
+                    self._dispatch(msg, writer)
+        except wire.WireError as e:
+            self.metrics["wire_errors"] += 1
+            self.metrics[f"wire_error_{e.reason}"] += 1
+            log.warning("cluster: closing connection from %s: %s", _peer_str(peer), e)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._inbound.discard(writer)
+            writer.transport.abort()
+
+    def _dispatch(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if msg["t"] == "status":
+            reply = {"t": "status-reply", "status": self.status()}
+            writer.write(wire.encode_frame(reply, self.key, self.config.max_data_frame))
+            return
+        try:
+            self._send(self.core.on_message(msg, self._now()))
+            self._after()
+        except Exception:  # a message our state machine chokes on must not kill the reader
+            self.metrics["bad_messages"] += 1
+            log.exception("cluster: failed to handle %s from %s", msg.get("t"), msg.get("from"))
+
+
+def _peer_str(peer: Any) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
+
+def _primary_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+# --------------------------------------------------------------------------------------------
+# A small client: ask any node for its status
+
+
+async def query_status(addr: str, secret: str | None, timeout: float = 2.0) -> dict[str, Any]:
+    """The status of the node at ``addr`` (raises OSError/TimeoutError/WireError)."""
+    key = wire.frame_key(secret)
+    host, port = split_addr(addr)
+
+    async def ask() -> dict[str, Any]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(wire.encode_frame({"t": "status"}, key))
+            decoder = wire.FrameDecoder(key, wire.DATA_MAX_FRAME)
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError(f"{addr} closed the connection")
+                for msg in decoder.feed(data):
+                    if msg["t"] == "status-reply":
+                        return msg["status"]
+        finally:
+            writer.transport.abort()
+
+    return await asyncio.wait_for(ask(), timeout)
+
+
+def fetch_status(addr: str, secret: str | None, timeout: float = 2.0) -> dict[str, Any]:
+    return asyncio.run(query_status(addr, secret, timeout))
+
+
+# --------------------------------------------------------------------------------------------
+# Standalone node
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    p = argparse.ArgumentParser(prog="python -m skulkp2p.cluster.node",
+                                description="Run one cluster node (control plane only).")
+    add_cluster_arguments(p)
+    p.add_argument("--model", action="append", default=[],
+                   help="a model this node asks the cluster to place (card id or path)")
+    p.add_argument("--data-dir", help="model store (for the models on disk it announces)")
+    p.add_argument("--dtype", default="bfloat16", help="dtype it claims to run models in")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        from skulkp2p.models.store import ModelStore
+
+        store = ModelStore(Path(args.data_dir) if args.data_dir else None)
+        wants = [model_spec(store, m).to_dict() for m in args.model]
+        pulled = [row["id"] for row in store.list() if row["pulled"]]
+    except Exception as e:  # configuration errors end the program with one line
+        print(f"skulkp2p: error: {e}", file=sys.stderr)
+        return 1
+
+    async def run() -> None:
+        node = ClusterNode(config, {"wants": wants, "models": pulled, "dtype": args.dtype})
+        try:
+            await node.start()
+        except OSError as e:
+            raise ClusterConfigError(f"cannot listen on {config.host}:{config.port}: "
+                                     f"{e.strerror or e}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await node.close(leave=True)
+
+    try:
+        asyncio.run(run())
+    except ClusterConfigError as e:
+        print(f"skulkp2p: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

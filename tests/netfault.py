@@ -1,0 +1,134 @@
+"""A fault-injecting TCP proxy for cluster tests (tc netem is not available here).
+
+Each node listens on its real port; the address it advertises is a proxy port on the same
+loopback IP. Nodes bind their outgoing connections to their own IP, so the proxy knows both ends
+of every connection (source IP -> the listener's IP) and can cut, black-hole or delay traffic
+between any pair of nodes. It runs its own event loop on a thread; the test drives it with plain
+calls.
+
+Cut links black-hole (bytes vanish, no reset: what a real partition looks like); when a rule
+changes, the connections it touches are reset so that no frame is ever delivered half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class _Conn:
+    src: str
+    dst: str
+    writers: tuple[asyncio.StreamWriter, ...]
+    state: tuple[bool, float]  # (blocked, delay) when the rules last touched it
+
+
+class FaultProxy:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._servers: list[asyncio.base_events.Server] = []
+        self._conns: list[_Conn] = []
+        self._blocked: set[tuple[str, str]] = set()  # (src ip, dst ip), one direction each
+        self._delay: dict[tuple[str, str], float] = {}
+
+    def _call(self, coro_or_fn, *args):
+        if asyncio.iscoroutinefunction(coro_or_fn):
+            return asyncio.run_coroutine_threadsafe(coro_or_fn(*args), self.loop).result(10)
+
+        async def wrap():
+            return coro_or_fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(10)
+
+    # ---------------------------------------------------------------- set-up
+
+    def listen(self, host: str, port: int, target_port: int) -> None:
+        """Forward host:port to host:target_port."""
+        self._call(self._listen, host, port, target_port)
+
+    async def _listen(self, host: str, port: int, target_port: int) -> None:
+        async def handle(reader, writer):
+            src = writer.get_extra_info("peername")[0]
+            try:
+                up_reader, up_writer = await asyncio.open_connection(host, target_port)
+            except OSError:
+                writer.transport.abort()
+                return
+            conn = _Conn(src, host, (writer, up_writer), self._rule(src, host))
+            self._conns.append(conn)
+            try:
+                await asyncio.gather(self._pump(reader, up_writer, src, host),
+                                     self._pump(up_reader, writer, host, src))
+            finally:
+                for w in conn.writers:
+                    w.transport.abort()
+                if conn in self._conns:
+                    self._conns.remove(conn)
+
+        self._servers.append(await asyncio.start_server(handle, host, port, reuse_address=True))
+
+    async def _pump(self, reader, writer, src: str, dst: str) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                if (src, dst) in self._blocked:
+                    continue  # black hole
+                delay = self._delay.get((src, dst), 0.0)
+                if delay:
+                    await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    # ---------------------------------------------------------------- faults
+
+    def _rule(self, a: str, b: str) -> tuple[bool, float]:
+        return ((a, b) in self._blocked or (b, a) in self._blocked,
+                max(self._delay.get((a, b), 0.0), self._delay.get((b, a), 0.0)))
+
+    def _apply(self, blocked: set[tuple[str, str]], delay: dict[tuple[str, str], float]) -> None:
+        self._blocked, self._delay = blocked, delay
+        for conn in list(self._conns):
+            state = self._rule(conn.src, conn.dst)
+            if state != conn.state:  # reset: no half frame ever gets through
+                for w in conn.writers:
+                    w.transport.abort()
+                conn.state = state
+
+    def partition(self, *groups: list[str]) -> None:
+        """Cut every link between IPs of different groups (both directions)."""
+        blocked = set()
+        for ga, gb in itertools.permutations(groups, 2):
+            blocked |= {(a, b) for a in ga for b in gb}
+        self._call(self._apply, blocked, dict(self._delay))
+
+    def block(self, a: str, b: str) -> None:
+        self._call(self._apply, self._blocked | {(a, b), (b, a)}, dict(self._delay))
+
+    def delay(self, a: str, b: str, seconds: float) -> None:
+        self._call(self._apply, set(self._blocked),
+                   {**self._delay, (a, b): seconds, (b, a): seconds})
+
+    def heal(self) -> None:
+        self._call(self._apply, set(), {})
+
+    def close(self) -> None:
+        async def shutdown():
+            for s in self._servers:
+                s.close()
+            for conn in self._conns:
+                for w in conn.writers:
+                    w.transport.abort()
+
+        try:
+            self._call(shutdown)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
