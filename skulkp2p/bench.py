@@ -13,8 +13,8 @@ Runs are interleaved (run r of every workload and arm before run r+1), so slow d
 machine spreads over all arms instead of favouring whichever ran first. Decode tok/s is measured
 the same way for every arm: generated tokens after the first / time from first to last token.
 
-`--widths` measures the verify-width cost table (a forward of w tokens after a 64-token prefill,
-relative to w=1) and saves it under `<data-dir>/widths/` where a depth controller can read it
+`--widths` measures the verify-width cost table (the fastest of 7 forwards of w tokens after a
+64-token prefill, relative to w=1) and saves it under `<data-dir>/widths/` where a depth controller can read it
 with :func:`load_width_costs`.
 
 Nothing here imports mlx at module level: the CLI must arrange the BLAS preload (a re-exec)
@@ -49,7 +49,7 @@ DEFAULT_MAX_TOKENS = 200
 DEFAULT_RUNS = 3
 DEFAULT_WIDTHS = tuple(range(1, 17))
 WIDTH_PREFILL = 64
-WIDTH_REPS = 5
+WIDTH_REPS = 7
 WARMUP_TOKENS = 8
 MLX_LM_DRAFT_TOKENS = 2  # mlx-lm's own default num_draft_tokens
 
@@ -414,7 +414,9 @@ def _width_tokens(loaded: LoadedModel, n: int) -> list[int]:
 def measure_width_seconds(loaded: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS,
                           prefill: int = WIDTH_PREFILL, reps: int = WIDTH_REPS
                           ) -> dict[int, float]:
-    """Median seconds of one verify forward of w tokens after a `prefill`-token prefill."""
+    """Fastest of `reps` timings of one verify forward of w tokens after a `prefill`-token
+    prefill. The minimum, not the median: the work is deterministic and other load only adds
+    time, and on a shared 2-core node the median of a few reps still carried 2x outliers."""
     from skulkp2p.engine import caches
     from skulkp2p.engine.forward import LocalForward
 
@@ -435,7 +437,7 @@ def measure_width_seconds(loaded: LoadedModel, widths: Sequence[int] = DEFAULT_W
             caches.restore(fwd.cache, snap)
             if rep:
                 times[w].append(dt)
-    return {w: statistics.median(ts) for w, ts in times.items()}
+    return {w: min(ts) for w, ts in times.items()}
 
 
 def relative_costs(seconds: dict[int, float]) -> dict[int, float]:
@@ -538,7 +540,7 @@ def markdown_tables(doc: dict[str, Any]) -> str:
         lines.append(f"skipped {sk['arm']}{where}: {sk['reason']}")
     if "widths" in doc:
         w = doc["widths"]
-        lines += ["", f"verify width cost ({w['prefill_tokens']}-token prefill, median of "
+        lines += ["", f"verify width cost ({w['prefill_tokens']}-token prefill, fastest of "
                       f"{w['reps']}):", "", "| w | ms | × w=1 |", "|---:|---:|---:|"]
         for k, sec in w["seconds"].items():
             lines.append(f"| {k} | {sec * 1000:.1f} | {w['relative'][k]:.2f} |")
@@ -708,11 +710,15 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         "skipped": skipped,
     }
     if args.widths:
+        load_widths = _loadavg()
         seconds = measure_width_seconds(loaded)
         path = save_width_costs(model_id, loaded.dtype, store.data_dir, seconds,
-                                {"blas": engine.get("blas"), "machine": doc["machine"]})
+                                {"blas": engine.get("blas"), "reps": WIDTH_REPS,
+                                 "statistic": "min", "machine": doc["machine"],
+                                 "loadavg_before": load_widths, "loadavg_after": _loadavg()})
         doc["widths"] = {
-            "prefill_tokens": WIDTH_PREFILL, "reps": WIDTH_REPS, "file": str(path),
+            "prefill_tokens": WIDTH_PREFILL, "reps": WIDTH_REPS, "statistic": "min",
+            "file": str(path), "loadavg_before": load_widths,
             "seconds": {str(w): round(s, 6) for w, s in seconds.items()},
             "relative": {str(w): c for w, c in relative_costs(seconds).items()},
         }
