@@ -170,6 +170,10 @@ def test_openai_unsupported_options_are_refused_by_name(oai):
         with pytest.raises(openai.BadRequestError) as info:
             oai.chat.completions.create(model="llama", messages=CHAT, **kw)
         assert info.value.body["param"] == param, (kw, info.value.body)
+    with pytest.raises(openai.BadRequestError) as info:  # refused by the engine, still a 400
+        oai.chat.completions.create(model="llama", messages=CHAT, stream=True,
+                                    extra_body={"speculation": {"drafter": "mtp"}})
+    assert info.value.body["param"] == "speculation"
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="gpt-4o", messages=CHAT)
     # Harmless defaults pass.

@@ -51,8 +51,9 @@ class Job:
 
     # -- loop side --
     async def next(self, timeout: float | None = None) -> tuple[str, Any] | None:
-        """The next event: ("start", prompt_tokens), ("chunk", Chunk), ("done", result) or
-        ("error", exception); None when `timeout` passed first."""
+        """The next event: ("start", prompt_tokens) with the first token, then ("chunk", Chunk)
+        per token, then ("done", result); or ("error", exception) at any point. None when
+        `timeout` passed first."""
         try:
             event = await asyncio.wait_for(self.events.get(), timeout)
         except TimeoutError:
@@ -231,10 +232,17 @@ class ModelWorker:
         tokens = 0
         try:
             n_prompt = self._prompt_length(self.loaded, job.req)
-            job.post("start", n_prompt)
+            started = False
             for chunk in self._runner(self.loaded, job.req, result, job.interrupt):
+                if not started:
+                    # "start" waits for the first token: whatever the engine refuses while
+                    # setting up (a drafter the model lacks) still becomes a real 4xx status.
+                    job.post("start", n_prompt)
+                    started = True
                 tokens += len(chunk.tokens)
                 job.post("chunk", chunk)
+            if not started:
+                job.post("start", n_prompt)
             result["stop_sequence"] = _stop_sequence(self.loaded, job.req, result)
             job.post("done", result)
         except Cancelled:
