@@ -101,7 +101,7 @@ class LiveNode:
         self.worker = ModelWorker("fake", load, max_queue=max_queue, runner=script.runner,
                                   prompt_length=script.prompt_length)
         self.config = ServerConfig(**{"header_timeout": 1.0, "idle_timeout": 1.0,
-                                      "max_body_bytes": 4096, **config})
+                                      "body_timeout": 1.0, "max_body_bytes": 4096, **config})
         self.keepalive_s = keepalive_s
         self.listening = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
@@ -282,7 +282,7 @@ def test_disconnect_while_queued_drops_the_job(node):
     assert node.script.started == ["block first"]
 
 
-def test_slow_headers_get_408_and_idle_connections_close(node):
+def test_slow_headers_and_bodies_get_408_and_idle_connections_close(node):
     t0 = time.monotonic()
     raw = raw_exchange(node.port, [b"GET /health HTTP/1.1\r\n", b"Host: x\r\n"], pause=0.4,
                        timeout=5)
@@ -295,6 +295,11 @@ def test_slow_headers_get_408_and_idle_connections_close(node):
         assert c.request("GET", "/health").status == 200
         time.sleep(1.5)  # past the idle keep-alive timeout
         assert c.sock.recv(10) == b""
+    t0 = time.monotonic()  # a body announced but never sent
+    raw = raw_exchange(node.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                  b"Content-Length: 10\r\n\r\n{", timeout=5)
+    (r,) = parse_responses(raw)
+    assert r.status == 408 and 0.9 < time.monotonic() - t0 < 3
 
 
 def test_expect_100_continue_and_early_refusal(node):
