@@ -52,11 +52,12 @@ def cmd_join(args) -> int:
 
     store = _store(args)
     resolved = store.resolve(args.model)  # a bad --model fails before anything loads
+    cluster = _cluster_config(args)  # so does a cluster setting that cannot work
     _prepare_engine_process()
     _log_engine_path()
-    from skulkp2p.api.app import serve
     from skulkp2p.api.server import ServerConfig
-    from skulkp2p.api.worker import ModelWorker
+    from skulkp2p.cluster.node import ClusterConfigError
+    from skulkp2p.cluster.serving import ClusterServing, node_facts, own_want, serve_cluster
 
     log = logging.getLogger("skulkp2p.node")
     config = ServerConfig(max_body_bytes=args.max_body_bytes,
@@ -67,11 +68,12 @@ def cmd_join(args) -> int:
         log.info("http: OpenAI/Anthropic API on http://%s:%d/v1 (health: http://%s:%d/health)",
                  host, port, host, port)
 
-    def load_model():
+    def load_model(spec: str = args.model):
         # On the model's worker thread: even importing mlx-lm takes seconds, and the API is
-        # already answering (503 on /health) meanwhile.
+        # already answering (503 on /health) meanwhile. The cluster decides which models
+        # this node loads: its own --model when placed here, or another node's.
         from skulkp2p.engine.loader import open_model
-        return open_model(store, args.model)
+        return open_model(store, spec)
 
     def on_ready(loaded) -> None:
         log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
@@ -83,10 +85,14 @@ def cmd_join(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            worker = ModelWorker(resolved.id, load_model, max_queue=args.max_queue)
-            return await serve(worker, args.http_host, args.http_port, stop,
-                               aliases=(args.model,), keepalive_s=args.sse_keepalive,
-                               config=config, on_listening=on_listening, on_ready=on_ready)
+            serving = ClusterServing(store, args.model, resolved.id, load_model,
+                                     max_queue=args.max_queue, keepalive_s=args.sse_keepalive,
+                                     on_ready=on_ready)
+            return await serve_cluster(cluster, serving, own_want(store, args.model, cluster.name),
+                                       args.http_host, args.http_port, stop, http_config=config,
+                                       facts=node_facts(store), on_listening=on_listening)
+        except ClusterConfigError as e:
+            raise CliError(str(e)) from None
         except OSError as e:
             raise CliError(f"cannot serve HTTP on {args.http_host}:{args.http_port}: "
                            f"{e.strerror or e}") from None
@@ -109,14 +115,33 @@ def cmd_join(args) -> int:
     return 0
 
 
+def _cluster_config(args):
+    from skulkp2p.cluster.node import ClusterConfigError, config_from_args
+
+    try:
+        return config_from_args(args)
+    except ClusterConfigError as e:
+        raise CliError(str(e)) from None
+
+
 def cmd_pipe(args) -> int:
     from skulkp2p.pipe import run_pipe
 
+    if args.peer:  # the cluster answers; no model in this process
+        import os
+
+        from skulkp2p.cluster.client import PeerError, run_pipe_remote
+        try:
+            return run_pipe_remote(args.peer, args.secret or os.environ.get("SKULKP2P_SECRET"),
+                                   args.model, sys.stdin, sys.stdout)
+        except PeerError as e:
+            raise CliError(str(e)) from None
+    model = args.model or DEFAULT_MODEL
     store = _store(args)
-    store.resolve(args.model)  # a bad --model fails before anything loads
+    store.resolve(model)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
-    return run_pipe(store, args.model, sys.stdin, sys.stdout)
+    return run_pipe(store, model, sys.stdin, sys.stdout)
 
 
 def cmd_models(args) -> int:
@@ -193,10 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open (default 30)")
     j.add_argument("--sse-keepalive", type=float, default=10.0,
                    help="seconds of silence in a stream before a keep-alive comment (default 10)")
+    from skulkp2p.cluster.node import add_cluster_arguments  # stdlib + msgpack: no mlx
+
+    add_cluster_arguments(j)
     j.set_defaults(func=cmd_join)
 
     pp = common(sub.add_parser("pipe", help="JSONL requests on stdin, JSONL results on stdout"))
-    pp.add_argument("--model", default=DEFAULT_MODEL, help=f"card id or path (default {DEFAULT_MODEL})")
+    pp.add_argument("--model", default=None, help=f"card id or path (default {DEFAULT_MODEL}; "
+                    "with --peer, the serving node's own model)")
+    pp.add_argument("--peer", metavar="HOST:PORT",
+                    help="send the requests through the cluster node at this cluster address "
+                         "(its --host:--port) instead of loading a model here")
+    pp.add_argument("--secret", help="the cluster secret for --peer (or SKULKP2P_SECRET)")
     pp.set_defaults(func=cmd_pipe)
 
     m = common(sub.add_parser("models", help="the local model store: list, pull, path"))

@@ -48,6 +48,7 @@ class Node:
     addr: str  # advertised (through the proxy when there is one)
     proc: subprocess.Popen
     log: Path
+    http: str | None = None  # HOST:PORT of a join's HTTP API
 
     @property
     def pid(self) -> int:
@@ -68,8 +69,18 @@ class ProcCluster:
     def ip(self, i: int) -> str:
         return f"127.0.0.{self.base + i}"
 
+    def start_join(self, i: int, model: str, peers: list[int] | None = None,
+                   args: list[str] = ()) -> Node:
+        """`python -m skulkp2p join` with its cluster listener and HTTP API on 127.0.0.x."""
+        http_port = free_port(self.ip(i))
+        node = self.start(i, peers, ["--model", model, "--http-host", self.ip(i),
+                                     "--http-port", str(http_port), *args],
+                          command=["-m", "skulkp2p", "join"])
+        node.http = f"{self.ip(i)}:{http_port}"
+        return node
+
     def start(self, i: int, peers: list[int] | None = None, args: list[str] = (),
-              module: str = "skulkp2p.cluster.node") -> Node:
+              command: list[str] = ("-m", "skulkp2p.cluster.node")) -> Node:
         ip = self.ip(i)
         port = free_port(ip)
         addr = f"{ip}:{port}"
@@ -78,7 +89,7 @@ class ProcCluster:
             self.proxy.listen(ip, adv, port)
             addr = f"{ip}:{adv}"
         peers = [0] if peers is None and i != 0 else (peers or [])
-        cmd = [sys.executable, "-m", module, "--name", f"n{i}", "--host", ip, "--port",
+        cmd = [sys.executable, *command, "--name", f"n{i}", "--host", ip, "--port",
                str(port), "--data-dir", str(self.data_dir)]
         if self.proxy is not None:
             cmd += ["--advertise", addr]

@@ -295,3 +295,19 @@ def test_membership_ignores_malformed_messages():
     e = Election("a", "1.1.1.1:1")
     for msg in ({}, {"t": "vote", "from": "b", "term": True}, {"t": "lead", "from": "b"}):
         assert e.on_message(msg, 1.0) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_founder_keeps_the_lead_as_nodes_join(seed):
+    """A node without seeds leads a cluster of one at once; nodes that join later learn its
+    term before they may stand, so no term ever has two leaders, and the founder keeps the
+    lead while the quorum grows under it."""
+    net = SimNet(seed=200 + seed, delay=(0.001, 0.05))
+    founder = net.add("n0", 0)
+    assert net.run(1, lambda: founder.is_leader)
+    net.run(3)  # alone for longer than a lease
+    for i in range(1, 5):
+        net.add(f"n{i}", i, [SimNet.addr(0)])
+        net.run(net.rng.uniform(0, 3))
+    assert net.run(15, lambda: net.agreed_leader() == "n0" and net.views_agree())
+    assert founder.term == 1 and not net.safety_violations()

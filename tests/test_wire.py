@@ -108,7 +108,8 @@ def test_fuzz_random_truncated_and_signed_garbage_only_raise_wire_error():
         elif kind == 2:  # valid signature over garbage: reaches the msgpack decoder
             data = _signed(rng.randbytes(rng.randint(1, 200)))
         else:  # valid signature over a mutated valid body
-            body = bytearray(msgpack.packb({"t": "ping", "v": 1, "seq": i, "x": [1, 2, {"a": b"b"}]}))
+            body = bytearray(msgpack.packb({"t": "ping", "v": 1, "seq": i,
+                                            "x": [1, 2, {"a": b"b"}]}))
             for _ in range(rng.randint(1, 4)):
                 body[rng.randrange(len(body))] = rng.randrange(256)
             data = _signed(bytes(body))

@@ -53,6 +53,10 @@ class ClusterCore:
         self._plan_term = -1
         self.placement_version = 0
         self._sync_view()
+        if not self.membership.seeds:
+            # A founder (no seeds) has nobody to wait for: lead at once, so a single node
+            # serves without an election timeout's delay.
+            self.election.stand_at(now)
 
     # ---------------------------------------------------------------- queries
 
@@ -74,6 +78,10 @@ class ClusterCore:
 
     def placement_errors(self) -> dict[str, dict[str, Any]]:
         return dict(self._errors) if self.leader is not None else {}
+
+    def requested(self) -> set[str]:
+        """Every model asked for (placed, failed to place, or waiting for a leader)."""
+        return set(self._requests())
 
     def member_addr(self, name: str) -> str | None:
         m = self.membership.get(name)
@@ -114,18 +122,27 @@ class ClusterCore:
     # ---------------------------------------------------------------- driving
 
     def tick(self, now: float) -> list[Out]:
-        out = self.membership.tick(now)
+        out = self._stamp_term(self.membership.tick(now))
         self._sync_view()
         out += self.election.tick(now)
         self._after(now)
         return out
 
+    def _stamp_term(self, outs: list[Out]) -> list[Out]:
+        for _addr, msg in outs:
+            msg["et"] = self.election.term
+        return outs
+
     def on_message(self, msg: Mapping[str, Any], now: float) -> list[Out]:
         kind = msg.get("t")
         out: list[Out] = []
         if kind in MEMBERSHIP_TYPES:
-            out = self.membership.on_message(msg, now)
+            out = self._stamp_term(self.membership.on_message(msg, now))
             self._sync_view()
+            term = msg.get("et")
+            if (isinstance(term, int) and not isinstance(term, bool)
+                    and self.membership.bootstrapped):
+                self.election.observe_term(term, now)
         elif kind in ELECTION_TYPES:
             if not self.membership.bootstrapped and kind == "lead":
                 # A leader's heartbeat: we belong to an established cluster even if our seeds
@@ -143,6 +160,8 @@ class ClusterCore:
         """Ask for a model to be placed (on a follower: forwarded to the leader, if any).
         The outcome shows in ``placements()``/``placement_errors()`` once the leader has it."""
         if self.is_leader:
+            if spec.id in self._placements and self.check_request(spec, nodes) is not None:
+                return []  # it would not fit: keep the placement that works
             self._explicit[spec.id] = Request(spec, tuple(nodes))
             self._errors.pop(spec.id, None)
             self._plan_inputs = None  # re-plan now
@@ -155,7 +174,7 @@ class ClusterCore:
                         "spec": spec.to_dict(), "nodes": list(nodes)})]
 
     def leave(self, now: float) -> list[Out]:
-        return self.membership.leave(now)
+        return self._stamp_term(self.membership.leave(now))
 
     def update_facts(self, facts: Mapping[str, Any]) -> None:
         self.membership.update_facts({**facts, "priority": self.election.priority})
@@ -182,15 +201,25 @@ class ClusterCore:
 
     def _requests(self) -> dict[str, Request]:
         reqs: dict[str, Request] = {}
-        for m in self.membership.members.values():
+        only: dict[str, set[str] | None] = {}  # None: any node may hold it
+        for name in sorted(self.membership.members):
+            m = self.membership.members[name]
             if m.state == LEFT:
                 continue
             for w in m.facts.get("wants") or ():
                 try:
                     spec = ModelSpec.from_dict(w)
-                except (ValueError, TypeError, KeyError):
+                except (ValueError, TypeError, KeyError, AttributeError):
                     continue
                 reqs.setdefault(spec.id, Request(spec))
+                # A model from a local folder (no card) lives on the disks that named it.
+                local = w.get("only")
+                if spec.id not in only or only[spec.id] is not None:
+                    only[spec.id] = (set(only.get(spec.id) or ()) | {str(n) for n in local}
+                                     if isinstance(local, list) else None)
+        for model, nodes in only.items():
+            if nodes:
+                reqs[model] = Request(reqs[model].spec, (), tuple(sorted(nodes)))
         for model, p in self._placements.items():  # placed once, placed for good
             if p.spec is not None:
                 reqs.setdefault(model, Request(p.spec, p.ring if p.explicit else ()))
@@ -229,21 +258,36 @@ class ClusterCore:
         self.placement_version = int(payload.get("version") or 0)
         self._plan_term = self.term
 
-    def _plan(self, now: float) -> None:
-        ms = self.membership
-        holders = [m for m in ms.members.values() if m.state in (ALIVE, SUSPECT)]
+    def check_request(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> PlacementError | None:
+        """Why a placement request would fail on the current state (None: it would not)."""
+        reqs = self._requests()
+        reqs[spec.id] = Request(spec, tuple(nodes))
+        offers, eligible = self._offers()
+        previous = {k: p for k, p in self._live_placements().items() if k != spec.id}
+        got = plan(list(reqs.values()), offers, previous, eligible).get(spec.id)
+        return got if isinstance(got, PlacementError) else None
+
+    def _offers(self) -> tuple[list[NodeOffer], list[str]]:
+        holders = [m for m in self.membership.members.values() if m.state in (ALIVE, SUSPECT)]
         offers = [NodeOffer(m.name, int(m.facts.get("memory") or 0),
                             str(m.facts.get("dtype") or "bfloat16")) for m in holders]
-        eligible = [m.name for m in holders if m.state == ALIVE]
+        return offers, [m.name for m in holders if m.state == ALIVE]
+
+    def _live_placements(self) -> dict[str, Placement]:
+        ms = self.membership
+        return {k: p for k, p in self._placements.items()
+                if not any(ms.get(n) is None or ms.get(n).state in (DEAD, LEFT) for n in p.ring)}
+
+    def _plan(self, now: float) -> None:
+        offers, eligible = self._offers()
         reqs = self._requests()
         inputs = (tuple(sorted((o.name, o.memory, o.dtype) for o in offers)), tuple(eligible),
-                  tuple(sorted((k, r.spec, r.nodes) for k, r in reqs.items())), self.term)
+                  tuple(sorted((k, r.spec, r.nodes, r.only) for k, r in reqs.items())),
+                  self.term)
         if inputs == self._plan_inputs:
             return
         self._plan_inputs = inputs
-        previous = {k: p for k, p in self._placements.items()
-                    if not any(ms.get(n) is None or ms.get(n).state in (DEAD, LEFT)
-                               for n in p.ring)}
+        previous = self._live_placements()
         result = plan(list(reqs.values()), offers, previous, eligible)
         placements: dict[str, Placement] = {}
         errors: dict[str, dict[str, Any]] = {}

@@ -77,6 +77,11 @@ class Election:
         self._priority = {**(priorities or {}), self.name: self.priority}
         self.joined = joined
 
+    def stand_at(self, when: float) -> None:
+        """Move this node's election timeout (a founder stands at once)."""
+        if self.role != LEADER:
+            self._deadline = when
+
     @property
     def quorum(self) -> int:
         return len(self._voters) // 2 + 1
@@ -246,8 +251,17 @@ class Election:
             return self._lead_tick(now)
         return []
 
+    def observe_term(self, term: int, now: float) -> None:
+        """A term seen outside elections (membership traffic carries it): a node that joins
+        learns the cluster's term before it may stand, so it cannot win a term already won."""
+        if term > self.term:
+            self._adopt(term, now)
+
     def _lead_tick(self, now: float) -> list[Out]:
         lease = self.timers.leader_lease
+        for name in self._voters:  # a voter that just joined gets one lease to answer
+            if name != self.name and name not in self._acks:
+                self._acks[name] = now
         contacts = 1 + sum(1 for n, t in self._acks.items()
                            if n in self._voters and n != self.name and now - t < lease)
         if contacts < self.quorum and now - self._leader_since >= lease:

@@ -184,7 +184,9 @@ class Membership:
                     {"t": "ping", "seq": self._seq}, target.name)))
 
         if now >= self._next_sync:
-            self._next_sync = now + t.sync_interval
+            # Until a seed answers, knock more often: seeds often start a moment later.
+            self._next_sync = now + (t.sync_interval if self.bootstrapped
+                                     else min(t.sync_interval, t.probe_interval))
             out.extend(self._syncs())
         return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import importlib.util
 import ipaddress
 import json
@@ -126,6 +127,9 @@ class NodeConfig:
     timers: Timers = field(default_factory=Timers)
     max_control_frame: int = wire.CONTROL_MAX_FRAME
     max_data_frame: int = wire.DATA_MAX_FRAME
+    # The port was not chosen and there are no peers: a busy default port (another node on
+    # this machine) falls back to a free one instead of failing.
+    port_fallback: bool = False
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,7 +139,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address the cluster listener binds to (default 127.0.0.1; anything "
                         "but loopback needs a secret)")
-    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+    g.add_argument("--port", type=int, default=None,
                    help=f"cluster listener port (default {DEFAULT_PORT}; 0 picks a free one)")
     g.add_argument("--advertise", metavar="HOST:PORT",
                    help="address other nodes reach this one at (default --host:--port)")
@@ -159,9 +163,16 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         timers = timers_from_env(args.timers)
     except ValueError as e:
         raise ClusterConfigError(str(e)) from None
-    name = args.name or f"{socket.gethostname()}:{args.port}"
+    port = DEFAULT_PORT if args.port is None else args.port
+    name = args.name or f"{socket.gethostname()}:{port}"
+    caps = {}
+    for env, key in (("SKULKP2P_MAX_CONTROL_FRAME", "max_control_frame"),
+                     ("SKULKP2P_MAX_DATA_FRAME", "max_data_frame")):
+        if os.environ.get(env):
+            caps[key] = parse_size(os.environ[env])
     return NodeConfig(
-        name=name, host=args.host, port=args.port,
+        **caps, name=name, host=args.host, port=port,
+        port_fallback=args.port is None and not args.peer,
         advertise=parse_addr(args.advertise) if args.advertise else None,
         peers=[parse_addr(p) for p in args.peer], secret=secret, priority=args.priority,
         memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
@@ -214,7 +225,11 @@ def model_spec(store: Any, model: str) -> ModelSpec:
     """Placement facts for a card id or a local mlx folder (read from its config.json)."""
     resolved = store.resolve(model)
     if resolved.card is not None and resolved.path is None:
-        return ModelSpec.from_card(resolved.card)
+        spec = ModelSpec.from_card(resolved.card)
+        if resolved.card.source.kind == "local":  # e.g. a .gguf file: loaded by its path
+            spec = dataclasses.replace(spec, source=str(Path(model).expanduser().resolve())
+                                       if Path(model).expanduser().exists() else spec.source)
+        return spec
     path = Path(resolved.path)
     cfg = json.loads((path / "config.json").read_text())
     cfg = {**cfg, **cfg.get("text_config", {})}
@@ -224,7 +239,8 @@ def model_spec(store: Any, model: str) -> ModelSpec:
     return ModelSpec(resolved.id, int(cfg.get("num_hidden_layers") or 1), size,
                      int(cfg.get("max_position_embeddings") or 4096), hidden,
                      int(cfg.get("num_key_value_heads") or heads),
-                     int(cfg.get("head_dim") or (hidden // heads if hidden else 0)))
+                     int(cfg.get("head_dim") or (hidden // heads if hidden else 0)),
+                     source=str(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,8 +356,17 @@ class ClusterNode:
     async def start(self) -> None:
         cfg = self.config
         check_bind_allowed(cfg.host, cfg.secret)
-        self._server = await asyncio.start_server(self._serve, cfg.host, cfg.port,
-                                                  reuse_address=True)
+        try:
+            self._server = await asyncio.start_server(self._serve, cfg.host, cfg.port,
+                                                      reuse_address=True)
+        except OSError as e:
+            if not cfg.port_fallback:
+                raise ClusterConfigError(f"cannot listen for the cluster on {cfg.host}:"
+                                         f"{cfg.port}: {e.strerror or e}") from None
+            log.warning("cluster: port %d is busy (%s): listening on a free port instead; "
+                        "pass --port to choose one", cfg.port, e.strerror or e)
+            self._server = await asyncio.start_server(self._serve, cfg.host, 0,
+                                                      reuse_address=True)
         port = self._server.sockets[0].getsockname()[1]
         if cfg.advertise:
             self.addr = cfg.advertise
@@ -566,11 +591,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         node = ClusterNode(config, {"wants": wants, "models": pulled, "dtype": args.dtype})
-        try:
-            await node.start()
-        except OSError as e:
-            raise ClusterConfigError(f"cannot listen on {config.host}:{config.port}: "
-                                     f"{e.strerror or e}") from None
+        await node.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

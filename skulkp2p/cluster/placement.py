@@ -56,6 +56,7 @@ class ModelSpec:
     hidden_size: int = 0
     kv_heads: int = 0
     head_dim: int = 0  # 0: estimated from hidden_size
+    source: str = ""  # what a node loads it by: a card id, or a folder path (default: id)
 
     def kv_bytes_per_layer(self) -> int:
         """bf16 K and V for the whole context of one layer."""
@@ -65,7 +66,7 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "layers": self.layers, "size_bytes": self.size_bytes,
                 "context_length": self.context_length, "hidden_size": self.hidden_size,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
@@ -74,7 +75,10 @@ class ModelSpec:
                 isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool)
                 for k in ints):
             raise ValueError(f"bad model spec {dict(d)!r}")
-        spec = cls(d["id"], **{k: d[k] for k in ints if k in d})
+        source = d.get("source", "")
+        if not isinstance(source, str):
+            raise ValueError(f"bad model spec source {source!r}")
+        spec = cls(d["id"], **{k: d[k] for k in ints if k in d}, source=source)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
         return spec
@@ -82,7 +86,7 @@ class ModelSpec:
     @classmethod
     def from_card(cls, card: Any) -> ModelSpec:
         return cls(card.id, card.layers, card.size_bytes, card.context_length,
-                   card.hidden_size, card.kv_heads)
+                   card.hidden_size, card.kv_heads, source=card.id)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class Placement:
 class Request:
     spec: ModelSpec
     nodes: tuple[str, ...] = ()  # an explicit ring, in order; empty: choose
+    only: tuple[str, ...] = ()  # choose among these nodes only (a model on their disks alone)
 
 
 def split_layers(layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -261,15 +266,16 @@ def plan(requests: Sequence[Request], nodes: Sequence[NodeOffer],
     for model in sorted(by_id):
         old, req = previous.get(model), by_id[model]
         if (old is not None and all(n in offers for n in old.ring) and old.spec == req.spec
-                and (not req.nodes or tuple(req.nodes) == old.ring)):
+                and (not req.nodes or tuple(req.nodes) == old.ring)
+                and (not req.only or set(old.ring) <= set(req.only))):
             out[model] = old
             for n, need in zip(old.ring, old.needs, strict=False):
                 free[n] -= need
-    candidates = [offers[n] for n in sorted(allowed)]
     for model in sorted(by_id):
         if model in out:
             continue
         req = by_id[model]
+        candidates = [offers[n] for n in sorted(allowed) if not req.only or n in req.only]
         try:
             got = place_model(req.spec, candidates, free, ring=req.nodes, overhead=overhead)
         except PlacementError as e:

@@ -1,0 +1,107 @@
+"""``pipe --peer``: the JSONL pipe, answered by a cluster instead of a model in this process.
+
+The peer is a node's cluster address (HOST:PORT, as for ``join --peer``); its status, asked over
+the signed control protocol, names its HTTP address. Each line then goes to POST
+/v1/cluster/generate there, which any node answers (forwarding to the node that serves the
+model). Request and result lines are exactly the local pipe's. While the cluster cannot answer
+(no leader, model loading or being placed again after a failure) the line is retried as the
+503's Retry-After says, for up to ``retry_s`` seconds; then the line gets an error result and
+the pipe goes on.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import time
+from typing import IO, Any
+
+import orjson
+
+from skulkp2p.cluster.node import fetch_status, parse_addr, split_addr
+
+log = logging.getLogger("skulkp2p.pipe")
+
+
+class PeerError(Exception):
+    """The peer cannot be asked at all (unreachable, wrong secret, no HTTP API)."""
+
+
+def http_address(peer: str, secret: str | None, timeout: float = 5.0) -> str:
+    """The HTTP address of the node at cluster address ``peer`` (or ``peer`` itself when it is
+    given as http://HOST:PORT)."""
+    if peer.startswith("http://"):
+        return parse_addr(peer[len("http://"):].rstrip("/"))
+    try:
+        st = fetch_status(parse_addr(peer), secret, timeout)
+    except Exception as e:
+        raise PeerError(f"cannot ask the cluster node at {peer} for its status "
+                        f"({type(e).__name__}: {e}); is it running, and is the secret "
+                        "(--secret or SKULKP2P_SECRET) the cluster's?") from None
+    me = next((m for m in st.get("members", []) if m.get("self")), None)
+    if not me or not me.get("http"):
+        raise PeerError(f"node {st.get('node')} at {peer} announces no HTTP API")
+    return str(me["http"])
+
+
+def _error(req_id: Any, type_: str, message: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"error": {"type": type_, "message": message, "param": None}}
+    return {"id": req_id, **out} if req_id is not None else out
+
+
+def _post(addr: str, body: bytes, timeout: float) -> tuple[int, dict[str, str], bytes]:
+    host, port = split_addr(addr)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/cluster/generate", body,
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def ask(addr: str, obj: Any, retry_s: float = 120.0, timeout: float = 600.0) -> dict[str, Any]:
+    """One request object -> one result object (retrying what the cluster says to retry)."""
+    req_id = obj.get("id") if isinstance(obj, dict) else None
+    body = orjson.dumps(obj)
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            status, headers, data = _post(addr, body, timeout)
+        except OSError as e:
+            status, headers, data = 0, {}, str(e).encode()
+        if status == 200:
+            return orjson.loads(data)
+        try:
+            err = orjson.loads(data).get("error", {})
+            message = err.get("message") or data.decode(errors="replace")
+            code = err.get("code") or "unavailable"
+        except (orjson.JSONDecodeError, AttributeError):
+            message, code = data.decode(errors="replace") or f"HTTP {status}", "unavailable"
+        retryable = status in (0, 429, 502, 503)
+        if not retryable or time.monotonic() >= deadline:
+            return _error(req_id, code if status else "unreachable",
+                          message if status else f"cannot reach {addr}: {message}")
+        wait = float(headers.get("retry-after") or 1)
+        log.info("cluster busy (%s): %s; retrying in %.0f s", code, message, wait)
+        time.sleep(min(wait, max(0.1, deadline - time.monotonic())))
+
+
+def run_pipe_remote(peer: str, secret: str | None, model: str | None, stdin: IO[str],
+                    stdout: IO[str], retry_s: float = 120.0) -> int:
+    addr = http_address(peer, secret)
+    for line in stdin:
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            result = _error(None, "invalid_json", f"line is not valid JSON: {e}")
+        else:
+            if isinstance(obj, dict) and model and "model" not in obj:
+                obj["model"] = model
+            result = ask(addr, obj, retry_s)
+        stdout.write(orjson.dumps(result).decode() + "\n")
+        stdout.flush()
+    return 0

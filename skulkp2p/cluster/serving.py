@@ -1,0 +1,418 @@
+"""A node's HTTP API in a cluster: every request goes where its model is placed.
+
+The API routes of skulkp2p.api (OpenAI, Anthropic) run unchanged; in front of each, a router
+looks the model up in the cluster's placements:
+
+- placed on a ring of this node alone: served here, by this node's worker for that model
+  (started when the placement arrives; 503 + Retry-After while it loads);
+- placed on another node: forwarded to that node's HTTP address, the answer streamed back
+  (see forward.py: a dead or frozen node ends the request with a clear error, never a hang);
+- no leader (an election, or a partition's minority side) or no placement yet: 503 with
+  Retry-After, which the openai client retries; a model that fits nowhere: 503 naming the
+  memory it needs and what the cluster has.
+
+A ring of several nodes (a model split by layers) is reported, but served only once pipeline
+rings exist. Routes of the cluster itself: GET /v1/cluster, POST /v1/cluster/place, and POST
+/v1/cluster/generate (the JSONL pipe's request and result format, used by ``pipe --peer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from skulkp2p.api.app import ApiNode, job_error
+from skulkp2p.api.errors import ApiError
+from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
+from skulkp2p.api.worker import ModelWorker
+from skulkp2p.cluster.forward import forward, is_forwarded
+from skulkp2p.cluster.membership import ALIVE, SUSPECT
+from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
+from skulkp2p.cluster.placement import ModelSpec
+from skulkp2p.engine.request import RequestError, parse_request
+
+log = logging.getLogger("skulkp2p.node")
+
+RETRY_AFTER = "2"
+NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
+PLACE_WAIT_S = 5.0
+
+Handler = Callable[[ApiNode, HttpRequest], Awaitable[Response | StreamingResponse]]
+
+
+def _unavailable(message: str, code: str, retry_after: str = RETRY_AFTER) -> ApiError:
+    return ApiError(503, message, code=code, headers=[("Retry-After", retry_after)])
+
+
+class ClusterServing:
+    def __init__(self, store: Any, own_model: str, own_id: str,
+                 load_model: Callable[[str], Any], *, max_queue: int = 16,
+                 keepalive_s: float = 10.0, on_ready: Callable[[Any], None] | None = None):
+        self.store = store
+        self.own_model = own_model  # as given on the command line (card id or path)
+        self.own_id = own_id
+        self.load_model = load_model
+        self.max_queue = max_queue
+        self.keepalive_s = keepalive_s
+        self.on_ready = on_ready
+        self.node: ClusterNode | None = None
+        self.workers: dict[str, ModelWorker] = {}
+        self.apis: dict[str, ApiNode] = {}
+        self.own_failed: asyncio.Future | None = None
+        self._told: set[tuple[str, tuple[str, ...]]] = set()
+
+    @property
+    def name(self) -> str:
+        return self.node.config.name
+
+    # ---------------------------------------------------------------- cluster events
+
+    def on_cluster_change(self, node: ClusterNode) -> None:
+        """Placements changed: start a worker for every model placed on this node alone."""
+        for model, p in sorted(node.placements().items()):
+            if p.ring == (self.name,):
+                self._ensure_worker(model, p.spec.source if p.spec else "")
+            elif (model, p.ring) not in self._told:
+                self._told.add((model, p.ring))
+                if len(p.ring) > 1 and self.name in p.ring:
+                    log.warning("model %s is placed on a ring of %d nodes (%s), layers %s: "
+                                "serving a model split across nodes is not supported yet",
+                                model, len(p.ring), " -> ".join(p.ring), p.layers)
+                elif model == self.own_id and len(p.ring) == 1:
+                    log.info("cluster: model %s is served by node %s; requests here are "
+                             "forwarded to it", model, p.ring[0])
+
+    def _ensure_worker(self, model: str, source: str = "") -> None:
+        if model in self.workers:
+            return
+        spec = self.own_model if model == self.own_id else (source or model)
+        aliases = (self.own_model,) if model == self.own_id else ()
+        worker = ModelWorker(model, lambda: self.load_model(spec), max_queue=self.max_queue)
+        self.workers[model] = worker
+        self.apis[model] = ApiNode(model, worker, aliases, self.keepalive_s)
+        log.info("cluster: model %s is placed here: loading it", model)
+        worker.start().add_done_callback(lambda fut: self._loaded(model, fut))
+
+    def _loaded(self, model: str, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        error = fut.exception()
+        if error is None:
+            if self.on_ready is not None:
+                self.on_ready(fut.result())
+            return
+        log.error("model %s failed to load: %s: %s", model, type(error).__name__, error)
+        if model == self.own_id and self.own_failed is not None and not self.own_failed.done():
+            self.own_failed.set_result(error)
+
+    async def stop_workers(self, timeout: float = 10.0) -> bool:
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(loop.run_in_executor(None, w.stop, timeout)
+                                         for w in self.workers.values()))
+        return all(results)
+
+    # ---------------------------------------------------------------- routing
+
+    def router(self) -> Router:
+        from skulkp2p.api import anthropic, openai
+
+        r = Router()
+        r.add("GET", "/health", self.health)
+        r.add("GET", "/v1/models", self.models)
+        r.add("POST", "/v1/chat/completions", self.routed(openai.chat_completions))
+        r.add("POST", "/v1/completions", self.routed(openai.completions))
+        r.add("POST", "/v1/messages", self.routed(anthropic.messages))
+        r.add("POST", "/v1/cluster/generate", self.routed(pipe_generate))
+        r.add("GET", "/v1/cluster", self.cluster)
+        r.add("POST", "/v1/cluster/place", self.place)
+        return r
+
+    def _model_id(self, name: Any) -> str:
+        if name is None:
+            return self.own_id
+        if not isinstance(name, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        core = self.node.core
+        if name in core.placements() or name in core.placement_errors() or name == self.own_id:
+            return name
+        if name == self.own_model:
+            return self.own_id
+        try:
+            return self.store.resolve(name).id
+        except Exception:
+            placed = ", ".join(sorted(core.placements())) or "none"
+            raise ApiError(404, f"model {name!r} is not known here (placed in the cluster: "
+                                f"{placed})", param="model", code="model_not_found") from None
+
+    def _target(self, model: str) -> tuple[str, str | None]:
+        """Where ``model`` is served: ("local", None) or (node name, its HTTP address)."""
+        core = self.node.core
+        if core.leader is None:
+            voters = len(core.membership.voters())
+            raise _unavailable(
+                f"the cluster has no leader right now (an election is under way, or this node "
+                f"cannot reach a majority of the {voters} known members); retry shortly",
+                "no_leader")
+        p = core.placements().get(model)
+        if p is None:
+            err = core.placement_errors().get(model)
+            if err is not None:
+                raise _unavailable(err["error"], "model_not_placed", NOT_FITTING_RETRY_AFTER)
+            if model in core.requested():
+                raise _unavailable(f"model {model} is being placed; retry shortly",
+                                   "model_not_placed")
+            placed = ", ".join(sorted(core.placements())) or "none"
+            raise ApiError(404, f"model {model!r} is not placed in this cluster (placed: "
+                                f"{placed}); ask for it with POST /v1/cluster/place",
+                           param="model", code="model_not_found")
+        if len(p.ring) > 1:
+            raise ApiError(501, f"model {model} is placed on a ring of {len(p.ring)} nodes "
+                                f"({' -> '.join(p.ring)}); serving a model split across nodes "
+                                "is not supported yet", code="pipeline_not_supported")
+        entry = p.ring[0]
+        if entry == self.name:
+            return "local", None
+        m = core.membership.get(entry)
+        http = m.facts.get("http") if m is not None else None
+        if m is None or m.state not in (ALIVE, SUSPECT) or not http:
+            state = m.state if m is not None else "unknown"
+            raise _unavailable(f"node {entry}, which serves model {model}, is {state}; the "
+                               "cluster will place it again", "node_lost")
+        return entry, str(http)
+
+    def _alive(self, name: str) -> Callable[[], str | None]:
+        core = self.node.core
+        m0 = core.membership.get(name)
+        instance = m0.instance if m0 is not None else ""
+
+        def check() -> str | None:
+            m = core.membership.get(name)
+            if m is None or m.state not in (ALIVE, SUSPECT):
+                return f"declared {m.state if m else 'gone'} by the cluster"
+            if m.instance != instance:
+                return "restarted"
+            return None
+
+        return check
+
+    def routed(self, handler: Handler) -> Callable[[HttpRequest], Awaitable[Any]]:
+        async def route(req: HttpRequest) -> Response | StreamingResponse:
+            body = req.json()
+            name = body.get("model") if isinstance(body, dict) else None
+            model = self._model_id(name)
+            if isinstance(body, dict) and name is not None and name != model:
+                # Name the model by its cluster-wide id: the serving node may not know
+                # this node's alias for it (a local path, say).
+                req = dataclasses.replace(req, body=orjson.dumps({**body, "model": model}))
+            if is_forwarded(req):
+                api = self.apis.get(model)
+                if api is None:  # the placement moved while the request travelled
+                    raise _unavailable(f"model {model} is not served by node {self.name} "
+                                       "(its placement changed); retry", "model_moved")
+                return await handler(api, req)
+            where, http = self._target(model)
+            if where == "local":
+                api = self.apis.get(model)
+                if api is None:
+                    raise _unavailable(f"model {model} is loading", "model_loading")
+                return await handler(api, req)
+            return await forward(req, http, where, self._alive(where))
+
+        return route
+
+    # ---------------------------------------------------------------- plain routes
+
+    async def health(self, req: HttpRequest) -> Response:
+        where, _http = self._target(self.own_id)
+        if where == "local":
+            api = self.apis.get(self.own_id)
+            if api is None:
+                raise _unavailable(f"model {self.own_id} is loading", "model_loading")
+            resp = await api.health(req)
+            body = orjson.loads(resp.body)
+            return Response.json(resp.status, {**body, "node": self.name,
+                                               "leader": self.node.core.leader,
+                                               "served_by": self.name})
+        return Response.json(200, {"status": "ok", "model": self.own_id, "node": self.name,
+                                   "leader": self.node.core.leader, "served_by": where})
+
+    async def models(self, req: HttpRequest) -> Response:
+        core = self.node.core
+        data = []
+        for model, p in sorted(core.placements().items()):
+            worker = self.workers.get(model)
+            data.append({"id": model, "object": "model", "owned_by": "skulkp2p",
+                         "created": int(time.time()), "ring": list(p.ring),
+                         "ready": worker.state == "ready" if worker else None})
+        return Response.json(200, {"object": "list", "data": data})
+
+    async def cluster(self, req: HttpRequest) -> Response:
+        st = self.node.status()
+        for m in st["members"]:
+            m.pop("self", None)
+        return Response.json(200, st)
+
+    async def place(self, req: HttpRequest) -> Response:
+        body = req.json()
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise ApiError(400, "send {\"model\": ID, \"nodes\": [NAME, ...]?}", param="model")
+        extra = set(body) - {"model", "nodes"}
+        if extra:
+            raise ApiError(400, f"unknown field {sorted(extra)[0]!r}", param=sorted(extra)[0])
+        nodes = body.get("nodes") or []
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ApiError(400, "'nodes' must be a list of node names", param="nodes")
+        core = self.node.core
+        known = core.placements().get(body["model"])
+        if known is not None and known.spec is not None:
+            spec = known.spec  # a model the cluster already serves: move it
+        else:
+            try:
+                resolved = self.store.resolve(body["model"])
+                spec = model_spec(self.store, body["model"])
+            except Exception as e:
+                raise ApiError(404, str(e), param="model", code="model_not_found") from None
+            if resolved.card is None and not nodes:
+                nodes = [self.name]  # a local folder: this node's disk
+        if core.leader is None:
+            raise _unavailable("the cluster has no leader right now; retry shortly",
+                               "no_leader")
+        if known is not None:
+            err = core.check_request(spec, nodes)
+            if err is not None:  # refused here: the placement that works stays
+                raise ApiError(422, str(err), param="nodes" if nodes else "model",
+                               code="model_does_not_fit")
+        version = core.placement_version
+        self.node.request_placement(spec, nodes)
+        deadline = time.monotonic() + PLACE_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            if core.placement_version != version or core.is_leader:
+                got = self._placement_of(spec, nodes)
+                if got is not None:
+                    return got
+        got = self._placement_of(spec, nodes)
+        if got is not None:
+            return got
+        raise _unavailable(f"the leader has not confirmed a placement of {spec.id} yet",
+                           "placement_pending")
+
+    def _placement_of(self, spec: ModelSpec, nodes: list[str]) -> Response | None:
+        core = self.node.core
+        p = core.placements().get(spec.id)
+        if p is not None and (not nodes or list(p.ring) == nodes):
+            d = p.to_dict()
+            d.pop("spec", None)
+            return Response.json(200, {"placement": d, "term": core.term,
+                                        "leader": core.leader})
+        err = core.placement_errors().get(spec.id)
+        if err is not None:
+            raise ApiError(422, err["error"], param="model", code="model_does_not_fit")
+        return None
+
+
+async def pipe_generate(api: ApiNode, req: HttpRequest) -> Response:
+    """One JSONL-pipe request, answered with the pipe's own result (or error) object."""
+    obj = req.json()
+    req_id = obj.get("id") if isinstance(obj, dict) else None
+
+    def error(type_: str, message: str, param: str | None = None) -> Response:
+        out: dict[str, Any] = {"error": {"type": type_, "message": message, "param": param}}
+        return Response.json(200, {"id": req_id, **out} if req_id is not None else out)
+
+    try:
+        greq = parse_request(obj)
+    except RequestError as e:
+        return error(e.type, e.message, e.param)
+    job = api.submit(greq)  # 429 / 503 as ApiError
+    try:
+        while True:
+            kind, payload = await job.next()
+            if kind == "done":
+                # The same fields as engine.generate.generate() returns to the local pipe.
+                out: dict[str, Any] = {"id": greq.id, "model": api.model_id,
+                                       "text": payload["text"], "tokens": payload["tokens"],
+                                       "finish_reason": payload["finish_reason"],
+                                       "usage": payload["usage"], "timing": payload["timing"]}
+                if "speculation" in payload:
+                    out["speculation"] = payload["speculation"]
+                return Response.json(200, out)
+            if kind == "error":
+                if isinstance(payload, RequestError):
+                    return error(payload.type, payload.message, payload.param)
+                e = job_error(payload)
+                return error("internal_error", e.message)
+    finally:
+        job.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def own_want(store: Any, model: str, node_name: str) -> dict[str, Any]:
+    """What this node asks the cluster to place: its --model. A model from a local folder or
+    file can only be placed on nodes that have it (those that ask for it)."""
+    resolved = store.resolve(model)
+    want = model_spec(store, model).to_dict()
+    if resolved.card is None or resolved.card.source.kind == "local":
+        want["only"] = [node_name]
+    return want
+
+
+def node_facts(store: Any) -> dict[str, Any]:
+    """Facts for the cluster beyond memory and engines: models on disk, the dtype we run."""
+    facts: dict[str, Any] = {}
+    try:
+        facts["models"] = [row["id"] for row in store.list() if row["pulled"]]
+    except Exception:  # a broken card must not keep the node out of the cluster
+        facts["models"] = []
+    try:
+        from skulkp2p.engine import blas
+
+        facts["dtype"] = blas.fast_path_report()["dtype"]
+    except Exception:
+        facts["dtype"] = "bfloat16"
+    return facts
+
+
+async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[str, Any],
+                        http_host: str, http_port: int, stop: asyncio.Event, *,
+                        http_config: Any = None, facts: dict[str, Any] | None = None,
+                        on_listening: Callable[[str, int], None] | None = None,
+                        ) -> tuple[bool, BaseException | None]:
+    """Run the HTTP API and the cluster node until ``stop``. Returns (workers ended cleanly,
+    the load error of this node's own model if it failed here)."""
+    server = HttpServer(serving.router(), http_config)
+    host, port = await server.start(http_host, http_port)
+    if on_listening:
+        on_listening(host, port)
+    http_fact_host = host if host not in ("0.0.0.0", "::", "") else None
+    facts = {**(facts or {}), "wants": [want]}
+    if http_fact_host is not None:
+        facts["http"] = parse_addr(f"{http_fact_host}:{port}")
+    node = ClusterNode(config, facts, on_change=serving.on_cluster_change)
+    serving.node = node
+    serving.own_failed = asyncio.get_running_loop().create_future()
+    try:
+        await node.start()
+        if http_fact_host is None:  # reachable where the cluster reaches us
+            http_fact_host = split_addr(node.addr)[0]
+            node.update_facts(http=parse_addr(f"{http_fact_host}:{port}"))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({stopper, serving.own_failed},
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+    finally:
+        await server.close()
+        await node.close(leave=True)
+        clean = await serving.stop_workers()
+    error = serving.own_failed.result() if serving.own_failed.done() else None
+    return clean, error
