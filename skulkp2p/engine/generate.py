@@ -18,6 +18,7 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter, repetition_score
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.sampling import make_rng
+from skulkp2p.engine.stage import StageSpan, slice_model
 from skulkp2p.engine.text import TextAssembler
 
 log = logging.getLogger("skulkp2p.engine")
@@ -38,6 +39,7 @@ class LoadedModel:
     width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
     mtp: Any = None  # a loaded MTP head, when the model has one
     draft: LoadedModel | None = None  # a draft model, when the card names one
+    span: StageSpan | None = None  # the layers held here, when this node is one ring stage
 
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
@@ -69,13 +71,23 @@ def _trunk_classes(config: dict[str, Any]):
 def load_model(path: Path, model_id: str, context_length: int | None = None,
                dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
                speculation: dict[str, Any] | None = None,
-               sidecar: Path | None = None) -> LoadedModel:
+               sidecar: Path | None = None, span: StageSpan | None = None) -> LoadedModel:
     """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
-    its MTP head beside it when the checkpoint or a sidecar has one."""
+    its MTP head beside it when the checkpoint or a sidecar has one.
+
+    With `span`, only that stage's layers are kept (see stage.py): the model is loaded lazily and
+    cut before anything is evaluated; only the last stage loads the MTP head."""
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
-    model, config = mlx_load_model(Path(path), get_model_classes=_trunk_classes)
+    from skulkp2p.engine.mtp import has_mtp_tensors, load_mtp_head
+
+    model, config = mlx_load_model(Path(path), lazy=span is not None,
+                                   get_model_classes=_trunk_classes)
+    if span is not None:
+        # The last stage runs the drafter: an MTP head embeds its draft tokens.
+        keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
+        slice_model(model, span, keep_embedding=keep)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -84,16 +96,16 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     ctx = context_length or config.get("max_position_embeddings") or config.get(
         "text_config", {}).get("max_position_embeddings") or 4096
     speculation = dict(speculation or {})
-    from skulkp2p.engine.mtp import load_mtp_head
     overrides = {k: v for k, v in speculation.items()
                  if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
-    head = load_mtp_head(Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    head = None if span is not None and not span.last else load_mtp_head(
+        Path(path), model, config, overrides=overrides, sidecar=sidecar)
     if head is not None:
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,
                  head.conventions.max_depth)
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
-                       dict(runtime or {}), speculation, mtp=head)
+                       dict(runtime or {}), speculation, mtp=head, span=span)
 
 
 def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:

@@ -401,6 +401,13 @@ def _quantization(config: dict[str, Any]) -> tuple[int, int, str] | None:
     return int(q.get("group_size", 64)), int(q.get("bits", 4)), str(q.get("mode", "affine"))
 
 
+def has_mtp_tensors(model_path: Path, config: dict[str, Any],
+                    sidecar: Path | None = None) -> bool:
+    """Whether the checkpoint (or sidecar) has an MTP head, from tensor names only."""
+    files = _safetensors_files(Path(sidecar) if sidecar is not None else Path(model_path))
+    return _locate([n for f in files for n in _header_names(f)], config) is not None
+
+
 def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
                   overrides: dict[str, Any] | None = None,
                   sidecar: Path | None = None) -> MtpHead | None:

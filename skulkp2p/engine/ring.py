@@ -1,0 +1,235 @@
+"""Pipeline rings: the decode loop's forward seam as one traversal of the ring per call.
+
+Where the loop runs: on the LAST stage. It holds the final norm, the output head and the drafter,
+so logits never travel; a verify round costs one frame per link: the round's tokens (a few ints)
+go from the last stage to the first, and each stage passes its k+1 output rows (model dtype, raw
+bytes) to the next, ending back at the last stage. The accept decision (keep, dropped) rides on
+the NEXT round's frame, so every stage trims (or restores and replays) its caches identically
+before it runs that round, without a traversal of its own. The request's entry node forwards the
+HTTP request to the last stage (see cluster/serving.py).
+
+This module is protocol logic only: `StageWorker.handle` maps a frame to the frame for the next
+stage, and a `RingLink` carries frames (in process for tests, TCP in cluster/ring_link.py).
+Data frames carry term, instance, request and step; a frame of another term, of an unknown
+request or out of step is dropped (the sender then times out and ends its request).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from skulkp2p import wire
+from skulkp2p.engine import caches
+from skulkp2p.engine.stage import StageModel
+
+log = logging.getLogger("skulkp2p.ring")
+
+FRAME = "ring"
+
+
+class RingError(RuntimeError):
+    """The ring could not complete a traversal (a stage died, froze, or dropped the frame)."""
+
+
+class RingLink(Protocol):
+    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send `msg` to the first stage; return the frame that reaches the last stage. Raises
+        RingError within a bounded time when a stage does not answer."""
+        ...
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Best effort, no answer awaited (the end of a request)."""
+        ...
+
+
+@dataclass
+class StageCache:
+    """One request's caches on one stage, with the same rollback rules as LocalForward: trim,
+    or (recurrent state, a rotating cache about to wrap) restore the snapshot and replay the
+    kept inputs (tokens on the first stage, hidden rows on the others)."""
+
+    stage: StageModel
+    cache: list[Any] = field(init=False)
+    _snapshot: caches.Snapshot | None = None
+    _inputs: Any = None
+
+    def __post_init__(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+        self.cache = make_prompt_cache(self.stage.model)
+
+    def run(self, x: Any, *, verify: bool, logits: bool = False,
+            hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
+        width = len(x) if isinstance(x, list) else x.shape[0]
+        self._snapshot = None
+        if verify and width > 1 and caches.needs_snapshot(self.cache, width):
+            self._snapshot = caches.snapshot(self.cache, [])
+            self._inputs = x
+        out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
+        mx.eval([a for a in (out, h) if a is not None])
+        return out, h
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        if dropped <= 0:
+            return
+        if self._snapshot is None:
+            caches.trim(self.cache, dropped)
+            return
+        caches.restore(self.cache, self._snapshot)
+        self._snapshot = None
+        if keep:
+            self.stage.run(self._inputs[:keep], self.cache, logits=False)
+            mx.eval([c.state for c in self.cache])
+
+
+def header(term: int, instance: str, request: str, step: int, op: str) -> dict[str, Any]:
+    return {"t": FRAME, "v": wire.PROTOCOL_VERSION, "term": term, "instance": instance,
+            "request": request, "step": step, "op": op}
+
+
+class StageWorker:
+    """A stage that is not the last: frame in -> frame for the next stage (or None: dropped)."""
+
+    def __init__(self, stage: StageModel, term: int):
+        self.stage = stage
+        self.term = term
+        self.sessions: dict[str, tuple[str, int, StageCache]] = {}  # request -> (instance, step)
+        self.dropped = 0
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            return self._handle(msg)
+        except (KeyError, TypeError, ValueError, wire.WireError) as e:
+            self.dropped += 1
+            log.warning("ring: dropping a bad frame: %s: %s", type(e).__name__, e)
+            return None
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        if msg.get("t") != FRAME or msg["term"] != self.term:
+            self.dropped += 1  # another term's ring: its placement is gone
+            return None
+        request, instance, step, op = msg["request"], msg["instance"], msg["step"], msg["op"]
+        known = self.sessions.get(request)
+        if op == "end":
+            if known is not None and known[0] == instance:
+                del self.sessions[request]
+            return dict(msg)
+        if step == 0 and known is None:
+            known = (instance, -1, StageCache(self.stage))
+        if known is None or known[0] != instance or step != known[1] + 1:
+            self.dropped += 1  # unknown request, a restarted sender, or a frame out of step
+            return None
+        session = known[2]
+        if msg.get("rollback"):
+            keep, dropped = msg["rollback"]
+            session.rollback(int(keep), int(dropped))
+        x = msg["x"] if self.stage.span.first else wire.unpack_array(msg["x"], as_mlx=True)
+        if self.stage.span.first and (not isinstance(x, list) or not x):
+            raise ValueError("the first stage needs a non-empty token list")
+        out, _ = session.run(x, verify=op == "verify")
+        self.sessions[request] = (instance, step, session)
+        # The decision travels on with the rows, for the stages after this one.
+        return {**header(self.term, instance, request, step, op), "x": wire.pack_array(out),
+                "rollback": msg.get("rollback")}
+
+
+class RingForward:
+    """The Forward seam over a ring, run on the last stage. `link` reaches the other stages."""
+
+    def __init__(self, stage: StageModel, link: RingLink, *, term: int, instance: str,
+                 request: str, prefill_step: int = 2048, hidden: str | None = None,
+                 interrupt: Callable[[], None] | None = None):
+        if not stage.span.last:
+            raise ValueError("RingForward runs on the last stage")
+        self.stage = stage
+        self.link = link
+        self.term, self.instance, self.request = term, instance, request
+        self.prefill_step = prefill_step
+        self.hidden = hidden
+        self.interrupt = interrupt
+        self.local = StageCache(stage)
+        self.last_hidden: mx.array | None = None
+        self.step = 0
+        self._pending: tuple[int, int] | None = None  # the decision the next frame carries
+        self.link_rows = 0  # hidden rows that crossed into this stage (for reports)
+
+    def _traverse(self, op: str, tokens: list[int]) -> mx.array:
+        msg = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
+               "rollback": list(self._pending) if self._pending else None}
+        out = self.link.traverse(msg)
+        if out.get("step") != self.step or out.get("request") != self.request:
+            raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
+                            f"expected step {self.step} of {self.request}")
+        self.step += 1
+        self._pending = None
+        rows = wire.unpack_array(out["x"], as_mlx=True)
+        self.link_rows += rows.shape[0]
+        return rows
+
+    def prefill(self, tokens: list[int]) -> None:
+        rows = []
+        for start in range(0, len(tokens), self.prefill_step):
+            if self.interrupt is not None:
+                self.interrupt()
+            x = self._traverse("prefill", tokens[start:start + self.prefill_step])
+            _, h = self.local.run(x, verify=False, hidden=self.hidden)
+            if h is not None:
+                rows.append(h)
+        if rows:
+            self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+    def __call__(self, tokens: list[int]) -> mx.array:
+        x = self._traverse("verify", tokens)
+        logits, h = self.local.run(x, verify=True, logits=True, hidden=self.hidden)
+        if h is not None:
+            self.last_hidden = h
+        return logits
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        if dropped <= 0:
+            return
+        self.local.rollback(keep, dropped)
+        self._pending = (keep, dropped)
+
+    def close(self) -> None:
+        """Free the request's caches on the other stages (best effort)."""
+        try:
+            self.link.send(header(self.term, self.instance, self.request, self.step, "end"))
+        except Exception as e:  # the ring may be gone already; the stages time sessions out
+            log.debug("ring: end of %s not sent: %s", self.request, e)
+
+
+class InProcessLink:
+    """Stages in this process, every frame through the wire codec (tests, and the reference
+    for what the TCP link must do)."""
+
+    def __init__(self, workers: list[StageWorker], secret: str | None = None):
+        self.workers = workers
+        self.key = wire.frame_key(secret)
+        self.bytes = 0
+
+    def _through(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        frame = wire.encode_frame(msg, self.key, wire.DATA_MAX_FRAME)
+        self.bytes += len(frame)
+        dec = wire.FrameDecoder(self.key, wire.DATA_MAX_FRAME)
+        (decoded,) = dec.feed(frame)
+        return decoded
+
+    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
+        cur: dict[str, Any] | None = msg
+        for w in self.workers:
+            cur = w.handle(self._through(cur))
+            if cur is None:
+                raise RingError("a stage dropped the frame")
+        return self._through(cur)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        cur: dict[str, Any] | None = msg
+        for w in self.workers:
+            cur = w.handle(self._through(cur))
+            if cur is None:
+                return
