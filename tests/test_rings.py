@@ -144,3 +144,17 @@ def test_stale_term_and_unknown_request_are_dropped(models):
     fwd.link.workers[0].term = 8  # the stage moved on to another placement
     with pytest.raises(RingError):
         fwd.prefill([1, 2, 3])
+
+
+def test_card_gate_turns_speculation_off_on_rings(models):
+    from skulkp2p.engine.generate import _choose_drafter
+    from skulkp2p.engine.request import parse_request
+
+    req = parse_request({"prompt": ECHO, "speculation": {"drafter": "mtp"}})
+    last = stages(models["llama"], 2)[-1]
+    assert _choose_drafter(last, req, [1, 2])[0] is not None
+    gated = type(last)(**{**last.__dict__, "speculation": {"speculative_multi_node": False}})
+    assert _choose_drafter(gated, req, [1, 2]) == (None, 0, None)
+    single = full(models["llama"])
+    solo = type(single)(**{**single.__dict__, "speculation": {"speculative_multi_node": False}})
+    assert _choose_drafter(solo, req, [1, 2])[0] is not None

@@ -140,6 +140,13 @@ def _costs(loaded: LoadedModel) -> dict[int, float]:
         "bfloat16"])
 
 
+def speculation_allowed(loaded: LoadedModel) -> bool:
+    """The card's gate: `speculative_multi_node = false` (e.g. MoE models, where verifying k+1
+    rows costs nearly k+1 expert reads) turns speculation off once the model spans nodes."""
+    multi_node = loaded.span is not None and not loaded.span.first
+    return not multi_node or bool(loaded.speculation.get("speculative_multi_node", True))
+
+
 def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int]):
     """(drafter or None, depth, which trunk hidden state the forward must keep).
 
@@ -147,7 +154,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     the best available drafter in the gates: MTP head, then draft model, then prompt lookup.
     """
     spec = req.speculation
-    if spec.mode == "off":
+    if spec.mode == "off" or not speculation_allowed(loaded):
         return None, 0, None
     if spec.mode == "explicit":
         if spec.drafter == "lookup":
