@@ -605,6 +605,57 @@ def _execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages,
     return run_mlx_lm(loaded, messages, max_tokens, draft, draft_tokens)
 
 
+def _results(cells: dict[tuple[str, str], _Cell], arms: list[Arm], workloads: list[str]
+             ) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
+    """Per arm and workload: medians, speedup, acceptance, exactness; the cells that were
+    skipped; and the arm/workload pairs whose greedy tokens differ from plain's."""
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    mismatched: list[str] = []
+    for wl in workloads:
+        plain_runs = cells[(wl, "plain")].runs
+        # None when plain could not run this workload (e.g. the prompt exceeds the context)
+        reference = plain_runs[0].tokens if plain_runs else None
+        base = None
+        for arm in arms:
+            cell = cells[(wl, arm.name)]
+            if cell.skip:
+                skipped.append({"arm": arm.name, "workload": wl, "reason": cell.skip})
+                continue
+            if not cell.runs:
+                continue  # not run yet (a partial document)
+            tok_s = [x.tok_s for x in cell.runs if x.tok_s is not None]
+            med = statistics.median(tok_s) if tok_s else None
+            if arm is PLAIN:
+                base = med
+            first = cell.runs[0]
+            identical = None if reference is None else all(x.tokens == reference
+                                                           for x in cell.runs)
+            if identical is False:
+                mismatched.append(f"{arm.name}/{wl}")
+            results.append({
+                "arm": arm.name, "workload": wl, "peer": arm.peer,
+                "tok_s": _round(med, 2),
+                "ttft_s": round(statistics.median(x.ttft_s for x in cell.runs), 4),
+                "runs": [x.summary() for x in cell.runs],
+                "speedup_vs_plain": round(med / base, 3) if med and base else None,
+                # per generation (greedy: every run drafts the same)
+                "drafted": first.drafted, "accepted": first.accepted,
+                "acceptance": round(first.accepted / first.drafted, 4)
+                if first.drafted else None,
+                "acceptance_per_position": first.acceptance_per_position,
+                "tokens_generated": len(first.tokens),
+                "identical_to_plain": identical,
+            })
+    return results, skipped, mismatched
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     """The whole command after the CLI has arranged the BLAS; returns the exit status."""
     if args.plot:
@@ -632,9 +683,38 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     if PLAIN not in arms:
         raise BenchError(f"the plain arm cannot run: {skipped[-1]['reason']}")
 
-    cells = {(wl, a.name): _Cell() for wl in args.workloads for a in arms}
+    workloads = list(args.workloads)
+    cells = {(wl, a.name): _Cell() for wl in workloads for a in arms}
+    settings = {
+        "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
+        "warmup": f"each arm once, {min(WARMUP_TOKENS, args.max_tokens)} tokens",
+        "order": "interleaved: run r of every workload and arm before run r+1",
+        "greedy": True, "chat_template": True,
+        "workloads": workloads, "arms": [a.name for a in arms],
+        "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
+        "engine_draft_model": getattr(getattr(loaded, "draft", None), "id", None),
+        # what the engine's depth controller read from <data-dir>/widths (spec arm)
+        "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
+        "prompt_tokens": {wl: _prompt_len(loaded, wl) for wl in workloads},
+    }
+
+    def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
+        results, cell_skips, mismatched = _results(cells, arms, workloads)
+        plain_text = {wl: cells[(wl, "plain")].runs[0].text[:400]
+                      for wl in workloads if cells[(wl, "plain")].runs}
+        return {
+            "complete": complete,
+            "machine": {**machine_info(), "loadavg_before": load_before,
+                        "loadavg_after": _loadavg()},
+            "engine": engine,
+            "model": {"id": loaded.id, "path": str(loaded.path), "dtype": loaded.dtype},
+            "settings": {**settings, "plain_text": plain_text},
+            "results": results,
+            "skipped": skipped + cell_skips,
+        }, mismatched
+
     for r in range(args.runs):
-        for wl in args.workloads:
+        for wl in workloads:
             for arm in arms:
                 cell = cells[(wl, arm.name)]
                 if cell.skip:
@@ -649,70 +729,15 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                 log.info("run %d/%d %-10s %-14s %s tok/s, ttft %.2fs%s", r + 1, args.runs, wl,
                          arm.name, _fmt(run.tok_s, ".2f"), run.ttft_s,
                          "" if run.drafted is None else f", accepted {run.accepted}/{run.drafted}")
+                if args.json_out:  # a bench killed by a time limit keeps what it measured
+                    _write_atomic(Path(args.json_out),
+                                  json.dumps(document(False)[0], indent=2) + "\n")
 
-    results = []
-    mismatched = []
-    plain_tok_s: dict[str, float | None] = {}
-    for wl in args.workloads:
-        plain_runs = cells[(wl, "plain")].runs
-        # None when plain could not run this workload (e.g. the prompt exceeds the context)
-        reference = plain_runs[0].tokens if plain_runs else None
-        for arm in arms:
-            cell = cells[(wl, arm.name)]
-            if cell.skip:
-                skipped.append({"arm": arm.name, "workload": wl, "reason": cell.skip})
-                continue
-            tok_s = [x.tok_s for x in cell.runs if x.tok_s is not None]
-            med = statistics.median(tok_s) if tok_s else None
-            if arm is PLAIN:
-                plain_tok_s[wl] = med
-            base = plain_tok_s.get(wl)
-            first = cell.runs[0]
-            identical = None if reference is None else all(x.tokens == reference
-                                                           for x in cell.runs)
-            if identical is False:
-                mismatched.append(f"{arm.name}/{wl}")
-            results.append({
-                "arm": arm.name, "workload": wl, "peer": arm.peer,
-                "tok_s": _round(med, 2),
-                "ttft_s": round(statistics.median(x.ttft_s for x in cell.runs), 4),
-                "runs": [x.summary() for x in cell.runs],
-                "speedup_vs_plain": round(med / base, 3) if med and base else None,
-                # per generation (greedy: every run drafts the same)
-                "drafted": first.drafted, "accepted": first.accepted,
-                "acceptance": round(first.accepted / first.drafted, 4)
-                if first.drafted else None,
-                "acceptance_per_position": first.acceptance_per_position,
-                "tokens_generated": len(first.tokens),
-                "identical_to_plain": identical,
-            })
-
-    model_id = loaded.id
-    doc: dict[str, Any] = {
-        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": _loadavg()},
-        "engine": engine,
-        "model": {"id": model_id, "path": str(loaded.path), "dtype": loaded.dtype},
-        "settings": {
-            "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
-            "warmup": f"each arm once, {min(WARMUP_TOKENS, args.max_tokens)} tokens",
-            "order": "interleaved: run r of every workload and arm before run r+1",
-            "greedy": True, "chat_template": True,
-            "workloads": list(args.workloads), "arms": [a.name for a in arms],
-            "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
-            "engine_draft_model": getattr(getattr(loaded, "draft", None), "id", None),
-            # what the engine's depth controller read from <data-dir>/widths (spec arm)
-            "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
-            "prompt_tokens": {wl: _prompt_len(loaded, wl) for wl in args.workloads},
-            "plain_text": {wl: cells[(wl, "plain")].runs[0].text[:400]
-                           for wl in args.workloads if cells[(wl, "plain")].runs},
-        },
-        "results": results,
-        "skipped": skipped,
-    }
+    doc, mismatched = document(True)
     if args.widths:
         load_widths = _loadavg()
         seconds = measure_width_seconds(loaded)
-        path = save_width_costs(model_id, loaded.dtype, store.data_dir, seconds,
+        path = save_width_costs(loaded.id, loaded.dtype, store.data_dir, seconds,
                                 {"blas": engine.get("blas"), "reps": WIDTH_REPS,
                                  "statistic": "min", "machine": doc["machine"],
                                  "loadavg_before": load_widths, "loadavg_after": _loadavg()})
@@ -726,7 +751,7 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     text = json.dumps(doc, indent=2) + "\n"
     table = markdown_tables(doc)
     if args.json_out:
-        Path(args.json_out).write_text(text, encoding="utf-8")
+        _write_atomic(Path(args.json_out), text)
         sys.stdout.write(table)
     else:
         sys.stdout.write(text)

@@ -34,6 +34,7 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
     proc = run_cli(*args, timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
+    assert doc["complete"] is True
     assert "| workload | arm |" in proc.stdout  # the table goes to stdout with --json
 
     for key in ("platform", "cpu", "cores", "python", "mlx", "mlx_lm"):
