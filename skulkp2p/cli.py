@@ -72,10 +72,18 @@ def cmd_join(args) -> int:
         # On the model's worker thread: even importing mlx-lm takes seconds, and the API is
         # already answering (503 on /health) meanwhile. The cluster decides which models
         # this node loads: its own --model when placed here, or another node's.
+        from skulkp2p.served.model import open_served, wants_served
+        if wants_served(store.resolve(spec).card):
+            return open_served(store, spec)
         from skulkp2p.engine.loader import open_model
         return open_model(store, spec)
 
     def on_ready(loaded) -> None:
+        if getattr(loaded, "served", False):
+            log.info("ready: model %s served by llama-server (pid %s, %s, speculation %s); "
+                     "Ctrl-C to stop", loaded.id, loaded.child.pid, "/".join(loaded.compute),
+                     loaded.speculation_type)
+            return
         log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
                  loaded.id, loaded.dtype, len(loaded.model.layers))
 

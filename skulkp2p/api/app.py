@@ -55,8 +55,13 @@ class ApiNode:
         if state == "loading":
             raise ApiError(503, f"model {self.model_id} is loading", code="model_loading",
                            headers=[("Retry-After", LOADING_RETRY_AFTER)])
-        raise ApiError(503, f"model {self.model_id} is not available ({state})",
+        raise ApiError(503, f"model {self.model_id} is not available ({state}){self._why()}",
                        code="model_unavailable")
+
+    def _why(self) -> str:
+        """Why the model failed to load (e.g. llama-server's own reason), for the client."""
+        err = self.worker.load_error
+        return f": {err}" if err is not None else ""
 
     async def models(self, req: HttpRequest) -> Response:
         return Response.json(200, {"object": "list", "data": [{
@@ -84,7 +89,7 @@ class ApiNode:
             if self.worker.state == "loading":
                 raise ApiError(503, f"model {self.model_id} is loading", code="model_loading",
                                headers=[("Retry-After", LOADING_RETRY_AFTER)]) from None
-            raise ApiError(503, f"model {self.model_id} is not available",
+            raise ApiError(503, f"model {self.model_id} is not available{self._why()}",
                            code="model_unavailable") from None
 
 

@@ -87,6 +87,8 @@ Runner = Callable[[Any, GenerationRequest, dict[str, Any], Callable[[], None]], 
 
 def _default_runner(loaded: Any, req: GenerationRequest, result: dict[str, Any],
                     interrupt: Callable[[], None]):
+    if getattr(loaded, "served", False):  # a llama-server child: the proxy streams (served/)
+        return loaded.stream(req, result, interrupt)
     from skulkp2p.engine.generate import stream
     return stream(loaded, req, result, interrupt=interrupt)
 
@@ -94,6 +96,8 @@ def _default_runner(loaded: Any, req: GenerationRequest, result: dict[str, Any],
 def _prompt_length(loaded: Any, req: GenerationRequest) -> int:
     """Tokenise once more up front (cheap next to a forward) so the client learns the prompt
     size, and an over-long prompt is refused with a 400, before the stream commits to a 200."""
+    if getattr(loaded, "served", False):
+        return loaded.prompt_length(req)
     from skulkp2p.engine.generate import prompt_tokens
     n = len(prompt_tokens(loaded, req))
     if n >= loaded.context_length:
@@ -104,8 +108,8 @@ def _prompt_length(loaded: Any, req: GenerationRequest) -> int:
 
 def _stop_sequence(loaded: Any, req: GenerationRequest, result: dict[str, Any]) -> str | None:
     """Which stop string ended the text, if one did (Anthropic reports it)."""
-    if result.get("finish_reason") != "stop" or not req.stop:
-        return None
+    if result.get("finish_reason") != "stop" or not req.stop or "stop_sequence" in result:
+        return result.get("stop_sequence")
     full = loaded.tokenizer.decode(result.get("tokens", []))
     rest = full[len(result.get("text", "")):] if full.startswith(result.get("text", "")) else full
     return next((s for s in req.stop if rest.startswith(s)), None) or next(
@@ -182,6 +186,8 @@ class ModelWorker:
             timeout = min(timeout, 1.0)  # a load cannot be interrupted: do not wait it out
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if getattr(self.loaded, "served", False):
+            self.loaded.close()  # a llama-server child goes with its worker
         return not self._thread.is_alive()
 
     # ---- thread side -----------------------------------------------------------------------

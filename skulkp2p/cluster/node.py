@@ -28,7 +28,6 @@ import logging
 import os
 import random
 import re
-import shutil
 import socket
 import sys
 import time
@@ -209,8 +208,8 @@ def detect_engines() -> list[str]:
             engines.append("mlx-cuda")
         else:
             engines.append("mlx-cpu")
-    if shutil.which("llama-server"):
-        engines.append("llama_server-cpu")
+    from skulkp2p.served.binary import engines as served_engines
+    engines.extend(served_engines())  # llama_server, llama_server-<cuda|rocm|vulkan|cpu>
     return engines
 
 

@@ -45,7 +45,12 @@ class Card:
     name: str = ""
     runtime: dict[str, Any] = field(default_factory=dict)
     speculation: dict[str, Any] = field(default_factory=dict)
+    placement: dict[str, Any] = field(default_factory=dict)  # engine, served_* (see below)
     file: Path | None = None
+
+    @property
+    def engine(self) -> str:
+        return self.placement.get("engine", "mlx")
 
     def summary(self) -> dict[str, Any]:
         src = self.source
@@ -67,6 +72,7 @@ class Card:
             "size_bytes": self.size_bytes,
             "runtime": dict(self.runtime),
             "speculation": dict(self.speculation),
+            **({"placement": dict(self.placement)} if self.placement else {}),
         }
 
 
@@ -129,6 +135,57 @@ LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+# [placement]: which engine serves the card. "llama_server" runs the GGUF in a llama-server child
+# process (skulkp2p/served/) with llama.cpp's own speculation; single-node only.
+ENGINES = ("mlx", "llama_server")
+SERVED_SPEC_TYPES = ("none", "draft_simple", "draft_mtp", "draft_eagle3", "ngram_simple",
+                     "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache")
+PLACEMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "engine": str,
+    "gguf_file": str,  # path (relative to the card file or absolute); default: the card's source
+    "served_spec_type": str,  # one of SERVED_SPEC_TYPES
+    "served_spec_n_max": int,  # most tokens drafted per round
+    "served_spec_draft": str,  # card id or GGUF path of the draft model (draft_simple)
+    "served_context": int,  # llama-server -c (default: min(context_length, 4096))
+    "served_args": list,  # extra llama-server flags, verbatim
+}
+
+
+def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
+    for key in table:
+        if key not in PLACEMENT_FIELDS:
+            raise CardError(f"{file}: unknown field 'placement.{key}' (known: "
+                            f"{', '.join(sorted(PLACEMENT_FIELDS))})")
+        _get(table, key, PLACEMENT_FIELDS[key], "placement.", file)
+    engine = table.get("engine", "mlx")
+    if engine not in ENGINES:
+        raise CardError(f"{file}: field 'placement.engine' must be one of {', '.join(ENGINES)}, "
+                        f"got {engine!r}")
+    served = [k for k in table if k.startswith("served_") or k == "gguf_file"]
+    if served and engine != "llama_server":
+        raise CardError(f"{file}: field 'placement.{served[0]}' needs placement.engine = "
+                        "\"llama_server\"")
+    spec_type = table.get("served_spec_type", "none")
+    if spec_type not in SERVED_SPEC_TYPES:
+        raise CardError(f"{file}: field 'placement.served_spec_type' must be one of "
+                        f"{', '.join(SERVED_SPEC_TYPES)}, got {spec_type!r}")
+    n_max = table.get("served_spec_n_max")
+    if n_max is not None and not 1 <= n_max <= 64:
+        raise CardError(f"{file}: field 'placement.served_spec_n_max' must be 1..64, got {n_max}")
+    if spec_type == "draft_simple" and not table.get("served_spec_draft"):
+        raise CardError(f"{file}: field 'placement.served_spec_draft' is required when "
+                        "served_spec_type is \"draft_simple\"")
+    if table.get("served_spec_draft") and spec_type != "draft_simple":
+        raise CardError(f"{file}: field 'placement.served_spec_draft' is only used with "
+                        f"served_spec_type \"draft_simple\", got {spec_type!r}")
+    if "served_context" in table:
+        _positive(table["served_context"], "placement.served_context", file)
+    for i, arg in enumerate(table.get("served_args", [])):
+        if not isinstance(arg, str):
+            raise CardError(f"{file}: field 'placement.served_args[{i}]' must be a string")
+    return dict(table)
+
+
 def parse_card(data: dict[str, Any], file: Path) -> Card:
     card_id = _get(data, "id", str, "", file)
     if not card_id or any(c in card_id for c in "/\\ ") or card_id.startswith("."):
@@ -175,6 +232,11 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
                 _get(value, lk, LOOKUP_FIELDS[lk], "speculation.lookup.", file)
         if key in ("mtp_max_depth", "draft_max_depth") and not 1 <= value <= 16:
             raise CardError(f"{file}: field 'speculation.{key}' must be 1..16, got {value}")
+    placement = _parse_placement(
+        _get(data, "placement", dict, "", file, required=False, default={}), file)
+    if placement.get("engine") == "llama_server" and fmt != "gguf":
+        raise CardError(f"{file}: field 'placement.engine' \"llama_server\" needs format = "
+                        f"\"gguf\", got {fmt!r}")
     runtime = _get(data, "runtime", dict, "", file, required=False, default={})
     for key in runtime:
         if key in RUNTIME_FIELDS:
@@ -193,6 +255,7 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         size_bytes=_positive(_get(data, "size_bytes", int, "", file), "size_bytes", file),
         runtime=dict(runtime),
         speculation=dict(speculation),
+        placement=placement,
         file=file,
     )
 

