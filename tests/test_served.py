@@ -256,3 +256,21 @@ def test_card_placement_errors_name_file_and_field(tmp_path, table, field):
     with pytest.raises(CardError) as e:
         load_card(f)
     assert str(f) in str(e.value) and field in str(e.value)
+
+
+def test_placement_routes_served_cards_to_one_node_with_the_engine(card_dir):
+    from skulkp2p.cluster.placement import ModelSpec, NodeOffer, PlacementError, place_model
+
+    spec = ModelSpec.from_card(load_card(card_dir / f"{CARD_ID}.toml"))
+    assert spec.engine == "llama_server"
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    big = NodeOffer("big", 64 << 30, engines=("mlx-cpu",))
+    small = NodeOffer("small", 2 << 30, engines=("mlx-cpu", "llama_server", "llama_server-cpu"))
+    got = place_model(spec, [big, small])
+    assert got.ring == ("small",)
+    with pytest.raises(PlacementError, match="does not offer engine"):
+        place_model(spec, [big, small], ring=("big",))
+    with pytest.raises(PlacementError, match="single-node only"):
+        place_model(spec, [big, small], ring=("small", "big"))
+    with pytest.raises(PlacementError, match="no alive node offers"):
+        place_model(spec, [big])

@@ -270,7 +270,9 @@ class ClusterCore:
     def _offers(self) -> tuple[list[NodeOffer], list[str]]:
         holders = [m for m in self.membership.members.values() if m.state in (ALIVE, SUSPECT)]
         offers = [NodeOffer(m.name, int(m.facts.get("memory") or 0),
-                            str(m.facts.get("dtype") or "bfloat16")) for m in holders]
+                            str(m.facts.get("dtype") or "bfloat16"),
+                            tuple(str(e) for e in m.facts.get("engines") or ()))
+                  for m in holders]
         return offers, [m.name for m in holders if m.state == ALIVE]
 
     def _live_placements(self) -> dict[str, Placement]:

@@ -57,6 +57,7 @@ class ModelSpec:
     kv_heads: int = 0
     head_dim: int = 0  # 0: estimated from hidden_size
     source: str = ""  # what a node loads it by: a card id, or a folder path (default: id)
+    engine: str = ""  # "llama_server": one node that offers that engine; "" / "mlx": any ring
 
     def kv_bytes_per_layer(self) -> int:
         """bf16 K and V for the whole context of one layer."""
@@ -66,7 +67,8 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "layers": self.layers, "size_bytes": self.size_bytes,
                 "context_length": self.context_length, "hidden_size": self.hidden_size,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source}
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source,
+                **({"engine": self.engine} if self.engine else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
@@ -78,7 +80,10 @@ class ModelSpec:
         source = d.get("source", "")
         if not isinstance(source, str):
             raise ValueError(f"bad model spec source {source!r}")
-        spec = cls(d["id"], **{k: d[k] for k in ints if k in d}, source=source)
+        engine = d.get("engine", "")
+        if not isinstance(engine, str):
+            raise ValueError(f"bad model spec engine {engine!r}")
+        spec = cls(d["id"], **{k: d[k] for k in ints if k in d}, source=source, engine=engine)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
         return spec
@@ -86,7 +91,8 @@ class ModelSpec:
     @classmethod
     def from_card(cls, card: Any) -> ModelSpec:
         return cls(card.id, card.layers, card.size_bytes, card.context_length,
-                   card.hidden_size, card.kv_heads, source=card.id)
+                   card.hidden_size, card.kv_heads, source=card.id,
+                   engine="" if getattr(card, "engine", "mlx") == "mlx" else card.engine)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class NodeOffer:
     name: str
     memory: int  # usable bytes (capped by --memory-limit)
     dtype: str = "bfloat16"  # what the node runs models in (float32 on Linux CPU + OpenBLAS)
+    engines: tuple[str, ...] = ()  # what it gossips it can run (mlx-cpu, llama_server, ...)
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,21 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
                 ring: Sequence[str] = (), overhead: float = OVERHEAD) -> Placement:
     """The placement of one model over ``nodes`` with ``free`` bytes left on each (default:
     all they offer). ``ring`` forces those nodes in that order. Raises PlacementError."""
+    if spec.engine:
+        # A served card runs in one llama-server on one node that has the engine: no rings.
+        able = [n for n in nodes if spec.engine in n.engines]
+        if not able:
+            raise PlacementError(spec.id, f"model {spec.id} needs engine {spec.engine}, which "
+                                          "no alive node offers (install skulkp2p[served] or "
+                                          "set SKULKP2P_LLAMA_SERVER_BIN there)")
+        if len(ring) > 1:
+            raise PlacementError(spec.id, f"model {spec.id} runs on engine {spec.engine}: "
+                                          "single-node only, name one node")
+        lacking = [r for r in ring if r in {n.name for n in nodes} - {n.name for n in able}]
+        if lacking:
+            raise PlacementError(spec.id, f"model {spec.id}: node {lacking[0]} does not offer "
+                                          f"engine {spec.engine}")
+        nodes = able
     offers = {n.name: n for n in nodes}
     free = {n.name: n.memory for n in nodes} if free is None else dict(free)
     dtypes = {n.name: n.dtype for n in nodes}
@@ -205,7 +227,7 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
             raise _no_fit(spec, [offers[n] for n in ring], free, overhead, named=True)
         return Placement(got.model, got.ring, got.layers, got.needs, spec, explicit=True)
     names = sorted((n for n in offers if free.get(n, 0) > 0), key=lambda n: (-free[n], n))
-    for size in range(1, min(len(names), spec.layers) + 1):
+    for size in range(1, (1 if spec.engine else min(len(names), spec.layers)) + 1):
         if math.comb(len(names), size) <= MAX_COMBINATIONS:
             combos: Iterable[tuple[str, ...]] = itertools.combinations(names, size)
         else:  # many nodes: the largest ones, then each single swap of the smallest
