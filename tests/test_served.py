@@ -232,11 +232,27 @@ def test_force_no_spec_and_restart_and_breaker(binary, store, monkeypatch):
 
 
 def test_draft_mtp_without_mtp_layers_fails_with_reason(binary, store):
+    import asyncio
+
+    from skulkp2p.api.app import ApiNode
+    from skulkp2p.api.worker import ModelWorker
+
+    async def main() -> ApiError:
+        worker = ModelWorker("smollm2-mtp", lambda: open_served(store, "smollm2-mtp",
+                                                                 ready_timeout_s=60))
+        node = ApiNode("smollm2-mtp", worker)
+        with pytest.raises(ServedError):
+            await worker.start()
+        with pytest.raises(ApiError) as e:
+            node.submit(parse_request({"prompt": "hi"}))
+        worker.stop()
+        return e.value
+
     t0 = time.monotonic()
-    with pytest.raises(ServedError) as e:
-        open_served(store, "smollm2-mtp", ready_timeout_s=60)
-    assert "start-up" in str(e.value) and time.monotonic() - t0 < 60
-    assert "restart" not in str(e.value)
+    err = asyncio.run(main())
+    # the client sees why (the child's own words), at once, not after a restart loop
+    assert err.status == 503 and "exited during start-up" in err.message, err.message
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize("table, field", [

@@ -103,7 +103,11 @@ class ServedChild:
         """Start supervising and block until the first child is ready (or raise why not)."""
         _LIVE.add(self)
         self._thread.start()
-        self.wait_ready(self.ready_timeout_s + 5)
+        try:
+            self.wait_ready(self.ready_timeout_s + 5)
+        except BaseException:
+            self.stop()  # never leave a half-started child behind
+            raise
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the child answers; raise ServedError when it cannot (any more)."""
