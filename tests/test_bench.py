@@ -126,3 +126,18 @@ def test_mlx_lm_acceptance_rebuilt_from_flags():
     drafted, accepted, per_pos = bench._mlx_lm_acceptance(flags, 7, 2)
     assert (drafted, accepted) == (7, 3)
     assert per_pos == [round(2 / 4, 4), round(1 / 3, 4)]
+
+
+def test_bench_on_a_ring_reports_compute_and_link(tiny, tmp_path):
+    out = tmp_path / "ring.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--max-tokens", "12", "--runs", "1", "--workloads", "echo",
+                   "--arms", "lookup:2", "--nodes", "3", "--link-delay-ms", "1",
+                   "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    ring = doc["settings"]["ring"]
+    assert ring["nodes"] == 3 and ring["layers"] == [[0, 2], [2, 3], [3, 4]]
+    assert ring["traversals"] > 0 and ring["link_s"] >= ring["traversals"] * 3 * 1e-3
+    for r in doc["results"]:
+        assert r["identical_to_plain"] is True, r

@@ -158,3 +158,144 @@ def test_card_gate_turns_speculation_off_on_rings(models):
     single = full(models["llama"])
     solo = type(single)(**{**single.__dict__, "speculation": {"speculative_multi_node": False}})
     assert _choose_drafter(solo, req, [1, 2])[0] is not None
+
+
+# ------------------------------------------------------------------------------------------
+# Real processes: `join` nodes on 127.0.0.x, rings placed with POST /v1/cluster/place.
+
+PIPE_ARMS = {
+    "plain": {"speculation": "off"},
+    "lookup": {"speculation": {"drafter": "lookup", "depth": 4}},
+    "mtp": {"speculation": {"drafter": "mtp", "depth": 2}},
+    "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 11,
+                "speculation": {"drafter": "lookup", "depth": 3}},
+}
+
+
+def _pipe(addr: str, model: str, arm: str, max_tokens: int = 32, retries: int = 60) -> dict:
+    import time
+
+    from tests.test_cluster_serving import call
+
+    body = {"model": model, "prompt": ECHO, "max_tokens": max_tokens, **PIPE_ARMS[arm]}
+    for _ in range(retries):
+        try:
+            status, _, out = call(addr, "POST", "/v1/cluster/generate", body, timeout=60)
+        except OSError:
+            status, out = 0, None
+        if status == 200 and "re-placed" not in str(out.get("error")):
+            return out
+        time.sleep(0.5)  # 503 while a placement loads
+    raise AssertionError(f"no answer from {addr}: {status} {out}")
+
+
+def _place(c, model: str, nodes: list[str]) -> dict:
+    from tests.test_cluster_serving import call
+
+    status, _, out = call(c.nodes[0].http, "POST", "/v1/cluster/place",
+                          {"model": model, "nodes": nodes})
+    assert status == 200, out
+    assert out["placement"]["ring"] == nodes
+    return out["placement"]
+
+
+def _served_by(c, model: str, ring: list[str]) -> None:
+    """Wait until every node sees `model` on `ring` (and the last stage has loaded it)."""
+    c.wait(lambda: (s := c.agreed([i for i in c.nodes if c.nodes[i].proc.poll() is None]))
+           and any(p["model"] == model and p["ring"] == ring for p in s["placements"]), 30,
+           f"{model} on {ring}")
+
+
+@pytest.fixture(scope="module")
+def ring_cluster(models, tmp_path_factory):
+    from tests.cluster_procs import ProcCluster, loopback_ips_usable
+    from tests.test_cluster_serving import status_of
+
+    if not loopback_ips_usable():
+        pytest.skip("needs the 127.0.0.0/8 loopback range (Linux)")
+    c = ProcCluster(tmp_path_factory.mktemp("rings"), env={"SKULKP2P_RING_TIMEOUT": "20"})
+    try:
+        for i in range(3):
+            c.start_join(i, str(models["llama"]), args=[
+                "--memory-limit", "2GB", "--timers", "probe=0.2,suspect=1,election=1"])
+        c.wait(lambda: (s := c.agreed([0, 1, 2])) and s["placements"], 90, "a placement")
+        c.wait(lambda: all(status_of(n.http) == 200 for n in c.nodes.values()), 90, "health")
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_rings_of_processes_equal_single_node(ring_cluster, models):
+    c = ring_cluster
+    http = c.nodes[1].http
+    single = {arm: _pipe(http, "llama", arm) for arm in PIPE_ARMS}
+    assert single["mtp"]["speculation"]["drafted"] > 0
+    for ring in (["n0", "n1"], ["n2", "n0", "n1"]):
+        _place(c, "llama", ring)
+        _served_by(c, "llama", ring)
+        for arm in PIPE_ARMS:
+            got = _pipe(http, "llama", arm)
+            assert got.get("tokens") == single[arm]["tokens"], (ring, arm, got)
+            assert got["text"] == single[arm]["text"]
+    # Each stage reports what it holds, from its loaded parameters.
+    from tests.test_cluster_serving import call
+    want = {"n2": [0, 2], "n0": [2, 3], "n1": [3, 4]}
+
+    def held() -> dict:
+        st = call(http, "GET", "/v1/cluster")[2]
+        return {m["name"]: (m.get("stages") or {}).get("llama") for m in st["members"]}
+
+    c.wait(lambda: {n: h and h["layers"] for n, h in held().items()} == want, 10,
+           "stages reported")
+    bytes_held = {n: h["param_bytes"] for n, h in held().items()}
+    assert bytes_held["n0"] < bytes_held["n2"] and bytes_held["n0"] < bytes_held["n1"]
+    # The hybrid model (recurrent state) on 2- and 3-node rings.
+    qwen = str(models["qwen3_5"])
+    _place(c, qwen, ["n1"])
+    _served_by(c, "qwen3_5", ["n1"])
+    ref = {arm: _pipe(http, "qwen3_5", arm) for arm in ("plain", "lookup", "sampled")}
+    for ring in (["n0", "n2"], ["n1", "n2", "n0"]):
+        _place(c, "qwen3_5", ring)
+        _served_by(c, "qwen3_5", ring)
+        for arm in ref:
+            assert _pipe(http, "qwen3_5", arm)["tokens"] == ref[arm]["tokens"], (ring, arm)
+
+
+@pytest.mark.slow
+def test_stage_killed_mid_request(ring_cluster):
+    import signal
+    import threading
+    import time
+
+    from tests.test_cluster_serving import call
+
+    c = ring_cluster
+    reference = _pipe(c.nodes[0].http, "llama", "plain")
+    _place(c, "llama", ["n0", "n1", "n2"])
+    _served_by(c, "llama", ["n0", "n1", "n2"])
+    _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
+    result: dict = {}
+
+    def long_request() -> None:
+        body = {"model": "llama", "prompt": ECHO, "max_tokens": 3000, "speculation": "off"}
+        t0 = time.monotonic()
+        result["reply"] = call(c.nodes[2].http, "POST", "/v1/cluster/generate", body,
+                               timeout=60)
+        result["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.5)
+    c.signal(1, signal.SIGKILL)  # the middle stage
+    t0 = time.monotonic()
+    t.join(30)
+    assert not t.is_alive(), "the request hung on a dead stage"
+    status, _, out = result["reply"]
+    assert "error" in out and "ring" in out["error"]["message"], out
+    assert time.monotonic() - t0 < 15
+    # The leader re-places llama on the survivors; the next request succeeds.
+    c.wait(lambda: all((s := c.status(i)) and any(
+        p["model"] == "llama" and "n1" not in p["ring"] for p in s["placements"])
+        for i in (0, 2)), 30, "llama re-placed without n1, as both survivors see it")
+    assert _pipe(c.nodes[2].http, "llama", "plain")["tokens"] == reference["tokens"]

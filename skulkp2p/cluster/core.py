@@ -97,6 +97,8 @@ class ClusterCore:
                 "memory": f.get("memory"), "engines": f.get("engines", []),
                 "models": f.get("models", []), "http": f.get("http"), "dtype": f.get("dtype"),
                 "priority": f.get("priority", 0), "self": m is self.membership.me,
+                # ring stages held here: {model: {"layers": [a, b], "param_bytes": n}}
+                "stages": f.get("stages", {}), "ring": f.get("ring"),
             })
         return {
             "node": self.name, "leader": self.leader, "term": self.term,
@@ -224,6 +226,12 @@ class ClusterCore:
             if p.spec is not None:
                 reqs.setdefault(model, Request(p.spec, p.ring if p.explicit else ()))
         reqs.update(self._explicit)
+        for model, r in list(reqs.items()):
+            # A named ring that lost a member (dead or gone) is re-placed like any other model:
+            # its requests must keep being served.
+            if r.nodes and any((m := self.membership.get(n)) is not None and
+                               m.state in (DEAD, LEFT) for n in r.nodes):
+                reqs[model] = Request(r.spec, (), r.only)
         return reqs
 
     def _after(self, now: float) -> None:

@@ -11,8 +11,9 @@ looks the model up in the cluster's placements:
   Retry-After, which the openai client retries; a model that fits nowhere: 503 naming the
   memory it needs and what the cluster has.
 
-A ring of several nodes (a model split by layers) is reported, but served only once pipeline
-rings exist. Routes of the cluster itself: GET /v1/cluster, POST /v1/cluster/place, and POST
+A ring of several nodes (a model split by layers): every member loads only its layers; requests
+go to the ring's last stage, whose worker runs the decode loop over a RingForward (engine/ring.py,
+cluster/ring_link.py). Routes of the cluster itself: GET /v1/cluster, POST /v1/cluster/place, and POST
 /v1/cluster/generate (the JSONL pipe's request and result format, used by ``pipe --peer``).
 """
 
@@ -22,11 +23,13 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from skulkp2p import wire
 from skulkp2p.api.app import ApiNode, job_error
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
@@ -34,8 +37,13 @@ from skulkp2p.api.worker import ModelWorker
 from skulkp2p.cluster.forward import forward, is_forwarded
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
-from skulkp2p.cluster.placement import ModelSpec
+from skulkp2p.cluster.placement import ModelSpec, Placement
+from skulkp2p.cluster.ring_link import RingData, TcpRingLink
 from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.engine.ring import RingError, RingForward, StageWorker
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.stage import StageSpan
 
 log = logging.getLogger("skulkp2p.node")
 
@@ -53,7 +61,8 @@ def _unavailable(message: str, code: str, retry_after: str = RETRY_AFTER) -> Api
 class ClusterServing:
     def __init__(self, store: Any, own_model: str, own_id: str,
                  load_model: Callable[[str], Any], *, max_queue: int = 16,
-                 keepalive_s: float = 10.0, on_ready: Callable[[Any], None] | None = None):
+                 keepalive_s: float = 10.0, on_ready: Callable[[Any], None] | None = None,
+                 load_stage: Callable[[str, StageSpan], Any] | None = None):
         self.store = store
         self.own_model = own_model  # as given on the command line (card id or path)
         self.own_id = own_id
@@ -66,6 +75,10 @@ class ClusterServing:
         self.apis: dict[str, ApiNode] = {}
         self.own_failed: asyncio.Future | None = None
         self._told: set[tuple[str, tuple[str, ...]]] = set()
+        self._roles: dict[str, tuple[Any, Any]] = {}  # model -> (ring, layers) held here
+        self.ring = RingData(b"")  # the data plane; its key is set in serve_cluster
+        self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
+        self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
 
     @property
     def name(self) -> str:
@@ -74,26 +87,131 @@ class ClusterServing:
     # ---------------------------------------------------------------- cluster events
 
     def on_cluster_change(self, node: ClusterNode) -> None:
-        """Placements changed: start a worker for every model placed on this node alone."""
+        """Placements changed: start a worker for every model placed on this node alone, and a
+        stage for every ring this node is a member of (the last stage runs the decode loop)."""
         for model, p in sorted(node.placements().items()):
+            sig = (p.ring, p.layers)
+            if model in self._roles and self._roles[model] != sig:
+                self._retire(model)  # re-placed: what this node held for it is stale
             if p.ring == (self.name,):
+                self._roles[model] = sig
                 self._ensure_worker(model, p.spec.source if p.spec else "")
+            elif len(p.ring) > 1 and self.name in p.ring and p.spec is not None:
+                if model not in self._roles:
+                    self._roles[model] = sig
+                    self._start_stage(model, p)
+                stage = self.ring.stages.get(model)
+                if stage is not None:
+                    stage[0].term = p.term
             elif (model, p.ring) not in self._told:
                 self._told.add((model, p.ring))
-                if len(p.ring) > 1 and self.name in p.ring:
-                    log.warning("model %s is placed on a ring of %d nodes (%s), layers %s: "
-                                "serving a model split across nodes is not supported yet",
-                                model, len(p.ring), " -> ".join(p.ring), p.layers)
-                elif model == self.own_id and len(p.ring) == 1:
+                if model == self.own_id and len(p.ring) == 1:
                     log.info("cluster: model %s is served by node %s; requests here are "
                              "forwarded to it", model, p.ring[0])
 
-    def _ensure_worker(self, model: str, source: str = "") -> None:
+    def _retire(self, model: str) -> None:
+        self._roles.pop(model, None)
+        self.ring.set_stage(model, None)
+        self.apis.pop(model, None)
+        worker = self.workers.pop(model, None)
+        if worker is not None:
+            asyncio.get_running_loop().run_in_executor(None, worker.stop, 5.0)
+        self.node.update_facts(stages={k: v for k, v in self.node.facts.get(
+            "stages", {}).items() if k != model})
+
+    def _source(self, model: str, source: str) -> str:
+        return self.own_model if model == self.own_id else (source or model)
+
+    def _start_stage(self, model: str, p: Placement) -> None:
+        """Load this node's slice of a ring. The last stage serves the model's requests (its
+        worker runs the decode loop over a RingForward); the others answer ring frames."""
+        from skulkp2p.engine.stage import StageSpan
+
+        idx = p.ring.index(self.name)
+        span = StageSpan(p.layers[idx][0], p.layers[idx][1], p.spec.layers)
+        spec = self._source(model, p.spec.source)
+        log.info("cluster: model %s: this node is stage %d of %d (layers %d-%d): loading them",
+                 model, idx + 1, len(p.ring), span.start, span.end - 1)
+        if span.last:
+            def load() -> Any:
+                loaded = self.load_stage(spec, span)
+                loaded.make_forward = self._ring_forward_factory(model, p.ring, loaded)
+                return loaded
+            self._ensure_worker(model, p.spec.source, load)
+            return
+        loop = asyncio.get_running_loop()
+        nxt = p.ring[idx + 1]
+
+        def loaded_stage(fut: asyncio.Future) -> None:
+            if fut.cancelled() or self._roles.get(model) != (p.ring, p.layers):
+                return
+            if fut.exception() is not None:
+                log.error("model %s: stage failed to load: %s", model, fut.exception())
+                return
+            from skulkp2p.engine.stage import StageModel, param_bytes
+
+            loaded = fut.result()
+            worker = StageWorker(StageModel(loaded.model, span), p.term)
+            self.ring.set_stage(model, worker, lambda: self._ring_addr(nxt))
+            log.info("cluster: model %s: stage %d of %d ready (layers %d-%d, %.1f MB held)",
+                     model, idx + 1, len(p.ring), span.start, span.end - 1,
+                     param_bytes(loaded.model) / 1e6)
+            self._report_stage(model, loaded)
+
+        loop.run_in_executor(None, self.load_stage, spec, span).add_done_callback(loaded_stage)
+
+    def _report_stage(self, model: str, loaded: Any) -> None:
+        # What the stage really holds, from its parameters (not the card): /v1/cluster shows it.
+        from skulkp2p.engine.stage import param_bytes
+
+        stages = dict(self.node.facts.get("stages", {}))
+        stages[model] = {"layers": [loaded.span.start, loaded.span.end] if loaded.span else None,
+                         "param_bytes": param_bytes(loaded.model)}
+        self.node.update_facts(stages=stages)
+
+    def _ring_addr(self, name: str) -> str | None:
+        m = self.node.core.membership.get(name)
+        return m.facts.get("ring") if m is not None else None
+
+    def _ring_forward_factory(self, model: str, ring: tuple[str, ...], loaded: Any):
+        from skulkp2p.engine.stage import StageModel
+
+        checks = [self._alive(n) for n in ring if n != self.name]
+        stage = StageModel(loaded.model, loaded.span)
+
+        def broken() -> str | None:
+            now = self.node.core.placements().get(model)
+            if now is None or now.ring != ring:
+                return f"model {model} was re-placed; retry"
+            for name, check in zip([n for n in ring if n != self.name], checks, strict=True):
+                why = check()
+                if why:
+                    return f"node {name} {why}"
+            return None
+
+        def make(req: Any, hidden: str | None, interrupt: Any) -> RingForward:
+            p = self.node.core.placements().get(model)
+            if p is None or p.ring != ring:
+                raise RingError(f"model {model} was re-placed; retry")
+            first = self._ring_addr(ring[0])
+            if not first:
+                raise RingError(f"node {ring[0]} has no ring address yet; retry")
+            link = TcpRingLink(self.ring, model, first, broken)
+            return RingForward(stage, link, term=p.term, instance=self.instance,
+                               request=uuid.uuid4().hex,
+                               prefill_step=int(loaded.runtime.get("prefill_step", 2048)),
+                               hidden=hidden, interrupt=interrupt)
+
+        return make
+
+    def _ensure_worker(self, model: str, source: str = "",
+                       load: Callable[[], Any] | None = None) -> None:
         if model in self.workers:
             return
-        spec = self.own_model if model == self.own_id else (source or model)
+        spec = self._source(model, source)
         aliases = (self.own_model,) if model == self.own_id else ()
-        worker = ModelWorker(model, lambda: self.load_model(spec), max_queue=self.max_queue)
+        worker = ModelWorker(model, load or (lambda: self.load_model(spec)),
+                             max_queue=self.max_queue)
         self.workers[model] = worker
         self.apis[model] = ApiNode(model, worker, aliases, self.keepalive_s)
         log.info("cluster: model %s is placed here: loading it", model)
@@ -104,6 +222,8 @@ class ClusterServing:
             return
         error = fut.exception()
         if error is None:
+            if fut.result().span is not None and self.node is not None:
+                self._report_stage(model, fut.result())
             if self.on_ready is not None:
                 self.on_ready(fut.result())
             return
@@ -171,11 +291,7 @@ class ClusterServing:
             raise ApiError(404, f"model {model!r} is not placed in this cluster (placed: "
                                 f"{placed}); ask for it with POST /v1/cluster/place",
                            param="model", code="model_not_found")
-        if len(p.ring) > 1:
-            raise ApiError(501, f"model {model} is placed on a ring of {len(p.ring)} nodes "
-                                f"({' -> '.join(p.ring)}); serving a model split across nodes "
-                                "is not supported yet", code="pipeline_not_supported")
-        entry = p.ring[0]
+        entry = p.ring[-1]  # a ring's last stage runs the decode loop (engine/ring.py)
         if entry == self.name:
             return "local", None
         m = core.membership.get(entry)
@@ -317,6 +433,11 @@ class ClusterServing:
         return None
 
 
+def _open_stage(store: Any, spec: str, span: StageSpan) -> Any:
+    from skulkp2p.engine.loader import open_model
+    return open_model(store, spec, span=span)
+
+
 async def pipe_generate(api: ApiNode, req: HttpRequest) -> Response:
     """One JSONL-pipe request, answered with the pipe's own result (or error) object."""
     obj = req.json()
@@ -396,14 +517,20 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[
     facts = {**(facts or {}), "wants": [want]}
     if http_fact_host is not None:
         facts["http"] = parse_addr(f"{http_fact_host}:{port}")
-    node = ClusterNode(config, facts, on_change=serving.on_cluster_change)
+    serving.ring.key = wire.frame_key(config.secret)
+    ring_host = config.host if config.host not in ("0.0.0.0", "::", "") else "0.0.0.0"
+    ring_addr = await serving.ring.start(ring_host, config.host if ring_host != "0.0.0.0"
+                                         else None)
+    node = ClusterNode(config, {**facts, "ring": ring_addr},
+                       on_change=serving.on_cluster_change)
     serving.node = node
     serving.own_failed = asyncio.get_running_loop().create_future()
     try:
         await node.start()
         if http_fact_host is None:  # reachable where the cluster reaches us
             http_fact_host = split_addr(node.addr)[0]
-            node.update_facts(http=parse_addr(f"{http_fact_host}:{port}"))
+            node.update_facts(http=parse_addr(f"{http_fact_host}:{port}"),
+                              ring=parse_addr(f"{http_fact_host}:{split_addr(ring_addr)[1]}"))
         stopper = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({stopper, serving.own_failed},
@@ -413,6 +540,7 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[
     finally:
         await server.close()
         await node.close(leave=True)
+        await serving.ring.close()
         clean = await serving.stop_workers()
     error = serving.own_failed.result() if serving.own_failed.done() else None
     return clean, error

@@ -40,6 +40,8 @@ class LoadedModel:
     mtp: Any = None  # a loaded MTP head, when the model has one
     draft: LoadedModel | None = None  # a draft model, when the card names one
     span: StageSpan | None = None  # the layers held here, when this node is one ring stage
+    # (request, hidden, interrupt) -> a Forward; set on the last stage of a ring (RingForward)
+    make_forward: Callable[..., Any] | None = None
 
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
@@ -244,8 +246,11 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
-    forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
-                           hidden=hidden, interrupt=interrupt)
+    if loaded.make_forward is not None:
+        forward = loaded.make_forward(req, hidden, interrupt)
+    else:
+        forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
+                               hidden=hidden, interrupt=interrupt)
     generated: list[int] = []
     finish = "length"
     t_first = None
@@ -266,6 +271,8 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
                 break
     finally:
         steps.close()
+        if hasattr(forward, "close"):
+            forward.close()  # a ring frees the request's caches on the other stages
     tail = text.finish()
     if tail:
         yield Chunk(tail, [])

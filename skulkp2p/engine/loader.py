@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from skulkp2p.engine.generate import LoadedModel, load_model
+from skulkp2p.engine.stage import StageSpan
 from skulkp2p.models.store import ModelStore
 from skulkp2p.progress import ProgressBar
 
@@ -26,7 +27,8 @@ def serving_dtype() -> str:
     return blas.fast_path_report()["dtype"]
 
 
-def open_model(store: ModelStore, spec: str, dtype: str | None = None) -> LoadedModel:
+def open_model(store: ModelStore, spec: str, dtype: str | None = None,
+               span: StageSpan | None = None) -> LoadedModel:
     resolved = store.resolve(spec)
     path = store.pull(spec, progress=lambda label: ProgressBar(label, sys.stderr))
     card = resolved.card
@@ -39,8 +41,8 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None) -> Loaded
     loaded = load_model(path, resolved.id,
                         context_length=card.context_length if card and card.family else None,
                         dtype=dtype, runtime=card.runtime if card else None,
-                        speculation=speculation, sidecar=sidecar)
-    if speculation.get("draft_model"):
+                        speculation=speculation, sidecar=sidecar, span=span)
+    if speculation.get("draft_model") and (span is None or span.last):
         loaded.draft = open_model(store, speculation["draft_model"], dtype)
         from skulkp2p.engine.draft_model import check_compatible
         check_compatible(loaded.tokenizer, loaded.draft.tokenizer,

@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import mlx.core as mx
+from typing import TYPE_CHECKING, Any, Protocol
 
 from skulkp2p import wire
-from skulkp2p.engine import caches
-from skulkp2p.engine.stage import StageModel
+
+if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
+    import mlx.core as mx
+
+    from skulkp2p.engine import caches
+    from skulkp2p.engine.stage import StageModel
 
 log = logging.getLogger("skulkp2p.ring")
 
@@ -64,6 +66,9 @@ class StageCache:
 
     def run(self, x: Any, *, verify: bool, logits: bool = False,
             hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
+        import mlx.core as mx
+
+        from skulkp2p.engine import caches
         width = len(x) if isinstance(x, list) else x.shape[0]
         self._snapshot = None
         if verify and width > 1 and caches.needs_snapshot(self.cache, width):
@@ -74,6 +79,9 @@ class StageCache:
         return out, h
 
     def rollback(self, keep: int, dropped: int) -> None:
+        import mlx.core as mx
+
+        from skulkp2p.engine import caches
         if dropped <= 0:
             return
         if self._snapshot is None:
@@ -171,6 +179,7 @@ class RingForward:
         return rows
 
     def prefill(self, tokens: list[int]) -> None:
+        import mlx.core as mx
         rows = []
         for start in range(0, len(tokens), self.prefill_step):
             if self.interrupt is not None:

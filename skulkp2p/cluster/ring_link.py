@@ -1,0 +1,209 @@
+"""The ring's data plane: ring frames over TCP between ring neighbours.
+
+Each node runs one `RingData`: a listener for ring frames (signed like control frames, with the
+64 MiB data-frame cap), the stages it runs for models placed on multi-node rings, and the replies
+awaited by the RingForwards it runs as a last stage. A frame for a stage is computed on that
+model's own thread (MLX work never blocks the event loop) and passed to the next stage's data
+address; a frame for a request this node awaits is handed to the waiting RingForward.
+
+Failures stay bounded: a connection that cannot be made fails the traversal at once; a stage that
+dies or freezes mid-request is noticed by the waiting side, which gives up when the cluster
+declares a ring member dead or restarted, or after a timeout (SKULKP2P_RING_TIMEOUT, default 30
+s per traversal), whichever comes first. The protocol logic is in engine/ring.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from skulkp2p import wire
+from skulkp2p.cluster.node import CONNECT_TIMEOUT_S, WRITE_TIMEOUT_S, split_addr
+from skulkp2p.engine.ring import RingError, StageWorker
+
+log = logging.getLogger("skulkp2p.ring")
+
+
+def ring_timeout() -> float:
+    return float(os.environ.get("SKULKP2P_RING_TIMEOUT", "30"))
+
+
+class RingData:
+    def __init__(self, key: bytes, max_frame: int = wire.DATA_MAX_FRAME):
+        self.key = key
+        self.max_frame = max_frame
+        self.addr = ""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # model -> (worker, the next stage's data address, looked up per frame)
+        self.stages: dict[str, tuple[StageWorker, Callable[[], str | None]]] = {}
+        self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._waiting: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._held: dict[str, collections.deque] = {}  # frames for a stage not loaded yet
+        self.dropped = 0
+        self.bytes_out = 0
+
+    async def start(self, host: str, bind_source: str | None = None) -> str:
+        self.loop = asyncio.get_running_loop()
+        self.bind_source = bind_source
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return self.addr
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in self._writers.values():
+            w.transport.abort()
+        for ex in self._executors.values():
+            ex.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- stages
+
+    def set_stage(self, model: str, worker: StageWorker | None,
+                  next_addr: Callable[[], str | None] = lambda: None) -> None:
+        if worker is None:
+            self.stages.pop(model, None)
+            return
+        self.stages[model] = (worker, next_addr)
+        if model not in self._executors:
+            self._executors[model] = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"stage-{model}")
+        for msg in self._held.pop(model, ()):
+            self._dispatch(msg)
+
+    # ---------------------------------------------------------------- awaiting replies
+
+    def expect(self, request: str) -> queue.Queue:
+        with self._lock:
+            return self._waiting.setdefault(request, queue.Queue())
+
+    def forget(self, request: str) -> None:
+        with self._lock:
+            self._waiting.pop(request, None)
+
+    # ---------------------------------------------------------------- I/O
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = wire.FrameDecoder(self.key, self.max_frame)
+        try:
+            while True:
+                data = await reader.read(1 << 20)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    self._dispatch(msg)
+        except wire.WireError as e:
+            log.warning("ring: closing a data connection: %s", e)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            waiting = self._waiting.get(msg.get("request"))
+        if waiting is not None and msg.get("op") != "end" and msg.get("last") == self.addr:
+            waiting.put(msg)
+            return
+        stage = self.stages.get(msg.get("model"))
+        if stage is None:
+            # The stage may still be loading, or its placement not seen here yet: hold a few
+            # frames for it (the sender's timeout bounds the wait).
+            held = self._held.setdefault(str(msg.get("model")), collections.deque(maxlen=16))
+            held.append(msg)
+            return
+        worker, next_addr = stage
+
+        def compute() -> None:
+            out = worker.handle(msg)
+            addr = next_addr()
+            if out is not None and not addr:
+                log.warning("ring: %s: no address for the next stage; frame dropped",
+                            msg["model"])
+            if out is not None and addr:
+                out.update(model=msg["model"], last=msg.get("last"))
+                self.send_threadsafe(addr, out)
+
+        fut = self._executors[msg["model"]].submit(compute)
+        fut.add_done_callback(lambda f: f.exception() and log.error(
+            "ring: %s: stage failed on a frame: %r", msg["model"], f.exception()))
+
+    def send_threadsafe(self, addr: str, msg: dict[str, Any]) -> concurrent.futures.Future:
+        frame = wire.encode_frame(msg, self.key, self.max_frame)
+        return asyncio.run_coroutine_threadsafe(self._send(addr, frame), self.loop)
+
+    async def _send(self, addr: str, frame: bytes) -> None:
+        writer = self._writers.get(addr)
+        try:
+            if writer is None or writer.is_closing():
+                host, port = split_addr(addr)
+                bind = self.bind_source
+                _, writer = await asyncio.wait_for(asyncio.open_connection(
+                    host, port, local_addr=(bind, 0) if bind else None), CONNECT_TIMEOUT_S)
+                self._writers[addr] = writer
+            writer.write(frame)
+            self.bytes_out += len(frame)
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+        except (OSError, TimeoutError) as e:
+            if self._writers.get(addr) is writer and writer is not None:
+                writer.transport.abort()
+                self._writers.pop(addr, None)
+            raise RingError(f"cannot send to ring member at {addr}: {e}") from e
+
+
+class TcpRingLink:
+    """A RingForward's link from the last stage: frames go to the first stage, the last hop
+    comes back here. `check` says why the ring is broken (a member dead or restarted), or None."""
+
+    def __init__(self, data: RingData, model: str, first_addr: str,
+                 check: Callable[[], str | None], timeout: float | None = None):
+        self.data = data
+        self.model = model
+        self.first_addr = first_addr
+        self.check = check
+        self.timeout = timeout or ring_timeout()
+        self.link_s = 0.0  # wall time spent waiting on the other stages
+
+    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        request = msg["request"]
+        replies = self.data.expect(request)
+        try:
+            self.data.send_threadsafe(self.first_addr, {**msg, "model": self.model,
+                                                        "last": self.data.addr}).result(
+                CONNECT_TIMEOUT_S + WRITE_TIMEOUT_S + 1)
+        except (RingError, concurrent.futures.TimeoutError) as e:
+            raise RingError(f"ring of {self.model}: the first stage is unreachable: {e}") from e
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                reply = replies.get(timeout=0.1)
+            except queue.Empty:
+                broken = self.check()
+                if broken:
+                    raise RingError(f"ring of {self.model} broke mid-request: {broken}") from None
+                if time.monotonic() > deadline:
+                    raise RingError(f"ring of {self.model}: no answer from the other stages "
+                                    f"within {self.timeout:.0f} s") from None
+                continue
+            if reply.get("step") == msg["step"]:
+                self.link_s += time.perf_counter() - t0
+                return reply
+            # An old step's answer (after an earlier failure): drop it.
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.data.send_threadsafe(self.first_addr, {**msg, "model": self.model,
+                                                    "last": self.data.addr})
+        self.data.forget(msg["request"])
