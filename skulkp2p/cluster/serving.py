@@ -222,7 +222,7 @@ class ClusterServing:
             return
         error = fut.exception()
         if error is None:
-            if fut.result().span is not None and self.node is not None:
+            if getattr(fut.result(), "span", None) is not None and self.node is not None:
                 self._report_stage(model, fut.result())
             if self.on_ready is not None:
                 self.on_ready(fut.result())
