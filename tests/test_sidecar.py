@@ -365,7 +365,10 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path):
 
     # Resumable: the checkpoint carries the step; a resumed run goes on from it.
     assert train_sidecar.main([*common, "--steps", "5", "--resume"]) == 0
-    assert json.loads((out / ".train" / "state.json").read_text())["step"] == 5
+    state = json.loads((out / ".train" / "state.json").read_text())
+    assert state["step"] == 5 and len(state["runs"]) == 2
+    runs = tomllib.loads((out / "mtp.provenance.toml").read_text())["training"]["runs"]
+    assert [r.split("steps ")[1].split(",")[0] for r in runs] == ["0-3", "3-5"]
     # Beside a 4-bit base the reduced head is quantised too (from the base's quantised rows).
     q4 = _quantise(base, tmp_path / "q4")
     lq = load_model(q4, "q4", dtype="float32", sidecar=out / "mtp.safetensors")

@@ -81,7 +81,7 @@ LAYER_PREFIX = "mtp.layers.0."
 TOP_K = 8  # teacher distribution kept per position
 PROMPT_ROW_WEIGHT = 0.5  # rows inside the prompt count less: drafts happen on generated text
 GEN_SHARE = 0.5  # of the time budget spent generating (the rest: init, training, evaluation)
-EVAL_SHARE = 0.12  # kept back for the held-out replay and writing
+EVAL_SHARE = 0.15  # kept back for the held-out replay and writing
 CHECKPOINT_EVERY_S = 60.0
 
 
@@ -636,10 +636,8 @@ def train(args: argparse.Namespace) -> Path:
     loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight))
     step = int(state.get("step", 0))
     train_deadline = t_start + budget * (1.0 - EVAL_SHARE)
-    total = int(state.get("total_steps", 0))
-    if total and step >= total and not args.steps:
-        total = 0  # a resumed run that had finished its schedule starts a new one from here
-    start = step if not total else int(state.get("schedule_start", 0))
+    # Each run has its own time budget: a resumed run starts a new schedule from its step.
+    total, start = 0, step
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
     opt.init(head.trainable_parameters())
     if state:
@@ -649,6 +647,11 @@ def train(args: argparse.Namespace) -> Path:
     t_train = time.monotonic()
     losses: list[float] = []
     steps_here = 0
+    runs: list[str] = list(state.get("runs", []))  # earlier runs of a resumed training
+
+    def this_run() -> str:
+        return (f"{args.minutes:g} min budget, {time.monotonic() - t_start:.0f} s, steps "
+                f"{start}-{step}, lr {args.lr:g}, {len(shards)} shards")
     while True:
         if args.steps and step >= args.steps:
             break
@@ -679,10 +682,10 @@ def train(args: argparse.Namespace) -> Path:
             _log(f"step {step}: ce {np.mean(losses[-50:]):.3f}, held-out teacher-forced "
                  f"depth-1 {top1_accuracy(head, batches, held):.1%}")
         if time.monotonic() - last_ckpt > CHECKPOINT_EVERY_S:
-            _checkpoint(work, head, opt, step, total, start, coverage)
+            _checkpoint(work, head, opt, step, total, start, coverage, runs + [this_run()])
             last_ckpt = time.monotonic()
     bar(1, 1)
-    _checkpoint(work, head, opt, step, total, start, coverage)
+    _checkpoint(work, head, opt, step, total, start, coverage, runs + [this_run()])
     train_s = time.monotonic() - t_train
 
     # 4. held-out acceptance through the real drafter, and the sidecar
@@ -718,7 +721,8 @@ def train(args: argparse.Namespace) -> Path:
             "pair_table_baseline": round(baseline, 4),
         },
         "training": {
-            "steps": step, "batch_sequences": args.train_batch, "lr": args.lr,
+            "steps": step, "runs": runs + [this_run()],
+            "batch_sequences": args.train_batch, "lr": args.lr,
             "feat_weight": args.feat_weight, "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
             "train_seconds": round(train_s, 1),
             "total_seconds_this_run": round(time.monotonic() - t_start, 1),
@@ -739,14 +743,14 @@ def train(args: argparse.Namespace) -> Path:
 
 
 def _checkpoint(work: Path, head: MtpHead, opt: optim.Optimizer, step: int, total: int,
-                start: int, coverage: float) -> None:
+                start: int, coverage: float, runs: list[str]) -> None:
     mx.save_safetensors(str(work / "checkpoint.tmp.safetensors"), head_tensors(head, mx.float32))
     mx.save_safetensors(str(work / "optimizer.tmp.safetensors"), dict(tree_flatten(opt.state)))
     (work / "checkpoint.tmp.safetensors").replace(work / "checkpoint.safetensors")
     (work / "optimizer.tmp.safetensors").replace(work / "optimizer.safetensors")
     (work / "state.json").write_text(json.dumps({"step": step, "total_steps": total,
                                                  "schedule_start": start,
-                                                 "coverage": coverage}))
+                                                 "coverage": coverage, "runs": runs}))
 
 
 def main(argv: list[str] | None = None) -> int:
