@@ -50,7 +50,9 @@ def stream(port: int, content: str, max_tokens: int) -> tuple[float, float, int,
     n = 0
     spec: dict = {}
     for line in r:
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+        if line.strip() == b"data: [DONE]":
+            break  # the connection stays open (keep-alive)
+        if not line.startswith(b"data: "):
             continue
         ev = json.loads(line[6:])
         if ev.get("usage"):
