@@ -212,7 +212,11 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
         trunk = Trunk(loaded.model)
         own = _param_count(drafter_module)
         if drafter_module is loaded.mtp and trunk.tied:
-            own += trunk.embed_tokens.weight.size  # the shared head is read again per draft
+            # The shared head is read again per draft: only its draft-vocabulary rows when the
+            # head drafts over a reduced vocabulary.
+            rows = getattr(loaded.mtp, "vocab_ids", None)
+            weight = trunk.embed_tokens.weight
+            own += weight.size if rows is None else len(rows) * weight.shape[-1]
         cache[key] = own / max(_param_count(loaded.model), 1)
     return cache[key]
 
