@@ -32,12 +32,13 @@ def trim(cache: list[Any], n: int) -> None:
         entry.trim(n)
 
 
-def _copy(value: Any) -> Any:
-    # Rotating caches write into their buffers in place, so a snapshot needs its own arrays.
+def copy_state(value: Any) -> Any:
+    """A deep copy of a cache's state: caches write into their buffers in place, so a snapshot
+    needs arrays of its own."""
     if isinstance(value, mx.array):
         return mx.array(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
+        return type(value)(copy_state(v) for v in value)
     return value
 
 
@@ -54,7 +55,7 @@ def snapshot(cache: list[Any], tokens: list[int]) -> Snapshot:
             entries.append(("offset", entry.size()))
         else:
             meta = getattr(entry, "meta_state", None)
-            entries.append(("state", (_copy(entry.state), meta)))
+            entries.append(("state", (copy_state(entry.state), meta)))
     return Snapshot(entries, list(tokens))
 
 

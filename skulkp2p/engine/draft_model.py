@@ -57,15 +57,6 @@ def _exact_trim(entry: Any) -> bool:
     return type(entry) in _EXACT_TRIM
 
 
-def _copy(value: Any) -> Any:
-    # Caches write into their buffers in place, so a checkpoint needs arrays of its own.
-    if isinstance(value, mx.array):
-        return mx.array(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
-    return value
-
-
 def _checkpoint(cache: list[Any]) -> list[tuple[str, Any]]:
     """Offsets of exactly trimmable entries, copies of every other entry's whole state.
 
@@ -77,7 +68,7 @@ def _checkpoint(cache: list[Any]) -> list[tuple[str, Any]]:
         if _exact_trim(entry):
             out.append(("offset", entry.offset))
         else:
-            out.append(("state", _copy(entry.state)))
+            out.append(("state", caches.copy_state(entry.state)))
     mx.eval([v for kind, v in out if kind == "state"])
     return out
 
@@ -88,7 +79,7 @@ def _restore(cache: list[Any], checkpoint: list[tuple[str, Any]]) -> None:
             entry.trim(entry.offset - value)
         else:
             # The checkpoint may be restored again later: hand the cache its own copies.
-            entry.state = _copy(value)
+            entry.state = caches.copy_state(value)
 
 
 def vocab_size(model: nn.Module) -> int:
