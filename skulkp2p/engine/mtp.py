@@ -59,6 +59,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from skulkp2p.engine.decode import DecodeStats
 from skulkp2p.engine.trunk import Trunk
 
 log = logging.getLogger("skulkp2p.mtp")
@@ -510,8 +511,7 @@ class MtpDrafter:
         self.cache: KVCache = head.make_cache()
         self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
         self._speculative = 0  # rows propose appended past the verified ones
-        self.drafted_at: list[int] = []
-        self.accepted_at: list[int] = []
+        self.stats = DecodeStats()  # the drafter's own per-position acceptance
 
     def _check_forward(self, forward: Any) -> None:
         kind = getattr(forward, "hidden", self.conventions.hidden)
@@ -559,18 +559,21 @@ class MtpDrafter:
             drafts.append(int(mx.argmax(out.logits[-1]).item()))
         return drafts, None
 
+    @property
+    def drafted_at(self) -> list[int]:
+        return self.stats.drafted_at
+
+    @property
+    def accepted_at(self) -> list[int]:
+        return self.stats.accepted_at
+
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
         """Trim the speculative rows, then append the verified pairs: row j of the verify
         ([pending, d1..]) is h at the pending position + j, paired with emitted[j]."""
         if self._speculative:
             self.cache.trim(self._speculative)
             self._speculative = 0
-        while len(self.drafted_at) < drafted:
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(drafted):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += int(i < accepted)
+        self.stats.record(drafted, accepted)
         hidden = forward.last_hidden
         keep = 1 + accepted
         if hidden is None or hidden.shape[0] < keep or len(emitted) != keep:
