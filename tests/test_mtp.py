@@ -383,3 +383,54 @@ def test_stack_experts():
                             "mlp.experts.down_proj": mx.zeros((3, 5, 4))})
     assert fused["mlp.switch_mlp.gate_proj.weight"].shape == (3, 4, 5)
     assert fused["mlp.switch_mlp.down_proj.weight"].shape == (3, 5, 4)
+
+
+# --- lookup and the head together (auto mode) ---------------------------------------------------
+
+
+def test_lookup_then_mtp_is_exact_and_keeps_the_head_in_step(tiny):
+    """Lookup drafts where it matches, the head elsewhere; greedy output equals plain and the
+    head's cache still equals one pass over the sequence after rounds that lookup drafted."""
+    from skulkp2p.engine.gates import GatedDrafter, LookupThenModel
+    from skulkp2p.engine.generate import _lookup
+
+    t = tiny("llama", "qwen")
+    t.prompt = t.lm.tokenizer.encode(TEXT + " " + TEXT + " " + TEXT)
+    plain = t.decode()
+    free = {1: 1.0, 2: 1.0}  # verify as cheap as a step: neither gate ever turns off
+    lookup = GatedDrafter(_lookup(t.lm), free, 4, start_on=True)
+    mtp = MtpDrafter(t.head())
+    both = LookupThenModel(lookup, GatedDrafter(mtp, free, 2))
+    stats = DecodeStats()
+    fwd = LocalForward(t.lm.model, hidden="after")
+    out = list(decode(fwd, t.prompt, SamplingParams(), MAX_TOKENS, make_rng(0), both, 4, stats))
+    assert out == plain
+    counts = both.counts()
+    assert counts["lookup"]["drafted"] > 0 and counts["mtp"]["drafted"] > 0, counts
+    assert counts["lookup"]["drafted"] + counts["mtp"]["drafted"] == stats.drafted
+    seq = t.prompt + out
+    n = len(seq) - 1
+    assert mtp.cache.offset == n
+    ref = LocalForward(t.lm.model, hidden="after")
+    ref.prefill(seq[:-1])
+    cache = t.head().make_cache()
+    t.head()(ref.last_hidden, mx.array(seq[1:]), cache)
+    np.testing.assert_allclose(np.array(mtp.cache.keys[..., :n, :]),
+                               np.array(cache.keys[..., :n, :]), atol=1e-4)
+
+
+def test_auto_mode_with_a_head_uses_lookup_and_mtp(tiny):
+    """A model with a head, in auto mode: the combined drafter, exact, counted per drafter."""
+    from skulkp2p.engine.generate import generate
+    from skulkp2p.engine.request import parse_request
+
+    t = tiny("llama", "qwen")
+    prompt = " ".join([TEXT] * 3)
+    res = {mode: generate(t.lm, parse_request({"prompt": prompt, "max_tokens": MAX_TOKENS,
+                                               "speculation": mode}))
+           for mode in ("off", "auto")}
+    assert res["auto"]["tokens"] == res["off"]["tokens"]
+    spec = res["auto"]["speculation"]
+    assert spec["drafter"] == "lookup+mtp" and spec["mode"] == "auto"
+    assert set(spec["by_drafter"]) == {"lookup", "mtp"}
+    assert spec["by_drafter"]["lookup"]["drafted"] > 0, spec

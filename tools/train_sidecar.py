@@ -587,7 +587,7 @@ def train(args: argparse.Namespace) -> Path:
         train_b = train_b[:args.max_batches]
     if not held_b or not train_b:
         raise SystemExit("train_sidecar: too few prompts for one batch; lower --batch")
-    gen_deadline = t_start + budget * GEN_SHARE
+    gen_deadline = t_start + budget * args.gen_share
     # Generation runs until its share of the time is spent (or the prompts run out): the bar
     # shows the larger of the two fractions.
     bar = ProgressBar("generating", sys.stderr)
@@ -761,6 +761,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=0, help="stop after this many training steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT/.train/")
     p.add_argument("--data-dir", type=Path, default=None, help="model store (default: user's)")
+    p.add_argument("--gen-share", type=float, default=GEN_SHARE,
+                   help="share of the budget spent generating data (default %(default)s); a "
+                        "resumed run can spend its budget mostly generating, or mostly training")
     p.add_argument("--batch", type=int, default=48, help="sequences per generation batch")
     p.add_argument("--prompt-tokens", type=int, default=112, help="longest prompt")
     p.add_argument("--gen-tokens", type=int, default=160, help="tokens generated per prompt")
@@ -776,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-tokens", type=int, default=6000, help="held-out tokens replayed")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not 0.0 <= args.gen_share <= 1.0 - EVAL_SHARE:
+        p.error(f"--gen-share must be between 0 and {1.0 - EVAL_SHARE:g}")
     mx.random.seed(args.seed)
     path = train(args)
     print(path)

@@ -153,9 +153,65 @@ class GatedDrafter:
                      self.drafted, 100 * self.accepted / self.drafted,
                      f" [request {self.request_id}]" if self.request_id is not None else "")
 
+    def follow(self, accepted: int, emitted: list[int], forward) -> None:
+        """A round another drafter drafted: keep the inner drafter in step (an MTP head's cache
+        must see every verified row) without counting the round as its own."""
+        if self.on or self.can_return:
+            keep_in_step = getattr(self.inner, "follow", None)
+            if keep_in_step is not None:
+                keep_in_step(accepted, emitted, forward)
+        self.generated += len(emitted)
+        self._recent = (self._recent + emitted)[-64:]
+
     def _switch(self, on: bool, reason: str) -> None:
         self.on = on
         self.events.append({"at_token": self.generated, "event": "on" if on else "off",
                             "reason": reason})
         log.info("%s drafter %s at token %d: %s", self.name, "on" if on else "off",
                  self.generated, reason)
+
+
+class LookupThenModel:
+    """Auto drafting when the model has its own drafter (MTP head or draft model): prompt lookup
+    where the history has a match, the model drafter everywhere else.
+
+    Lookup is free and, where it matches (echoed code, quoted text), drafts long runs the model
+    drafter rarely gets right; a head drafts novel text where lookup has nothing. Each keeps its
+    own gate and depth controller, fed only by the rounds it drafted; the model drafter follows
+    every round so that its cache stays in step with the trunk."""
+
+    def __init__(self, lookup: GatedDrafter, model: GatedDrafter):
+        self.lookup = lookup
+        self.model = model
+        self.name = f"lookup+{model.name}"
+        self._source: GatedDrafter | None = None  # who drafted the round being verified
+
+    @property
+    def events(self) -> list[dict]:
+        return sorted(({**e, "drafter": g.name} for g in (self.lookup, self.model)
+                       for e in g.events), key=lambda e: e["at_token"])
+
+    def begin(self, prompt: list[int], forward) -> None:
+        self.lookup.begin(prompt, forward)
+        self.model.begin(prompt, forward)
+
+    def propose(self, history: list[int], k: int):
+        drafts, q = self.lookup.propose(history, k)
+        if drafts:
+            self._source = self.lookup
+            return drafts, q
+        self._source = self.model
+        return self.model.propose(history, k)
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+        source, self._source = self._source, None
+        if source is self.lookup:
+            self.lookup.observe(drafted, accepted, emitted, forward)
+            self.model.follow(accepted, emitted, forward)
+        else:  # the model drafted, or nobody did (a plain step): the model observes it
+            self.model.observe(drafted, accepted, emitted, forward)
+            self.lookup.observe(0, 0, emitted, forward)  # may bring lookup back on
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {g.name: {"rounds": g.rounds, "drafted": g.drafted, "accepted": g.accepted}
+                for g in (self.lookup, self.model)}

@@ -15,7 +15,12 @@ import mlx.nn as nn
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter, repetition_score
+from skulkp2p.engine.gates import (
+    DEFAULT_WIDTH_COSTS,
+    GatedDrafter,
+    LookupThenModel,
+    repetition_score,
+)
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.sampling import make_rng
 from skulkp2p.engine.stage import StageSpan, slice_model
@@ -153,7 +158,8 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     """(drafter or None, depth, which trunk hidden state the forward must keep).
 
     An explicit drafter runs at the asked depth, ungated: the caller asked for it. "auto" wraps
-    the best available drafter in the gates: MTP head, then draft model, then prompt lookup.
+    the available drafters in the gates: prompt lookup where it finds a match, and the model's
+    own drafter (MTP head, else draft model) everywhere else.
     """
     spec = req.speculation
     if spec.mode == "off" or not speculation_allowed(loaded):
@@ -172,28 +178,34 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
                                "speculation.draft_model)", "speculation")
         return _draft_drafter(loaded, req), spec.depth or 3, None
     costs = _costs(loaded)
+    model_drafter, model_depth, hidden = None, 0, None
     if loaded.mtp is not None:
-        depth = loaded.mtp.conventions.max_depth
+        model_depth = loaded.mtp.conventions.max_depth
         prior = float(loaded.speculation.get("mtp_prior_acceptance", 0.5))
-        return (GatedDrafter(_mtp_drafter(loaded), costs, depth, request_id=req.id,
-                             draft_cost=_relative_cost(loaded.mtp, loaded), prior_accept=prior),
-                depth,
-                loaded.mtp.conventions.hidden)
-    if loaded.draft is not None:
-        depth = int(loaded.speculation.get("draft_max_depth", 4))
-        return GatedDrafter(_draft_drafter(loaded, req), costs, depth, request_id=req.id,
-                            draft_cost=_relative_cost(loaded.draft.model, loaded)), depth, None
+        model_drafter = GatedDrafter(_mtp_drafter(loaded), costs, model_depth, request_id=req.id,
+                                     draft_cost=_relative_cost(loaded.mtp, loaded),
+                                     prior_accept=prior)
+        hidden = loaded.mtp.conventions.hidden
+    elif loaded.draft is not None:
+        model_depth = int(loaded.speculation.get("draft_max_depth", 4))
+        model_drafter = GatedDrafter(_draft_drafter(loaded, req), costs, model_depth,
+                                     request_id=req.id,
+                                     draft_cost=_relative_cost(loaded.draft.model, loaded))
     cfg = loaded.speculation.get("lookup", {})
     if not cfg.get("enabled", True):
-        return None, 0, None
+        return model_drafter, model_depth, hidden
     depth = int(cfg.get("max_depth", 6))
     # Prompt gate: lookup starts on when the prompt repeats itself (code, quoted text); on novel
     # prompts it starts off and comes back only if the output turns repetitive. 0.02 measured on
     # SmolLM2 (bench workloads): code edits score 0.024 and lookup pays there (1.9x at depth 3);
     # questions and stories score 0.012-0.018 and lookup does not pay from the start.
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.02))
-    return GatedDrafter(_lookup(loaded), costs, depth, start_on=start_on, can_return=True,
-                        request_id=req.id), depth, None
+    lookup = GatedDrafter(_lookup(loaded), costs, depth, start_on=start_on, can_return=True,
+                          request_id=req.id)
+    if model_drafter is None:
+        return lookup, depth, None
+    # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
+    return LookupThenModel(lookup, model_drafter), max(depth, model_depth), hidden
 
 
 def _param_count(module: nn.Module) -> int:
@@ -296,7 +308,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
             generated) > 1 else None,
     }
     if drafter is not None:
-        gated = isinstance(drafter, GatedDrafter)
+        gated = isinstance(drafter, GatedDrafter | LookupThenModel)
         result["speculation"] = {
             "drafter": drafter.name, "mode": "auto" if gated else "explicit",
             "max_depth": depth, "rounds": stats.rounds,
@@ -307,6 +319,8 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
             "gate_fired": bool(gated and drafter.events),
             "gate_events": drafter.events if gated else [],
         }
+        if isinstance(drafter, LookupThenModel):
+            result["speculation"]["by_drafter"] = drafter.counts()
 
 
 def generate(loaded: LoadedModel, req: GenerationRequest) -> dict[str, Any]:

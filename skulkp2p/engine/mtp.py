@@ -570,10 +570,14 @@ class MtpDrafter:
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
         """Trim the speculative rows, then append the verified pairs: row j of the verify
         ([pending, d1..]) is h at the pending position + j, paired with emitted[j]."""
+        self.stats.record(drafted, accepted)
+        self.follow(accepted, emitted, forward)
+
+    def follow(self, accepted: int, emitted: list[int], forward: Any) -> None:
+        """Keep the head's cache in step after a verify round, whoever drafted it."""
         if self._speculative:
             self.cache.trim(self._speculative)
             self._speculative = 0
-        self.stats.record(drafted, accepted)
         hidden = forward.last_hidden
         keep = 1 + accepted
         if hidden is None or hidden.shape[0] < keep or len(emitted) != keep:
