@@ -1,21 +1,46 @@
-"""A fault-injecting TCP proxy for cluster tests (tc netem is not available here).
+"""A fault-injecting TCP proxy on loopback: cuts, black holes and per-hop delay between nodes.
+
+Used by the cluster tests (tc netem is not available here) and by `bench --nodes N
+--link-delay-ms D`, whose ring links run through it to stand in for a LAN.
 
 Each node listens on its real port; the address it advertises is a proxy port on the same
 loopback IP. Nodes bind their outgoing connections to their own IP, so the proxy knows both ends
 of every connection (source IP -> the listener's IP) and can cut, black-hole or delay traffic
-between any pair of nodes. It runs its own event loop on a thread; the test drives it with plain
+between any pair of nodes. It runs its own event loop on a thread; callers drive it with plain
 calls.
 
 Cut links black-hole (bytes vanish, no reset: what a real partition looks like); when a rule
-changes, the connections it touches are reset so that no frame is ever delivered half.
+changes, the connections it touches are reset so that no frame is ever delivered half. A delay
+is latency, not a bandwidth cap: every chunk read is delivered `delay` seconds after it arrived,
+in order, while later chunks keep arriving (a large frame in many chunks is late by one delay,
+not one per chunk). Bytes forwarded are counted per direction (`bytes`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import socket
 import threading
 from dataclasses import dataclass
+
+
+def free_port(host: str) -> int:
+    """A port that was free on `host` a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def loopback_ips_usable(ip: str = "127.0.0.42") -> bool:
+    """Whether this host answers on the whole 127.0.0.0/8 range (Linux does; macOS does not
+    without aliases), so that nodes can each have their own loopback IP."""
+    try:
+        free_port(ip)
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -35,6 +60,7 @@ class FaultProxy:
         self._conns: list[_Conn] = []
         self._blocked: set[tuple[str, str]] = set()  # (src ip, dst ip), one direction each
         self._delay: dict[tuple[str, str], float] = {}
+        self.bytes: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def _call(self, coro_or_fn, *args):
         if asyncio.iscoroutinefunction(coro_or_fn):
@@ -73,18 +99,32 @@ class FaultProxy:
         self._servers.append(await asyncio.start_server(handle, host, port, reuse_address=True))
 
     async def _pump(self, reader, writer, src: str, dst: str) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()  # (due time, bytes or None at the end)
+
+        async def deliver() -> None:
+            while (item := await queue.get())[1] is not None:
+                due, data = item
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
+                writer.write(data)
+                await writer.drain()
+
+        sender = asyncio.ensure_future(deliver())
         try:
             while data := await reader.read(1 << 16):
                 if (src, dst) in self._blocked:
                     continue  # black hole
-                delay = self._delay.get((src, dst), 0.0)
-                if delay:
-                    await asyncio.sleep(delay)
-                writer.write(data)
-                await writer.drain()
+                self.bytes[(src, dst)] += len(data)
+                queue.put_nowait((loop.time() + self._delay.get((src, dst), 0.0), data))
+                if sender.done():
+                    break
+            queue.put_nowait((0.0, None))
+            await sender
         except (OSError, asyncio.CancelledError):
             pass
         finally:
+            sender.cancel()
             writer.transport.abort()
 
     # ---------------------------------------------------------------- faults

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,24 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from skulkp2p.cluster.node import fetch_status
-from tests.netfault import FaultProxy
+from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "test-cluster-secret"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def loopback_ips_usable(ip: str = "127.0.0.42") -> bool:
-    try:
-        free_port(ip)
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
