@@ -53,10 +53,10 @@ class RingData:
         self.dropped = 0
         self.bytes_out = 0
 
-    async def start(self, host: str, bind_source: str | None = None) -> str:
+    async def start(self, host: str, bind_source: str | None = None, port: int = 0) -> str:
         self.loop = asyncio.get_running_loop()
         self.bind_source = bind_source
-        self._server = await asyncio.start_server(self._serve, host, 0)
+        self._server = await asyncio.start_server(self._serve, host, port)
         port = self._server.sockets[0].getsockname()[1]
         self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return self.addr

@@ -17,6 +17,7 @@ request or out of step is dropped (the sender then times out and ends its reques
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -132,6 +133,7 @@ class StageWorker:
             self.dropped += 1  # unknown request, a restarted sender, or a frame out of step
             return None
         session = known[2]
+        t0 = time.perf_counter()
         if msg.get("rollback"):
             keep, dropped = msg["rollback"]
             session.rollback(int(keep), int(dropped))
@@ -140,9 +142,19 @@ class StageWorker:
             raise ValueError("the first stage needs a non-empty token list")
         out, _ = session.run(x, verify=op == "verify")
         self.sessions[request] = (instance, step, session)
-        # The decision travels on with the rows, for the stages after this one.
-        return {**header(self.term, instance, request, step, op), "x": wire.pack_array(out),
-                "rollback": msg.get("rollback")}
+        packed = wire.pack_array(out)
+        # The decision travels on with the rows, for the stages after this one; so does each
+        # stage's compute time ("cs", seconds per stage), which tells the last stage how much
+        # of a traversal was compute and how much was link.
+        return {**header(self.term, instance, request, step, op), "x": packed,
+                "rollback": msg.get("rollback"),
+                "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+
+
+def _seconds_list(value: Any) -> list[float]:
+    if not isinstance(value, list):
+        return []
+    return [float(v) for v in value if isinstance(v, int | float)][:64]
 
 
 class RingForward:
@@ -164,11 +176,21 @@ class RingForward:
         self.step = 0
         self._pending: tuple[int, int] | None = None  # the decision the next frame carries
         self.link_rows = 0  # hidden rows that crossed into this stage (for reports)
+        # Where the time went (for reports): waiting on the traversal, of which the other
+        # stages' own compute (they report it in the frame), and this stage's compute.
+        self.traversals = 0
+        self.wait_s = 0.0
+        self.stages_compute_s = 0.0
+        self.compute_s = 0.0
 
     def _traverse(self, op: str, tokens: list[int]) -> mx.array:
         msg = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
                "rollback": list(self._pending) if self._pending else None}
+        t0 = time.perf_counter()
         out = self.link.traverse(msg)
+        self.wait_s += time.perf_counter() - t0
+        self.traversals += 1
+        self.stages_compute_s += sum(_seconds_list(out.get("cs")))
         if out.get("step") != self.step or out.get("request") != self.request:
             raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
                             f"expected step {self.step} of {self.request}")
@@ -185,7 +207,9 @@ class RingForward:
             if self.interrupt is not None:
                 self.interrupt()
             x = self._traverse("prefill", tokens[start:start + self.prefill_step])
+            t0 = time.perf_counter()
             _, h = self.local.run(x, verify=False, hidden=self.hidden)
+            self.compute_s += time.perf_counter() - t0
             if h is not None:
                 rows.append(h)
         if rows:
@@ -193,7 +217,9 @@ class RingForward:
 
     def __call__(self, tokens: list[int]) -> mx.array:
         x = self._traverse("verify", tokens)
+        t0 = time.perf_counter()
         logits, h = self.local.run(x, verify=True, logits=True, hidden=self.hidden)
+        self.compute_s += time.perf_counter() - t0
         if h is not None:
             self.last_hidden = h
         return logits
@@ -201,7 +227,9 @@ class RingForward:
     def rollback(self, keep: int, dropped: int) -> None:
         if dropped <= 0:
             return
+        t0 = time.perf_counter()
         self.local.rollback(keep, dropped)
+        self.compute_s += time.perf_counter() - t0
         self._pending = (keep, dropped)
 
     def close(self) -> None:
