@@ -262,13 +262,34 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
             assert _pipe(http, "qwen3_5", arm)["tokens"] == ref[arm]["tokens"], (ring, arm)
 
 
-@pytest.mark.slow
-def test_stage_killed_mid_request(ring_cluster):
-    import signal
+def _long_request(c, i: int, result: dict):
     import threading
     import time
 
     from tests.test_cluster_serving import call
+
+    def run() -> None:
+        body = {"model": "llama", "prompt": ECHO, "max_tokens": 3000, "speculation": "off"}
+        t0 = time.monotonic()
+        try:
+            result["reply"] = call(c.nodes[i].http, "POST", "/v1/cluster/generate", body,
+                                   timeout=60)
+        except OSError as e:
+            result["reply"] = (0, None, {"error": {"message": f"client: {e}"}})
+        result["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.slow
+def test_stage_frozen_mid_request(ring_cluster):
+    """A stage that stops answering (SIGSTOP) mid-request: the request ends with a clear error
+    within a bounded time, the leader re-places the model, the next request succeeds; the
+    stage, woken, rejoins (the test after this one needs all three nodes)."""
+    import signal
+    import time
 
     c = ring_cluster
     reference = _pipe(c.nodes[0].http, "llama", "plain")
@@ -276,16 +297,42 @@ def test_stage_killed_mid_request(ring_cluster):
     _served_by(c, "llama", ["n0", "n1", "n2"])
     _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
     result: dict = {}
-
-    def long_request() -> None:
-        body = {"model": "llama", "prompt": ECHO, "max_tokens": 3000, "speculation": "off"}
+    t = _long_request(c, 2, result)
+    time.sleep(1.5)
+    c.signal(1, signal.SIGSTOP)  # the middle stage freezes: its sockets stay open
+    try:
         t0 = time.monotonic()
-        result["reply"] = call(c.nodes[2].http, "POST", "/v1/cluster/generate", body,
-                               timeout=60)
-        result["took"] = time.monotonic() - t0
+        t.join(30)
+        took = time.monotonic() - t0
+        assert not t.is_alive(), "the request hung on a frozen stage"
+        status, _, out = result["reply"]
+        assert "error" in out and "ring" in out["error"]["message"], out
+        assert "n1" in out["error"]["message"], out
+        assert took < 15, took  # suspect 1 s then dead: seconds, not the 20 s ring timeout
+        print(f"\nfrozen stage: the request ended {took:.1f} s after SIGSTOP: "
+              f"{out['error']['message']}")
+        c.wait(lambda: all((s := c.status(i)) and any(
+            p["model"] == "llama" and "n1" not in p["ring"] for p in s["placements"])
+            for i in (0, 2)), 30, "llama re-placed without n1, as both survivors see it")
+        assert _pipe(c.nodes[2].http, "llama", "plain")["tokens"] == reference["tokens"]
+    finally:
+        c.signal(1, signal.SIGCONT)
+    c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
+        m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
 
-    t = threading.Thread(target=long_request)
-    t.start()
+
+@pytest.mark.slow
+def test_stage_killed_mid_request(ring_cluster):
+    import signal
+    import time
+
+    c = ring_cluster
+    reference = _pipe(c.nodes[0].http, "llama", "plain")
+    _place(c, "llama", ["n0", "n1", "n2"])
+    _served_by(c, "llama", ["n0", "n1", "n2"])
+    _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
+    result: dict = {}
+    t = _long_request(c, 2, result)
     time.sleep(1.5)
     c.signal(1, signal.SIGKILL)  # the middle stage
     t0 = time.monotonic()

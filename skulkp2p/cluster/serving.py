@@ -180,13 +180,17 @@ class ClusterServing:
         stage = StageModel(loaded.model, loaded.span)
 
         def broken() -> str | None:
-            now = self.node.core.placements().get(model)
-            if now is None or now.ring != ring:
-                return f"model {model} was re-placed; retry"
+            # A lost member first: the re-placement it causes may reach this node before
+            # the news of the member itself, so that case names the lost members too.
             for name, check in zip([n for n in ring if n != self.name], checks, strict=True):
                 why = check()
                 if why:
                     return f"node {name} {why}"
+            now = self.node.core.placements().get(model)
+            if now is None or now.ring != ring:
+                gone = [n for n in ring if now is None or n not in now.ring]
+                without = f" without node {', '.join(gone)}" if gone and now else ""
+                return f"model {model} was re-placed{without}; retry"
             return None
 
         def make(req: Any, hidden: str | None, interrupt: Any) -> RingForward:
