@@ -249,10 +249,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="bar chart of speedups over plain "
                    "(needs matplotlib)")
     p.add_argument("--nodes", type=_positive, default=1,
-                   help="run the model as a pipeline ring of N stages (in this process, every "
-                        "frame through the wire codec; default 1: no ring)")
+                   help="run the model as a pipeline ring of N stages: N-1 stage processes "
+                        "and this one, on loopback over TCP (default 1: no ring)")
     p.add_argument("--link-delay-ms", type=float, default=0.0,
-                   help="with --nodes: added delay per hop, standing in for a LAN (default 0)")
+                   help="with --nodes: latency added to every hop by a proxy, standing in "
+                        "for a LAN (default 0)")
     p.add_argument("--widths", action="store_true",
                    help="also measure the verify-width cost table (w = 1..16) and save it under "
                         "<data-dir>/widths/")
@@ -289,6 +290,7 @@ class Run:
     accepted: int | None = None
     acceptance_per_position: list[float | None] | None = None
     text: str = ""
+    ring: dict[str, Any] | None = None  # --nodes: where the time went (bench_ring.py)
 
     @property
     def tok_s(self) -> float | None:
@@ -301,6 +303,8 @@ class Run:
                                "decode_s": round(self.decode_s, 4), "tokens": len(self.tokens)}
         if self.drafted is not None:
             out.update(drafted=self.drafted, accepted=self.accepted)
+        if self.ring is not None:
+            out["ring"] = self.ring
         return out
 
 
@@ -550,7 +554,12 @@ def markdown_tables(doc: dict[str, Any]) -> str:
         for k, sec in w["seconds"].items():
             lines.append(f"| {k} | {sec * 1000:.1f} | {w['relative'][k]:.2f} |")
         lines.append(f"\nsaved to {w['file']}")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    if doc["settings"].get("ring"):
+        from skulkp2p.bench_ring import ring_table
+
+        text += ring_table(doc)
+    return text
 
 
 def require_matplotlib() -> None:
@@ -652,6 +661,10 @@ def _results(cells: dict[tuple[str, str], _Cell], arms: list[Arm], workloads: li
                 "tokens_generated": len(first.tokens),
                 "identical_to_plain": identical,
             })
+            if all(x.ring for x in cell.runs):
+                from skulkp2p.bench_ring import ring_summary
+
+                results[-1]["ring"] = ring_summary([x.ring for x in cell.runs])
     return results, skipped, mismatched
 
 
@@ -671,15 +684,30 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     engine = blas.fast_path_report()
     load_before = _loadavg()  # other work on a 2-core node skews timings: record it
     dtype = args.dtype or serving_dtype()
-    ring_stats: dict[str, Any] | None = None
     nodes = getattr(args, "nodes", 1)
     # mlx-lm's peers need the whole model in one piece: not on a ring.
     arms, skipped = select_arms(args.arms, not args.no_peers and nodes == 1, args.draft_model)
-    if nodes > 1:
-        loaded, ring_stats = _ring_model(store, args.model, dtype, nodes,
-                                         getattr(args, "link_delay_ms", 0.0) / 1e3)
-    else:
-        loaded = open_model(store, args.model, dtype)
+    for sk in skipped if nodes > 1 and not args.no_peers else ():
+        sk["reason"] = "mlx-lm needs the whole model in one process, not a ring"
+    if nodes == 1:
+        return _run_loaded(args, store, engine, load_before, arms, skipped,
+                           open_model(store, args.model, dtype), None)
+    from skulkp2p.bench_ring import RingBench, RingBenchError
+
+    ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0))
+    try:  # the stage processes end with the bench, however it ends
+        try:
+            loaded = ring.open()
+        except RingBenchError as e:
+            raise BenchError(str(e)) from None
+        return _run_loaded(args, store, engine, load_before, arms, skipped, loaded, ring)
+    finally:
+        ring.close()
+
+
+def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, Any],
+                load_before: list[float] | None, arms: list[Arm], skipped: list[dict[str, str]],
+                loaded: LoadedModel, ring: Any) -> int:
     draft = _open_draft(store, args.draft_model, loaded) if args.draft_model else None
 
     # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
@@ -694,6 +722,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             arms.remove(arm)
     if PLAIN not in arms:
         raise BenchError(f"the plain arm cannot run: {skipped[-1]['reason']}")
+    if ring is not None:
+        ring.take_run(None)  # the warm-up's traversals do not count
 
     workloads = list(args.workloads)
     cells = {(wl, a.name): _Cell() for wl in workloads for a in arms}
@@ -709,8 +739,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
         "prompt_tokens": {wl: _prompt_len(loaded, wl) for wl in workloads},
     }
-    if ring_stats is not None:
-        settings["ring"] = ring_stats  # filled in as the ring runs: compute vs link seconds
+    if ring is not None:
+        settings["ring"] = ring.settings  # filled in as the ring runs: compute vs link seconds
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
         results, cell_skips, mismatched = _results(cells, arms, workloads)
@@ -739,6 +769,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                 except SkipArm as e:
                     cell.skip = str(e)
                     continue
+                if ring is not None:
+                    run.ring = ring.take_run(run.ttft_s + run.decode_s)
                 cell.runs.append(run)
                 log.info("run %d/%d %-10s %-14s %s tok/s, ttft %.2fs%s", r + 1, args.runs, wl,
                          arm.name, _fmt(run.tok_s, ".2f"), run.ttft_s,
@@ -779,78 +811,6 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         if own:  # our arms must be exact; a peer's mismatch is recorded, not ours to fail on
             raise BenchError(f"greedy output differs from plain for {', '.join(own)}")
     return 0
-
-
-class _TimedLink:
-    """An in-process ring link that sleeps `delay_s` per hop (a stand-in for a LAN link) and
-    counts where the time goes: stage compute vs link (delay plus wire encode/decode)."""
-
-    def __init__(self, workers: list[Any], delay_s: float, stats: dict[str, Any]):
-        from skulkp2p.engine.ring import InProcessLink
-
-        self.inner = InProcessLink(workers)
-        self.delay_s = delay_s
-        self.stats = stats
-
-    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from skulkp2p.engine.ring import RingError
-
-        t0 = time.perf_counter()
-        compute = 0.0
-        cur: dict[str, Any] | None = msg
-        for w in self.inner.workers:  # hops: last -> first, then stage to stage
-            time.sleep(self.delay_s)
-            cur = self.inner._through(cur)
-            t1 = time.perf_counter()
-            cur = w.handle(cur)
-            compute += time.perf_counter() - t1
-            if cur is None:
-                raise RingError("a stage dropped the frame")
-        time.sleep(self.delay_s)  # the closing hop, back to the last stage
-        out = self.inner._through(cur)
-        total = time.perf_counter() - t0
-        self.stats["traversals"] += 1
-        self.stats["other_stages_compute_s"] = round(self.stats["other_stages_compute_s"]
-                                                     + compute, 4)
-        self.stats["link_s"] = round(self.stats["link_s"] + total - compute, 4)
-        self.stats["bytes"] = self.inner.bytes
-        return out
-
-    def send(self, msg: dict[str, Any]) -> None:
-        self.inner.send(msg)
-
-
-def _ring_model(store: ModelStore, spec: str, dtype: str, nodes: int, delay_s: float
-                ) -> tuple[LoadedModel, dict[str, Any]]:
-    """The model as a ring of `nodes` stages in this process (even layer split); returns the last
-    stage, whose forward is a RingForward, and the link's running stats."""
-    import itertools
-
-    from skulkp2p.cluster.node import model_spec
-    from skulkp2p.cluster.placement import split_layers
-    from skulkp2p.engine.loader import open_model
-    from skulkp2p.engine.ring import RingForward, StageWorker
-    from skulkp2p.engine.stage import StageModel, StageSpan
-
-    total = model_spec(store, spec).layers
-    ranges = split_layers(total, [1.0] * nodes)
-    parts = [open_model(store, spec, dtype, span=StageSpan(a, b, total)) for a, b in ranges]
-    stats: dict[str, Any] = {"nodes": nodes, "layers": [list(r) for r in ranges],
-                             "link_delay_ms": delay_s * 1e3, "traversals": 0,
-                             "other_stages_compute_s": 0.0, "link_s": 0.0, "bytes": 0}
-    link = _TimedLink([StageWorker(StageModel(p.model, p.span), 1) for p in parts[:-1]],
-                      delay_s, stats)
-    last = parts[-1]
-    stage = StageModel(last.model, last.span)
-    ids = itertools.count()
-
-    def make(req: Any, hidden: str | None, interrupt: Any) -> RingForward:
-        return RingForward(stage, link, term=1, instance="bench", request=f"b{next(ids)}",
-                           prefill_step=int(last.runtime.get("prefill_step", 2048)),
-                           hidden=hidden, interrupt=interrupt)
-
-    last.make_forward = make
-    return last, stats
 
 
 def _open_draft(store: ModelStore, spec: str, loaded: LoadedModel) -> LoadedModel:

@@ -128,16 +128,40 @@ def test_mlx_lm_acceptance_rebuilt_from_flags():
     assert per_pos == [round(2 / 4, 4), round(1 / 3, 4)]
 
 
-def test_bench_on_a_ring_reports_compute_and_link(tiny, tmp_path):
+def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
+    """`bench --nodes 2`: a stage process and the bench, over TCP through the delaying proxy;
+    where the time went per run; speculative output equal to plain; no stage left behind."""
+    import os
+
     out = tmp_path / "ring.json"
     proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
                    "--max-tokens", "12", "--runs", "1", "--workloads", "echo",
-                   "--arms", "lookup:2", "--nodes", "3", "--link-delay-ms", "1",
-                   "--json", str(out), timeout=120)
+                   "--arms", "lookup:2", "--nodes", "2", "--link-delay-ms", "2",
+                   "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     ring = doc["settings"]["ring"]
-    assert ring["nodes"] == 3 and ring["layers"] == [[0, 2], [2, 3], [3, 4]]
-    assert ring["traversals"] > 0 and ring["link_s"] >= ring["traversals"] * 3 * 1e-3
+    assert ring["nodes"] == 2 and ring["layers"] == [[0, 2], [2, 4]]
+    assert ring["link_delay_ms"] == 2 and ring["hops_per_traversal"] == 2
+    stages = ring["stages"]
+    assert [s["layers"] for s in stages] == [[0, 2], [2, 4]]
+    assert stages[0]["pid"] != stages[1]["pid"] and stages[0]["param_bytes"] > 0
+    # 2 ms on each of 2 hops, at least, for every traversal
+    assert ring["traversals"] > 0 and ring["link_s"] >= ring["traversals"] * 2 * 2e-3
+    assert ring["other_stages_compute_s"] > 0 and ring["last_stage_compute_s"] > 0
+    assert ring["bytes"] > 0
+    cells = {r["arm"]: r for r in doc["results"]}
+    assert set(cells) == {"plain", "spec", "lookup:2"}
     for r in doc["results"]:
         assert r["identical_to_plain"] is True, r
+        x = r["ring"]
+        assert x["traversals"] > 0 and x["link_s"] >= x["traversals"] * 4e-3, x
+        assert x["total_s"] >= x["link_s"] + x["other_stages_compute_s"]
+    assert cells["lookup:2"]["drafted"] > 0
+    # a verify round is one traversal: fewer traversals than tokens when drafts are accepted
+    if cells["lookup:2"]["accepted"]:
+        assert cells["lookup:2"]["ring"]["traversals"] < cells["plain"]["ring"]["traversals"]
+    assert "| last stage s | other stages s | link s |" in proc.stdout
+    for s in stages[:-1]:  # the stage process is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(s["pid"], 0)
