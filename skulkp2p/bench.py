@@ -225,6 +225,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.error = types.MethodType(_one_line_error, p)  # type: ignore[method-assign]
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"card id or model folder (default {DEFAULT_MODEL})")
+    p.add_argument("--engine", choices=("mlx", "served"), default="mlx",
+                   help="mlx (default), or served: a llama-server card (placement.engine = "
+                        "llama_server), plain vs its speculation, through our proxy vs direct")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default: what this node would serve with (float32 on OpenBLAS)")
     p.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS,
@@ -676,6 +679,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     """The whole command after the CLI has arranged the BLAS; returns the exit status."""
+    from skulkp2p.served.bench import dispatch
+
+    status = dispatch(args, store)  # --engine served; a served card without it is refused
+    if status is not None:
+        return status
     if args.plot:
         require_matplotlib()  # before minutes of measuring, not after
     from skulkp2p.engine import blas

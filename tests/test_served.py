@@ -290,3 +290,91 @@ def test_placement_routes_served_cards_to_one_node_with_the_engine(card_dir):
         place_model(spec, [big, small], ring=("small", "big"))
     with pytest.raises(PlacementError, match="no alive node offers"):
         place_model(spec, [big])
+
+
+# ---- bench --engine served ----------------------------------------------------------------------
+
+
+def _bench_cli(card_dir: Path, *args: str, env: dict | None = None, timeout: float = 120):
+    return conftest.run_cli("bench", "--data-dir", str(conftest.test_data_dir()), *args,
+                            env={"SKULKP2P_CARDS_DIR": str(card_dir), **(env or {})},
+                            timeout=timeout)
+
+
+def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    t0 = time.monotonic()
+    # one llama.cpp thread per child: on a busy 2-core machine two spinning threads collapse
+    r = _bench_cli(card_dir, "--engine", "served", "--model", CARD_ID, "--workloads", "echo",
+                   "--runs", "1", "--max-tokens", "16", "--json", str(out),
+                   env={"SKULKP2P_LLAMA_SERVER_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 90
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["model"]["id"] == CARD_ID
+    assert doc["machine"]["loadavg_before"] and doc["machine"]["loadavg_after"]
+    assert "| echo | served-spec |" in r.stdout  # the table goes to stdout with --json
+    rows = {row["arm"]: row for row in doc["results"]}
+    assert set(rows) == {"served-plain", "served-plain-direct", "served-spec",
+                         "served-spec-direct"}
+    for name, row in rows.items():
+        assert row["workload"] == "echo" and row["tokens_generated"] == 16, row
+        assert row["tok_s"] > 0 and row["ttft_s"] > 0, row
+        if name.startswith("served-spec"):  # the echo prompt is where n-grams get drafted
+            assert 0 < row["accepted"] <= row["drafted"], row
+            assert row["speedup_vs_plain"] > 0
+        else:
+            assert row["drafted"] is None and row["accepted"] is None, row
+    # the same child's greedy text, through our proxy and asked directly
+    assert rows["served-plain"]["identical_to_direct"] is True
+    assert rows["served-spec"]["identical_to_direct"] is True
+    assert doc["settings"]["plain_text"]["echo"]
+    spec_args = doc["engine"]["child_args"]
+    assert "ngram-simple" in spec_args["served-spec"]
+    assert "--spec-type" not in spec_args["served-plain"]
+    assert {o["arm"] for o in doc["proxy_overhead"]} == {"served-plain", "served-spec"}
+    for o in doc["proxy_overhead"]:
+        assert isinstance(o["decode_tok_s"], float) and isinstance(o["ttft"], float), o
+    # every agent and llama-server it started is gone
+    pids = [p for procs in doc["engine"]["processes"].values()
+            for p in (procs["agent_pid"], procs["child_pid"])]
+    assert len(pids) == 4
+    left = [p for p in pids if not _gone(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"bench left processes behind: {left}"
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--engine", "served", "--model", "smollm2-135m"], {}, "--engine served needs a card"),
+    (["--model", CARD_ID], {}, "run the bench with --engine served"),
+    (["--engine", "served", "--model", CARD_ID, "--arms", "lookup:4"], {},
+     "--arms does not apply to --engine served"),
+    (["--engine", "served", "--model", CARD_ID], {"SKULKP2P_LLAMA_SERVER_BIN": "/nonexistent"},
+     "needs llama-server"),
+])
+def test_bench_served_bad_input_one_line(card_dir, args, env, message):
+    r = _bench_cli(card_dir, *args, env=env, timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert message in lines[-1], r.stderr[-2000:]
+    assert not r.stdout
+
+
+def test_bench_served_overhead_math_and_mismatch():
+    from skulkp2p.served.bench import PLAIN, Generation, _results
+
+    def gen(text: str, tok_s: float, ttft: float) -> Generation:
+        return Generation(text=text, tokens=11, ttft_s=ttft, decode_s=10 / tok_s)
+
+    cells = {("qa", PLAIN, "proxy"): [gen("a", 90.0, 0.11), gen("a", 95.0, 0.12)],
+             ("qa", PLAIN, "direct"): [gen("a", 100.0, 0.10), gen("a", 100.0, 0.10)]}
+    results, overhead, mismatched = _results(cells, [PLAIN], ["qa"])
+    (o,) = overhead
+    assert o["decode_tok_s"] == pytest.approx(0.075) and o["ttft"] == pytest.approx(0.15)
+    assert o["ttft_ms"] == pytest.approx(15.0) and o["decode_tok_s_paired"] == pytest.approx(
+        0.075)
+    assert not mismatched and results[0]["identical_to_direct"] is True
+    cells[("qa", PLAIN, "proxy")][1] = gen("b", 95.0, 0.12)
+    results, _, mismatched = _results(cells, [PLAIN], ["qa"])
+    assert mismatched == ["served-plain/qa"] and results[0]["identical_to_direct"] is False

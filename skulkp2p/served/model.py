@@ -186,25 +186,7 @@ class ServedModel:
                         f"llama-server for {self.id} failed: {message}")
 
     def _body(self, req: GenerationRequest) -> dict[str, Any]:
-        s = req.sampling
-        default_max = int(self.runtime.get("max_tokens", 256))
-        body: dict[str, Any] = {
-            "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": req.max_tokens or default_max, "temperature": s.temperature,
-            "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-            # llama-server samples with its own defaults otherwise (repeat penalty, ...)
-            "repeat_penalty": s.repetition_penalty or 1.0,
-            "timings_per_token": False, "cache_prompt": True,
-        }
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if req.stop:
-            body["stop"] = list(req.stop)
-        if req.messages is not None:
-            body["messages"] = req.messages
-        else:
-            body["prompt"] = req.prompt
-        return body
+        return child_body(req, int(self.runtime.get("max_tokens", 256)))
 
     def _fill(self, result: dict[str, Any], text: str, final: dict[str, Any], t0: float,
               t_first: float | None, t_end: float) -> None:
@@ -236,6 +218,29 @@ class ServedModel:
                 "drafted": drafted, "accepted": accepted,
                 "acceptance": round(accepted / drafted, 4) if drafted else None,
             }
+
+
+def child_body(req: GenerationRequest, default_max_tokens: int) -> dict[str, Any]:
+    """The streamed request the proxy sends to the child for `req` (also what the bench sends
+    to the child directly, so both paths ask for exactly the same generation)."""
+    s = req.sampling
+    body: dict[str, Any] = {
+        "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": req.max_tokens or default_max_tokens, "temperature": s.temperature,
+        "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+        # llama-server samples with its own defaults otherwise (repeat penalty, ...)
+        "repeat_penalty": s.repetition_penalty or 1.0,
+        "timings_per_token": False, "cache_prompt": True,
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if req.stop:
+        body["stop"] = list(req.stop)
+    if req.messages is not None:
+        body["messages"] = req.messages
+    else:
+        body["prompt"] = req.prompt
+    return body
 
 
 def _sse_events(resp: http.client.HTTPResponse,

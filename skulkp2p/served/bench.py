@@ -1,0 +1,601 @@
+"""`python -m skulkp2p bench --engine served`: the served engine measured two ways at once.
+
+1. Its speculation: `served-plain` (the child started with SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC=1)
+   against `served-spec` (the card's own speculation flags).
+2. Our layer's cost: every arm is asked through our proxy (a real agent, `python -m skulkp2p
+   join`, on 127.0.0.1) and directly at the port of that same agent's llama-server child, with
+   the body our proxy would send (`child_body`), so both paths ask for the same generation.
+
+Two agents run side by side (one per arm, each with its own child); requests go one at a time.
+Runs are interleaved (run r of every workload and arm before run r+1) and the order of proxy and
+direct flips every run, so noise on a shared machine hits both paths alike. Before each measured
+request a short, different request goes to the same child, and the agents start their children
+with LLAMA_ARG_CACHE_RAM=0 (unless set): every measured request then finds the same cache state,
+no prompt served from a previous arm's run (TTFT would be a cache hit otherwise).
+
+Timings are client-side, over streamed chat completions: TTFT from sending the request to the
+first text; decode tok/s = (completion tokens - 1) / (time from first to last text). Proxy
+overhead per workload: (direct - proxy) / direct on median decode tok/s and (proxy - direct) /
+direct on median TTFT, so positive numbers are what our layer costs. Greedy text through the
+proxy must equal the direct text, run by run; a mismatch is recorded and fails the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skulkp2p.bench import (
+    _WARMUP_MESSAGES,
+    WARMUP_TOKENS,
+    WORKLOADS,
+    BenchError,
+    _fmt,
+    _loadavg,
+    _round,
+    _write_atomic,
+    _yes_no,
+    machine_info,
+)
+from skulkp2p.engine.request import parse_request
+from skulkp2p.served.binary import detect_compute, find_binary
+from skulkp2p.served.child import ServedError, _die_with_parent, free_port
+from skulkp2p.served.model import FORCE_NO_SPEC, child_body, resolve_gguf, wants_served
+
+log = logging.getLogger("skulkp2p.bench")
+
+CACHE_RAM_ENV = "LLAMA_ARG_CACHE_RAM"  # llama-server's own variable for --cache-ram
+THREADS_ENV = "SKULKP2P_LLAMA_SERVER_THREADS"
+AGENT_READY_TIMEOUT_S = 240.0
+READ_TIMEOUT_S = 300.0  # a stalled server ends the bench with an error, never a hang
+PLAIN, SPEC = "served-plain", "served-spec"
+_READY = re.compile(r"ready: model \S+ served by llama-server \(pid (\d+)")
+
+
+# --------------------------------------------------------------------------------------------
+# Which bench runs
+
+
+def dispatch(args: argparse.Namespace, store: Any) -> int | None:
+    """Run the served bench for `--engine served`; refuse a served card without it. None: the
+    MLX bench goes on."""
+    resolved = store.resolve(args.model)
+    served = wants_served(resolved.card)
+    if getattr(args, "engine", "mlx") != "served":
+        if served:
+            raise BenchError(f"card {resolved.id} is served by llama-server: run the bench with "
+                             "--engine served")
+        return None
+    if not served:
+        raise BenchError(f"--engine served needs a card with placement.engine = "
+                         f"\"llama_server\" (e.g. smollm2-135m-gguf); {args.model!r} is not one")
+    return run_served_bench(args, store, resolved.card)
+
+
+def _refuse_mlx_options(args: argparse.Namespace) -> None:
+    for flag, given in (("--arms", bool(getattr(args, "arms", None))),
+                        ("--draft-model", bool(getattr(args, "draft_model", None))),
+                        ("--dtype", bool(getattr(args, "dtype", None))),
+                        ("--nodes", getattr(args, "nodes", 1) != 1),
+                        ("--link-delay-ms", bool(getattr(args, "link_delay_ms", 0.0))),
+                        ("--widths", bool(getattr(args, "widths", False))),
+                        ("--plot", bool(getattr(args, "plot", None)))):
+        if given:
+            raise BenchError(f"{flag} does not apply to --engine served (its arms are "
+                             f"{PLAIN} and {SPEC}, each through our proxy and direct)")
+
+
+# --------------------------------------------------------------------------------------------
+# One streamed generation, the same client for both paths
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: int
+    ttft_s: float
+    decode_s: float
+    prompt_tokens: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+
+    @property
+    def tok_s(self) -> float | None:
+        if self.tokens < 2 or self.decode_s <= 0:
+            return None
+        return (self.tokens - 1) / self.decode_s
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tok_s": _round(self.tok_s, 2), "ttft_s": round(self.ttft_s, 4),
+                               "decode_s": round(self.decode_s, 4), "tokens": self.tokens}
+        if self.drafted is not None:
+            out.update(drafted=self.drafted, accepted=self.accepted)
+        return out
+
+
+def stream_chat(port: int, body: dict[str, Any], where: str,
+                timeout: float = READ_TIMEOUT_S) -> Generation:
+    """POST a streamed chat completion to 127.0.0.1:port; time it as a client sees it."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
+    spec: dict[str, Any] = {}
+    t_first = t_last = None
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise BenchError(f"{where}: HTTP {resp.status}: "
+                             f"{resp.read()[:300].decode('utf-8', 'replace')}")
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators and keep-alive comments
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break  # read no further: the connection may be kept alive
+            event = json.loads(data)
+            if "error" in event:
+                raise BenchError(f"{where}: {json.dumps(event['error'])[:300]}")
+            usage = event.get("usage") or usage
+            timings = event.get("timings") or timings
+            spec = event.get("speculation") or spec
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    t_last = time.perf_counter()
+                    t_first = t_first or t_last
+                    parts.append(piece)
+    except (OSError, http.client.HTTPException) as e:  # socket.timeout is an OSError
+        raise BenchError(f"{where}: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+    end = t_last or time.perf_counter()
+    tokens = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
+    gen = Generation(text="".join(parts), tokens=tokens, ttft_s=(t_first or end) - t0,
+                     decode_s=end - (t_first or end),
+                     prompt_tokens=usage.get("prompt_tokens") or timings.get("prompt_n"))
+    if spec:  # our proxy: the child's counts, already ours
+        gen.drafted, gen.accepted = int(spec.get("drafted", 0)), int(spec.get("accepted", 0))
+    elif "draft_n" in timings:  # llama-server direct
+        gen.drafted = int(timings.get("draft_n") or 0)
+        gen.accepted = int(timings.get("draft_n_accepted") or 0)
+    return gen
+
+
+def _request_json(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def proxy_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {**_request_json(messages, max_tokens), "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def direct_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """What our proxy sends the child for proxy_body(...)."""
+    return child_body(parse_request(_request_json(messages, max_tokens)), max_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# The agents (one per arm) and their children
+
+
+@dataclass
+class Agent:
+    arm: str
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    child_pid: int | None = None
+    child_port: int | None = None
+    child_args: list[str] = field(default_factory=list)
+    flushes: int = 0
+
+    def text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def _start_agent(arm: str, card_id: str, data_dir: str | None, tmp: Path) -> Agent:
+    import skulkp2p
+
+    port = free_port()
+    env = dict(os.environ)
+    env.pop(FORCE_NO_SPEC, None)
+    if arm == PLAIN:
+        env[FORCE_NO_SPEC] = "1"
+    env.setdefault(CACHE_RAM_ENV, "0")
+    root = str(Path(skulkp2p.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "skulkp2p", "--log-level", "info", "join", "--model", card_id,
+           "--http-port", str(port), "--port", "0", "--name", f"bench-{arm}"]
+    if data_dir:
+        cmd += ["--data-dir", data_dir]
+    log_path = tmp / f"{arm}.log"
+    with open(log_path, "wb") as err:
+        # dies with the bench even on kill -9 (and its child with it); Ctrl-C is the bench's
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, env=env, preexec_fn=_die_with_parent)
+    log.info("agent for %s: pid %d, http port %d, log %s", arm, proc.pid, port, log_path)
+    return Agent(arm, proc, port, log_path)
+
+
+def _last_lines(text: str, n: int = 3) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-600:] or "(no output)"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    except OSError:
+        pass
+    try:  # no /proc (macOS): ps shows the arguments, space-joined (our paths have none)
+        out = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return []
+
+
+def _await_agent(agent: Agent, deadline: float) -> None:
+    """Until the agent says its child is ready; then find the child's port from its command
+    line (the agent picked it) and check the child answers there."""
+    while True:
+        text = agent.text()
+        m = _READY.search(text)
+        if m:
+            break
+        failed = [ln for ln in text.splitlines()
+                  if "failed to load" in ln or "skulkp2p: error:" in ln]
+        if failed:
+            raise BenchError(f"agent for {agent.arm}: {failed[-1].strip()[-600:]}")
+        if agent.proc.poll() is not None:
+            raise BenchError(f"agent for {agent.arm} exited with status {agent.proc.returncode}:"
+                             f" {_last_lines(text)}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"agent for {agent.arm} not ready after "
+                             f"{AGENT_READY_TIMEOUT_S:.0f} s: {_last_lines(text)}")
+        time.sleep(0.1)
+    agent.child_pid = int(m.group(1))
+    args = _cmdline(agent.child_pid)
+    if "--port" not in args:
+        raise BenchError(f"agent for {agent.arm}: cannot read the port of its llama-server "
+                         f"(pid {agent.child_pid})")
+    agent.child_port = int(args[args.index("--port") + 1])
+    agent.child_args = args[1:]
+    try:
+        with contextlib.closing(socket.create_connection(("127.0.0.1", agent.child_port), 10)):
+            pass
+    except OSError as e:
+        raise BenchError(f"agent for {agent.arm}: its llama-server (pid {agent.child_pid}) does "
+                         f"not answer on port {agent.child_port}: {e}") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def _stop_agent(agent: Agent) -> None:
+    """SIGTERM (the agent stops its child), SIGKILL if it lingers; then make sure the child is
+    gone too, by its pid (PR_SET_PDEATHSIG should already have taken it)."""
+    proc = agent.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    pid = agent.child_pid
+    if pid is None:
+        return
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid) and "llama" in " ".join(_cmdline(pid)[:1]):
+        log.warning("llama-server pid %d outlived its agent; killing it", pid)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------
+# The measurement
+
+
+def _path_arm(arm: str, path: str) -> str:
+    return arm if path == "proxy" else f"{arm}-direct"
+
+
+def _measure(agent: Agent, path: str, messages: list[dict[str, str]], max_tokens: int
+             ) -> Generation:
+    # A short, different request first: the child's slot then holds another prompt, so this
+    # one is not served from the cache of the previous run (of the other path).
+    agent.flushes += 1
+    stream_chat(agent.child_port, direct_body(
+        [{"role": "user", "content": f"Say the number {agent.flushes}."}], 1),
+        f"{agent.arm} cache flush")
+    if path == "proxy":
+        return stream_chat(agent.port, proxy_body(messages, max_tokens),
+                           f"{agent.arm} through our proxy")
+    return stream_chat(agent.child_port, direct_body(messages, max_tokens),
+                       f"{agent.arm} llama-server direct")
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _results(cells: dict[tuple[str, str, str], list[Generation]], arms: list[str],
+             workloads: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                            list[str]]:
+    """Rows per workload, arm and path; proxy overhead per workload and arm; and the
+    arm/workload pairs whose proxy text differs from direct."""
+    results: list[dict[str, Any]] = []
+    overhead: list[dict[str, Any]] = []
+    mismatched: list[str] = []
+    for wl in workloads:
+        for path in ("proxy", "direct"):
+            base = None
+            for arm in arms:
+                runs = cells[(wl, arm, path)]
+                if not runs:
+                    continue
+                med = _median([g.tok_s for g in runs])
+                if arm == PLAIN:
+                    base = med
+                first = runs[0]
+                row: dict[str, Any] = {
+                    "arm": _path_arm(arm, path), "workload": wl, "path": path,
+                    "tok_s": _round(med, 2),
+                    "ttft_s": round(statistics.median(g.ttft_s for g in runs), 4),
+                    "runs": [g.summary() for g in runs],
+                    "speedup_vs_plain": round(med / base, 3) if med and base else None,
+                    # per generation, from the first run (the engine's counts)
+                    "drafted": first.drafted, "accepted": first.accepted,
+                    "acceptance": round(first.accepted / first.drafted, 4)
+                    if first.drafted else None,
+                    "tokens_generated": first.tokens,
+                }
+                plain = cells[(wl, PLAIN, path)]
+                if arm != PLAIN and plain:
+                    row["identical_to_plain"] = all(g.text == plain[0].text for g in runs)
+                if path == "proxy":
+                    direct = cells[(wl, arm, "direct")]
+                    pairs = list(zip(runs, direct, strict=False))
+                    same = all(p.text == d.text and p.tokens == d.tokens for p, d in pairs)
+                    row["identical_to_direct"] = same if pairs else None
+                    if pairs and not same:
+                        mismatched.append(f"{arm}/{wl}")
+                results.append(row)
+        for arm in arms:
+            proxy, direct = cells[(wl, arm, "proxy")], cells[(wl, arm, "direct")]
+            n = min(len(proxy), len(direct))
+            if not n:
+                continue
+            p_tok, d_tok = _median([g.tok_s for g in proxy]), _median([g.tok_s for g in direct])
+            p_ttft = statistics.median(g.ttft_s for g in proxy)
+            d_ttft = statistics.median(g.ttft_s for g in direct)
+            paired_tok = _median([(d.tok_s - p.tok_s) / d.tok_s
+                                  for p, d in zip(proxy[:n], direct[:n], strict=True)
+                                  if p.tok_s and d.tok_s])
+            paired_ttft = _median([(p.ttft_s - d.ttft_s) / d.ttft_s
+                                   for p, d in zip(proxy[:n], direct[:n], strict=True)
+                                   if d.ttft_s > 0])
+            overhead.append({
+                "workload": wl, "arm": arm, "runs": n,
+                # of the medians; positive = slower through our proxy
+                "decode_tok_s": round((d_tok - p_tok) / d_tok, 4) if p_tok and d_tok else None,
+                "ttft": round((p_ttft - d_ttft) / d_ttft, 4) if d_ttft > 0 else None,
+                "ttft_ms": round((p_ttft - d_ttft) * 1000, 2),
+                # the median of run-by-run ratios (each proxy run next to its direct run)
+                "decode_tok_s_paired": _round(paired_tok, 4),
+                "ttft_paired": _round(paired_ttft, 4),
+            })
+    return results, overhead, mismatched
+
+
+def _version(binary: Path) -> str | None:
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines()
+             if ln.strip().startswith(("version", "built"))]
+    return "; ".join(lines) or None
+
+
+def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
+    _refuse_mlx_options(args)
+    binary = find_binary()
+    if binary is None:
+        raise BenchError(f"card {card.id} needs llama-server: install skulkp2p[served] or set "
+                         "SKULKP2P_LLAMA_SERVER_BIN")
+    from skulkp2p.progress import ProgressBar
+
+    try:  # fetched here, once, with a progress bar; the agents then find it in place
+        gguf = resolve_gguf(store, card, lambda label: ProgressBar(label, sys.stderr))
+    except ServedError as e:
+        raise BenchError(str(e)) from None
+    load_before = _loadavg()
+    skipped: list[dict[str, Any]] = []
+    spec_type = card.placement.get("served_spec_type", "none")
+    arms = [PLAIN]
+    if spec_type == "none":
+        skipped.append({"arm": SPEC, "reason": f"card {card.id} has no speculation "
+                                                "(served_spec_type none)"})
+    else:
+        arms.append(SPEC)
+    workloads = list(args.workloads)
+    cells: dict[tuple[str, str, str], list[Generation]] = {
+        (wl, a, p): [] for wl in workloads for a in arms for p in ("proxy", "direct")}
+    prompt_tokens: dict[str, int | None] = {}
+    warm = min(WARMUP_TOKENS, args.max_tokens)
+    agents: list[Agent] = []
+    tmp = Path(tempfile.mkdtemp(prefix="skulkp2p-served-bench-"))
+    engine = {"name": "llama_server", "binary": str(binary), "version": _version(binary),
+              "compute": list(detect_compute(binary)), "spec_type": spec_type,
+              "threads_env": os.environ.get(THREADS_ENV),
+              "cache_ram_env": os.environ.get(CACHE_RAM_ENV, "0"), "child_args": {},
+              "processes": {}}
+    settings = {
+        "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
+        "warmup": f"each arm and path once, {warm} tokens",
+        "order": "interleaved: run r of every workload and arm before run r+1; proxy and "
+                 "direct swap places every run",
+        "cache": "before each measured request a short different request to the same child; "
+                 f"children started with {CACHE_RAM_ENV}={engine['cache_ram_env']}",
+        "greedy": True, "chat_template": True, "workloads": workloads,
+        "arms": [_path_arm(a, p) for a in arms for p in ("proxy", "direct")],
+        "proxy": "python -m skulkp2p join on 127.0.0.1 (our HTTP server and proxy), its "
+                 "llama-server child asked directly for the direct path",
+        "overhead": "(direct - proxy) / direct on median decode tok/s; (proxy - direct) / "
+                    "direct on median TTFT: positive = our layer's cost",
+    }
+
+    def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
+        results, overhead, mismatched = _results(cells, arms, workloads)
+        plain_text = {wl: cells[(wl, PLAIN, "direct")][0].text[:400]
+                      for wl in workloads if cells[(wl, PLAIN, "direct")]}
+        return {
+            "complete": complete,
+            "machine": {**machine_info(), "loadavg_before": load_before,
+                        "loadavg_after": _loadavg()},
+            "engine": engine,
+            "model": {"id": card.id, "path": str(gguf), "dtype": "gguf"},
+            "settings": {**settings, "prompt_tokens": prompt_tokens, "plain_text": plain_text},
+            "results": results,
+            "proxy_overhead": overhead,
+            "skipped": skipped,
+        }, mismatched
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally that stops the agents
+
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+        old_handler = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        data_dir = getattr(args, "data_dir", None)
+        for arm in arms:  # appended one by one: a failed start still stops the others
+            agents.append(_start_agent(arm, card.id, data_dir, tmp))
+        deadline = time.monotonic() + AGENT_READY_TIMEOUT_S
+        for agent in agents:
+            _await_agent(agent, deadline)
+            engine["child_args"][agent.arm] = agent.child_args
+            engine["processes"][agent.arm] = {"agent_pid": agent.proc.pid,
+                                              "child_pid": agent.child_pid,
+                                              "child_port": agent.child_port}
+        by_arm = {a.arm: a for a in agents}
+        for agent in agents:  # warm-up: each arm and path once, short
+            for path in ("proxy", "direct"):
+                _measure(agent, path, _WARMUP_MESSAGES, warm)
+        for r in range(args.runs):
+            paths = ("proxy", "direct") if r % 2 == 0 else ("direct", "proxy")
+            for wl in workloads:
+                for arm in arms:
+                    for path in paths:
+                        gen = _measure(by_arm[arm], path, WORKLOADS[wl], args.max_tokens)
+                        cells[(wl, arm, path)].append(gen)
+                        if path == "direct" and gen.prompt_tokens:
+                            prompt_tokens[wl] = gen.prompt_tokens
+                        log.info("run %d/%d %-10s %-20s %s tok/s, ttft %.3fs%s", r + 1,
+                                 args.runs, wl, _path_arm(arm, path), _fmt(gen.tok_s, ".2f"),
+                                 gen.ttft_s, "" if gen.drafted is None
+                                 else f", accepted {gen.accepted}/{gen.drafted}")
+                        if args.json_out:  # a bench killed by a time limit keeps its runs
+                            _write_atomic(Path(args.json_out),
+                                          json.dumps(document(False)[0], indent=2) + "\n")
+    except BaseException:
+        log.error("agent logs kept in %s", tmp)
+        raise
+    finally:
+        for agent in agents:
+            _stop_agent(agent)
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    doc, mismatched = document(True)
+    text = json.dumps(doc, indent=2) + "\n"
+    table = markdown_tables(doc)
+    if args.json_out:
+        _write_atomic(Path(args.json_out), text)
+        sys.stdout.write(table)
+    else:
+        sys.stdout.write(text)
+        sys.stderr.write(table)
+    sys.stdout.flush()
+    if mismatched:
+        raise BenchError("greedy output through our proxy differs from llama-server direct "
+                         f"for {', '.join(mismatched)}")
+    return 0
+
+
+def markdown_tables(doc: dict[str, Any]) -> str:
+    m, e, s = doc["model"], doc["engine"], doc["settings"]
+    threads = f", threads {e['threads_env']}" if e.get("threads_env") else ""
+    lines = [f"bench: {m['id']} on llama-server ({e['spec_type']}{threads}), "
+             f"{s['max_tokens']} tokens, median of {s['runs']} run(s); loadavg "
+             f"{doc['machine']['loadavg_before']} -> {doc['machine']['loadavg_after']}", "",
+             "| workload | arm | tok/s | × plain | TTFT ms | drafted | accepted | acceptance "
+             "| = direct | = plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['workload']} | {r['arm']} | {_fmt(r['tok_s'], '.2f')} | "
+            f"{_fmt(r['speedup_vs_plain'], '.2f')} | {r['ttft_s'] * 1000:.1f} | "
+            f"{_fmt(r['drafted'], 'd')} | {_fmt(r['accepted'], 'd')} | "
+            f"{_fmt(r['acceptance'], '.0%')} | {_yes_no(r.get('identical_to_direct'))} | "
+            f"{_yes_no(r.get('identical_to_plain'))} |")
+    lines += ["", "proxy overhead (positive = slower through our proxy; of medians, and the "
+                  "median of run-by-run pairs):", "",
+              "| workload | arm | decode tok/s | paired | TTFT | paired | TTFT +ms |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for o in doc["proxy_overhead"]:
+        lines.append(
+            f"| {o['workload']} | {o['arm']} | {_fmt(o['decode_tok_s'], '+.1%')} | "
+            f"{_fmt(o['decode_tok_s_paired'], '+.1%')} | {_fmt(o['ttft'], '+.1%')} | "
+            f"{_fmt(o['ttft_paired'], '+.1%')} | {o['ttft_ms']:+.1f} |")
+    for sk in doc.get("skipped", []):
+        lines.append(f"\nskipped {sk['arm']}: {sk['reason']}")
+    return "\n".join(lines) + "\n"
