@@ -700,6 +700,9 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     if nodes == 1:
         return _run_loaded(args, store, engine, load_before, arms, skipped,
                            open_model(store, args.model, dtype), None)
+    if args.widths:  # a stage's slice would overwrite the whole model's cost table
+        raise BenchError("--widths measures the whole model in one process: run it without "
+                         "--nodes")
     from skulkp2p.bench_ring import RingBench, RingBenchError
 
     ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0))

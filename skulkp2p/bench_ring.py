@@ -124,7 +124,10 @@ class RingBench:
 
         self.store.pull(self.spec)  # once, before N processes would each try
         total = model_spec(self.store, self.spec).layers
-        ranges = split_layers(total, [1.0] * self.nodes)
+        try:
+            ranges = split_layers(total, [1.0] * self.nodes)
+        except ValueError as e:
+            raise RingBenchError(f"--nodes {self.nodes}: {e}") from None
         self.settings["layers"] = [list(r) for r in ranges]
         if loopback_ips_usable():
             base = random.Random().randrange(20, 220)  # other runs may use some of the range
@@ -187,15 +190,18 @@ class RingBench:
 
     @staticmethod
     def _read_stage(st: _Stage) -> None:
-        for line in st.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if "error" in msg:
-                st.error = str(msg["error"])
-            elif msg.get("ready"):
-                st.ready = msg
+        try:
+            for line in st.proc.stdout:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if "error" in msg:
+                    st.error = str(msg["error"])
+                elif msg.get("ready"):
+                    st.ready = msg
+        except (OSError, ValueError):  # closed by close(), racing this thread
+            pass
 
     def _wait_ready(self, t0: float) -> None:
         deadline = t0 + READY_TIMEOUT_S
