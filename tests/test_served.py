@@ -370,10 +370,15 @@ def test_bench_served_overhead_math_and_mismatch():
     cells = {("qa", PLAIN, "proxy"): [gen("a", 90.0, 0.11), gen("a", 95.0, 0.12)],
              ("qa", PLAIN, "direct"): [gen("a", 100.0, 0.10), gen("a", 100.0, 0.10)]}
     results, overhead, mismatched = _results(cells, [PLAIN], ["qa"])
-    (o,) = overhead
+    o, pooled = overhead
     assert o["decode_tok_s"] == pytest.approx(0.075) and o["ttft"] == pytest.approx(0.15)
     assert o["ttft_ms"] == pytest.approx(15.0) and o["decode_tok_s_paired"] == pytest.approx(
         0.075)
+    # every workload together: total tokens over total decode seconds (20 / (10/90 + 10/95))
+    assert pooled["workload"] == "all" and pooled["runs"] == 2
+    assert pooled["decode_tok_s"] == pytest.approx(1 - 20 / (10 / 90 + 10 / 95) / 100, abs=1e-4)
+    assert pooled["decode_tok_s_paired_mean"] == pytest.approx(0.075)
+    assert pooled["decode_tok_s_paired_sem"] == pytest.approx(0.025)
     assert not mismatched and results[0]["identical_to_direct"] is True
     cells[("qa", PLAIN, "proxy")][1] = gen("b", 95.0, 0.12)
     results, _, mismatched = _results(cells, [PLAIN], ["qa"])

@@ -430,7 +430,44 @@ def _results(cells: dict[tuple[str, str, str], list[Generation]], arms: list[str
                 "decode_tok_s_paired": _round(paired_tok, 4),
                 "ttft_paired": _round(paired_ttft, 4),
             })
+    for arm in arms:
+        pooled = _pooled(cells, arm, workloads)
+        if pooled:
+            overhead.append(pooled)
     return results, overhead, mismatched
+
+
+def _pooled(cells: dict[tuple[str, str, str], list[Generation]], arm: str,
+            workloads: list[str]) -> dict[str, Any] | None:
+    """Every workload's runs together (workload "all"): decode tok/s as total tokens over total
+    decode seconds per path, TTFT as the mean, and the mean and standard error of the run-by-run
+    decode overhead: on a noisy machine one workload's 5 runs cannot resolve a few per cent."""
+    pairs = [(p, d) for wl in workloads
+             for p, d in zip(cells[(wl, arm, "proxy")], cells[(wl, arm, "direct")],
+                             strict=False)]
+    if not pairs:
+        return None
+
+    def rate(gens: list[Generation]) -> float | None:
+        secs = sum(g.decode_s for g in gens if g.tokens > 1)
+        return sum(g.tokens - 1 for g in gens if g.tokens > 1) / secs if secs > 0 else None
+
+    p_tok, d_tok = rate([p for p, _ in pairs]), rate([d for _, d in pairs])
+    p_ttft = statistics.fmean(p.ttft_s for p, _ in pairs)
+    d_ttft = statistics.fmean(d.ttft_s for _, d in pairs)
+    ratios = [(d.tok_s - p.tok_s) / d.tok_s for p, d in pairs if p.tok_s and d.tok_s]
+    return {
+        "workload": "all", "arm": arm, "runs": len(pairs),
+        "decode_tok_s": round((d_tok - p_tok) / d_tok, 4) if p_tok and d_tok else None,
+        "ttft": round((p_ttft - d_ttft) / d_ttft, 4) if d_ttft > 0 else None,
+        "ttft_ms": round((p_ttft - d_ttft) * 1000, 2),
+        "decode_tok_s_paired": _round(statistics.median(ratios), 4) if ratios else None,
+        "ttft_paired": _round(statistics.median((p.ttft_s - d.ttft_s) / d.ttft_s
+                                                for p, d in pairs if d.ttft_s > 0), 4),
+        "decode_tok_s_paired_mean": _round(statistics.fmean(ratios), 4) if ratios else None,
+        "decode_tok_s_paired_sem": _round(statistics.stdev(ratios) / len(ratios) ** 0.5, 4)
+        if len(ratios) > 1 else None,
+    }
 
 
 def _version(binary: Path) -> str | None:
@@ -489,7 +526,8 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
         "proxy": "python -m skulkp2p join on 127.0.0.1 (our HTTP server and proxy), its "
                  "llama-server child asked directly for the direct path",
         "overhead": "(direct - proxy) / direct on median decode tok/s; (proxy - direct) / "
-                    "direct on median TTFT: positive = our layer's cost",
+                    "direct on median TTFT: positive = our layer's cost; workload 'all': "
+                    "total tokens / total decode seconds and mean TTFT over every workload",
     }
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
@@ -596,6 +634,13 @@ def markdown_tables(doc: dict[str, Any]) -> str:
             f"| {o['workload']} | {o['arm']} | {_fmt(o['decode_tok_s'], '+.1%')} | "
             f"{_fmt(o['decode_tok_s_paired'], '+.1%')} | {_fmt(o['ttft'], '+.1%')} | "
             f"{_fmt(o['ttft_paired'], '+.1%')} | {o['ttft_ms']:+.1f} |")
+    pooled = [o for o in doc["proxy_overhead"] if o.get("decode_tok_s_paired_sem") is not None]
+    lines += [""] if pooled else []
+    for o in pooled:
+        lines.append(f"{o['arm']}, all workloads ({o['runs']} pairs): decode overhead "
+                     f"{_fmt(o['decode_tok_s'], '+.1%')} of total tok/s; run by run mean "
+                     f"{_fmt(o['decode_tok_s_paired_mean'], '+.1%')} ± "
+                     f"{o['decode_tok_s_paired_sem']:.1%} (standard error)")
     for sk in doc.get("skipped", []):
         lines.append(f"\nskipped {sk['arm']}: {sk['reason']}")
     return "\n".join(lines) + "\n"
