@@ -335,6 +335,10 @@ def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_pa
     assert {o["arm"] for o in doc["proxy_overhead"]} == {"served-plain", "served-spec"}
     for o in doc["proxy_overhead"]:
         assert isinstance(o["decode_tok_s"], float) and isinstance(o["ttft"], float), o
+    pooled = [o for o in doc["proxy_overhead"] if o["workload"] == "all"]
+    assert len(pooled) == 2 and all(o["agent_cpu_ms_per_token"]["proxy"] >= 0 for o in pooled)
+    assert all(run["agent_cpu_s"] >= 0 and run["child_cpu_s"] > 0
+               for row in doc["results"] for run in row["runs"])
     # every agent and llama-server it started is gone
     pids = [p for procs in doc["engine"]["processes"].values()
             for p in (procs["agent_pid"], procs["child_pid"])]

@@ -115,6 +115,8 @@ class Generation:
     prompt_tokens: int | None = None
     drafted: int | None = None
     accepted: int | None = None
+    agent_cpu_s: float | None = None  # CPU time our agent used during this request
+    child_cpu_s: float | None = None  # and its llama-server
 
     @property
     def tok_s(self) -> float | None:
@@ -127,6 +129,9 @@ class Generation:
                                "decode_s": round(self.decode_s, 4), "tokens": self.tokens}
         if self.drafted is not None:
             out.update(drafted=self.drafted, accepted=self.accepted)
+        if self.agent_cpu_s is not None:
+            out.update(agent_cpu_s=round(self.agent_cpu_s, 3),
+                       child_cpu_s=_round(self.child_cpu_s, 3))
         return out
 
 
@@ -352,11 +357,29 @@ def _measure(agent: Agent, path: str, messages: list[dict[str, str]], max_tokens
     stream_chat(agent.child_port, direct_body(
         [{"role": "user", "content": f"Say the number {agent.flushes}."}], 1),
         f"{agent.arm} cache flush")
+    cpu0 = (_cpu_s(agent.proc.pid), _cpu_s(agent.child_pid))
     if path == "proxy":
-        return stream_chat(agent.port, proxy_body(messages, max_tokens),
-                           f"{agent.arm} through our proxy")
-    return stream_chat(agent.child_port, direct_body(messages, max_tokens),
-                       f"{agent.arm} llama-server direct")
+        gen = stream_chat(agent.port, proxy_body(messages, max_tokens),
+                          f"{agent.arm} through our proxy")
+    else:
+        gen = stream_chat(agent.child_port, direct_body(messages, max_tokens),
+                          f"{agent.arm} llama-server direct")
+    cpu1 = (_cpu_s(agent.proc.pid), _cpu_s(agent.child_pid))
+    if None not in cpu0 and None not in cpu1:
+        gen.agent_cpu_s, gen.child_cpu_s = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    return gen
+
+
+def _cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere). Noise on a
+    shared machine changes wall times, hardly the CPU a request costs: the proxy's own cost."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _median(xs: list[float | None]) -> float | None:
@@ -456,8 +479,20 @@ def _pooled(cells: dict[tuple[str, str, str], list[Generation]], arm: str,
     p_ttft = statistics.fmean(p.ttft_s for p, _ in pairs)
     d_ttft = statistics.fmean(d.ttft_s for _, d in pairs)
     ratios = [(d.tok_s - p.tok_s) / d.tok_s for p, d in pairs if p.tok_s and d.tok_s]
+    def cpu_ms_per_token(gens: list[Generation], attr: str) -> float | None:
+        used = [(getattr(g, attr), g.tokens) for g in gens if getattr(g, attr) is not None]
+        tokens = sum(n for _, n in used)
+        return round(sum(c for c, _ in used) / tokens * 1000, 3) if tokens else None
+
+    proxy, direct = [p for p, _ in pairs], [d for _, d in pairs]
     return {
         "workload": "all", "arm": arm, "runs": len(pairs),
+        # CPU per generated token (clock-tick resolution, summed over all runs): the agent's
+        # through the proxy is our layer's cost; beside direct runs it is its idle background
+        "agent_cpu_ms_per_token": {"proxy": cpu_ms_per_token(proxy, "agent_cpu_s"),
+                                   "direct": cpu_ms_per_token(direct, "agent_cpu_s")},
+        "child_cpu_ms_per_token": {"proxy": cpu_ms_per_token(proxy, "child_cpu_s"),
+                                   "direct": cpu_ms_per_token(direct, "child_cpu_s")},
         "decode_tok_s": round((d_tok - p_tok) / d_tok, 4) if p_tok and d_tok else None,
         "ttft": round((p_ttft - d_ttft) / d_ttft, 4) if d_ttft > 0 else None,
         "ttft_ms": round((p_ttft - d_ttft) * 1000, 2),
@@ -641,6 +676,12 @@ def markdown_tables(doc: dict[str, Any]) -> str:
                      f"{_fmt(o['decode_tok_s'], '+.1%')} of total tok/s; run by run mean "
                      f"{_fmt(o['decode_tok_s_paired_mean'], '+.1%')} ± "
                      f"{o['decode_tok_s_paired_sem']:.1%} (standard error)")
+        a, c = o.get("agent_cpu_ms_per_token") or {}, o.get("child_cpu_ms_per_token") or {}
+        if a.get("proxy") is not None:
+            lines.append(f"  CPU ms per token: our agent {a['proxy']:.2f} through the proxy "
+                         f"({_fmt(a.get('direct'), '.2f')} idle during direct runs); "
+                         f"llama-server {_fmt(c.get('proxy'), '.2f')} proxied, "
+                         f"{_fmt(c.get('direct'), '.2f')} direct")
     for sk in doc.get("skipped", []):
         lines.append(f"\nskipped {sk['arm']}: {sk['reason']}")
     return "\n".join(lines) + "\n"
