@@ -303,13 +303,11 @@ def _bench_cli(card_dir: Path, *args: str, env: dict | None = None, timeout: flo
 
 def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_path):
     out = tmp_path / "bench.json"
-    t0 = time.monotonic()
     # one llama.cpp thread per child: on a busy 2-core machine two spinning threads collapse
     r = _bench_cli(card_dir, "--engine", "served", "--model", CARD_ID, "--workloads", "echo",
                    "--runs", "1", "--max-tokens", "16", "--json", str(out),
                    env={"SKULKP2P_LLAMA_SERVER_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert time.monotonic() - t0 < 90
     doc = json.loads(out.read_text())
     assert doc["complete"] is True and doc["model"]["id"] == CARD_ID
     assert doc["machine"]["loadavg_before"] and doc["machine"]["loadavg_after"]
