@@ -137,9 +137,15 @@ class Chunk:
     tokens: list[int]
 
 
-def _lookup(loaded: LoadedModel) -> PromptLookup:
+# Beside a model drafter, lookup takes only matches of at least this many tokens: a one-token
+# match on novel text is a worse bet than the head's draft (SmolLM2 qa: 0/23 accepted).
+LOOKUP_MIN_KEY_WITH_MODEL = 2
+
+
+def _lookup(loaded: LoadedModel, min_key: int = 1) -> PromptLookup:
     cfg = loaded.speculation.get("lookup", {})
-    return PromptLookup(max_key=cfg.get("max_key", 3), min_key=cfg.get("min_key", 1))
+    return PromptLookup(max_key=cfg.get("max_key", 3),
+                        min_key=max(int(cfg.get("min_key", 1)), min_key))
 
 
 def _costs(loaded: LoadedModel) -> dict[int, float]:
@@ -200,9 +206,10 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # SmolLM2 (bench workloads): code edits score 0.024 and lookup pays there (1.9x at depth 3);
     # questions and stories score 0.012-0.018 and lookup does not pay from the start.
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.02))
-    lookup = GatedDrafter(_lookup(loaded), costs, depth, start_on=start_on, can_return=True,
-                          request_id=req.id)
-    if model_drafter is None:
+    alone = model_drafter is None
+    lookup = GatedDrafter(_lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL), costs,
+                          depth, start_on=start_on, can_return=True, request_id=req.id)
+    if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
     return LookupThenModel(lookup, model_drafter), max(depth, model_depth), hidden
