@@ -170,6 +170,8 @@ def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store,
         assert ours["choices"][0]["message"]["content"] == \
             theirs["choices"][0]["message"]["content"]
         assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+        direct.stop()
+        assert not direct._log_dir.exists()  # its temporary log folder goes with it
 
         # Anthropic route, same text; an error keeps our error shape.
         status, msg = _post(node.port, "/v1/messages", {"messages": ECHO, "max_tokens": 48,

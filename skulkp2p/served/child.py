@@ -19,6 +19,7 @@ import collections
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,6 +85,9 @@ class ServedChild:
         self.restarts = 0
         self._cond = threading.Condition()
         self._stopping = False
+        # A folder we made is ours to remove on stop; the reasons a child died are in its
+        # error (stderr_reason) by then.
+        self._own_log_dir = log_dir is None
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="skulkp2p-served-"))
         self._log_path = self._log_dir / f"{name}.log"
         self._thread = threading.Thread(target=self._supervise, name=f"served-{name}",
@@ -133,6 +137,8 @@ class ServedChild:
         self._kill()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self._own_log_dir and not self._thread.is_alive():
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     # ---- supervisor thread -------------------------------------------------------------------
 
