@@ -54,10 +54,17 @@ class Job:
         """The next event: ("start", prompt_tokens) with the first token, then ("chunk", Chunk)
         per token, then ("done", result); or ("error", exception) at any point. None when
         `timeout` passed first."""
-        try:
-            event = await asyncio.wait_for(self.events.get(), timeout)
-        except TimeoutError:
-            return None
+        events = self.events
+        if not events.empty():
+            event = events.get_nowait()
+        else:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for wraps the get in a new Task, per
+            # token of every stream.
+            try:
+                async with asyncio.timeout(timeout):
+                    event = await events.get()
+            except TimeoutError:
+                return None
         if event[0] in ("done", "error"):
             self.finished = True
         return event
