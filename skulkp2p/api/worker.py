@@ -5,12 +5,15 @@ The loop side submits a `Job` and reads its events from an asyncio queue; the th
 with `call_soon_threadsafe`. Cancelling a job (its client went away) sets a flag that the engine
 checks between prefill chunks and between decode rounds, so the model is free for the next job
 within one forward; a job cancelled while still queued is dropped from the queue at once.
+A served model (a llama-server child) is the exception to "off the event loop": its proxy only
+waits on sockets, so the thread hands it to the loop and waits (`_relay_on_loop`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -245,17 +248,20 @@ class ModelWorker:
         tokens = 0
         try:
             n_prompt = self._prompt_length(self.loaded, job.req)
-            started = False
-            for chunk in self._runner(self.loaded, job.req, result, job.interrupt):
+            if self._runner is _default_runner and hasattr(self.loaded, "relay"):
+                self._relay_on_loop(job, n_prompt, result)
+            else:
+                started = False
+                for chunk in self._runner(self.loaded, job.req, result, job.interrupt):
+                    if not started:
+                        # "start" waits for the first token: whatever the engine refuses while
+                        # setting up (a drafter the model lacks) still becomes a real 4xx status.
+                        job.post("start", n_prompt)
+                        started = True
+                    tokens += len(chunk.tokens)
+                    job.post("chunk", chunk)
                 if not started:
-                    # "start" waits for the first token: whatever the engine refuses while
-                    # setting up (a drafter the model lacks) still becomes a real 4xx status.
                     job.post("start", n_prompt)
-                    started = True
-                tokens += len(chunk.tokens)
-                job.post("chunk", chunk)
-            if not started:
-                job.post("start", n_prompt)
             result["stop_sequence"] = _stop_sequence(self.loaded, job.req, result)
             job.post("done", result)
         except Cancelled:
@@ -269,3 +275,33 @@ class ModelWorker:
         finally:
             # A running average of job length, for the Retry-After of a full queue.
             self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - t0)
+
+    def _relay_on_loop(self, job: Job, n_prompt: int, result: dict[str, Any]) -> None:
+        """A served model (a llama-server child) streams on the event loop itself: its events
+        go straight into the job's queue, with no thread hop and no loop wake-up per token (on
+        a machine the child keeps busy, those cost more CPU than the proxying). This thread
+        still runs the jobs one at a time, first in first out: it waits for the relay here."""
+        self.loaded.await_child()  # blocks until the child answers: not on the loop
+        events = job.events
+        started = False
+
+        def emit(chunk: Any) -> None:
+            nonlocal started
+            if not started:
+                events.put_nowait(("start", n_prompt))  # with the first token, as above
+                started = True
+            events.put_nowait(("chunk", chunk))
+
+        async def relay() -> None:
+            await self.loaded.relay(job.req, result, job.interrupt, emit)
+            if not started:
+                events.put_nowait(("start", n_prompt))
+
+        try:
+            done = asyncio.run_coroutine_threadsafe(relay(), job.loop)
+        except RuntimeError:  # the loop is closed: the node is stopping
+            raise Cancelled() from None
+        try:
+            done.result()
+        except concurrent.futures.CancelledError:  # the loop cancelled it: it is stopping
+            raise Cancelled() from None

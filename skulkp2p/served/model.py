@@ -2,12 +2,16 @@
 
 The seam: `ModelWorker` runs whatever the loaded object streams. A `ServedModel` carries its
 own `stream(req, result, interrupt)` (the proxy) and `prompt_length`, so the OpenAI and Anthropic
-routes, queueing, cancellation, SSE and the error format stay exactly the MLX engine's. The proxy
-runs on the worker's thread with blocking http.client: one request at a time, like the engine.
+routes, queueing, cancellation, SSE and the error format stay exactly the MLX engine's. One
+request at a time, like the engine: the worker's thread takes the job, and `relay` (the same
+proxy, on asyncio streams) runs it on the event loop while that thread waits, so a token goes
+from the child's socket to the client's without a thread hand-off. `stream` is the blocking
+form (http.client), for callers without a loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
@@ -31,6 +35,7 @@ log = logging.getLogger("skulkp2p.served")
 
 FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
 DEFAULT_CONTEXT = 4096  # llama-server allocates KV for the whole -c up front
+CHILD_TIMEOUT_S = 600  # no byte from the child for this long: it is lost
 
 
 @dataclass
@@ -121,10 +126,12 @@ class ServedModel:
 
     def stream(self, req: GenerationRequest, result: dict[str, Any],
                interrupt: Callable[[], None] | None = None) -> Iterator[ServedChunk]:
-        self._await_child()
+        self.await_child()
         body = self._body(req)
-        path = "/v1/chat/completions" if req.messages is not None else "/v1/completions"
-        conn = http.client.HTTPConnection(self.child.host, self.child.port, timeout=600)
+        chat = req.messages is not None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        conn = http.client.HTTPConnection(self.child.host, self.child.port,
+                                          timeout=CHILD_TIMEOUT_S)
         t0 = time.perf_counter()
         t_first: float | None = None
         text: list[str] = []
@@ -141,19 +148,7 @@ class ServedModel:
             for event in _sse_events(resp, self._lost):
                 if interrupt is not None:
                     interrupt()
-                if "error" in event:
-                    raise self._child_error(500, json.dumps(event).encode())
-                for k in ("usage", "timings"):
-                    if event.get(k):
-                        final[k] = event[k]
-                choices = event.get("choices") or []
-                if not choices:
-                    continue
-                choice = choices[0]
-                piece = (choice.get("delta") or {}).get("content") if req.messages is not None \
-                    else choice.get("text")
-                if choice.get("finish_reason"):
-                    final["finish_reason"] = choice["finish_reason"]
+                piece = self._piece(event, chat, final)
                 if piece:
                     if t_first is None:
                         t_first = time.perf_counter()
@@ -163,9 +158,84 @@ class ServedModel:
             conn.close()  # also how a cancelled request stops the child's generation
         self._fill(result, "".join(text), final, t0, t_first, time.perf_counter())
 
+    async def relay(self, req: GenerationRequest, result: dict[str, Any],
+                    interrupt: Callable[[], None] | None, emit: Callable[[ServedChunk], None]
+                    ) -> None:
+        """`stream`, run on the event loop: each chunk goes to `emit` as it arrives, with no
+        thread between the child's socket and the client's (the worker calls `await_child`
+        first, on its own thread). Same request, events, errors and result as `stream`."""
+        body = json.dumps(self._body(req)).encode()
+        chat = req.messages is not None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        t0 = time.perf_counter()
+        t_first: float | None = None
+        text: list[str] = []
+        final: dict[str, Any] = {}
+        writer: asyncio.StreamWriter | None = None
+        try:
+            try:
+                async with asyncio.timeout(CHILD_TIMEOUT_S):
+                    reader, writer = await asyncio.open_connection(self.child.host,
+                                                                   self.child.port)
+                    writer.write(_request_head(path, self.child.host, self.child.port,
+                                               len(body)) + body)
+                    status, framing = await _response_head(reader)
+                    raw = b"" if status == 200 else await _BodyReader(framing).read_all(reader)
+            except _LOST as e:
+                raise self._lost(e) from None
+            if status != 200:
+                raise self._child_error(status, raw)
+            framed = _BodyReader(framing)
+            rest = b""
+            while True:
+                try:
+                    async with asyncio.timeout(CHILD_TIMEOUT_S):
+                        data = await framed.read(reader)
+                except _LOST as e:
+                    raise self._lost(e) from None
+                if data:
+                    lines = (rest + data if rest else data).split(b"\n")
+                    rest = lines.pop()  # a partial line: completed by the next read
+                else:  # the end: a last line without its newline still counts
+                    lines = [rest]
+                for event in _events(lines):
+                    if event is None:  # [DONE]
+                        data = b""
+                        break
+                    if interrupt is not None:
+                        interrupt()
+                    piece = self._piece(event, chat, final)
+                    if piece:
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                        text.append(piece)
+                        emit(ServedChunk(piece))
+                if not data:
+                    break
+        finally:
+            if writer is not None:
+                writer.close()  # also how a cancelled request stops the child's generation
+        self._fill(result, "".join(text), final, t0, t_first, time.perf_counter())
+
+    def _piece(self, event: dict[str, Any], chat: bool, final: dict[str, Any]) -> str | None:
+        """The text of one streamed event; usage, timings and finish reason go to `final`."""
+        if "error" in event:
+            raise self._child_error(500, json.dumps(event).encode())
+        for k in ("usage", "timings"):
+            if event.get(k):
+                final[k] = event[k]
+        choices = event.get("choices") or []
+        if not choices:
+            return None
+        choice = choices[0]
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if choice.get("finish_reason"):
+            final["finish_reason"] = choice["finish_reason"]
+        return piece
+
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _await_child(self) -> None:
+    def await_child(self) -> None:
         try:
             self.child.wait_ready(self.child.ready_timeout_s)
         except ServedError as e:
@@ -263,20 +333,104 @@ def _sse_events(resp: http.client.HTTPResponse,
             rest = lines.pop()  # a partial line: completed by the next read
         else:  # the end: a last line without its newline still counts
             lines = [rest]
-        for line in lines:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+        for event in _events(lines):
+            if event is None:
                 return
-            try:
-                event = _loads(payload)
-            except ValueError:
-                continue
             yield event
         if not data:
             return
+
+
+def _events(lines: list[bytes]) -> Iterator[dict[str, Any] | None]:
+    """The JSON payload of every `data:` line among `lines`; None for [DONE] (the end)."""
+    for line in lines:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            yield None
+            return
+        try:
+            event = _loads(payload)
+        except ValueError:
+            continue
+        yield event
+
+
+# What a lost or broken child looks like on the loop side (http.client's errors on the other).
+_LOST = (ConnectionError, OSError, EOFError, ValueError, asyncio.LimitOverrunError)
+
+
+def _request_head(path: str, host: str, port: int, length: int) -> bytes:
+    # The head http.client sends for the same request.
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept-Encoding: identity\r\n"
+            f"Content-Length: {length}\r\nContent-Type: application/json\r\n\r\n").encode()
+
+
+async def _response_head(reader: asyncio.StreamReader) -> tuple[int, tuple[str, int]]:
+    """The status and the body's framing: ("chunked", 0), ("length", n) or ("close", 0)."""
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        version, status_text = lines[0].split(" ", 2)[:2]
+        if not version.startswith("HTTP/"):
+            raise ValueError(f"bad status line {lines[0][:60]!r}")
+        status = int(status_text)
+        if status != 100:
+            break  # (a 100 Continue is followed by the real response)
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return status, ("chunked", 0)
+    if "content-length" in headers:
+        return status, ("length", int(headers["content-length"]))
+    return status, ("close", 0)
+
+
+class _BodyReader:
+    """A response body read piece by piece from an asyncio stream; b"" at its end."""
+
+    def __init__(self, framing: tuple[str, int]):
+        self.kind, self.left = framing
+        self.done = False
+
+    async def read(self, reader: asyncio.StreamReader) -> bytes:
+        if self.done:
+            return b""
+        if self.kind == "chunked":
+            line = await reader.readuntil(b"\n")
+            size = int(line.split(b";", 1)[0].strip(), 16)
+            if size == 0:
+                while (await reader.readuntil(b"\n")).strip():
+                    pass  # trailer fields: nothing we use
+                self.done = True
+                return b""
+            data = await reader.readexactly(size)
+            await reader.readuntil(b"\n")  # the CRLF after the chunk
+            return data
+        if self.kind == "length":
+            if self.left <= 0:
+                self.done = True
+                return b""
+            data = await reader.read(min(self.left, 65536))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", self.left)
+            self.left -= len(data)
+            return data
+        data = await reader.read(65536)
+        if not data:
+            self.done = True
+        return data
+
+    async def read_all(self, reader: asyncio.StreamReader) -> bytes:
+        parts = []
+        while data := await self.read(reader):
+            parts.append(data)
+        return b"".join(parts)
 
 
 def _loads(payload: bytes) -> Any:
