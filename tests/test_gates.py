@@ -95,21 +95,29 @@ def test_lookup_stays_on_for_repetitive_output(llama):
 
 @pytest.mark.slow
 def test_auto_lookup_on_echo_off_on_novel_smollm2(smollm2_path):
-    """The real model: an echo prompt keeps lookup on and accepts many drafts; a novel prompt
-    starts with lookup off (prompt gate)."""
+    """The real model with its card (a trained MTP head): on an echo prompt lookup stays on and
+    accepts many drafts; on a novel prompt lookup starts off (prompt gate) and the head drafts
+    alone. Greedy output is the same with and without speculation."""
     code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(8))
     echo = {"id": "echo", "messages": [{"role": "user", "content":
             "Copy this code exactly, changing nothing:\n```python\n" + code + "```"}],
             "max_tokens": 80}
     from skulkp2p.bench import WORKLOADS
     novel = {"id": "novel", "messages": WORKLOADS["qa"], "max_tokens": 40}
+    plain = {**novel, "id": "plain", "speculation": "off"}
     env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent)}
-    proc = run_cli("pipe", input=json.dumps(echo) + "\n" + json.dumps(novel) + "\n", env=env)
+    lines = "".join(json.dumps(r) + "\n" for r in (echo, novel, plain))
+    proc = run_cli("pipe", input=lines, env=env)
     assert proc.returncode == 0, proc.stderr
     res = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
     e, n = res["echo"]["speculation"], res["novel"]["speculation"]
-    assert e["mode"] == "auto" and e["accepted"] > 20 and not any(
-        ev["event"] == "off" for ev in e["gate_events"])
+    assert e["drafter"] == n["drafter"] == "lookup+mtp" and e["mode"] == "auto"
+    assert e["by_drafter"]["lookup"]["accepted"] > 20 and not any(
+        ev["event"] == "off" and ev["drafter"] == "lookup" for ev in e["gate_events"])
     # The prompt gate keeps lookup off on novel text; it may only come back later, when the
-    # output itself turns repetitive.
-    assert n["drafted"] == 0 or n["gate_events"][0]["reason"] == "output turned repetitive"
+    # output itself turns repetitive. The head drafts there.
+    lookup_events = [ev for ev in n["gate_events"] if ev["drafter"] == "lookup"]
+    assert n["by_drafter"]["lookup"]["drafted"] == 0 or \
+        lookup_events[0]["reason"] == "output turned repetitive"
+    assert n["by_drafter"]["mtp"]["drafted"] > 0
+    assert res["novel"]["tokens"] == res["plain"]["tokens"]

@@ -100,11 +100,12 @@ class GatedDrafter:
 
     def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
                  start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
-                 prior_accept: float = 0.5, log_every: int = 64, request_id=None):
+                 prior_accept: float = 0.5, prior_weight: float = 2.0, log_every: int = 64,
+                 request_id=None):
         self.inner = inner
         self.name = inner.name
         self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
-                                          draft_cost=draft_cost)
+                                          prior_weight=prior_weight, draft_cost=draft_cost)
         self.on = start_on
         self.can_return = can_return
         self.events: list[dict] = []
