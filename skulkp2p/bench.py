@@ -677,6 +677,19 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def write_document(doc: dict[str, Any], table: str, json_out: str | None) -> None:
+    """The JSON to --json (atomically) and the table to stdout; without --json, the JSON to
+    stdout and the table to stderr."""
+    text = json.dumps(doc, indent=2) + "\n"
+    if json_out:
+        _write_atomic(Path(json_out), text)
+        sys.stdout.write(table)
+    else:
+        sys.stdout.write(text)
+        sys.stderr.write(table)
+    sys.stdout.flush()
+
+
 def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     """The whole command after the CLI has arranged the BLAS; returns the exit status."""
     from skulkp2p.served.bench import dispatch
@@ -805,15 +818,7 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
             "relative": {str(w): c for w, c in relative_costs(seconds).items()},
         }
 
-    text = json.dumps(doc, indent=2) + "\n"
-    table = markdown_tables(doc)
-    if args.json_out:
-        _write_atomic(Path(args.json_out), text)
-        sys.stdout.write(table)
-    else:
-        sys.stdout.write(text)
-        sys.stderr.write(table)
-    sys.stdout.flush()
+    write_document(doc, markdown_tables(doc), args.json_out)
     if args.plot:
         plot_speedups(doc, Path(args.plot))
     if mismatched:

@@ -53,6 +53,7 @@ from skulkp2p.bench import (
     _write_atomic,
     _yes_no,
     machine_info,
+    write_document,
 )
 from skulkp2p.engine.request import parse_request
 from skulkp2p.served.binary import detect_compute, find_binary
@@ -629,15 +630,7 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
 
     doc, mismatched = document(True)
-    text = json.dumps(doc, indent=2) + "\n"
-    table = markdown_tables(doc)
-    if args.json_out:
-        _write_atomic(Path(args.json_out), text)
-        sys.stdout.write(table)
-    else:
-        sys.stdout.write(text)
-        sys.stderr.write(table)
-    sys.stdout.flush()
+    write_document(doc, markdown_tables(doc), args.json_out)
     if mismatched:
         raise BenchError("greedy output through our proxy differs from llama-server direct "
                          f"for {', '.join(mismatched)}")
