@@ -132,10 +132,7 @@ class ServedModel:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         conn = http.client.HTTPConnection(self.child.host, self.child.port,
                                           timeout=CHILD_TIMEOUT_S)
-        t0 = time.perf_counter()
-        t_first: float | None = None
-        text: list[str] = []
-        final: dict[str, Any] = {}
+        reply = _Reply(self, chat, interrupt)
         try:
             try:
                 conn.request("POST", path, json.dumps(body).encode(),
@@ -145,18 +142,18 @@ class ServedModel:
                 raise self._lost(e) from None
             if resp.status != 200:
                 raise self._child_error(resp.status, resp.read())
-            for event in _sse_events(resp, self._lost):
-                if interrupt is not None:
-                    interrupt()
-                piece = self._piece(event, chat, final)
-                if piece:
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                    text.append(piece)
-                    yield ServedChunk(piece)
+            while not reply.done:
+                # Whatever the child has sent so far in one call (`read1`: one chunk of its
+                # chunked body, usually one event): two `readline`s per event through
+                # http.client's chunked decoding cost more CPU than the rest of the proxying.
+                try:
+                    data = resp.read1(65536)
+                except (ConnectionError, http.client.HTTPException, OSError) as e:
+                    raise self._lost(e) from None
+                yield from reply.feed(data)
         finally:
             conn.close()  # also how a cancelled request stops the child's generation
-        self._fill(result, "".join(text), final, t0, t_first, time.perf_counter())
+        reply.fill(result)
 
     async def relay(self, req: GenerationRequest, result: dict[str, Any],
                     interrupt: Callable[[], None] | None, emit: Callable[[ServedChunk], None]
@@ -167,10 +164,7 @@ class ServedModel:
         body = json.dumps(self._body(req)).encode()
         chat = req.messages is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        t0 = time.perf_counter()
-        t_first: float | None = None
-        text: list[str] = []
-        final: dict[str, Any] = {}
+        reply = _Reply(self, chat, interrupt)
         writer: asyncio.StreamWriter | None = None
         try:
             try:
@@ -186,36 +180,18 @@ class ServedModel:
             if status != 200:
                 raise self._child_error(status, raw)
             framed = _BodyReader(framing)
-            rest = b""
-            while True:
+            while not reply.done:
                 try:
                     async with asyncio.timeout(CHILD_TIMEOUT_S):
                         data = await framed.read(reader)
                 except _LOST as e:
                     raise self._lost(e) from None
-                if data:
-                    lines = (rest + data if rest else data).split(b"\n")
-                    rest = lines.pop()  # a partial line: completed by the next read
-                else:  # the end: a last line without its newline still counts
-                    lines = [rest]
-                for event in _events(lines):
-                    if event is None:  # [DONE]
-                        data = b""
-                        break
-                    if interrupt is not None:
-                        interrupt()
-                    piece = self._piece(event, chat, final)
-                    if piece:
-                        if t_first is None:
-                            t_first = time.perf_counter()
-                        text.append(piece)
-                        emit(ServedChunk(piece))
-                if not data:
-                    break
+                for chunk in reply.feed(data):
+                    emit(chunk)
         finally:
             if writer is not None:
                 writer.close()  # also how a cancelled request stops the child's generation
-        self._fill(result, "".join(text), final, t0, t_first, time.perf_counter())
+        reply.fill(result)
 
     def _piece(self, event: dict[str, Any], chat: bool, final: dict[str, Any]) -> str | None:
         """The text of one streamed event; usage, timings and finish reason go to `final`."""
@@ -315,30 +291,46 @@ def child_body(req: GenerationRequest, default_max_tokens: int) -> dict[str, Any
     return body
 
 
-def _sse_events(resp: http.client.HTTPResponse,
-                lost: Callable[[BaseException], Exception]) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream (one per `data:` line), until [DONE] or the end.
+class _Reply:
+    """One streamed reply of the child as its bytes arrive, without I/O (`stream` and `relay`
+    feed it): SSE lines split across reads, each event's text as a chunk, and what the result
+    needs at the end (usage, timings, finish reason, time of the first token)."""
 
-    Reads whatever the child has sent so far in one call (`read1`: one chunk of its chunked
-    body, usually one event) and splits the lines here: two `readline`s per event through
-    http.client's chunked decoding cost more CPU than the rest of the proxy's per-token work."""
-    rest = b""
-    while True:
-        try:
-            data = resp.read1(65536)
-        except (ConnectionError, http.client.HTTPException, OSError) as e:
-            raise lost(e) from None
+    def __init__(self, model: ServedModel, chat: bool, interrupt: Callable[[], None] | None):
+        self.model = model
+        self.chat = chat
+        self.interrupt = interrupt
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.text: list[str] = []
+        self.final: dict[str, Any] = {}
+        self.done = False  # [DONE] seen, or the body ended
+        self._rest = b""  # a partial line, completed by the next read
+
+    def feed(self, data: bytes) -> Iterator[ServedChunk]:
+        """The chunks in the next bytes of the body; b"" is its end (a last line without its
+        newline still counts)."""
         if data:
-            lines = (rest + data if rest else data).split(b"\n")
-            rest = lines.pop()  # a partial line: completed by the next read
-        else:  # the end: a last line without its newline still counts
-            lines = [rest]
+            lines = (self._rest + data if self._rest else data).split(b"\n")
+            self._rest = lines.pop()
+        else:
+            lines, self._rest, self.done = [self._rest], b"", True
         for event in _events(lines):
-            if event is None:
+            if event is None:  # [DONE]
+                self.done = True
                 return
-            yield event
-        if not data:
-            return
+            if self.interrupt is not None:
+                self.interrupt()
+            piece = self.model._piece(event, self.chat, self.final)
+            if piece:
+                if self.t_first is None:
+                    self.t_first = time.perf_counter()
+                self.text.append(piece)
+                yield ServedChunk(piece)
+
+    def fill(self, result: dict[str, Any]) -> None:
+        self.model._fill(result, "".join(self.text), self.final, self.t0, self.t_first,
+                         time.perf_counter())
 
 
 def _events(lines: list[bytes]) -> Iterator[dict[str, Any] | None]:
