@@ -262,6 +262,27 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
             assert _pipe(http, "qwen3_5", arm)["tokens"] == ref[arm]["tokens"], (ring, arm)
 
 
+def _mid_request_on_a_three_stage_ring(c):
+    """llama on the ring n0 -> n1 -> n2, a long request running through it for 1.5 s:
+    (single-node reference output, the request's thread, the dict its reply lands in)."""
+    import time
+
+    reference = _pipe(c.nodes[0].http, "llama", "plain")
+    _place(c, "llama", ["n0", "n1", "n2"])
+    _served_by(c, "llama", ["n0", "n1", "n2"])
+    _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
+    result: dict = {}
+    t = _long_request(c, 2, result)
+    time.sleep(1.5)
+    return reference, t, result
+
+
+def _wait_replaced_without_n1(c) -> None:
+    c.wait(lambda: all((s := c.status(i)) and any(
+        p["model"] == "llama" and "n1" not in p["ring"] for p in s["placements"])
+        for i in (0, 2)), 30, "llama re-placed without n1, as both survivors see it")
+
+
 def _long_request(c, i: int, result: dict):
     import threading
     import time
@@ -292,13 +313,7 @@ def test_stage_frozen_mid_request(ring_cluster):
     import time
 
     c = ring_cluster
-    reference = _pipe(c.nodes[0].http, "llama", "plain")
-    _place(c, "llama", ["n0", "n1", "n2"])
-    _served_by(c, "llama", ["n0", "n1", "n2"])
-    _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
-    result: dict = {}
-    t = _long_request(c, 2, result)
-    time.sleep(1.5)
+    reference, t, result = _mid_request_on_a_three_stage_ring(c)
     c.signal(1, signal.SIGSTOP)  # the middle stage freezes: its sockets stay open
     try:
         t0 = time.monotonic()
@@ -311,9 +326,7 @@ def test_stage_frozen_mid_request(ring_cluster):
         assert took < 15, took  # suspect 1 s then dead: seconds, not the 20 s ring timeout
         print(f"\nfrozen stage: the request ended {took:.1f} s after SIGSTOP: "
               f"{out['error']['message']}")
-        c.wait(lambda: all((s := c.status(i)) and any(
-            p["model"] == "llama" and "n1" not in p["ring"] for p in s["placements"])
-            for i in (0, 2)), 30, "llama re-placed without n1, as both survivors see it")
+        _wait_replaced_without_n1(c)
         assert _pipe(c.nodes[2].http, "llama", "plain")["tokens"] == reference["tokens"]
     finally:
         c.signal(1, signal.SIGCONT)
@@ -327,13 +340,7 @@ def test_stage_killed_mid_request(ring_cluster):
     import time
 
     c = ring_cluster
-    reference = _pipe(c.nodes[0].http, "llama", "plain")
-    _place(c, "llama", ["n0", "n1", "n2"])
-    _served_by(c, "llama", ["n0", "n1", "n2"])
-    _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
-    result: dict = {}
-    t = _long_request(c, 2, result)
-    time.sleep(1.5)
+    reference, t, result = _mid_request_on_a_three_stage_ring(c)
     c.signal(1, signal.SIGKILL)  # the middle stage
     t0 = time.monotonic()
     t.join(30)
@@ -342,7 +349,5 @@ def test_stage_killed_mid_request(ring_cluster):
     assert "error" in out and "ring" in out["error"]["message"], out
     assert time.monotonic() - t0 < 15
     # The leader re-places llama on the survivors; the next request succeeds.
-    c.wait(lambda: all((s := c.status(i)) and any(
-        p["model"] == "llama" and "n1" not in p["ring"] for p in s["placements"])
-        for i in (0, 2)), 30, "llama re-placed without n1, as both survivors see it")
+    _wait_replaced_without_n1(c)
     assert _pipe(c.nodes[2].http, "llama", "plain")["tokens"] == reference["tokens"]
