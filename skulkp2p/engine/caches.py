@@ -7,6 +7,7 @@ the caller then re-runs the tokens it kept.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,3 +69,18 @@ def restore(cache: list[Any], snap: Snapshot) -> None:
             entry.state = state
             if meta is not None:
                 entry.meta_state = meta
+
+
+def rollback(cache: list[Any], snap: Snapshot | None, dropped: int,
+             replay: Callable[[int], None], keep: int) -> None:
+    """Forget the last `dropped` entries of a call that appended keep + dropped: trim where the
+    cache can (`snap` is None), else restore the state from before the call (recurrent state
+    cannot be trimmed) and `replay(keep)` the entries that were kept."""
+    if dropped <= 0:
+        return
+    if snap is None:
+        trim(cache, dropped)
+        return
+    restore(cache, snap)
+    if keep:
+        replay(keep)

@@ -83,16 +83,9 @@ class LocalForward:
 
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
-        if dropped <= 0:
-            return
-        if self._snapshot is None:
-            caches.trim(self.cache, dropped)
-            return
-        # Recurrent state cannot be trimmed: restore the state from before the call and re-run
-        # the tokens that were kept.
-        kept_tokens = self._snapshot.tokens_for_replay
-        caches.restore(self.cache, self._snapshot)
-        self._snapshot = None
-        if keep:
-            self.model(mx.array(kept_tokens[:keep])[None], cache=self.cache)
+        snap, self._snapshot = self._snapshot, None
+
+        def replay(n: int) -> None:
+            self.model(mx.array(snap.tokens_for_replay[:n])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
+        caches.rollback(self.cache, snap, dropped, replay, keep)

@@ -83,16 +83,12 @@ class StageCache:
         import mlx.core as mx
 
         from skulkp2p.engine import caches
-        if dropped <= 0:
-            return
-        if self._snapshot is None:
-            caches.trim(self.cache, dropped)
-            return
-        caches.restore(self.cache, self._snapshot)
-        self._snapshot = None
-        if keep:
-            self.stage.run(self._inputs[:keep], self.cache, logits=False)
+        snap, self._snapshot = self._snapshot, None
+
+        def replay(n: int) -> None:
+            self.stage.run(self._inputs[:n], self.cache, logits=False)
             mx.eval([c.state for c in self.cache])
+        caches.rollback(self.cache, snap, dropped, replay, keep)
 
 
 def header(term: int, instance: str, request: str, step: int, op: str) -> dict[str, Any]:
