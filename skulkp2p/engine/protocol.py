@@ -1,0 +1,111 @@
+"""The engine seam: what every engine (MLX here, a llama-server child in served/) offers the
+front ends (HTTP worker, pipe, bench), and the errors it may raise.
+
+No mlx here. The front ends never look inside an engine: they start a `Generation`, read its
+chunks, cancel it, and read its typed result. Which engine serves a model is decided once, from
+its card, by the composition root's factory (skulkp2p/node/engines.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.results import Chunk, GenerationResult
+
+__all__ = ["Cancelled", "Chunk", "Engine", "EngineFailed", "EngineInfo", "EngineUnavailable",
+           "Generation", "GenerationResult", "RequestError"]
+
+
+class Cancelled(Exception):
+    """Raised inside an engine by its interrupt check once its generation was cancelled."""
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve right now (a child process starting or restarting): retry."""
+
+    def __init__(self, message: str, retry_after: int | None = 2):
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class EngineFailed(Exception):
+    """The engine's backend failed the request (a child's 5xx): not the client's fault."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine tells about itself (logs, /v1/cluster, the bench's document)."""
+    model: str
+    engine: str  # "mlx" | "llama_server"
+    dtype: str
+    context_length: int
+    detail: dict[str, Any] = field(default_factory=dict)  # layers held, child pid, ...
+
+
+class Generation:
+    """One request running on an engine: iterate it for chunks (blocking), `cancel()` it from
+    any thread, read `result` once the iteration ended. An engine builds it from a generator
+    function that receives the interrupt check and returns the GenerationResult."""
+
+    def __init__(self, run: Callable[[Callable[[], None]], Iterator[Chunk]]):
+        self._run = run
+        self._cancelled = threading.Event()
+        self.result: GenerationResult | None = None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def interrupt(self) -> None:
+        """The engine calls this between forwards: raises Cancelled once cancelled."""
+        if self._cancelled.is_set():
+            raise Cancelled()
+
+    def __iter__(self) -> Iterator[Chunk]:
+        self.result = yield from self._run(self.interrupt)
+
+
+class Engine(Protocol):
+    """A loaded model that generates. Implemented by engine.mlx_engine.MlxEngine and
+    served.engine.ServedEngine."""
+
+    id: str
+    context_length: int
+    runs_on_loop: bool  # True: a LoopEngine, the worker relays it on the event loop
+
+    def info(self) -> EngineInfo: ...
+
+    def prompt_length(self, req: GenerationRequest) -> int:
+        """Tokens of the request's prompt (0 where unknown before generating); raises
+        RequestError for a prompt the model cannot take."""
+        ...
+
+    def generate(self, req: GenerationRequest) -> Generation:
+        """Start a generation; nothing runs until it is iterated."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LoopEngine(Engine, Protocol):
+    """An engine whose generation only waits on sockets (llama-server's proxy): it runs on the
+    event loop itself, with no thread between the child's socket and the client's."""
+
+    def prepare(self) -> None:
+        """Blocking wait until the engine can take a request (called off the loop)."""
+        ...
+
+    def relay(self, req: GenerationRequest, generation: Generation,
+              emit: Callable[[Chunk], None]) -> Awaitable[GenerationResult]: ...
