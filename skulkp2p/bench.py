@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from skulkp2p.engine.generate import LoadedModel
+    from skulkp2p.engine.model import LoadedModel
     from skulkp2p.models.store import ModelStore
 
 log = logging.getLogger("skulkp2p.bench")

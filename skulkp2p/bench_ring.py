@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable
 
 if TYPE_CHECKING:
-    from skulkp2p.engine.generate import LoadedModel
+    from skulkp2p.engine.model import LoadedModel
     from skulkp2p.models.store import ModelStore
 
 log = logging.getLogger("skulkp2p.bench")

@@ -46,81 +46,24 @@ def _log_engine_path() -> None:
 def cmd_join(args) -> int:
     """Serve the HTTP API at once (health 503 while loading), load the model on its worker
     thread, serve until SIGINT/SIGTERM, exit 0."""
-    import asyncio
-    import os
-    import signal
-
     store = _store(args)
     resolved = store.resolve(args.model)  # a bad --model fails before anything loads
     cluster = _cluster_config(args)  # so does a cluster setting that cannot work
     _prepare_engine_process()
     _log_engine_path()
     from skulkp2p.api.server import ServerConfig
-    from skulkp2p.cluster.node import ClusterConfigError
-    from skulkp2p.cluster.serving import ClusterServing, node_facts, own_want, serve_cluster
+    from skulkp2p.node.join import JoinError, JoinSettings, run_join
 
-    log = logging.getLogger("skulkp2p.node")
-    config = ServerConfig(max_body_bytes=args.max_body_bytes,
-                          header_timeout=args.http_header_timeout,
-                          idle_timeout=args.http_idle_timeout)
-
-    def on_listening(host: str, port: int) -> None:
-        log.info("http: OpenAI/Anthropic API on http://%s:%d/v1 (health: http://%s:%d/health)",
-                 host, port, host, port)
-
-    def load_model(spec: str = args.model):
-        # On the model's worker thread: even importing mlx-lm takes seconds, and the API is
-        # already answering (503 on /health) meanwhile. The cluster decides which models
-        # this node loads: its own --model when placed here, or another node's.
-        from skulkp2p.served.model import open_served, wants_served
-        if wants_served(store.resolve(spec).card):
-            return open_served(store, spec)
-        from skulkp2p.engine.loader import open_model
-        return open_model(store, spec)
-
-    def on_ready(loaded) -> None:
-        if getattr(loaded, "served", False):
-            log.info("ready: model %s served by llama-server (pid %s, %s, speculation %s); "
-                     "Ctrl-C to stop", loaded.id, loaded.child.pid, "/".join(loaded.compute),
-                     loaded.speculation_type)
-            return
-        log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
-                 loaded.id, loaded.dtype, len(loaded.model.layers))
-
-    async def run() -> tuple[bool, BaseException | None]:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            serving = ClusterServing(store, args.model, resolved.id, load_model,
-                                     max_queue=args.max_queue, keepalive_s=args.sse_keepalive,
-                                     on_ready=on_ready)
-            return await serve_cluster(cluster, serving, own_want(store, args.model, cluster.name),
-                                       args.http_host, args.http_port, stop, http_config=config,
-                                       facts=node_facts(store), on_listening=on_listening)
-        except ClusterConfigError as e:
-            raise CliError(str(e)) from None
-        except OSError as e:
-            raise CliError(f"cannot serve HTTP on {args.http_host}:{args.http_port}: "
-                           f"{e.strerror or e}") from None
-
+    settings = JoinSettings(
+        model=args.model, model_id=resolved.id, http_host=args.http_host,
+        http_port=args.http_port, max_queue=args.max_queue, sse_keepalive=args.sse_keepalive,
+        http_config=ServerConfig(max_body_bytes=args.max_body_bytes,
+                                 header_timeout=args.http_header_timeout,
+                                 idle_timeout=args.http_idle_timeout))
     try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    clean, load_error = runner(run())
-    if load_error is not None:
-        raise CliError(f"model {resolved.id} failed to load: {type(load_error).__name__}: "
-                       f"{load_error}")
-    log.info("stopped")
-    if not clean:
-        # The worker is inside one long MLX call (a model load or a prefill chunk) that cannot
-        # be interrupted; leave without waiting for it rather than hang the shutdown.
-        logging.shutdown()
-        os._exit(0)
-    return 0
+        return run_join(store, settings, cluster)
+    except JoinError as e:
+        raise CliError(str(e)) from None
 
 
 def _cluster_config(args):
@@ -149,7 +92,9 @@ def cmd_pipe(args) -> int:
     store.resolve(model)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
-    return run_pipe(store, model, sys.stdin, sys.stdout)
+    from skulkp2p.node.engines import open_engine
+
+    return run_pipe(store, model, sys.stdin, sys.stdout, open_engine)
 
 
 def cmd_models(args) -> int:

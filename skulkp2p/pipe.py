@@ -1,18 +1,25 @@
 """`python -m skulkp2p pipe`: JSONL requests on stdin, one JSONL result per request on stdout.
 
 A bad line gets an error result with its id (when known) and the pipe goes on; EOF ends it with
-status 0. Models load on first use and stay loaded for the rest of the stream.
+status 0. Models load on first use, on the engine their card names (the factory the CLI passes
+in, node/engines.py: a GGUF card runs on its llama-server child, as over HTTP), and stay loaded
+for the rest of the stream.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import IO, Any
 
 import orjson
 
+from skulkp2p.engine.protocol import Engine, EngineFailed, EngineUnavailable
 from skulkp2p.engine.request import RequestError, parse_request
 from skulkp2p.models.store import ModelStore, ModelStoreError
+
+# (store, card id or path) -> a loaded engine: the composition root's factory, given by the CLI
+OpenEngine = Callable[[ModelStore, str], Engine]
 
 log = logging.getLogger("skulkp2p.pipe")
 
@@ -25,22 +32,23 @@ def _error(req_id: Any, type_: str, message: str, param: str | None = None) -> d
 
 
 class PipeSession:
-    def __init__(self, store: ModelStore, default_model: str):
+    def __init__(self, store: ModelStore, default_model: str, open_engine: OpenEngine):
         self.store = store
+        self.open_engine = open_engine
         self.default_model = default_model
-        self.loaded: dict[str, Any] = {}
+        self.engines: dict[str, Engine] = {}
 
-    def model(self, spec: str):
-        from skulkp2p.engine.loader import open_model
-
+    def engine(self, spec: str) -> Engine:
         resolved = self.store.resolve(spec)  # raises ModelStoreError for an unknown model
-        if resolved.id not in self.loaded:
-            self.loaded[resolved.id] = open_model(self.store, spec)
-        return self.loaded[resolved.id]
+        if resolved.id not in self.engines:
+            self.engines[resolved.id] = self.open_engine(self.store, spec)
+        return self.engines[resolved.id]
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()  # a llama-server child ends with the pipe
 
     def handle_line(self, line: bytes | str) -> dict[str, Any]:
-        from skulkp2p.engine.generate import generate
-
         try:
             obj = orjson.loads(line)
         except orjson.JSONDecodeError as e:
@@ -48,24 +56,34 @@ class PipeSession:
         req_id = obj.get("id") if isinstance(obj, dict) else None
         try:
             req = parse_request(obj)
-            loaded = self.model(req.model or self.default_model)
-            return generate(loaded, req)
+            engine = self.engine(req.model or self.default_model)
+            generation = engine.generate(req)
+            for _ in generation:
+                pass
+            assert generation.result is not None
+            return generation.result.to_pipe_dict(req.id, engine.id)
         except RequestError as e:
             return _error(req_id, e.type, e.message, e.param)
         except ModelStoreError as e:
             return _error(req_id, "model_not_found", str(e), "model")
+        except (EngineUnavailable, EngineFailed) as e:
+            return _error(req_id, "model_unavailable", e.message)
         except Exception as e:  # one request's failure must not end the stream
             log.exception("request %r failed", req_id)
             return _error(req_id, "internal_error", f"{type(e).__name__}: {e}")
 
 
-def run_pipe(store: ModelStore, default_model: str, stdin: IO[str], stdout: IO[str]) -> int:
+def run_pipe(store: ModelStore, default_model: str, stdin: IO[str], stdout: IO[str],
+             open_engine: OpenEngine) -> int:
     store.resolve(default_model)  # an unknown --model fails at once, not on every line
-    session = PipeSession(store, default_model)
-    for line in stdin:
-        if not line.strip():
-            continue
-        result = session.handle_line(line)
-        stdout.write(orjson.dumps(result).decode() + "\n")
-        stdout.flush()
+    session = PipeSession(store, default_model, open_engine)
+    try:
+        for line in stdin:
+            if not line.strip():
+                continue
+            result = session.handle_line(line)
+            stdout.write(orjson.dumps(result).decode() + "\n")
+            stdout.flush()
+    finally:
+        session.close()
     return 0

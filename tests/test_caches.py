@@ -7,7 +7,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from skulkp2p.engine import caches
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import load_model
+from skulkp2p.engine.model import load_model
 
 
 def _feed(cache, tokens):

@@ -8,7 +8,8 @@ from mlx_lm import stream_generate
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import generate, load_model
+from skulkp2p.engine.generate import generate
+from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 

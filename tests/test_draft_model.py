@@ -22,7 +22,7 @@ from mlx.utils import tree_map
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.draft_model import DraftModelDrafter, check_compatible, vocab_size
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import LoadedModel, load_model
+from skulkp2p.engine.model import LoadedModel, load_model
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tools.make_tiny_model import make_tiny_model

@@ -15,7 +15,8 @@ from skulkp2p.engine import blas
 blas.ensure_fast_blas()
 import mlx.core as mx
 from mlx_lm import stream_generate
-from skulkp2p.engine.generate import generate, load_model
+from skulkp2p.engine.generate import generate
+from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
 report = blas.fast_path_report()
 lm = load_model(sys.argv[1], "smollm2-135m", dtype="float32")

@@ -14,7 +14,7 @@ from skulkp2p.engine.gates import (
     repetition_score,
     width_cost,
 )
-from skulkp2p.engine.generate import load_model
+from skulkp2p.engine.model import load_model
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tests.conftest import run_cli
 

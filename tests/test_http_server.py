@@ -15,20 +15,10 @@ import pytest
 from skulkp2p.api.app import serve
 from skulkp2p.api.server import ServerConfig
 from skulkp2p.api.worker import ModelWorker
-from skulkp2p.engine.generate import Chunk
+from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import RequestError
+from skulkp2p.engine.results import Chunk, GenerationResult, Timing, Usage
 from tests.http_client import H11Client, parse_responses, raw_exchange
-
-
-class FakeTokenizer:
-    def decode(self, tokens):
-        return "".join(f"w{t} " for t in tokens)
-
-
-class FakeModel:
-    id = "fake"
-    context_length = 10_000
-    tokenizer = FakeTokenizer()
 
 
 class Script:
@@ -50,13 +40,13 @@ class Script:
                 out[key] = True if key == "block" else type(out[key])(value)
         return out
 
-    def prompt_length(self, loaded, req) -> int:
+    def prompt_length(self, req) -> int:
         text = req.prompt if req.prompt is not None else req.messages[-1]["content"]
         if "too-long" in text:
             raise RequestError("prompt is too long", "prompt")
         return len(text.split())
 
-    def runner(self, loaded, req, result, interrupt):
+    def run(self, req, interrupt):
         text = req.prompt if req.prompt is not None else req.messages[-1]["content"]
         p = self.params(text)
         self.started.append(text)
@@ -79,11 +69,31 @@ class Script:
             self.cancelled.append(text)
             raise
         self.finished.append(text)
-        result.update(finish_reason="length", tokens=list(range(n)),
-                      text="".join(f"w{i} " for i in range(n)),
-                      usage={"prompt_tokens": len(text.split()), "completion_tokens": n,
-                             "total_tokens": len(text.split()) + n},
-                      timing={"ttft_s": 0.0})
+        return GenerationResult(text="".join(f"w{i} " for i in range(n)), tokens=list(range(n)),
+                                finish_reason="length", usage=Usage(len(text.split()), n),
+                                timing=Timing(0.0, 0.0, None))
+
+
+class FakeEngine:
+    """The Engine protocol, run by the script (no MLX)."""
+    id = "fake"
+    context_length = 10_000
+    runs_on_loop = False
+
+    def __init__(self, script: Script):
+        self.script = script
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.id, "fake", "none", self.context_length)
+
+    def prompt_length(self, req) -> int:
+        return self.script.prompt_length(req)
+
+    def generate(self, req) -> Generation:
+        return Generation(lambda interrupt: self.script.run(req, interrupt))
+
+    def close(self) -> None:
+        pass
 
 
 class LiveNode:
@@ -96,10 +106,9 @@ class LiveNode:
         def load():
             if load_gate is not None:
                 load_gate.wait(30)
-            return FakeModel()
+            return FakeEngine(script)
 
-        self.worker = ModelWorker("fake", load, max_queue=max_queue, runner=script.runner,
-                                  prompt_length=script.prompt_length)
+        self.worker = ModelWorker("fake", load, max_queue=max_queue)
         self.config = ServerConfig(**{"header_timeout": 1.0, "idle_timeout": 1.0,
                                       "body_timeout": 1.0, "max_body_bytes": 4096, **config})
         self.keepalive_s = keepalive_s

@@ -16,7 +16,7 @@ from mlx_lm.models import llama, qwen3, qwen3_5
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import load_model
+from skulkp2p.engine.model import load_model
 from skulkp2p.engine.mtp import (
     MtpConventions,
     MtpDrafter,

@@ -52,7 +52,7 @@ from skulkp2p.engine import decode as decode_module
 from skulkp2p.engine.decode import decode, verify_one
 from skulkp2p.engine.draft_model import DraftModelDrafter
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import LoadedModel, load_model
+from skulkp2p.engine.model import LoadedModel, load_model
 from skulkp2p.engine.sampling import (
     SamplingParams,
     make_rng,

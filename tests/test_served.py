@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.api.errors import ApiError
+from skulkp2p.api.errors import ApiError, engine_error
+from skulkp2p.engine.protocol import EngineUnavailable
 from skulkp2p.engine.request import parse_request
 from skulkp2p.models.cards import load_card
 from skulkp2p.models.store import ModelStore
@@ -122,10 +123,10 @@ def binary(store) -> Path:
 
 def _run(model: ServedModel, messages: list[dict], max_tokens: int = 48) -> dict:
     req = parse_request({"messages": messages, "max_tokens": max_tokens, "temperature": 0})
-    result: dict = {}
-    text = "".join(c.text for c in model.stream(req, result))
-    assert text == result["text"]
-    return result
+    generation = model.generate(req)
+    text = "".join(c.text for c in generation)
+    assert text == generation.result.text
+    return generation.result.to_pipe_dict(None, model.id)
 
 
 def test_engine_detection_and_card_fields(card_dir, binary):
@@ -225,9 +226,9 @@ def test_force_no_spec_and_restart_and_breaker(binary, store, monkeypatch):
                 assert _run(model, QA, 16)["text"] == first["text"]
                 assert model.child.pid != pid and model.child.restarts == crash + 1
         # the third crash within a minute trips the breaker: refused with the reason
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(EngineUnavailable) as e:
             _run(model, QA, 4)
-        assert e.value.status == 503 and "breaker" in e.value.message
+        assert engine_error(e.value).status == 503 and "breaker" in e.value.message
         assert model.child.state == "failed" and _gone(pid)
     finally:
         model.close()
@@ -236,13 +237,13 @@ def test_force_no_spec_and_restart_and_breaker(binary, store, monkeypatch):
 def test_draft_mtp_without_mtp_layers_fails_with_reason(binary, store):
     import asyncio
 
-    from skulkp2p.api.app import ApiNode
+    from skulkp2p.api.endpoint import ModelEndpoint
     from skulkp2p.api.worker import ModelWorker
 
     async def main() -> ApiError:
         worker = ModelWorker("smollm2-mtp", lambda: open_served(store, "smollm2-mtp",
                                                                  ready_timeout_s=60))
-        node = ApiNode("smollm2-mtp", worker)
+        node = ModelEndpoint("smollm2-mtp", worker)
         with pytest.raises(ServedError):
             await worker.start()
         with pytest.raises(ApiError) as e:

@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-from skulkp2p.api.errors import ApiError
-from skulkp2p.api.worker import ModelWorker
+from skulkp2p.api.errors import engine_error
+from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced, Started
 from skulkp2p.engine.request import RequestError, parse_request
 from skulkp2p.served.child import free_port
 from skulkp2p.served.model import ServedModel
@@ -106,12 +106,24 @@ def _model(child: object) -> ServedModel:
 REQ = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
 
 
+def _pair(event: object) -> tuple[str, object]:
+    """A job's typed event as (kind, payload), to compare sequences briefly."""
+    if isinstance(event, Started):
+        return "start", event.prompt_tokens
+    if isinstance(event, Produced):
+        return "chunk", event.chunk
+    if isinstance(event, Finished):
+        return "done", event.result
+    assert isinstance(event, Failed), event
+    return "error", event.error
+
+
 async def _job(worker: ModelWorker, body: dict) -> tuple[list, object]:
     """Submit, collect (kind, payload) until done or error."""
     job = worker.submit(parse_request(body))
     events = []
     while True:
-        kind, payload = await job.next(10)
+        kind, payload = _pair(await job.next(10))
         events.append((kind, payload))
         if kind in ("done", "error"):
             return events, job
@@ -123,8 +135,9 @@ def test_relay_matches_blocking_stream_and_errors():
 
     # the blocking path, for reference
     child.replies.append(("stream", _chat_events(PIECES), 0))
-    ref: dict = {}
-    ref_text = [c.text for c in model.stream(parse_request(REQ), ref)]
+    generation = model.generate(parse_request(REQ))
+    ref_text = [c.text for c in generation]
+    ref = generation.result
 
     async def main() -> None:
         worker = ModelWorker("fake", lambda: model)
@@ -137,11 +150,11 @@ def test_relay_matches_blocking_stream_and_errors():
             assert [p.text for k, p in events if k == "chunk"] == ref_text == PIECES
             result = events[-1][1]
             for key in ("text", "usage", "finish_reason", "speculation", "stop_sequence"):
-                assert result[key] == ref[key], key
-            assert result["finish_reason"] == "length"
-            assert result["speculation"] == {"drafter": "llama_server:ngram-simple",
-                                             "mode": "explicit", "drafted": 4, "accepted": 3,
-                                             "acceptance": 0.75}
+                assert getattr(result, key) == getattr(ref, key), key
+            assert result.finish_reason == "length"
+            assert result.speculation.to_dict() == {
+                "drafter": "llama_server:ngram-simple", "mode": "explicit", "drafted": 4,
+                "accepted": 3, "acceptance": 0.75}
             # the same request went to the child both ways
             assert child.requests[0] == child.requests[1]
 
@@ -156,25 +169,25 @@ def test_relay_matches_blocking_stream_and_errors():
             child.replies.append(("stream", bad, 0))
             events, _ = await _job(worker, REQ)
             kind, err = events[-1]
-            assert kind == "error" and isinstance(err, ApiError) and err.status == 502
-            assert "boom" in err.message
+            assert kind == "error" and engine_error(err).status == 502
+            assert "boom" in engine_error(err).message
 
             # the child dies mid-stream: 503, retry
             child.replies.append(("drop", _chat_events(PIECES)[:3]))
             events, _ = await _job(worker, REQ)
             kind, err = events[-1]
-            assert kind == "error" and isinstance(err, ApiError) and err.status == 503
-            assert err.code == "model_unavailable"
+            assert kind == "error" and engine_error(err).status == 503
+            assert engine_error(err).code == "model_unavailable"
 
             # a cancelled job closes its connection, and the next job is served
             child.replies.append(("stream", _chat_events(PIECES * 100), 0.005))
             job = worker.submit(parse_request(REQ))
-            assert (await job.next(10))[0] == "start"
+            assert isinstance(await job.next(10), Started)
             job.cancel()
             assert await asyncio.get_running_loop().run_in_executor(None, child.closed.wait, 10)
             child.replies.append(("stream", _chat_events(PIECES), 0))
             events, _ = await _job(worker, REQ)
-            assert events[-1][0] == "done" and events[-1][1]["text"] == "".join(PIECES)
+            assert events[-1][0] == "done" and events[-1][1].text == "".join(PIECES)
         finally:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
@@ -193,7 +206,7 @@ def test_relay_child_not_listening_is_503():
         try:
             events, _ = await _job(worker, REQ)
             kind, err = events[-1]
-            assert kind == "error" and isinstance(err, ApiError) and err.status == 503
+            assert kind == "error" and engine_error(err).status == 503
         finally:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
@@ -215,8 +228,8 @@ def test_relay_reads_events_split_anywhere(cut):
             child.replies.append(("stream", pieces, 0))
             events, _ = await _job(worker, REQ)
             assert "".join(p.text for k, p in events if k == "chunk") == "".join(PIECES)
-            assert events[-1][0] == "done" and "speculation" not in events[-1][1]
-            assert events[-1][1]["usage"]["completion_tokens"] == 6
+            assert events[-1][0] == "done" and events[-1][1].speculation is None
+            assert events[-1][1].usage.completion_tokens == 6
         finally:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 

@@ -564,7 +564,7 @@ def train(args: argparse.Namespace) -> Path:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     model_id, model_path = _resolve_model(args.model, args.data_dir)
-    from skulkp2p.engine.generate import load_model
+    from skulkp2p.engine.model import load_model
     lm = load_model(model_path, model_id, dtype="float32")
     config = json.loads((model_path / "config.json").read_text())
     if config.get("quantization"):

@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from skulkp2p.api import sse
-from skulkp2p.api.app import ApiNode, job_error, job_events, open_stream, run_to_end
-from skulkp2p.api.errors import ApiError
+from skulkp2p.api.endpoint import KeepAlive, ModelEndpoint
+from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
+from skulkp2p.api.worker import Failed, Finished, Produced, Started
 from skulkp2p.engine.request import GenerationRequest, RequestError, parse_request
+from skulkp2p.engine.results import GenerationResult
 
 # Fields passed on to the engine's parser under the same name.
 _PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -73,7 +75,7 @@ def _text_blocks(value: Any, where: str) -> str:
     return "".join(parts)
 
 
-def parse_messages_request(node: ApiNode, body: Any) -> tuple[GenerationRequest, bool]:
+def parse_messages_request(node: ModelEndpoint, body: Any) -> tuple[GenerationRequest, bool]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - _KNOWN)
@@ -114,68 +116,63 @@ def parse_messages_request(node: ApiNode, body: Any) -> tuple[GenerationRequest,
     return req, bool(body.get("stream"))
 
 
-def _stop_reason(result: dict[str, Any]) -> str:
-    if result["finish_reason"] == "length":
+def _stop_reason(result: GenerationResult) -> str:
+    if result.finish_reason == "length":
         return "max_tokens"
-    return "stop_sequence" if result.get("stop_sequence") else "end_turn"
+    return "stop_sequence" if result.stop_sequence else "end_turn"
 
 
-def _extras(result: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"timing": result.get("timing")}
-    if result.get("speculation") is not None:
-        out["speculation"] = result["speculation"]
-    return out
-
-
-async def messages(node: ApiNode, http_req: HttpRequest) -> Response | StreamingResponse:
+async def messages(node: ModelEndpoint, http_req: HttpRequest) -> Response | StreamingResponse:
     try:
         return await _messages(node, http_req)
     except ApiError as e:
         return Response.error(_anthropic_error(e), extra={"type": "error"})
 
 
-async def _messages(node: ApiNode, http_req: HttpRequest) -> Response | StreamingResponse:
+async def _messages(node: ModelEndpoint, http_req: HttpRequest) -> Response | StreamingResponse:
     req, stream = parse_messages_request(node, http_req.json())
     msg_id = "msg_" + uuid.uuid4().hex[:24]
     if not stream:
-        n_prompt, result = await run_to_end(node, req, _RENAME)
+        n_prompt, result = await node.run_to_end(req, _RENAME)
         return Response.json(200, {
             "id": msg_id, "type": "message", "role": "assistant", "model": node.model_id,
-            "content": [{"type": "text", "text": result["text"]}],
-            "stop_reason": _stop_reason(result), "stop_sequence": result.get("stop_sequence"),
-            "usage": {"input_tokens": result["usage"]["prompt_tokens"],
-                      "output_tokens": result["usage"]["completion_tokens"]},
-            **_extras(result)})
-    job, first = await open_stream(node, req, _RENAME)
+            "content": [{"type": "text", "text": result.text}],
+            "stop_reason": _stop_reason(result), "stop_sequence": result.stop_sequence,
+            "usage": {"input_tokens": result.usage.prompt_tokens,
+                      "output_tokens": result.usage.completion_tokens},
+            **result.extras()})
+    job, first = await node.open_stream(req, _RENAME)
 
     async def events() -> AsyncIterator[bytes]:
-        async for kind, payload in job_events(job, first, node.keepalive_s):
-            if kind == "keepalive":
+        async for event in node.events(job, first):
+            if isinstance(event, KeepAlive):
                 yield sse.KEEPALIVE
-            elif kind == "start":
+            elif isinstance(event, Started):
                 yield sse.event({"type": "message_start", "message": {
                     "id": msg_id, "type": "message", "role": "assistant", "content": [],
                     "model": node.model_id, "stop_reason": None, "stop_sequence": None,
-                    "usage": {"input_tokens": payload, "output_tokens": 0}}}, "message_start")
+                    "usage": {"input_tokens": event.prompt_tokens, "output_tokens": 0}}},
+                    "message_start")
                 yield sse.event({"type": "content_block_start", "index": 0,
                                  "content_block": {"type": "text", "text": ""}},
                                 "content_block_start")
-            elif kind == "chunk":
-                if payload.text:
+            elif isinstance(event, Produced):
+                if event.chunk.text:
                     yield sse.event({"type": "content_block_delta", "index": 0,
-                                     "delta": {"type": "text_delta", "text": payload.text}},
+                                     "delta": {"type": "text_delta", "text": event.chunk.text}},
                                     "content_block_delta")
-            elif kind == "done":
+            elif isinstance(event, Finished):
+                result = event.result
                 yield sse.event({"type": "content_block_stop", "index": 0}, "content_block_stop")
                 yield sse.event({
                     "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(payload),
-                              "stop_sequence": payload.get("stop_sequence")},
-                    "usage": {"output_tokens": payload["usage"]["completion_tokens"]},
-                    **_extras(payload)}, "message_delta")
+                    "delta": {"stop_reason": _stop_reason(result),
+                              "stop_sequence": result.stop_sequence},
+                    "usage": {"output_tokens": result.usage.completion_tokens},
+                    **result.extras()}, "message_delta")
                 yield sse.event({"type": "message_stop"}, "message_stop")
-            elif kind == "error":
-                err = _anthropic_error(job_error(payload, _RENAME))
+            elif isinstance(event, Failed):
+                err = _anthropic_error(engine_error(event.error, _RENAME))
                 yield sse.event({"type": "error", **err.body()}, "error")
 
     return StreamingResponse(200, events(), list(sse.HEADERS), on_close=job.cancel)

@@ -7,6 +7,7 @@ from typing import Any
 
 import orjson
 
+from skulkp2p.engine.protocol import EngineFailed, EngineUnavailable
 from skulkp2p.engine.request import RequestError
 
 _TYPES = {
@@ -61,3 +62,18 @@ class ApiError(Exception):
         code = "invalid_value" if e.type == "invalid_request_error" else e.type
         return cls(e.status, e.message, "invalid_request_error" if e.status < 500
                    else "server_error", param, code)
+
+
+def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> ApiError:
+    """The status an engine's error gets: the engine raises its own errors (engine/protocol.py),
+    the API decides what they mean in HTTP."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestError):
+        return ApiError.from_request_error(e, rename)
+    if isinstance(e, EngineUnavailable):
+        headers = [("Retry-After", str(e.retry_after))] if e.retry_after else []
+        return ApiError(503, e.message, code="model_unavailable", headers=headers)
+    if isinstance(e, EngineFailed):
+        return ApiError(502, e.message)
+    return ApiError(500, f"generation failed: {type(e).__name__}: {e}")

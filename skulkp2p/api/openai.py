@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from skulkp2p.api import sse
-from skulkp2p.api.app import ApiNode, job_error, job_events, open_stream, run_to_end
-from skulkp2p.api.errors import ApiError
+from skulkp2p.api.endpoint import KeepAlive, ModelEndpoint
+from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
+from skulkp2p.api.worker import Failed, Finished, Produced, Started
 from skulkp2p.engine.request import GenerationRequest, RequestError, parse_request
+from skulkp2p.engine.results import GenerationResult
 
 
 def _none(v: Any) -> bool:
@@ -106,7 +108,7 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include
 
 
-def _parse(node: ApiNode, body: Any, options: dict[str, tuple[Callable[[Any], bool], str]]
+def _parse(node: ModelEndpoint, body: Any, options: dict[str, tuple[Callable[[Any], bool], str]]
            ) -> tuple[GenerationRequest, bool, bool]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -120,7 +122,7 @@ def _parse(node: ApiNode, body: Any, options: dict[str, tuple[Callable[[Any], bo
     return req, stream, include_usage
 
 
-def parse_chat(node: ApiNode, body: Any) -> tuple[GenerationRequest, bool, bool]:
+def parse_chat(node: ModelEndpoint, body: Any) -> tuple[GenerationRequest, bool, bool]:
     if isinstance(body, dict):
         if body.get("prompt") is not None:
             raise ApiError(400, "chat completions take 'messages'; send 'prompt' to "
@@ -130,7 +132,7 @@ def parse_chat(node: ApiNode, body: Any) -> tuple[GenerationRequest, bool, bool]
     return _parse(node, body, _CHAT_OPTIONS)
 
 
-def parse_completion(node: ApiNode, body: Any) -> tuple[GenerationRequest, bool, bool]:
+def parse_completion(node: ModelEndpoint, body: Any) -> tuple[GenerationRequest, bool, bool]:
     if isinstance(body, dict):
         if body.get("messages") is not None:
             raise ApiError(400, "completions take 'prompt'; send 'messages' to "
@@ -146,13 +148,6 @@ def parse_completion(node: ApiNode, body: Any) -> tuple[GenerationRequest, bool,
     return _parse(node, body, _COMPLETION_OPTIONS)
 
 
-def _extras(result: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"timing": result.get("timing")}
-    if result.get("speculation") is not None:
-        out["speculation"] = result["speculation"]
-    return out
-
-
 class _Shape:
     """What differs between the two OpenAI routes: ids, object names and where text goes."""
 
@@ -165,16 +160,16 @@ class _Shape:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, result: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, result: GenerationResult) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                      "logprobs": None, "finish_reason": result["finish_reason"]}
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": result.finish_reason}
             out = self._base("chat.completion")
         else:
-            choice = {"index": 0, "text": result["text"], "logprobs": None,
-                      "finish_reason": result["finish_reason"]}
+            choice = {"index": 0, "text": result.text, "logprobs": None,
+                      "finish_reason": result.finish_reason}
             out = self._base("text_completion")
-        return {**out, "choices": [choice], "usage": result["usage"], **_extras(result)}
+        return {**out, "choices": [choice], "usage": result.usage.to_dict(), **result.extras()}
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False
               ) -> dict[str, Any]:
@@ -194,44 +189,45 @@ class _Shape:
         return {**self._base(obj), "choices": [], "usage": usage}
 
 
-async def _handle(node: ApiNode, http_req: HttpRequest, chat: bool) -> Response | StreamingResponse:
+async def _handle(node: ModelEndpoint, http_req: HttpRequest, chat: bool) -> Response | StreamingResponse:
     body = http_req.json()
     req, stream, include_usage = (parse_chat if chat else parse_completion)(node, body)
     shape = _Shape(chat, node.model_id)
     if not stream:
-        _, result = await run_to_end(node, req)
+        _, result = await node.run_to_end(req)
         return Response.json(200, shape.whole(result))
-    job, first = await open_stream(node, req)
+    job, first = await node.open_stream(req)
 
     def with_usage(obj: dict[str, Any]) -> dict[str, Any]:
         # With include_usage every chunk carries "usage": null and one last chunk the totals.
         return {**obj, "usage": None} if include_usage else obj
 
     async def events() -> AsyncIterator[bytes]:
-        async for kind, payload in job_events(job, first, node.keepalive_s):
-            if kind == "keepalive":
+        async for event in node.events(job, first):
+            if isinstance(event, KeepAlive):
                 yield sse.KEEPALIVE
-            elif kind == "start":
+            elif isinstance(event, Started):
                 if chat:
                     yield sse.event(with_usage(shape.chunk("", role=True)))
-            elif kind == "chunk":
-                if payload.text:
-                    yield sse.event(with_usage(shape.chunk(payload.text)))
-            elif kind == "done":
-                final = shape.chunk(None if chat else "", payload["finish_reason"])
-                yield sse.event(with_usage({**final, **_extras(payload)}))
+            elif isinstance(event, Produced):
+                if event.chunk.text:
+                    yield sse.event(with_usage(shape.chunk(event.chunk.text)))
+            elif isinstance(event, Finished):
+                result = event.result
+                final = shape.chunk(None if chat else "", result.finish_reason)
+                yield sse.event(with_usage({**final, **result.extras()}))
                 if include_usage:
-                    yield sse.event(shape.usage_chunk(payload["usage"]))
+                    yield sse.event(shape.usage_chunk(result.usage.to_dict()))
                 yield sse.DONE
-            elif kind == "error":
-                yield sse.event(job_error(payload).body())
+            elif isinstance(event, Failed):
+                yield sse.event(engine_error(event.error).body())
 
     return StreamingResponse(200, events(), list(sse.HEADERS), on_close=job.cancel)
 
 
-async def chat_completions(node: ApiNode, req: HttpRequest) -> Response | StreamingResponse:
+async def chat_completions(node: ModelEndpoint, req: HttpRequest) -> Response | StreamingResponse:
     return await _handle(node, req, chat=True)
 
 
-async def completions(node: ApiNode, req: HttpRequest) -> Response | StreamingResponse:
+async def completions(node: ModelEndpoint, req: HttpRequest) -> Response | StreamingResponse:
     return await _handle(node, req, chat=False)

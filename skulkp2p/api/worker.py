@@ -1,12 +1,13 @@
-"""One worker thread per model: it loads the model, then runs generations one at a time, first in
-first out, off the event loop (MLX calls block for a whole forward).
+"""One worker thread per model: it loads the model's engine, then runs generations one at a
+time, first in first out, off the event loop (MLX calls block for a whole forward).
 
-The loop side submits a `Job` and reads its events from an asyncio queue; the thread posts them
-with `call_soon_threadsafe`. Cancelling a job (its client went away) sets a flag that the engine
-checks between prefill chunks and between decode rounds, so the model is free for the next job
-within one forward; a job cancelled while still queued is dropped from the queue at once.
-A served model (a llama-server child) is the exception to "off the event loop": its proxy only
-waits on sockets, so the thread hands it to the loop and waits (`_relay_on_loop`).
+The loop side submits a `Job` and reads its typed events from an asyncio queue; the thread posts
+them with `call_soon_threadsafe`. Cancelling a job (its client went away) cancels its
+`Generation`, whose interrupt check the engine calls between prefill chunks and between decode
+rounds, so the model is free for the next job within one forward; a job cancelled while still
+queued is dropped from the queue at once. An engine that `runs_on_loop` (a llama-server proxy
+only waits on sockets) is the exception to "off the event loop": the thread hands it to the loop
+and waits (`_relay_on_loop`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
+from skulkp2p.engine.protocol import Cancelled, Engine, Generation, LoopEngine
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.results import Chunk, GenerationResult
 
 log = logging.getLogger("skulkp2p.worker")
 
@@ -36,8 +39,30 @@ class NotReady(Exception):
     """The model is still loading (or failed to load)."""
 
 
-class Cancelled(Exception):
-    """Raised inside the worker thread by the engine's interrupt check."""
+# ---- a job's events, in order: Started, Produced per chunk, then Finished or Failed ----------
+
+@dataclass(frozen=True)
+class Started:
+    """Sent with the first chunk (or at the end of an empty generation)."""
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Produced:
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+JobEvent = Started | Produced | Finished | Failed
 
 
 class Job:
@@ -47,16 +72,15 @@ class Job:
         self.id = next(self._ids)
         self.req = req
         self.loop = loop
-        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.events: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self.generation: Generation | None = None  # set by the worker thread when it starts
         self.cancelled = threading.Event()
         self.finished = False  # set on the loop side when a final event was read
         self._worker: ModelWorker | None = None
 
     # -- loop side --
-    async def next(self, timeout: float | None = None) -> tuple[str, Any] | None:
-        """The next event: ("start", prompt_tokens) with the first token, then ("chunk", Chunk)
-        per token, then ("done", result); or ("error", exception) at any point. None when
-        `timeout` passed first."""
+    async def next(self, timeout: float | None = None) -> JobEvent | None:
+        """The next event, or None when `timeout` passed first."""
         events = self.events
         if not events.empty():
             event = events.get_nowait()
@@ -68,7 +92,7 @@ class Job:
                     event = await events.get()
             except TimeoutError:
                 return None
-        if event[0] in ("done", "error"):
+        if isinstance(event, Finished | Failed):
             self.finished = True
         return event
 
@@ -77,67 +101,28 @@ class Job:
         if self.finished or self.cancelled.is_set():
             return
         self.cancelled.set()
+        generation = self.generation
+        if generation is not None:
+            generation.cancel()
         if self._worker is not None:
             self._worker._dequeue(self)
 
     # -- thread side --
-    def post(self, kind: str, payload: Any = None) -> None:
+    def post(self, event: JobEvent) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: the node is stopping
             pass
 
-    def interrupt(self) -> None:
-        if self.cancelled.is_set():
-            raise Cancelled()
-
-
-Runner = Callable[[Any, GenerationRequest, dict[str, Any], Callable[[], None]], Any]
-
-
-def _default_runner(loaded: Any, req: GenerationRequest, result: dict[str, Any],
-                    interrupt: Callable[[], None]):
-    if getattr(loaded, "served", False):  # a llama-server child: the proxy streams (served/)
-        return loaded.stream(req, result, interrupt)
-    from skulkp2p.engine.generate import stream
-    return stream(loaded, req, result, interrupt=interrupt)
-
-
-def _prompt_length(loaded: Any, req: GenerationRequest) -> int:
-    """Tokenise once more up front (cheap next to a forward) so the client learns the prompt
-    size, and an over-long prompt is refused with a 400, before the stream commits to a 200."""
-    if getattr(loaded, "served", False):
-        return loaded.prompt_length(req)
-    from skulkp2p.engine.generate import prompt_tokens
-    n = len(prompt_tokens(loaded, req))
-    if n >= loaded.context_length:
-        raise RequestError(f"prompt is {n} tokens; model {loaded.id} takes at most "
-                           f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
-    return n
-
-
-def _stop_sequence(loaded: Any, req: GenerationRequest, result: dict[str, Any]) -> str | None:
-    """Which stop string ended the text, if one did (Anthropic reports it)."""
-    if result.get("finish_reason") != "stop" or not req.stop or "stop_sequence" in result:
-        return result.get("stop_sequence")
-    full = loaded.tokenizer.decode(result.get("tokens", []))
-    rest = full[len(result.get("text", "")):] if full.startswith(result.get("text", "")) else full
-    return next((s for s in req.stop if rest.startswith(s)), None) or next(
-        (s for s in req.stop if s in rest), None)
-
 
 class ModelWorker:
-    def __init__(self, model_id: str, load: Callable[[], Any], max_queue: int = 16,
-                 runner: Runner = _default_runner,
-                 prompt_length: Callable[[Any, GenerationRequest], int] = _prompt_length):
+    def __init__(self, model_id: str, load: Callable[[], Engine], max_queue: int = 16):
         self.model_id = model_id
         self.max_queue = max_queue
         self._load = load
-        self._runner = runner
-        self._prompt_length = prompt_length
         self.state = "loading"  # loading | ready | failed | stopped
         self.load_error: BaseException | None = None
-        self.loaded: Any = None
+        self.engine: Engine | None = None
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -192,12 +177,14 @@ class ModelWorker:
             self._cond.notify_all()
         for job in jobs:
             job.cancelled.set()
+            if job.generation is not None:
+                job.generation.cancel()
         if self.state == "loading":
             timeout = min(timeout, 1.0)  # a load cannot be interrupted: do not wait it out
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if getattr(self.loaded, "served", False):
-            self.loaded.close()  # a llama-server child goes with its worker
+        if self.engine is not None:
+            self.engine.close()  # a llama-server child goes with its worker
         return not self._thread.is_alive()
 
     # ---- thread side -----------------------------------------------------------------------
@@ -206,7 +193,7 @@ class ModelWorker:
         def done() -> None:
             if self._ready is not None and not self._ready.done():
                 if error is None:
-                    self._ready.set_result(self.loaded)
+                    self._ready.set_result(self.engine)
                 else:
                     self._ready.set_exception(error)
         try:
@@ -217,7 +204,7 @@ class ModelWorker:
 
     def _main(self) -> None:
         try:
-            self.loaded = self._load()
+            self.engine = self._load()
         except BaseException as e:  # noqa: BLE001 - reported to the loop, which decides
             self.state = "failed"
             self.load_error = e
@@ -243,65 +230,74 @@ class ModelWorker:
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
             return
+        engine = self.engine
+        assert engine is not None
         t0 = time.monotonic()
-        result: dict[str, Any] = {}
         tokens = 0
         try:
-            n_prompt = self._prompt_length(self.loaded, job.req)
-            if self._runner is _default_runner and hasattr(self.loaded, "relay"):
-                self._relay_on_loop(job, n_prompt, result)
+            n_prompt = engine.prompt_length(job.req)
+            generation = job.generation = engine.generate(job.req)
+            if job.cancelled.is_set():  # cancelled while we set up: Job.cancel missed it
+                generation.cancel()
+            if engine.runs_on_loop:
+                result = self._relay_on_loop(engine, job, n_prompt)  # type: ignore[arg-type]
             else:
                 started = False
-                for chunk in self._runner(self.loaded, job.req, result, job.interrupt):
+                for chunk in generation:
                     if not started:
-                        # "start" waits for the first token: whatever the engine refuses while
+                        # Started waits for the first token: whatever the engine refuses while
                         # setting up (a drafter the model lacks) still becomes a real 4xx status.
-                        job.post("start", n_prompt)
+                        job.post(Started(n_prompt))
                         started = True
                     tokens += len(chunk.tokens)
-                    job.post("chunk", chunk)
+                    job.post(Produced(chunk))
                 if not started:
-                    job.post("start", n_prompt)
-            result["stop_sequence"] = _stop_sequence(self.loaded, job.req, result)
-            job.post("done", result)
+                    job.post(Started(n_prompt))
+                result = generation.result
+            assert result is not None
+            job.post(Finished(result))
         except Cancelled:
             log.info("job %d cancelled after %d tokens, %.2f s: the model is free", job.id,
                      tokens, time.monotonic() - t0)
         except RequestError as e:
-            job.post("error", e)
+            job.post(Failed(e))
         except Exception as e:
             log.exception("job %d failed", job.id)
-            job.post("error", e)
+            job.post(Failed(e))
         finally:
             # A running average of job length, for the Retry-After of a full queue.
             self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - t0)
 
-    def _relay_on_loop(self, job: Job, n_prompt: int, result: dict[str, Any]) -> None:
-        """A served model (a llama-server child) streams on the event loop itself: its events
-        go straight into the job's queue, with no thread hop and no loop wake-up per token (on
-        a machine the child keeps busy, those cost more CPU than the proxying). This thread
-        still runs the jobs one at a time, first in first out: it waits for the relay here."""
-        self.loaded.await_child()  # blocks until the child answers: not on the loop
+    def _relay_on_loop(self, engine: LoopEngine, job: Job, n_prompt: int) -> GenerationResult:
+        """An engine that only waits on sockets (a llama-server child) streams on the event
+        loop itself: its events go straight into the job's queue, with no thread hop and no
+        loop wake-up per token (on a machine the child keeps busy, those cost more CPU than the
+        proxying). This thread still runs the jobs one at a time, first in first out: it waits
+        for the relay here."""
+        engine.prepare()  # blocks until the child answers: not on the loop
+        generation = job.generation
+        assert generation is not None
         events = job.events
         started = False
 
-        def emit(chunk: Any) -> None:
+        def emit(chunk: Chunk) -> None:
             nonlocal started
             if not started:
-                events.put_nowait(("start", n_prompt))  # with the first token, as above
+                events.put_nowait(Started(n_prompt))  # with the first token, as above
                 started = True
-            events.put_nowait(("chunk", chunk))
+            events.put_nowait(Produced(chunk))
 
-        async def relay() -> None:
-            await self.loaded.relay(job.req, result, job.interrupt, emit)
+        async def relay() -> GenerationResult:
+            result = await engine.relay(job.req, generation, emit)
             if not started:
-                events.put_nowait(("start", n_prompt))
+                events.put_nowait(Started(n_prompt))
+            return result
 
         try:
             done = asyncio.run_coroutine_threadsafe(relay(), job.loop)
         except RuntimeError:  # the loop is closed: the node is stopping
             raise Cancelled() from None
         try:
-            done.result()
+            return done.result()
         except concurrent.futures.CancelledError:  # the loop cancelled it: it is stopping
             raise Cancelled() from None

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import (
 
 from skulkp2p.engine import caches
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import LoadedModel
+from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.sampling import (
     SamplingParams,

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Generator
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.draft_model import DraftModelDrafter, vocab_size
 from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.gates import (
@@ -21,98 +19,20 @@ from skulkp2p.engine.gates import (
     LookupThenModel,
     repetition_score,
 )
+from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.results import (
+    Chunk,
+    DrafterCounts,
+    GenerationResult,
+    SpeculationStats,
+    Timing,
+    Usage,
+)
 from skulkp2p.engine.sampling import make_rng
-from skulkp2p.engine.stage import StageSpan, slice_model
 from skulkp2p.engine.text import TextAssembler
 
 log = logging.getLogger("skulkp2p.engine")
-
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-@dataclass
-class LoadedModel:
-    id: str
-    path: Path
-    model: nn.Module
-    tokenizer: Any
-    context_length: int
-    dtype: str
-    runtime: dict[str, Any] = field(default_factory=dict)
-    speculation: dict[str, Any] = field(default_factory=dict)  # the card's [speculation]
-    width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
-    mtp: Any = None  # a loaded MTP head, when the model has one
-    draft: LoadedModel | None = None  # a draft model, when the card names one
-    span: StageSpan | None = None  # the layers held here, when this node is one ring stage
-    # (request, hidden, interrupt) -> a Forward; set on the last stage of a ring (RingForward)
-    make_forward: Callable[..., Any] | None = None
-
-
-def is_mtp_key(key: str, num_layers: int | None) -> bool:
-    """MTP head tensors in any of the namings real checkpoints use (Qwen `mtp.*`, MiMo
-    `model.mtp_layers.*`, DeepSeek's extra layer past num_hidden_layers)."""
-    return (key.startswith("mtp.") or ".mtp." in key or key.startswith("model.mtp_layers.")
-            or (num_layers is not None and key.startswith(f"model.layers.{num_layers}.")))
-
-
-def _trunk_classes(config: dict[str, Any]):
-    """mlx-lm's classes for the family, with MTP tensors stripped before its strict load (some
-    families' sanitize keeps them and the load then refuses them). The drafter loads them itself."""
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    n_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get(
-        "num_hidden_layers")
-
-    class Trunk(model_class):
-        def sanitize(self, weights):
-            weights = {k: v for k, v in weights.items() if not is_mtp_key(k, n_layers)}
-            parent = getattr(super(), "sanitize", None)
-            return parent(weights) if parent else weights
-
-    Trunk.__name__ = model_class.__name__
-    return Trunk, args_class
-
-
-def load_model(path: Path, model_id: str, context_length: int | None = None,
-               dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
-               speculation: dict[str, Any] | None = None,
-               sidecar: Path | None = None, span: StageSpan | None = None) -> LoadedModel:
-    """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
-    its MTP head beside it when the checkpoint or a sidecar has one.
-
-    With `span`, only that stage's layers are kept (see stage.py): the model is loaded lazily and
-    cut before anything is evaluated; only the last stage loads the MTP head."""
-    from mlx_lm.utils import load_model as mlx_load_model
-    from mlx_lm.utils import load_tokenizer
-
-    from skulkp2p.engine.mtp import has_mtp_tensors, load_mtp_head
-
-    model, config = mlx_load_model(Path(path), lazy=span is not None,
-                                   get_model_classes=_trunk_classes)
-    if span is not None:
-        # The last stage runs the drafter: an MTP head embeds its draft tokens.
-        keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
-        slice_model(model, span, keep_embedding=keep)
-    tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    model.set_dtype(DTYPES[dtype])
-    mx.eval(model.parameters())
-    ctx = context_length or config.get("max_position_embeddings") or config.get(
-        "text_config", {}).get("max_position_embeddings") or 4096
-    speculation = dict(speculation or {})
-    overrides = {k: v for k, v in speculation.items()
-                 if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
-    head = None if span is not None and not span.last else load_mtp_head(
-        Path(path), model, config, overrides=overrides, sidecar=sidecar)
-    if head is not None:
-        log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
-                 model_id, head.conventions.style, head.conventions.hidden,
-                 head.conventions.max_depth)
-    return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
-                       dict(runtime or {}), speculation, mtp=head, span=span)
 
 
 def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
@@ -128,13 +48,6 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
     bos = getattr(tok, "bos_token", None)
     add_special = bos is None or not req.prompt.startswith(bos)
     return list(tok.encode(req.prompt, add_special_tokens=add_special))
-
-
-@dataclass
-class Chunk:
-    """One step of a generation: newly final text and the tokens behind it."""
-    text: str
-    tokens: list[int]
 
 
 # A head's prior acceptance is measured on held-out text (its card says so): it weighs as much as
@@ -251,16 +164,17 @@ def _mtp_drafter(loaded: LoadedModel):
 
 
 def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
-    from skulkp2p.engine.draft_model import DraftModelDrafter, vocab_size
     # Tokenizers were checked once when the draft model loaded (loader.open_model).
     return DraftModelDrafter(loaded.draft, req.sampling, make_rng(
         None if req.sampling.seed is None else req.sampling.seed + 1),
         target_vocab=vocab_size(loaded.model))
 
 
-def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
-           interrupt: Callable[[], None] | None = None) -> Iterator[Chunk]:
-    """Yield chunks as tokens are decoded; fill `result` with finish_reason, usage and stats.
+def stream(loaded: LoadedModel, req: GenerationRequest,
+           interrupt: Callable[[], None] | None = None
+           ) -> Generator[Chunk, None, GenerationResult]:
+    """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
+    timing, speculation stats) when done.
 
     `interrupt` is called between prefill chunks and between decoded tokens; it raises (any
     exception, which propagates) to abandon the request, e.g. when an HTTP client went away."""
@@ -307,42 +221,44 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
     if tail:
         yield Chunk(tail, [])
     t_end = time.perf_counter()
-    result["finish_reason"] = finish
-    result["tokens"] = generated
-    result["text"] = text.text
-    result["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(generated),
-                       "total_tokens": len(prompt) + len(generated)}
     decode_s = (t_end - t_first) if t_first else 0.0
-    result["timing"] = {
-        "ttft_s": round((t_first or t_end) - t0, 4),
-        "total_s": round(t_end - t0, 4),
-        "decode_tok_s": round((len(generated) - 1) / decode_s, 2) if decode_s > 0 and len(
-            generated) > 1 else None,
-    }
-    if drafter is not None:
-        gated = isinstance(drafter, GatedDrafter | LookupThenModel)
-        result["speculation"] = {
-            "drafter": drafter.name, "mode": "auto" if gated else "explicit",
-            "max_depth": depth, "rounds": stats.rounds,
-            "drafted": stats.drafted, "accepted": stats.accepted,
-            "acceptance": round(stats.accepted / stats.drafted, 4) if stats.drafted else None,
-            "acceptance_per_position": [round(a / d, 4) if d else None for a, d in
-                                        zip(stats.accepted_at, stats.drafted_at, strict=True)],
-            "gate_fired": bool(gated and drafter.events),
-            "gate_events": drafter.events if gated else [],
-        }
-        if isinstance(drafter, LookupThenModel):
-            result["speculation"]["by_drafter"] = drafter.counts()
+    timing = Timing(
+        ttft_s=round((t_first or t_end) - t0, 4), total_s=round(t_end - t0, 4),
+        decode_tok_s=round((len(generated) - 1) / decode_s, 2) if decode_s > 0 and len(
+            generated) > 1 else None)
+    return GenerationResult(text=text.text, tokens=generated, finish_reason=finish,
+                            usage=Usage(len(prompt), len(generated)), timing=timing,
+                            speculation=_speculation_stats(drafter, depth, stats),
+                            stop_sequence=text.stop_sequence)
+
+
+def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> SpeculationStats | None:
+    if drafter is None:
+        return None
+    gated = isinstance(drafter, GatedDrafter | LookupThenModel)
+    by_drafter = None
+    if isinstance(drafter, LookupThenModel):
+        by_drafter = {name: DrafterCounts(**c) for name, c in drafter.counts().items()}
+    return SpeculationStats(
+        drafter=drafter.name, mode="auto" if gated else "explicit",
+        drafted=stats.drafted, accepted=stats.accepted, max_depth=depth, rounds=stats.rounds,
+        acceptance_per_position=[round(a / d, 4) if d else None for a, d in
+                                 zip(stats.accepted_at, stats.drafted_at, strict=True)],
+        gate_fired=bool(gated and drafter.events),
+        gate_events=list(drafter.events) if gated else [], by_drafter=by_drafter)
+
+
+def run(loaded: LoadedModel, req: GenerationRequest,
+        interrupt: Callable[[], None] | None = None) -> GenerationResult:
+    """Generate to the end; the typed result."""
+    steps = stream(loaded, req, interrupt)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def generate(loaded: LoadedModel, req: GenerationRequest) -> dict[str, Any]:
-    """The whole result of one request, as pipe and non-streaming HTTP return it."""
-    result: dict[str, Any] = {}
-    for _ in stream(loaded, req, result):
-        pass
-    out: dict[str, Any] = {"id": req.id, "model": loaded.id, "text": result["text"],
-                           "tokens": result["tokens"], "finish_reason": result["finish_reason"],
-                           "usage": result["usage"], "timing": result["timing"]}
-    if "speculation" in result:
-        out["speculation"] = result["speculation"]
-    return out
+    """The whole result of one request as the JSONL pipe writes it."""
+    return run(loaded, req).to_pipe_dict(req.id, loaded.id)

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from skulkp2p.engine.generate import LoadedModel, load_model
+from skulkp2p.engine.model import LoadedModel, load_model
 from skulkp2p.engine.stage import StageSpan
 from skulkp2p.models.store import ModelStore
 from skulkp2p.progress import ProgressBar

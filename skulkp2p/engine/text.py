@@ -16,6 +16,7 @@ class TextAssembler:
         self.tokens: list[int] = []
         self.released = ""  # text already handed out
         self.stopped = False
+        self.stop_sequence: str | None = None  # the stop string that ended the text
 
     def _decode(self) -> str:
         return self.tokenizer.decode(self.tokens)
@@ -27,10 +28,11 @@ class TextAssembler:
         if self.stops:
             # A stop may span tokens, but not text already released (that ended before any stop).
             start = max(0, len(self.released) - max(len(s) for s in self.stops) + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
             if hits:
+                at, self.stop_sequence = min(hits, key=lambda hit: hit[0])
                 self.stopped = True
-                return self._release(text[:min(hits)])
+                return self._release(text[:at])
         safe = text.rstrip("\ufffd")
         for s in self.stops:
             for n in range(min(len(s) - 1, len(safe)), 0, -1):

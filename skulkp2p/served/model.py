@@ -1,12 +1,12 @@
-"""A GGUF card served by a llama-server child, shaped like a loaded model for the API's worker.
+"""A GGUF card served by a llama-server child: the second implementation of the Engine
+protocol (engine/protocol.py), beside the MLX engine.
 
-The seam: `ModelWorker` runs whatever the loaded object streams. A `ServedModel` carries its
-own `stream(req, result, interrupt)` (the proxy) and `prompt_length`, so the OpenAI and Anthropic
-routes, queueing, cancellation, SSE and the error format stay exactly the MLX engine's. One
-request at a time, like the engine: the worker's thread takes the job, and `relay` (the same
-proxy, on asyncio streams) runs it on the event loop while that thread waits, so a token goes
-from the child's socket to the client's without a thread hand-off. `stream` is the blocking
-form (http.client), for callers without a loop.
+The OpenAI and Anthropic routes, queueing, cancellation, SSE and the error format stay exactly
+the MLX engine's: the worker sees an Engine. One request at a time, like the MLX engine: the
+worker's thread takes the job, and `relay` (the proxy, on asyncio streams) runs it on the event
+loop while that thread waits, so a token goes from the child's socket to the client's without a
+thread hand-off (`runs_on_loop`). `generate` is the blocking form (http.client), for callers
+without a loop (the pipe).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from skulkp2p.api.errors import ApiError
+from skulkp2p.engine.protocol import EngineFailed, EngineInfo, EngineUnavailable, Generation
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.results import Chunk, GenerationResult, SpeculationStats, Timing, Usage
 from skulkp2p.models.cards import Card
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
@@ -36,18 +36,6 @@ log = logging.getLogger("skulkp2p.served")
 FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
 DEFAULT_CONTEXT = 4096  # llama-server allocates KV for the whole -c up front
 CHILD_TIMEOUT_S = 600  # no byte from the child for this long: it is lost
-
-
-@dataclass
-class ServedChunk:
-    """Same fields as the engine's Chunk: newly final text and its tokens (unknown here)."""
-    text: str
-    tokens: list[int] = field(default_factory=list)
-
-
-class _NoTokenizer:
-    def decode(self, tokens: list[int]) -> str:
-        return ""
 
 
 def wants_served(card: Card | None) -> bool:
@@ -97,8 +85,7 @@ def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = N
 
 
 class ServedModel:
-    served = True
-    span = None  # never a pipeline stage
+    runs_on_loop = True  # the proxy only waits on sockets: the worker relays it on the loop
     dtype = "gguf"
 
     def __init__(self, card: Card, child: ServedChild, compute: tuple[str, ...]):
@@ -112,21 +99,29 @@ class ServedModel:
         self.speculation_type = (
             "none" if "--spec-type" not in child.args
             else child.args[child.args.index("--spec-type") + 1])
-        self.tokenizer = _NoTokenizer()
 
     def close(self) -> None:
         self.child.stop()
 
-    # ---- what the worker calls ---------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.id, "llama_server", self.dtype, self.context_length, {
+            "pid": self.child.pid, "compute": "/".join(self.compute),
+            "speculation": self.speculation_type})
+
+    # ---- the Engine protocol -----------------------------------------------------------------
 
     def prompt_length(self, req: GenerationRequest) -> int:
         # Counting needs the child's template and tokenizer (two more round trips); the real
         # count arrives in the final usage. Over-long prompts are refused by the child (400).
         return 0
 
-    def stream(self, req: GenerationRequest, result: dict[str, Any],
-               interrupt: Callable[[], None] | None = None) -> Iterator[ServedChunk]:
-        self.await_child()
+    def generate(self, req: GenerationRequest) -> Generation:
+        return Generation(lambda interrupt: self.stream(req, interrupt))
+
+    def stream(self, req: GenerationRequest, interrupt: Callable[[], None] | None = None
+               ) -> Generator[Chunk, None, GenerationResult]:
+        """The blocking proxy (http.client): chunks as the child sends them, then the result."""
+        self.prepare()
         body = self._body(req)
         chat = req.messages is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -153,18 +148,17 @@ class ServedModel:
                 yield from reply.feed(data)
         finally:
             conn.close()  # also how a cancelled request stops the child's generation
-        reply.fill(result)
+        return reply.result()
 
-    async def relay(self, req: GenerationRequest, result: dict[str, Any],
-                    interrupt: Callable[[], None] | None, emit: Callable[[ServedChunk], None]
-                    ) -> None:
+    async def relay(self, req: GenerationRequest, generation: Generation,
+                    emit: Callable[[Chunk], None]) -> GenerationResult:
         """`stream`, run on the event loop: each chunk goes to `emit` as it arrives, with no
-        thread between the child's socket and the client's (the worker calls `await_child`
-        first, on its own thread). Same request, events, errors and result as `stream`."""
+        thread between the child's socket and the client's (the worker calls `prepare` first,
+        on its own thread). Same request, events, errors and result as `stream`."""
         body = json.dumps(self._body(req)).encode()
         chat = req.messages is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        reply = _Reply(self, chat, interrupt)
+        reply = _Reply(self, chat, generation.interrupt)
         writer: asyncio.StreamWriter | None = None
         try:
             try:
@@ -191,7 +185,8 @@ class ServedModel:
         finally:
             if writer is not None:
                 writer.close()  # also how a cancelled request stops the child's generation
-        reply.fill(result)
+        generation.result = reply.result()
+        return generation.result
 
     def _piece(self, event: dict[str, Any], chat: bool, final: dict[str, Any]) -> str | None:
         """The text of one streamed event; usage, timings and finish reason go to `final`."""
@@ -211,16 +206,16 @@ class ServedModel:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def await_child(self) -> None:
+    def prepare(self) -> None:
+        """Wait (blocking) until the child answers."""
         try:
             self.child.wait_ready(self.child.ready_timeout_s)
         except ServedError as e:
-            raise ApiError(503, str(e), code="model_unavailable") from None
+            raise EngineUnavailable(str(e), retry_after=None) from None
 
-    def _lost(self, e: BaseException) -> ApiError:
-        return ApiError(503, f"llama-server for {self.id} went away mid-request ({e}); it is "
-                             "being restarted, retry", code="model_unavailable",
-                        headers=[("Retry-After", "2")])
+    def _lost(self, e: BaseException) -> EngineUnavailable:
+        return EngineUnavailable(f"llama-server for {self.id} went away mid-request ({e}); it "
+                                 "is being restarted, retry")
 
     def _child_error(self, status: int, raw: bytes) -> Exception:
         try:
@@ -230,42 +225,36 @@ class ServedModel:
             message = raw.decode("utf-8", "replace")
         if 400 <= status < 500:
             return RequestError(f"llama-server refused the request: {message}", None)
-        return ApiError(502 if status < 503 else 503,
-                        f"llama-server for {self.id} failed: {message}")
+        if status >= 503:
+            return EngineUnavailable(f"llama-server for {self.id} failed: {message}",
+                                     retry_after=None)
+        return EngineFailed(f"llama-server for {self.id} failed: {message}")
 
     def _body(self, req: GenerationRequest) -> dict[str, Any]:
         return child_body(req, int(self.runtime.get("max_tokens", 256)))
 
-    def _fill(self, result: dict[str, Any], text: str, final: dict[str, Any], t0: float,
-              t_first: float | None, t_end: float) -> None:
+    def _result(self, text: str, final: dict[str, Any], t0: float, t_first: float | None,
+                t_end: float) -> GenerationResult:
         usage = final.get("usage") or {}
         timings = final.get("timings") or {}
         n_out = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
         n_in = int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0)
         finish = final.get("finish_reason") or "stop"
-        result["finish_reason"] = "length" if finish == "length" else "stop"
-        result["tokens"] = []
-        result["text"] = text
-        result["stop_sequence"] = None
-        result["usage"] = {"prompt_tokens": n_in, "completion_tokens": n_out,
-                           "total_tokens": n_in + n_out}
         decode_s = (t_end - t_first) if t_first is not None else 0.0
-        result["timing"] = {
-            "ttft_s": round((t_first or t_end) - t0, 4),
-            "total_s": round(t_end - t0, 4),
-            "decode_tok_s": round((n_out - 1) / decode_s, 2) if n_out > 1 and decode_s else None,
-            "engine": "llama_server",
-            "child_prompt_ms": timings.get("prompt_ms"),
-            "child_predicted_per_second": timings.get("predicted_per_second"),
-        }
+        timing = Timing(
+            ttft_s=round((t_first or t_end) - t0, 4), total_s=round(t_end - t0, 4),
+            decode_tok_s=round((n_out - 1) / decode_s, 2) if n_out > 1 and decode_s else None,
+            engine="llama_server", child_prompt_ms=timings.get("prompt_ms"),
+            child_predicted_per_second=timings.get("predicted_per_second"))
+        speculation = None
         if "draft_n" in timings and self.speculation_type != "none":
-            drafted = int(timings.get("draft_n") or 0)
-            accepted = int(timings.get("draft_n_accepted") or 0)
-            result["speculation"] = {
-                "drafter": f"llama_server:{self.speculation_type}", "mode": "explicit",
-                "drafted": drafted, "accepted": accepted,
-                "acceptance": round(accepted / drafted, 4) if drafted else None,
-            }
+            speculation = SpeculationStats(
+                drafter=f"llama_server:{self.speculation_type}", mode="explicit",
+                drafted=int(timings.get("draft_n") or 0),
+                accepted=int(timings.get("draft_n_accepted") or 0))
+        return GenerationResult(text=text, tokens=[], finish_reason="length" if finish ==
+                                "length" else "stop", usage=Usage(n_in, n_out), timing=timing,
+                                speculation=speculation)
 
 
 def child_body(req: GenerationRequest, default_max_tokens: int) -> dict[str, Any]:
@@ -307,7 +296,7 @@ class _Reply:
         self.done = False  # [DONE] seen, or the body ended
         self._rest = b""  # a partial line, completed by the next read
 
-    def feed(self, data: bytes) -> Iterator[ServedChunk]:
+    def feed(self, data: bytes) -> Iterator[Chunk]:
         """The chunks in the next bytes of the body; b"" is its end (a last line without its
         newline still counts)."""
         if data:
@@ -326,11 +315,11 @@ class _Reply:
                 if self.t_first is None:
                     self.t_first = time.perf_counter()
                 self.text.append(piece)
-                yield ServedChunk(piece)
+                yield Chunk(piece)
 
-    def fill(self, result: dict[str, Any]) -> None:
-        self.model._fill(result, "".join(self.text), self.final, self.t0, self.t_first,
-                         time.perf_counter())
+    def result(self) -> GenerationResult:
+        return self.model._result("".join(self.text), self.final, self.t0, self.t_first,
+                                  time.perf_counter())
 
 
 def _events(lines: list[bytes]) -> Iterator[dict[str, Any] | None]:

@@ -1,12 +1,12 @@
-"""A node's HTTP API in a cluster: every request goes where its model is placed.
+"""The composition root's heart: a cluster node's models, engines and HTTP routes wired together.
 
-The API routes of skulkp2p.api (OpenAI, Anthropic) run unchanged; in front of each, a router
-looks the model up in the cluster's placements:
+The API routes of skulkp2p.api (OpenAI, Anthropic) run unchanged; this module is their
+`ModelResolver`: it looks each request's model up in the cluster's placements:
 
 - placed on a ring of this node alone: served here, by this node's worker for that model
   (started when the placement arrives; 503 + Retry-After while it loads);
 - placed on another node: forwarded to that node's HTTP address, the answer streamed back
-  (see forward.py: a dead or frozen node ends the request with a clear error, never a hang);
+  (see api/forward.py: a dead or frozen node ends the request with a clear error, never a hang);
 - no leader (an election, or a partition's minority side) or no placement yet: 503 with
   Retry-After, which the openai client retries; a model that fits nowhere: 503 naming the
   memory it needs and what the cluster has.
@@ -24,25 +24,28 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from skulkp2p import wire
-from skulkp2p.api.app import ApiNode, job_error
+from skulkp2p.api.app import Remote, add_model_routes, routed
+from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
-from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
+from skulkp2p.api.forward import is_forwarded
+from skulkp2p.api.pipe_route import pipe_generate
+from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router
 from skulkp2p.api.worker import ModelWorker
-from skulkp2p.cluster.forward import forward, is_forwarded
+from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
 from skulkp2p.cluster.placement import ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
-from skulkp2p.engine.request import RequestError, parse_request
-from skulkp2p.engine.ring import RingError, RingForward, StageWorker
+from skulkp2p.engine.protocol import Engine
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.model import LoadedModel
     from skulkp2p.engine.stage import StageSpan
 
 log = logging.getLogger("skulkp2p.node")
@@ -51,18 +54,15 @@ RETRY_AFTER = "2"
 NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
 PLACE_WAIT_S = 5.0
 
-Handler = Callable[[ApiNode, HttpRequest], Awaitable[Response | StreamingResponse]]
-
-
 def _unavailable(message: str, code: str, retry_after: str = RETRY_AFTER) -> ApiError:
     return ApiError(503, message, code=code, headers=[("Retry-After", retry_after)])
 
 
 class ClusterServing:
     def __init__(self, store: Any, own_model: str, own_id: str,
-                 load_model: Callable[[str], Any], *, max_queue: int = 16,
-                 keepalive_s: float = 10.0, on_ready: Callable[[Any], None] | None = None,
-                 load_stage: Callable[[str, StageSpan], Any] | None = None):
+                 load_model: Callable[[str], Engine], *, max_queue: int = 16,
+                 keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
+                 load_stage: Callable[[str, StageSpan], LoadedModel] | None = None):
         self.store = store
         self.own_model = own_model  # as given on the command line (card id or path)
         self.own_id = own_id
@@ -72,13 +72,14 @@ class ClusterServing:
         self.on_ready = on_ready
         self.node: ClusterNode | None = None
         self.workers: dict[str, ModelWorker] = {}
-        self.apis: dict[str, ApiNode] = {}
+        self.apis: dict[str, ModelEndpoint] = {}
         self.own_failed: asyncio.Future | None = None
         self._told: set[tuple[str, tuple[str, ...]]] = set()
         self._roles: dict[str, tuple[Any, Any]] = {}  # model -> (ring, layers) held here
         self.ring = RingData(b"")  # the data plane; its key is set in serve_cluster
         self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
+        self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
 
     @property
     def name(self) -> str:
@@ -133,10 +134,15 @@ class ClusterServing:
         log.info("cluster: model %s: this node is stage %d of %d (layers %d-%d): loading them",
                  model, idx + 1, len(p.ring), span.start, span.end - 1)
         if span.last:
-            def load() -> Any:
+            def load() -> Engine:
+                from skulkp2p.engine.mlx_engine import MlxEngine
+                from skulkp2p.engine.stage import param_bytes
+
                 loaded = self.load_stage(spec, span)
                 loaded.make_forward = self._ring_forward_factory(model, p.ring, loaded)
-                return loaded
+                self._stage_reports[model] = {"layers": [span.start, span.end],
+                                              "param_bytes": param_bytes(loaded.model)}
+                return MlxEngine(loaded)
             self._ensure_worker(model, p.spec.source, load)
             return
         loop = asyncio.get_running_loop()
@@ -148,6 +154,7 @@ class ClusterServing:
             if fut.exception() is not None:
                 log.error("model %s: stage failed to load: %s", model, fut.exception())
                 return
+            from skulkp2p.engine.ring import StageWorker
             from skulkp2p.engine.stage import StageModel, param_bytes
 
             loaded = fut.result()
@@ -156,24 +163,23 @@ class ClusterServing:
             log.info("cluster: model %s: stage %d of %d ready (layers %d-%d, %.1f MB held)",
                      model, idx + 1, len(p.ring), span.start, span.end - 1,
                      param_bytes(loaded.model) / 1e6)
-            self._report_stage(model, loaded)
+            self._report_stage(model, {"layers": [span.start, span.end],
+                                       "param_bytes": param_bytes(loaded.model)})
 
         loop.run_in_executor(None, self.load_stage, spec, span).add_done_callback(loaded_stage)
 
-    def _report_stage(self, model: str, loaded: Any) -> None:
+    def _report_stage(self, model: str, report: dict[str, Any]) -> None:
         # What the stage really holds, from its parameters (not the card): /v1/cluster shows it.
-        from skulkp2p.engine.stage import param_bytes
-
         stages = dict(self.node.facts.get("stages", {}))
-        stages[model] = {"layers": [loaded.span.start, loaded.span.end] if loaded.span else None,
-                         "param_bytes": param_bytes(loaded.model)}
+        stages[model] = report
         self.node.update_facts(stages=stages)
 
     def _ring_addr(self, name: str) -> str | None:
         m = self.node.core.membership.get(name)
         return m.facts.get("ring") if m is not None else None
 
-    def _ring_forward_factory(self, model: str, ring: tuple[str, ...], loaded: Any):
+    def _ring_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel):
+        from skulkp2p.engine.ring import RingError, RingForward
         from skulkp2p.engine.stage import StageModel
 
         checks = [self._alive(n) for n in ring if n != self.name]
@@ -209,7 +215,7 @@ class ClusterServing:
         return make
 
     def _ensure_worker(self, model: str, source: str = "",
-                       load: Callable[[], Any] | None = None) -> None:
+                       load: Callable[[], Engine] | None = None) -> None:
         if model in self.workers:
             return
         spec = self._source(model, source)
@@ -217,7 +223,7 @@ class ClusterServing:
         worker = ModelWorker(model, load or (lambda: self.load_model(spec)),
                              max_queue=self.max_queue)
         self.workers[model] = worker
-        self.apis[model] = ApiNode(model, worker, aliases, self.keepalive_s)
+        self.apis[model] = ModelEndpoint(model, worker, aliases, self.keepalive_s)
         log.info("cluster: model %s is placed here: loading it", model)
         worker.start().add_done_callback(lambda fut: self._loaded(model, fut))
 
@@ -226,8 +232,9 @@ class ClusterServing:
             return
         error = fut.exception()
         if error is None:
-            if getattr(fut.result(), "span", None) is not None and self.node is not None:
-                self._report_stage(model, fut.result())
+            report = self._stage_reports.pop(model, None)
+            if report is not None and self.node is not None:
+                self._report_stage(model, report)
             if self.on_ready is not None:
                 self.on_ready(fut.result())
             return
@@ -244,25 +251,29 @@ class ClusterServing:
     # ---------------------------------------------------------------- routing
 
     def router(self) -> Router:
-        from skulkp2p.api import anthropic, openai
-
         r = Router()
         r.add("GET", "/health", self.health)
         r.add("GET", "/v1/models", self.models)
-        r.add("POST", "/v1/chat/completions", self.routed(openai.chat_completions))
-        r.add("POST", "/v1/completions", self.routed(openai.completions))
-        r.add("POST", "/v1/messages", self.routed(anthropic.messages))
-        r.add("POST", "/v1/cluster/generate", self.routed(pipe_generate))
+        add_model_routes(r, self)
+        r.add("POST", "/v1/cluster/generate", routed(pipe_generate, self))
         r.add("GET", "/v1/cluster", self.cluster)
         r.add("POST", "/v1/cluster/place", self.place)
         return r
+
+    def _core(self) -> ClusterCore:
+        """The cluster's state; 503 in the moment between the HTTP port opening and the
+        cluster node starting (a health check polls from the first open port)."""
+        if self.node is None:
+            raise _unavailable("this node is starting: it has not joined the cluster yet",
+                               "node_starting")
+        return self.node.core
 
     def _model_id(self, name: Any) -> str:
         if name is None:
             return self.own_id
         if not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", param="model")
-        core = self.node.core
+        core = self._core()
         if name in core.placements() or name in core.placement_errors() or name == self.own_id:
             return name
         if name == self.own_model:
@@ -276,7 +287,7 @@ class ClusterServing:
 
     def _target(self, model: str) -> tuple[str, str | None]:
         """Where ``model`` is served: ("local", None) or (node name, its HTTP address)."""
-        core = self.node.core
+        core = self._core()
         if core.leader is None:
             voters = len(core.membership.voters())
             raise _unavailable(
@@ -321,30 +332,30 @@ class ClusterServing:
 
         return check
 
-    def routed(self, handler: Handler) -> Callable[[HttpRequest], Awaitable[Any]]:
-        async def route(req: HttpRequest) -> Response | StreamingResponse:
-            body = req.json()
-            name = body.get("model") if isinstance(body, dict) else None
-            model = self._model_id(name)
-            if isinstance(body, dict) and name is not None and name != model:
-                # Name the model by its cluster-wide id: the serving node may not know
-                # this node's alias for it (a local path, say).
-                req = dataclasses.replace(req, body=orjson.dumps({**body, "model": model}))
-            if is_forwarded(req):
-                api = self.apis.get(model)
-                if api is None:  # the placement moved while the request travelled
-                    raise _unavailable(f"model {model} is not served by node {self.name} "
-                                       "(its placement changed); retry", "model_moved")
-                return await handler(api, req)
-            where, http = self._target(model)
-            if where == "local":
-                api = self.apis.get(model)
-                if api is None:
-                    raise _unavailable(f"model {model} is loading", "model_loading")
-                return await handler(api, req)
-            return await forward(req, http, where, self._alive(where))
-
-        return route
+    def resolve(self, req: HttpRequest) -> tuple[HttpRequest, ModelEndpoint | Remote]:
+        """The API's ModelResolver: this node's endpoint for the model, or the node to forward
+        to."""
+        body = req.json()
+        name = body.get("model") if isinstance(body, dict) else None
+        model = self._model_id(name)
+        if isinstance(body, dict) and name is not None and name != model:
+            # Name the model by its cluster-wide id: the serving node may not know this
+            # node's alias for it (a local path, say).
+            req = dataclasses.replace(req, body=orjson.dumps({**body, "model": model}))
+        if is_forwarded(req):
+            api = self.apis.get(model)
+            if api is None:  # the placement moved while the request travelled
+                raise _unavailable(f"model {model} is not served by node {self.name} "
+                                   "(its placement changed); retry", "model_moved")
+            return req, api
+        where, http = self._target(model)
+        if where == "local":
+            api = self.apis.get(model)
+            if api is None:
+                raise _unavailable(f"model {model} is loading", "model_loading")
+            return req, api
+        assert http is not None
+        return req, Remote(where, http, self._alive(where))
 
     # ---------------------------------------------------------------- plain routes
 
@@ -354,16 +365,18 @@ class ClusterServing:
             api = self.apis.get(self.own_id)
             if api is None:
                 raise _unavailable(f"model {self.own_id} is loading", "model_loading")
-            resp = await api.health(req)
-            body = orjson.loads(resp.body)
-            return Response.json(resp.status, {**body, "node": self.name,
-                                               "leader": self.node.core.leader,
-                                               "served_by": self.name})
+            if api.worker.state != "ready":
+                raise api.unavailable()
+            return Response.json(200, {"status": "ok", "model": self.own_id,
+                                       "waiting": api.worker.waiting,
+                                       "busy": api.worker.current is not None,
+                                       "node": self.name, "leader": self.node.core.leader,
+                                       "served_by": self.name})
         return Response.json(200, {"status": "ok", "model": self.own_id, "node": self.name,
                                    "leader": self.node.core.leader, "served_by": where})
 
     async def models(self, req: HttpRequest) -> Response:
-        core = self.node.core
+        core = self._core()
         data = []
         for model, p in sorted(core.placements().items()):
             worker = self.workers.get(model)
@@ -373,6 +386,7 @@ class ClusterServing:
         return Response.json(200, {"object": "list", "data": data})
 
     async def cluster(self, req: HttpRequest) -> Response:
+        self._core()
         st = self.node.status()
         for m in st["members"]:
             m.pop("self", None)
@@ -388,7 +402,7 @@ class ClusterServing:
         nodes = body.get("nodes") or []
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
             raise ApiError(400, "'nodes' must be a list of node names", param="nodes")
-        core = self.node.core
+        core = self._core()
         known = core.placements().get(body["model"])
         if known is not None and known.spec is not None:
             spec = known.spec  # a model the cluster already serves: move it
@@ -424,7 +438,7 @@ class ClusterServing:
                            "placement_pending")
 
     def _placement_of(self, spec: ModelSpec, nodes: list[str]) -> Response | None:
-        core = self.node.core
+        core = self._core()
         p = core.placements().get(spec.id)
         if p is not None and (not nodes or list(p.ring) == nodes):
             d = p.to_dict()
@@ -437,44 +451,9 @@ class ClusterServing:
         return None
 
 
-def _open_stage(store: Any, spec: str, span: StageSpan) -> Any:
+def _open_stage(store: Any, spec: str, span: StageSpan) -> LoadedModel:
     from skulkp2p.engine.loader import open_model
     return open_model(store, spec, span=span)
-
-
-async def pipe_generate(api: ApiNode, req: HttpRequest) -> Response:
-    """One JSONL-pipe request, answered with the pipe's own result (or error) object."""
-    obj = req.json()
-    req_id = obj.get("id") if isinstance(obj, dict) else None
-
-    def error(type_: str, message: str, param: str | None = None) -> Response:
-        out: dict[str, Any] = {"error": {"type": type_, "message": message, "param": param}}
-        return Response.json(200, {"id": req_id, **out} if req_id is not None else out)
-
-    try:
-        greq = parse_request(obj)
-    except RequestError as e:
-        return error(e.type, e.message, e.param)
-    job = api.submit(greq)  # 429 / 503 as ApiError
-    try:
-        while True:
-            kind, payload = await job.next()
-            if kind == "done":
-                # The same fields as engine.generate.generate() returns to the local pipe.
-                out: dict[str, Any] = {"id": greq.id, "model": api.model_id,
-                                       "text": payload["text"], "tokens": payload["tokens"],
-                                       "finish_reason": payload["finish_reason"],
-                                       "usage": payload["usage"], "timing": payload["timing"]}
-                if "speculation" in payload:
-                    out["speculation"] = payload["speculation"]
-                return Response.json(200, out)
-            if kind == "error":
-                if isinstance(payload, RequestError):
-                    return error(payload.type, payload.message, payload.param)
-                e = job_error(payload)
-                return error("internal_error", e.message)
-    finally:
-        job.cancel()
 
 
 # --------------------------------------------------------------------------------------------

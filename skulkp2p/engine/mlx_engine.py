@@ -1,0 +1,45 @@
+"""The MLX engine behind the Engine protocol: a loaded model (all its layers, or the last stage
+of a pipeline ring) that generates with the one speculative decode loop."""
+
+from __future__ import annotations
+
+from skulkp2p.engine.generate import prompt_tokens, stream
+from skulkp2p.engine.model import LoadedModel
+from skulkp2p.engine.protocol import EngineInfo, Generation
+from skulkp2p.engine.request import GenerationRequest, RequestError
+
+
+class MlxEngine:
+    runs_on_loop = False
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.id = loaded.id
+        self.context_length = loaded.context_length
+
+    def info(self) -> EngineInfo:
+        loaded = self.loaded
+        detail: dict = {"layers_here": len(loaded.model.layers)}
+        if loaded.span is not None:
+            detail["layers"] = [loaded.span.start, loaded.span.end]
+        if loaded.mtp is not None:
+            detail["mtp_head"] = loaded.mtp.conventions.style
+        if loaded.draft is not None:
+            detail["draft_model"] = loaded.draft.id
+        return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail)
+
+    def prompt_length(self, req: GenerationRequest) -> int:
+        """Tokenise once more up front (cheap next to a forward) so the client learns the
+        prompt size, and an over-long prompt is refused before a stream commits to a 200."""
+        n = len(prompt_tokens(self.loaded, req))
+        if n >= self.context_length:
+            raise RequestError(f"prompt is {n} tokens; model {self.id} takes at most "
+                               f"{self.context_length - 1}", "messages" if req.messages
+                               else "prompt")
+        return n
+
+    def generate(self, req: GenerationRequest) -> Generation:
+        return Generation(lambda interrupt: stream(self.loaded, req, interrupt))
+
+    def close(self) -> None:
+        """MLX frees the weights with the last reference; nothing runs in the background."""

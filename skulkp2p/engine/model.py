@@ -1,0 +1,103 @@
+"""A model in memory: its trunk loaded with mlx-lm's classes (MTP tensors stripped), cast to the
+serving dtype, optionally cut to one ring stage's layers, with its MTP head beside it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from skulkp2p.engine.stage import StageSpan, slice_model
+
+log = logging.getLogger("skulkp2p.engine")
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+@dataclass
+class LoadedModel:
+    id: str
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    context_length: int
+    dtype: str
+    runtime: dict[str, Any] = field(default_factory=dict)
+    speculation: dict[str, Any] = field(default_factory=dict)  # the card's [speculation]
+    width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
+    mtp: Any = None  # a loaded MTP head, when the model has one
+    draft: LoadedModel | None = None  # a draft model, when the card names one
+    span: StageSpan | None = None  # the layers held here, when this node is one ring stage
+    # (request, hidden, interrupt) -> a Forward; set on the last stage of a ring (RingForward)
+    make_forward: Callable[..., Any] | None = None
+
+
+def is_mtp_key(key: str, num_layers: int | None) -> bool:
+    """MTP head tensors in any of the namings real checkpoints use (Qwen `mtp.*`, MiMo
+    `model.mtp_layers.*`, DeepSeek's extra layer past num_hidden_layers)."""
+    return (key.startswith("mtp.") or ".mtp." in key or key.startswith("model.mtp_layers.")
+            or (num_layers is not None and key.startswith(f"model.layers.{num_layers}.")))
+
+
+def _trunk_classes(config: dict[str, Any]):
+    """mlx-lm's classes for the family, with MTP tensors stripped before its strict load (some
+    families' sanitize keeps them and the load then refuses them). The drafter loads them itself."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    n_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get(
+        "num_hidden_layers")
+
+    class Trunk(model_class):
+        def sanitize(self, weights):
+            weights = {k: v for k, v in weights.items() if not is_mtp_key(k, n_layers)}
+            parent = getattr(super(), "sanitize", None)
+            return parent(weights) if parent else weights
+
+    Trunk.__name__ = model_class.__name__
+    return Trunk, args_class
+
+
+def load_model(path: Path, model_id: str, context_length: int | None = None,
+               dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
+               speculation: dict[str, Any] | None = None,
+               sidecar: Path | None = None, span: StageSpan | None = None) -> LoadedModel:
+    """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
+    its MTP head beside it when the checkpoint or a sidecar has one.
+
+    With `span`, only that stage's layers are kept (see stage.py): the model is loaded lazily and
+    cut before anything is evaluated; only the last stage loads the MTP head."""
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    from skulkp2p.engine.mtp import has_mtp_tensors, load_mtp_head
+
+    model, config = mlx_load_model(Path(path), lazy=span is not None,
+                                   get_model_classes=_trunk_classes)
+    if span is not None:
+        # The last stage runs the drafter: an MTP head embeds its draft tokens.
+        keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
+        slice_model(model, span, keep_embedding=keep)
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model.set_dtype(DTYPES[dtype])
+    mx.eval(model.parameters())
+    ctx = context_length or config.get("max_position_embeddings") or config.get(
+        "text_config", {}).get("max_position_embeddings") or 4096
+    speculation = dict(speculation or {})
+    overrides = {k: v for k, v in speculation.items()
+                 if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
+    head = None if span is not None and not span.last else load_mtp_head(
+        Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    if head is not None:
+        log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
+                 model_id, head.conventions.style, head.conventions.hidden,
+                 head.conventions.max_depth)
+    return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
+                       dict(runtime or {}), speculation, mtp=head, span=span)

@@ -1,0 +1,31 @@
+"""The engine factory: which engine serves a model is decided here, once, from its card.
+
+`join`, `pipe` and `bench` all open models through `open_engine`, so a GGUF card whose card says
+`engine = "llama_server"` runs on its llama-server child everywhere (it is never converted and
+run on MLX behind the user's back), and every other model runs on the MLX engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skulkp2p.engine.protocol import Engine
+
+
+def uses_llama_server(store: Any, spec: str) -> bool:
+    from skulkp2p.served.model import wants_served
+
+    return wants_served(store.resolve(spec).card)
+
+
+def open_engine(store: Any, spec: str) -> Engine:
+    """Load `spec` (a card id or a local path) on the engine its card names. Blocking: call it
+    off the event loop (importing mlx-lm alone takes seconds)."""
+    if uses_llama_server(store, spec):
+        from skulkp2p.served.model import open_served
+
+        return open_served(store, spec)
+    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.mlx_engine import MlxEngine
+
+    return MlxEngine(open_model(store, spec))
