@@ -25,7 +25,7 @@ def test_rotating_cache_that_wraps_during_verify_is_snapshotted():
     _feed(cache[0], list(range(6)))
     verify = [6, 7, 100, 101]  # wraps the window during the verify
     assert caches.needs_snapshot(cache, len(verify))
-    snap = caches.snapshot(cache, verify)
+    snap = caches.snapshot(cache, len(verify))
     _feed(cache[0], verify)
     caches.restore(cache, snap)  # reject the two drafts, then re-run what was kept
     _feed(cache[0], [6, 7])

@@ -1,8 +1,9 @@
-"""Cache rollback for every cache type mlx-lm builds.
+"""Cache checkpoint and rollback for every cache type mlx-lm builds: the one place these rules
+live (the trunk's forward, every ring stage and the draft model use them).
 
 Plain KV caches trim. Caches that cannot trim (recurrent state of gated-delta layers, rotating
-caches that have wrapped) are snapshotted before a multi-token verify and restored on rejection;
-the caller then re-runs the tokens it kept.
+caches that have wrapped or may wrap) are snapshotted before a multi-token call and restored on
+rejection; the caller then re-runs the tokens it kept.
 """
 
 from __future__ import annotations
@@ -13,18 +14,30 @@ from typing import Any
 
 import mlx.core as mx
 
+# Cache types whose trim(n) is exact however far back it goes. A RotatingKVCache trims only until
+# it wraps, a ChunkedKVCache only back to its last front trim.
+_EXACT_TRIM = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
 
-def _trimmable(entry: Any, incoming: int = 0) -> bool:
-    """Whether `incoming` more tokens can be appended and later trimmed off again. A rotating
+
+def _trimmable(entry: Any, incoming: int | None = 0) -> bool:
+    """Whether `incoming` more tokens can be appended and later trimmed off again (None: any
+    number, e.g. a drafter that feeds several rounds before it rewinds). A rotating
     (sliding-window) cache trims only while nothing has wrapped: if the append would wrap it, the
     evicted entries could not come back on a trim, so it needs a snapshot instead."""
+    if incoming is None:
+        return type(entry).__name__ in _EXACT_TRIM
     if not (hasattr(entry, "is_trimmable") and entry.is_trimmable()):
         return False
     max_size = getattr(entry, "max_size", None)
     return max_size is None or entry.offset + incoming < max_size
 
 
-def needs_snapshot(cache: list[Any], incoming: int) -> bool:
+def exactly_trimmable(cache: list[Any]) -> bool:
+    """Every entry trims back any distance: rewinds never need a snapshot."""
+    return all(_trimmable(c, None) for c in cache)
+
+
+def needs_snapshot(cache: list[Any], incoming: int | None) -> bool:
     return not all(_trimmable(c, incoming) for c in cache)
 
 
@@ -46,27 +59,34 @@ def copy_state(value: Any) -> Any:
 @dataclass
 class Snapshot:
     entries: list[tuple[str, Any]]  # ("offset", n) for trimmable entries, ("state", (state, meta))
-    tokens_for_replay: list[int]
 
 
-def snapshot(cache: list[Any], tokens: list[int]) -> Snapshot:
+def snapshot(cache: list[Any], incoming: int | None) -> Snapshot:
+    """The cache's state before `incoming` more entries (None: any number) are appended: offsets
+    of the entries that can trim back over them, copies of every other entry's state."""
     entries: list[tuple[str, Any]] = []
+    copies = []
     for entry in cache:
-        if _trimmable(entry, len(tokens)):
-            entries.append(("offset", entry.size()))
+        if _trimmable(entry, incoming):
+            entries.append(("offset", entry.offset))  # (not size(): some types lack it)
         else:
             meta = getattr(entry, "meta_state", None)
-            entries.append(("state", (copy_state(entry.state), meta)))
-    return Snapshot(entries, list(tokens))
+            state = copy_state(entry.state)
+            copies.append(state)
+            entries.append(("state", (state, meta)))
+    mx.eval(copies)  # copied now: the cache's next writes must not reach them
+    return Snapshot(entries)
 
 
-def restore(cache: list[Any], snap: Snapshot) -> None:
+def restore(cache: list[Any], snap: Snapshot, reuse: bool = False) -> None:
+    """Put the cache back to `snap`. With `reuse` the snapshot may be restored again later, so
+    the cache gets copies of its own (it writes into its buffers in place)."""
     for entry, (kind, value) in zip(cache, snap.entries, strict=True):
         if kind == "offset":
-            entry.trim(entry.size() - value)
+            entry.trim(entry.offset - value)
         else:
             state, meta = value
-            entry.state = state
+            entry.state = copy_state(state) if reuse else state
             if meta is not None:
                 entry.meta_state = meta
 

@@ -24,12 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import (
-    ConcatenateKVCache,
-    KVCache,
-    QuantizedKVCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import make_prompt_cache
 
 from skulkp2p.engine import caches
 from skulkp2p.engine.forward import LocalForward
@@ -45,41 +40,8 @@ from skulkp2p.engine.sampling import (
 
 log = logging.getLogger("skulkp2p.engine")
 
-# Cache types whose trim(n) is exact however far back it goes. A RotatingKVCache trims only until
-# it wraps, a ChunkedKVCache only back to its last front trim: those take the checkpoint path.
-_EXACT_TRIM = (KVCache, QuantizedKVCache, ConcatenateKVCache)
-
 # Tails longer than this are fed with the chunked prefill (no logits rows) plus one last step.
 _LONG_FEED = 64
-
-
-def _exact_trim(entry: Any) -> bool:
-    return type(entry) in _EXACT_TRIM
-
-
-def _checkpoint(cache: list[Any]) -> list[tuple[str, Any]]:
-    """Offsets of exactly trimmable entries, copies of every other entry's whole state.
-
-    Unlike caches.snapshot this copies a rotating cache even before it wraps: the drafts fed
-    after the checkpoint may wrap it, and it can no longer be trimmed back then.
-    """
-    out: list[tuple[str, Any]] = []
-    for entry in cache:
-        if _exact_trim(entry):
-            out.append(("offset", entry.offset))
-        else:
-            out.append(("state", caches.copy_state(entry.state)))
-    mx.eval([v for kind, v in out if kind == "state"])
-    return out
-
-
-def _restore(cache: list[Any], checkpoint: list[tuple[str, Any]]) -> None:
-    for entry, (kind, value) in zip(cache, checkpoint, strict=True):
-        if kind == "offset":
-            entry.trim(entry.offset - value)
-        else:
-            # The checkpoint may be restored again later: hand the cache its own copies.
-            entry.state = caches.copy_state(value)
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -146,9 +108,9 @@ class DraftModelDrafter:
         self.rng = rng
         self.target_vocab = target_vocab
         self.forward = LocalForward(draft.model, step)
-        self.exact_trim = all(_exact_trim(c) for c in self.forward.cache)
+        self.exact_trim = caches.exactly_trimmable(self.forward.cache)
         self.cached: list[int] = []  # tokens whose state the draft cache holds, in order
-        self._checkpoint: tuple[int, list[tuple[str, Any]]] | None = None  # (length, state)
+        self._checkpoint: tuple[int, caches.Snapshot] | None = None  # (length, state)
         self._draft_vocab: int | None = None
         # Counters for stats and tests: tokens run through the draft model, restores, rebuilds.
         self.fed_tokens = 0
@@ -176,8 +138,9 @@ class DraftModelDrafter:
         if row is None:
             return [], None
         if not self.exact_trim and k > 1:
-            # The k - 1 drafts fed below are undone next round by restoring this state.
-            self._checkpoint = (len(self.cached), _checkpoint(self.forward.cache))
+            # The k - 1 drafts fed below are undone next round by restoring this state (any
+            # number of them: a rotating cache is copied even before it would wrap).
+            self._checkpoint = (len(self.cached), caches.snapshot(self.forward.cache, None))
         greedy = self.params.greedy
         # The penalty looks back repetition_context tokens; a suffix that long gives the same rows
         # (slicing as process_logits does, so a context of 0 means the whole history there too).
@@ -235,7 +198,8 @@ class DraftModelDrafter:
         # reset, and everything else only appends.
         cp = self._checkpoint
         if cp is not None and cp[0] <= length:
-            _restore(self.forward.cache, cp[1])
+            # The checkpoint may be restored again later: reuse=True hands out copies.
+            caches.restore(self.forward.cache, cp[1], reuse=True)
             del self.cached[cp[0]:]
             self.restores += 1
             return
@@ -244,7 +208,7 @@ class DraftModelDrafter:
         self.rebuilds += 1
 
     def _reset(self) -> None:
-        self.forward.cache = make_prompt_cache(self.draft.model)
+        self.forward.reset()
         self.cached = []
         self._checkpoint = None
 

@@ -1,21 +1,25 @@
 """The forward seam: the decode loop asks for logits of a few tokens and for a rollback.
 
-`LocalForward` runs every layer in this process. A ring traversal implements the same methods, so
-the decode loop never knows where its layers are. When a drafter needs the trunk's hidden states
-(an MTP head), `hidden` names which one ("after" or "before" the final norm) and the forward keeps
-the rows of its last call in `last_hidden` (prefill included).
+There is one way to run layers: a `StageModel` (stage.py) runs a contiguous slice of them over a
+`StageCache`, one request's caches with their checkpoint and rollback rules (caches.py). A
+`LocalForward` is a stage that holds every layer; a `RingForward` (ring.py) is the last stage of
+a ring, with the other stages one traversal away. Both implement `Forward`, so the decode loop
+never knows where its layers are. When a drafter needs the trunk's hidden states (an MTP head),
+`hidden` names which one ("after" or "before" the final norm) and the forward keeps the rows of
+its last call in `last_hidden` (prefill included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from skulkp2p.engine import caches
+from skulkp2p.engine.stage import StageModel, StageSpan
 from skulkp2p.engine.trunk import Trunk
 
 
@@ -27,6 +31,50 @@ class Forward(Protocol):
     def rollback(self, keep: int, dropped: int) -> None: ...
 
 
+class StageCache:
+    """One request's caches on one stage. A multi-row verify that the caches could not trim
+    back (recurrent state, a rotating cache about to wrap) is snapshotted first; a rollback
+    trims, or restores the snapshot and replays the kept inputs (tokens on a first stage, hidden
+    rows on the others)."""
+
+    def __init__(self, stage: StageModel):
+        self.stage = stage
+        self.cache: list[Any] = make_prompt_cache(stage.model)
+        self._snapshot: caches.Snapshot | None = None
+        self._inputs: Any = None
+
+    def reset(self) -> None:
+        self.cache = make_prompt_cache(self.stage.model)
+        self._snapshot = None
+
+    def run(self, x: Any, *, verify: bool, logits: bool = False,
+            hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
+        width = len(x) if isinstance(x, list) else x.shape[0]
+        self._snapshot = None
+        if verify and width > 1 and caches.needs_snapshot(self.cache, width):
+            self._snapshot = caches.snapshot(self.cache, width)
+            self._inputs = x
+        out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
+        results = [a for a in (out, h) if a is not None]
+        # A call with nothing to return (prefill) still evaluates its caches now, chunk by chunk.
+        mx.eval(results or [c.state for c in self.cache])
+        return out, h
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        snap, self._snapshot = self._snapshot, None
+
+        def replay(n: int) -> None:
+            self.stage.run(self._inputs[:n], self.cache, logits=False)
+            mx.eval([c.state for c in self.cache])
+        caches.rollback(self.cache, snap, dropped, replay, keep)
+
+
+def whole_model_stage(model: nn.Module) -> StageModel:
+    """A stage that holds every layer of `model`."""
+    n = len(Trunk(model).body.layers)
+    return StageModel(model, StageSpan(0, n, n))
+
+
 class LocalForward:
     """All layers here. `__call__` returns logits [w, V] for w tokens appended to the cache."""
 
@@ -35,29 +83,19 @@ class LocalForward:
         if hidden not in (None, "after", "before"):
             raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
         self.model = model
-        self.trunk = Trunk(model) if hidden else None
+        self.local = StageCache(whole_model_stage(model))
         self.hidden = hidden
-        self.cache = make_prompt_cache(model)
         self.prefill_step = prefill_step
         self.last_hidden: mx.array | None = None
-        self._snapshot: caches.Snapshot | None = None
         self.interrupt = interrupt  # raises to abandon a long prefill between chunks
 
-    def _run(self, tokens: list[int], logits: bool) -> mx.array | None:
-        inputs = mx.array(tokens)[None]
-        if self.trunk is None:
-            return self.model(inputs, cache=self.cache)[0] if logits else self._body_only(inputs)
-        if self.hidden == "before":
-            h = self.trunk.hidden_before_norm(inputs, self.cache)
-            normed = self.trunk.norm(h)
-        else:
-            h = normed = self.trunk.body(inputs, self.cache)
-        self.last_hidden = h[0]
-        return self.trunk.head(normed)[0] if logits else None
+    @property
+    def cache(self) -> list[Any]:
+        return self.local.cache
 
-    def _body_only(self, inputs: mx.array) -> None:
-        self.model(inputs, cache=self.cache)
-        return None
+    def reset(self) -> None:
+        """Empty caches (a drafter whose history diverged starts over)."""
+        self.local.reset()
 
     def prefill(self, tokens: list[int]) -> None:
         # Same chunking as mlx-lm's generate_step, so the cache holds bit-identical keys/values.
@@ -65,27 +103,19 @@ class LocalForward:
         for start in range(0, len(tokens), self.prefill_step):
             if self.interrupt is not None:
                 self.interrupt()
-            self._run(tokens[start:start + self.prefill_step], logits=False)
-            if self.last_hidden is not None:
-                rows.append(self.last_hidden)
-            mx.eval([c.state for c in self.cache], rows)
+            _, h = self.local.run(tokens[start:start + self.prefill_step], verify=False,
+                                  hidden=self.hidden)
+            if h is not None:
+                rows.append(h)
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
 
     def __call__(self, tokens: list[int]) -> mx.array:
-        if len(tokens) > 1 and caches.needs_snapshot(self.cache, len(tokens)):
-            self._snapshot = caches.snapshot(self.cache, tokens)
-        else:
-            self._snapshot = None
-        logits = self._run(tokens, logits=True)
-        mx.eval(logits, self.last_hidden) if self.last_hidden is not None else mx.eval(logits)
+        logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden)
+        if h is not None:
+            self.last_hidden = h
         return logits
 
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
-        snap, self._snapshot = self._snapshot, None
-
-        def replay(n: int) -> None:
-            self.model(mx.array(snap.tokens_for_replay[:n])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        caches.rollback(self.cache, snap, dropped, replay, keep)
+        self.local.rollback(keep, dropped)

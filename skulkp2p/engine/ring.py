@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skulkp2p import wire
@@ -27,7 +26,7 @@ from skulkp2p import wire
 if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
     import mlx.core as mx
 
-    from skulkp2p.engine import caches
+    from skulkp2p.engine.forward import StageCache
     from skulkp2p.engine.stage import StageModel
 
 log = logging.getLogger("skulkp2p.ring")
@@ -48,47 +47,6 @@ class RingLink(Protocol):
     def send(self, msg: dict[str, Any]) -> None:
         """Best effort, no answer awaited (the end of a request)."""
         ...
-
-
-@dataclass
-class StageCache:
-    """One request's caches on one stage, with the same rollback rules as LocalForward: trim,
-    or (recurrent state, a rotating cache about to wrap) restore the snapshot and replay the
-    kept inputs (tokens on the first stage, hidden rows on the others)."""
-
-    stage: StageModel
-    cache: list[Any] = field(init=False)
-    _snapshot: caches.Snapshot | None = None
-    _inputs: Any = None
-
-    def __post_init__(self) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-        self.cache = make_prompt_cache(self.stage.model)
-
-    def run(self, x: Any, *, verify: bool, logits: bool = False,
-            hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
-        import mlx.core as mx
-
-        from skulkp2p.engine import caches
-        width = len(x) if isinstance(x, list) else x.shape[0]
-        self._snapshot = None
-        if verify and width > 1 and caches.needs_snapshot(self.cache, width):
-            self._snapshot = caches.snapshot(self.cache, [])
-            self._inputs = x
-        out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
-        mx.eval([a for a in (out, h) if a is not None])
-        return out, h
-
-    def rollback(self, keep: int, dropped: int) -> None:
-        import mlx.core as mx
-
-        from skulkp2p.engine import caches
-        snap, self._snapshot = self._snapshot, None
-
-        def replay(n: int) -> None:
-            self.stage.run(self._inputs[:n], self.cache, logits=False)
-            mx.eval([c.state for c in self.cache])
-        caches.rollback(self.cache, snap, dropped, replay, keep)
 
 
 def header(term: int, instance: str, request: str, step: int, op: str) -> dict[str, Any]:
@@ -124,6 +82,7 @@ class StageWorker:
                 del self.sessions[request]
             return dict(msg)
         if step == 0 and known is None:
+            from skulkp2p.engine.forward import StageCache
             known = (instance, -1, StageCache(self.stage))
         if known is None or known[0] != instance or step != known[1] + 1:
             self.dropped += 1  # unknown request, a restarted sender, or a frame out of step
@@ -167,6 +126,7 @@ class RingForward:
         self.prefill_step = prefill_step
         self.hidden = hidden
         self.interrupt = interrupt
+        from skulkp2p.engine.forward import StageCache
         self.local = StageCache(stage)
         self.last_hidden: mx.array | None = None
         self.step = 0
