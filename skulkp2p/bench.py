@@ -14,8 +14,8 @@ machine spreads over all arms instead of favouring whichever ran first. Decode t
 the same way for every arm: generated tokens after the first / time from first to last token.
 
 `--widths` measures the verify-width cost table (the fastest of 7 forwards of w tokens after a
-64-token prefill, relative to w=1) and saves it under `<data-dir>/widths/` where a depth controller can read it
-with :func:`load_width_costs`.
+64-token prefill, relative to w=1) with the engine's `width_costs` module and saves it under
+`<data-dir>/widths/`, where the loader reads it for the depth controller.
 
 Nothing here imports mlx at module level: the CLI must arrange the BLAS preload (a re-exec)
 before mlx loads.
@@ -47,9 +47,6 @@ log = logging.getLogger("skulkp2p.bench")
 
 DEFAULT_MAX_TOKENS = 200
 DEFAULT_RUNS = 3
-DEFAULT_WIDTHS = tuple(range(1, 17))
-WIDTH_PREFILL = 64
-WIDTH_REPS = 7
 WARMUP_TOKENS = 8
 MLX_LM_DRAFT_TOKENS = 2  # mlx-lm's own default num_draft_tokens
 
@@ -413,89 +410,6 @@ def _mlx_lm_acceptance(from_draft: list[bool], max_tokens: int, k: int
 
 
 # --------------------------------------------------------------------------------------------
-# Verify-width costs
-
-
-def _width_tokens(loaded: LoadedModel, n: int) -> list[int]:
-    ids = list(loaded.tokenizer.encode(_ECHO_CODE))
-    while len(ids) < n:  # a small tokenizer may still need the text twice
-        ids += ids
-    return ids[:n]
-
-
-def measure_width_seconds(loaded: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS,
-                          prefill: int = WIDTH_PREFILL, reps: int = WIDTH_REPS
-                          ) -> dict[int, float]:
-    """Fastest of `reps` timings of one verify forward of w tokens after a `prefill`-token
-    prefill. The minimum, not the median: the work is deterministic and other load only adds
-    time, and on a shared 2-core node the median of a few reps still carried 2x outliers."""
-    from skulkp2p.engine import caches
-    from skulkp2p.engine.forward import LocalForward
-
-    widths = sorted(set(widths))
-    tokens = _width_tokens(loaded, prefill + max(widths))
-    fwd = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)))
-    fwd.prefill(tokens[:prefill])
-    # Restore the post-prefill cache after every forward, so each w sees the same context length
-    # (and recurrent-state models, which cannot trim, are handled too; the values written into
-    # a restored buffer do not matter for timing).
-    snap = caches.snapshot(fwd.cache, [])
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    for rep in range(reps + 1):  # rep 0 warms up every width
-        for w in widths:  # interleaved, so drift spreads over all widths
-            t0 = time.perf_counter()
-            fwd(tokens[prefill:prefill + w])  # evaluates the logits of all w rows
-            dt = time.perf_counter() - t0
-            caches.restore(fwd.cache, snap)
-            if rep:
-                times[w].append(dt)
-    return {w: min(ts) for w, ts in times.items()}
-
-
-def relative_costs(seconds: dict[int, float]) -> dict[int, float]:
-    base = seconds[min(seconds)]
-    return {w: 1.0 if w == min(seconds) else round(s / base, 4) for w, s in seconds.items()}
-
-
-def measure_width_costs(loaded: LoadedModel, widths: Sequence[int] = DEFAULT_WIDTHS
-                        ) -> dict[int, float]:
-    """Cost of a verify forward of w tokens relative to w=1 (w=1 -> 1.0); needs 1 in widths."""
-    if 1 not in widths:
-        raise ValueError("widths must include 1 (the reference)")
-    return relative_costs(measure_width_seconds(loaded, widths))
-
-
-def width_costs_path(model_id: str, dtype: str, data_dir: Path | str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)
-    return Path(data_dir) / "widths" / f"{safe}-{dtype}.json"
-
-
-def save_width_costs(model_id: str, dtype: str, data_dir: Path | str, seconds: dict[int, float],
-                     extra: dict[str, Any] | None = None) -> Path:
-    path = width_costs_path(model_id, dtype, data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"model": model_id, "dtype": dtype, "prefill_tokens": WIDTH_PREFILL,
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "seconds": {str(w): round(s, 6) for w, s in seconds.items()},
-           "relative": {str(w): c for w, c in relative_costs(seconds).items()}, **(extra or {})}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)  # a reader never sees half a file
-    return path
-
-
-def load_width_costs(model_id: str, dtype: str, data_dir: Path | str) -> dict[int, float] | None:
-    """The saved cost table {w: cost relative to w=1}, or None if never measured or unreadable."""
-    path = width_costs_path(model_id, dtype, data_dir)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        costs = {int(w): float(c) for w, c in doc["relative"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return costs if costs.get(1) == 1.0 else None
-
-
-# --------------------------------------------------------------------------------------------
 # Report
 
 
@@ -805,8 +719,16 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
 
     doc, mismatched = document(True)
     if args.widths:
+        from skulkp2p.engine.width_costs import (
+            WIDTH_PREFILL,
+            WIDTH_REPS,
+            measure_width_seconds,
+            relative_costs,
+            save_width_costs,
+        )
+
         load_widths = _loadavg()
-        seconds = measure_width_seconds(loaded)
+        seconds = measure_width_seconds(loaded, _ECHO_CODE)
         path = save_width_costs(loaded.id, loaded.dtype, store.data_dir, seconds,
                                 {"blas": engine.get("blas"), "reps": WIDTH_REPS,
                                  "statistic": "min", "machine": doc["machine"],

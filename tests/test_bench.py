@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from skulkp2p import bench
+from skulkp2p.engine import width_costs
 from tests.conftest import run_cli
 
 ARMS = {"plain", "spec", "lookup:2", "draft:2", "mlx_lm", "mlx_lm_draft"}
@@ -64,7 +65,7 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
     assert set(widths["relative"]) == {str(w) for w in range(1, 17)}
     assert widths["relative"]["1"] == 1.0
     assert all(v > 0 for v in widths["relative"].values())
-    saved = bench.load_width_costs("m", doc["model"]["dtype"], tmp_path / "data")
+    saved = width_costs.load_width_costs("m", doc["model"]["dtype"], tmp_path / "data")
     assert saved is not None and sorted(saved) == list(range(1, 17)) and saved[1] == 1.0
     if has_mpl:
         assert (tmp_path / "speedups.png").stat().st_size > 1000
@@ -97,13 +98,13 @@ def test_plot_without_matplotlib_fails_clearly(monkeypatch):
 
 
 def test_width_costs_round_trip_and_missing(tmp_path):
-    assert bench.load_width_costs("x", "float32", tmp_path) is None
-    path = bench.save_width_costs("org/x", "float32", tmp_path, {1: 0.1, 2: 0.12, 4: 0.2})
+    assert width_costs.load_width_costs("x", "float32", tmp_path) is None
+    path = width_costs.save_width_costs("org/x", "float32", tmp_path, {1: 0.1, 2: 0.12, 4: 0.2})
     assert path.parent == tmp_path / "widths" and "/" not in path.name
-    assert bench.load_width_costs("org/x", "float32", tmp_path) == {1: 1.0, 2: 1.2, 4: 2.0}
-    assert bench.load_width_costs("org/x", "bfloat16", tmp_path) is None
+    assert width_costs.load_width_costs("org/x", "float32", tmp_path) == {1: 1.0, 2: 1.2, 4: 2.0}
+    assert width_costs.load_width_costs("org/x", "bfloat16", tmp_path) is None
     path.write_text("{not json")
-    assert bench.load_width_costs("org/x", "float32", tmp_path) is None
+    assert width_costs.load_width_costs("org/x", "float32", tmp_path) is None
 
 
 def test_parse_arm_and_select_arms():
