@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from skulkp2p import bench
+from skulkp2p.bench import BenchError, mlx_arms, report
 from skulkp2p.engine import width_costs
 from tests.conftest import run_cli
 
@@ -93,8 +93,8 @@ def test_bad_option_one_line_exit_2(bad):
 
 def test_plot_without_matplotlib_fails_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
-    with pytest.raises(bench.BenchError, match="--plot needs matplotlib"):
-        bench.require_matplotlib()
+    with pytest.raises(BenchError, match="--plot needs matplotlib"):
+        report.require_matplotlib()
 
 
 def test_width_costs_round_trip_and_missing(tmp_path):
@@ -108,15 +108,15 @@ def test_width_costs_round_trip_and_missing(tmp_path):
 
 
 def test_parse_arm_and_select_arms():
-    assert bench.parse_arm("lookup:4").speculation == {"drafter": "lookup", "depth": 4}
-    assert bench.parse_arm("spec").speculation == "auto"
+    assert mlx_arms.parse_arm("lookup:4").speculation == {"drafter": "lookup", "depth": 4}
+    assert mlx_arms.parse_arm("spec").speculation == "auto"
     for bad in ("lookup", "lookup:0", "oracle:1", "mtp:x"):
         with pytest.raises(ValueError):
-            bench.parse_arm(bad)
-    arms, skipped = bench.select_arms([bench.parse_arm("mtp:1"), bench.PLAIN], True, None)
+            mlx_arms.parse_arm(bad)
+    arms, skipped = mlx_arms.select_arms([mlx_arms.parse_arm("mtp:1"), mlx_arms.PLAIN], True, None)
     assert [a.name for a in arms] == ["plain", "spec", "mtp:1", "mlx_lm"]
     assert skipped == [{"arm": "mlx_lm_draft", "reason": "no --draft-model given"}]
-    arms, _ = bench.select_arms([], True, "some-draft")
+    arms, _ = mlx_arms.select_arms([], True, "some-draft")
     assert [a.name for a in arms][-2:] == ["mlx_lm", "mlx_lm_draft"]
 
 
@@ -124,7 +124,7 @@ def test_mlx_lm_acceptance_rebuilt_from_flags():
     # k=2, max_tokens=7: rounds (drafted, accepted) are (2, 2), (2, 0), (2, 1), and the last
     # one may draft only min(2, 7 - 6) = 1 token, rejected.
     flags = [True, True, False, False, True, False, False]
-    drafted, accepted, per_pos = bench._mlx_lm_acceptance(flags, 7, 2)
+    drafted, accepted, per_pos = mlx_arms.mlx_lm_acceptance(flags, 7, 2)
     assert (drafted, accepted) == (7, 3)
     assert per_pos == [round(2 / 4, 4), round(1 / 3, 4)]
 
