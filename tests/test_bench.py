@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
 
 from skulkp2p.bench import BenchError, mlx_arms, report
 from skulkp2p.engine import width_costs
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 ARMS = {"plain", "spec", "lookup:2", "draft:2", "mlx_lm", "mlx_lm_draft"}
 WORKLOADS = {"echo", "qa"}
@@ -166,3 +167,16 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
     for s in stages[:-1]:  # the stage process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(s["pid"], 0)
+
+
+def test_bench_options_import_no_mlx():
+    """The CLI builds the bench's parser before the fast BLAS is set up: no mlx may load."""
+    code = ("import sys\n"
+            "from skulkp2p.bench import BenchError, add_bench_arguments, run_bench\n"
+            "from skulkp2p.cli import build_parser\n"
+            "build_parser().parse_args(['bench', '--arms', 'lookup:2'])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
