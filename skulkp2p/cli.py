@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("id")
     c.set_defaults(func=cmd_cards)
 
-    from skulkp2p.bench import add_bench_arguments  # stdlib-only module: no mlx before BLAS
+    from skulkp2p.bench import add_bench_arguments  # imports no mlx: before the BLAS is set up
 
     b = common(sub.add_parser("bench", help="decode speed of each arm on named workloads (JSON)"))
     add_bench_arguments(b)

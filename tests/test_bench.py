@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
 
-from skulkp2p import bench
-from tests.conftest import run_cli
+from skulkp2p.bench import BenchError, mlx_arms, report
+from skulkp2p.engine import width_costs
+from tests.conftest import ROOT, run_cli
 
 ARMS = {"plain", "spec", "lookup:2", "draft:2", "mlx_lm", "mlx_lm_draft"}
 WORKLOADS = {"echo", "qa"}
@@ -64,7 +66,7 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
     assert set(widths["relative"]) == {str(w) for w in range(1, 17)}
     assert widths["relative"]["1"] == 1.0
     assert all(v > 0 for v in widths["relative"].values())
-    saved = bench.load_width_costs("m", doc["model"]["dtype"], tmp_path / "data")
+    saved = width_costs.load_width_costs("m", doc["model"]["dtype"], tmp_path / "data")
     assert saved is not None and sorted(saved) == list(range(1, 17)) and saved[1] == 1.0
     if has_mpl:
         assert (tmp_path / "speedups.png").stat().st_size > 1000
@@ -92,30 +94,30 @@ def test_bad_option_one_line_exit_2(bad):
 
 def test_plot_without_matplotlib_fails_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
-    with pytest.raises(bench.BenchError, match="--plot needs matplotlib"):
-        bench.require_matplotlib()
+    with pytest.raises(BenchError, match="--plot needs matplotlib"):
+        report.require_matplotlib()
 
 
 def test_width_costs_round_trip_and_missing(tmp_path):
-    assert bench.load_width_costs("x", "float32", tmp_path) is None
-    path = bench.save_width_costs("org/x", "float32", tmp_path, {1: 0.1, 2: 0.12, 4: 0.2})
+    assert width_costs.load_width_costs("x", "float32", tmp_path) is None
+    path = width_costs.save_width_costs("org/x", "float32", tmp_path, {1: 0.1, 2: 0.12, 4: 0.2})
     assert path.parent == tmp_path / "widths" and "/" not in path.name
-    assert bench.load_width_costs("org/x", "float32", tmp_path) == {1: 1.0, 2: 1.2, 4: 2.0}
-    assert bench.load_width_costs("org/x", "bfloat16", tmp_path) is None
+    assert width_costs.load_width_costs("org/x", "float32", tmp_path) == {1: 1.0, 2: 1.2, 4: 2.0}
+    assert width_costs.load_width_costs("org/x", "bfloat16", tmp_path) is None
     path.write_text("{not json")
-    assert bench.load_width_costs("org/x", "float32", tmp_path) is None
+    assert width_costs.load_width_costs("org/x", "float32", tmp_path) is None
 
 
 def test_parse_arm_and_select_arms():
-    assert bench.parse_arm("lookup:4").speculation == {"drafter": "lookup", "depth": 4}
-    assert bench.parse_arm("spec").speculation == "auto"
+    assert mlx_arms.parse_arm("lookup:4").speculation == {"drafter": "lookup", "depth": 4}
+    assert mlx_arms.parse_arm("spec").speculation == "auto"
     for bad in ("lookup", "lookup:0", "oracle:1", "mtp:x"):
         with pytest.raises(ValueError):
-            bench.parse_arm(bad)
-    arms, skipped = bench.select_arms([bench.parse_arm("mtp:1"), bench.PLAIN], True, None)
+            mlx_arms.parse_arm(bad)
+    arms, skipped = mlx_arms.select_arms([mlx_arms.parse_arm("mtp:1"), mlx_arms.PLAIN], True, None)
     assert [a.name for a in arms] == ["plain", "spec", "mtp:1", "mlx_lm"]
     assert skipped == [{"arm": "mlx_lm_draft", "reason": "no --draft-model given"}]
-    arms, _ = bench.select_arms([], True, "some-draft")
+    arms, _ = mlx_arms.select_arms([], True, "some-draft")
     assert [a.name for a in arms][-2:] == ["mlx_lm", "mlx_lm_draft"]
 
 
@@ -123,7 +125,7 @@ def test_mlx_lm_acceptance_rebuilt_from_flags():
     # k=2, max_tokens=7: rounds (drafted, accepted) are (2, 2), (2, 0), (2, 1), and the last
     # one may draft only min(2, 7 - 6) = 1 token, rejected.
     flags = [True, True, False, False, True, False, False]
-    drafted, accepted, per_pos = bench._mlx_lm_acceptance(flags, 7, 2)
+    drafted, accepted, per_pos = mlx_arms.mlx_lm_acceptance(flags, 7, 2)
     assert (drafted, accepted) == (7, 3)
     assert per_pos == [round(2 / 4, 4), round(1 / 3, 4)]
 
@@ -165,3 +167,16 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
     for s in stages[:-1]:  # the stage process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(s["pid"], 0)
+
+
+def test_bench_options_import_no_mlx():
+    """The CLI builds the bench's parser before the fast BLAS is set up: no mlx may load."""
+    code = ("import sys\n"
+            "from skulkp2p.bench import BenchError, add_bench_arguments, run_bench\n"
+            "from skulkp2p.cli import build_parser\n"
+            "build_parser().parse_args(['bench', '--arms', 'lookup:2'])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -102,7 +102,7 @@ def test_auto_lookup_on_echo_off_on_novel_smollm2(smollm2_path):
     echo = {"id": "echo", "messages": [{"role": "user", "content":
             "Copy this code exactly, changing nothing:\n```python\n" + code + "```"}],
             "max_tokens": 80}
-    from skulkp2p.bench import WORKLOADS
+    from skulkp2p.bench.workloads import WORKLOADS
     novel = {"id": "novel", "messages": WORKLOADS["qa"], "max_tokens": 40}
     plain = {**novel, "id": "plain", "speculation": "off"}
     env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent)}

@@ -367,14 +367,14 @@ def test_bench_served_bad_input_one_line(card_dir, args, env, message):
 
 
 def test_bench_served_overhead_math_and_mismatch():
-    from skulkp2p.served.bench import PLAIN, Generation, _results
+    from skulkp2p.bench.served_report import PLAIN, Generation, summarize
 
     def gen(text: str, tok_s: float, ttft: float) -> Generation:
         return Generation(text=text, tokens=11, ttft_s=ttft, decode_s=10 / tok_s)
 
     cells = {("qa", PLAIN, "proxy"): [gen("a", 90.0, 0.11), gen("a", 95.0, 0.12)],
              ("qa", PLAIN, "direct"): [gen("a", 100.0, 0.10), gen("a", 100.0, 0.10)]}
-    results, overhead, mismatched = _results(cells, [PLAIN], ["qa"])
+    results, overhead, mismatched = summarize(cells, [PLAIN], ["qa"])
     o, pooled = overhead
     assert o["decode_tok_s"] == pytest.approx(0.075) and o["ttft"] == pytest.approx(0.15)
     assert o["ttft_ms"] == pytest.approx(15.0) and o["decode_tok_s_paired"] == pytest.approx(
@@ -386,5 +386,5 @@ def test_bench_served_overhead_math_and_mismatch():
     assert pooled["decode_tok_s_paired_sem"] == pytest.approx(0.025)
     assert not mismatched and results[0]["identical_to_direct"] is True
     cells[("qa", PLAIN, "proxy")][1] = gen("b", 95.0, 0.12)
-    results, _, mismatched = _results(cells, [PLAIN], ["qa"])
+    results, _, mismatched = summarize(cells, [PLAIN], ["qa"])
     assert mismatched == ["served-plain/qa"] and results[0]["identical_to_direct"] is False

@@ -47,7 +47,7 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
         from skulkp2p.engine.draft_model import check_compatible
         check_compatible(loaded.tokenizer, loaded.draft.tokenizer,
                          _vocab_size(loaded), _vocab_size(loaded.draft))
-    from skulkp2p.bench import load_width_costs  # written by `bench --widths` on this machine
+    from skulkp2p.engine.width_costs import load_width_costs  # `bench --widths` wrote it here
     loaded.width_costs = load_width_costs(resolved.id, dtype, store.data_dir)
     if loaded.width_costs:
         log.info("verify width costs for %s (%s) measured here: %s", resolved.id, dtype,

@@ -1,6 +1,6 @@
 """`bench --nodes N`: the bench's model as a pipeline ring of N real processes on loopback.
 
-Stages 1..N-1 are child processes (`python -m skulkp2p.bench_ring ...`), each holding only its
+Stages 1..N-1 are child processes (`python -m skulkp2p.bench.ring ...`), each holding only its
 layers and answering ring frames on the cluster's own data plane (`cluster/ring_link.RingData`,
 a signed TCP listener); the last stage is the bench process itself, which runs the one decode
 loop over a `RingForward` and a `TcpRingLink`, exactly as a cluster's last stage does. Every
@@ -13,6 +13,7 @@ Where the time goes, per run: the last stage times its own compute and its wait 
 traversal; the other stages put their compute seconds into the frame they pass on (`cs`), so
 link time = wait - the other stages' compute (network, proxy delay, framing, thread hand-offs);
 the rest of the run is the decode loop on the last stage (drafting, sampling, detokenising).
+`report.py` turns these into each result row's `ring` medians and the ring table.
 
 Clean-up: every child is killed by its pid when the bench ends, however it ends (the bench's
 `finally`, an atexit hook); a child also exits on its own when its stdin closes, so not even a
@@ -176,7 +177,7 @@ class RingBench:
     def _start_stage(self, st: _Stage, total: int, next_addr: str, env: dict[str, str]
                      ) -> None:
         st.log_path = self._tmp / f"stage{st.index + 1}.log"
-        cmd = [sys.executable, "-m", "skulkp2p.bench_ring", "--model", self.spec,
+        cmd = [sys.executable, "-m", "skulkp2p.bench.ring", "--model", self.spec,
                "--dtype", self.dtype, "--layers", f"{st.layers[0]},{st.layers[1]},{total}",
                "--host", st.ip, "--port", str(st.port), "--next", next_addr,
                "--data-dir", str(self.store.data_dir)]
@@ -324,49 +325,11 @@ def _tail(path: Path | None, lines: int = 15) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Report
-
-
-def ring_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per arm and workload: the median run's split of the time (medians of each field), and
-    link time per traversal."""
-    import statistics
-
-    keys = [k for k in runs[0] if all(k in r for r in runs)]
-    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 4) for k in keys}
-    if out.get("traversals"):
-        out["link_ms_per_traversal"] = round(out["link_s"] * 1e3 / out["traversals"], 3)
-    return out
-
-
-def ring_table(doc: dict[str, Any]) -> str:
-    ring = doc["settings"].get("ring")
-    if not ring:
-        return ""
-    lines = [f"\nring: {ring['nodes']} stages {ring.get('layers')}, "
-             f"{ring['link_delay_ms']:g} ms per hop x {ring['hops_per_traversal']} hops per "
-             "traversal; seconds per run (median):", "",
-             "| workload | arm | total s | last stage s | other stages s | link s | loop s "
-             "| traversals | link ms / traversal |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in doc["results"]:
-        x = r.get("ring")
-        if not x:
-            continue
-        lines.append(
-            f"| {r['workload']} | {r['arm']} | {x.get('total_s', 0):.2f} | "
-            f"{x['last_stage_compute_s']:.2f} | {x['other_stages_compute_s']:.2f} | "
-            f"{x['link_s']:.2f} | {x.get('loop_s', 0):.2f} | {x['traversals']:.0f} | "
-            f"{x.get('link_ms_per_traversal', 0):.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------------------------
-# A stage process: `python -m skulkp2p.bench_ring --model M --layers A,B,L --host IP ...`
+# A stage process: `python -m skulkp2p.bench.ring --model M --layers A,B,L --host IP ...`
 
 
 def _stage_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m skulkp2p.bench_ring",
+    p = argparse.ArgumentParser(prog="python -m skulkp2p.bench.ring",
                                 description="one stage of bench --nodes (started by the bench)")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", required=True)

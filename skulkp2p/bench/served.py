@@ -16,8 +16,9 @@ no prompt served from a previous arm's run (TTFT would be a cache hit otherwise)
 Timings are client-side, over streamed chat completions: TTFT from sending the request to the
 first text; decode tok/s = (completion tokens - 1) / (time from first to last text). Proxy
 overhead per workload: (direct - proxy) / direct on median decode tok/s and (proxy - direct) /
-direct on median TTFT, so positive numbers are what our layer costs. Greedy text through the
-proxy must equal the direct text, run by run; a mismatch is recorded and fails the command.
+direct on median TTFT, so positive numbers are what our layer costs (`served_report.py`). Greedy
+text through the proxy must equal the direct text, run by run; a mismatch is recorded and fails
+the command.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,19 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skulkp2p.bench import (
-    _WARMUP_MESSAGES,
-    WARMUP_TOKENS,
-    WORKLOADS,
-    BenchError,
-    _fmt,
-    _loadavg,
-    _round,
-    _write_atomic,
-    _yes_no,
-    machine_info,
-    write_document,
+from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.report import fmt, loadavg, machine_info, write_atomic, write_document
+from skulkp2p.bench.served_report import (
+    PLAIN,
+    SPEC,
+    Generation,
+    markdown_tables,
+    path_arm,
+    summarize,
 )
+from skulkp2p.bench.workloads import WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
 from skulkp2p.engine.request import parse_request
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedError, _die_with_parent, free_port
@@ -66,7 +64,6 @@ CACHE_RAM_ENV = "LLAMA_ARG_CACHE_RAM"  # llama-server's own variable for --cache
 THREADS_ENV = "SKULKP2P_LLAMA_SERVER_THREADS"
 AGENT_READY_TIMEOUT_S = 240.0
 READ_TIMEOUT_S = 300.0  # a stalled server ends the bench with an error, never a hang
-PLAIN, SPEC = "served-plain", "served-spec"
 _READY = re.compile(r"ready: model \S+ served by llama-server \(pid (\d+)")
 
 
@@ -105,35 +102,6 @@ def _refuse_mlx_options(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------------
 # One streamed generation, the same client for both paths
-
-
-@dataclass
-class Generation:
-    text: str
-    tokens: int
-    ttft_s: float
-    decode_s: float
-    prompt_tokens: int | None = None
-    drafted: int | None = None
-    accepted: int | None = None
-    agent_cpu_s: float | None = None  # CPU time our agent used during this request
-    child_cpu_s: float | None = None  # and its llama-server
-
-    @property
-    def tok_s(self) -> float | None:
-        if self.tokens < 2 or self.decode_s <= 0:
-            return None
-        return (self.tokens - 1) / self.decode_s
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"tok_s": _round(self.tok_s, 2), "ttft_s": round(self.ttft_s, 4),
-                               "decode_s": round(self.decode_s, 4), "tokens": self.tokens}
-        if self.drafted is not None:
-            out.update(drafted=self.drafted, accepted=self.accepted)
-        if self.agent_cpu_s is not None:
-            out.update(agent_cpu_s=round(self.agent_cpu_s, 3),
-                       child_cpu_s=_round(self.child_cpu_s, 3))
-        return out
 
 
 def stream_chat(port: int, body: dict[str, Any], where: str,
@@ -346,10 +314,6 @@ def _stop_agent(agent: Agent) -> None:
 # The measurement
 
 
-def _path_arm(arm: str, path: str) -> str:
-    return arm if path == "proxy" else f"{arm}-direct"
-
-
 def _measure(agent: Agent, path: str, messages: list[dict[str, str]], max_tokens: int
              ) -> Generation:
     # A short, different request first: the child's slot then holds another prompt, so this
@@ -383,129 +347,6 @@ def _cpu_s(pid: int | None) -> float | None:
         return None
 
 
-def _median(xs: list[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else None
-
-
-def _results(cells: dict[tuple[str, str, str], list[Generation]], arms: list[str],
-             workloads: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
-                                            list[str]]:
-    """Rows per workload, arm and path; proxy overhead per workload and arm; and the
-    arm/workload pairs whose proxy text differs from direct."""
-    results: list[dict[str, Any]] = []
-    overhead: list[dict[str, Any]] = []
-    mismatched: list[str] = []
-    for wl in workloads:
-        for path in ("proxy", "direct"):
-            base = None
-            for arm in arms:
-                runs = cells[(wl, arm, path)]
-                if not runs:
-                    continue
-                med = _median([g.tok_s for g in runs])
-                if arm == PLAIN:
-                    base = med
-                first = runs[0]
-                row: dict[str, Any] = {
-                    "arm": _path_arm(arm, path), "workload": wl, "path": path,
-                    "tok_s": _round(med, 2),
-                    "ttft_s": round(statistics.median(g.ttft_s for g in runs), 4),
-                    "runs": [g.summary() for g in runs],
-                    "speedup_vs_plain": round(med / base, 3) if med and base else None,
-                    # per generation, from the first run (the engine's counts)
-                    "drafted": first.drafted, "accepted": first.accepted,
-                    "acceptance": round(first.accepted / first.drafted, 4)
-                    if first.drafted else None,
-                    "tokens_generated": first.tokens,
-                }
-                plain = cells[(wl, PLAIN, path)]
-                if arm != PLAIN and plain:
-                    row["identical_to_plain"] = all(g.text == plain[0].text for g in runs)
-                if path == "proxy":
-                    direct = cells[(wl, arm, "direct")]
-                    pairs = list(zip(runs, direct, strict=False))
-                    same = all(p.text == d.text and p.tokens == d.tokens for p, d in pairs)
-                    row["identical_to_direct"] = same if pairs else None
-                    if pairs and not same:
-                        mismatched.append(f"{arm}/{wl}")
-                results.append(row)
-        for arm in arms:
-            proxy, direct = cells[(wl, arm, "proxy")], cells[(wl, arm, "direct")]
-            n = min(len(proxy), len(direct))
-            if not n:
-                continue
-            p_tok, d_tok = _median([g.tok_s for g in proxy]), _median([g.tok_s for g in direct])
-            p_ttft = statistics.median(g.ttft_s for g in proxy)
-            d_ttft = statistics.median(g.ttft_s for g in direct)
-            paired_tok = _median([(d.tok_s - p.tok_s) / d.tok_s
-                                  for p, d in zip(proxy[:n], direct[:n], strict=True)
-                                  if p.tok_s and d.tok_s])
-            paired_ttft = _median([(p.ttft_s - d.ttft_s) / d.ttft_s
-                                   for p, d in zip(proxy[:n], direct[:n], strict=True)
-                                   if d.ttft_s > 0])
-            overhead.append({
-                "workload": wl, "arm": arm, "runs": n,
-                # of the medians; positive = slower through our proxy
-                "decode_tok_s": round((d_tok - p_tok) / d_tok, 4) if p_tok and d_tok else None,
-                "ttft": round((p_ttft - d_ttft) / d_ttft, 4) if d_ttft > 0 else None,
-                "ttft_ms": round((p_ttft - d_ttft) * 1000, 2),
-                # the median of run-by-run ratios (each proxy run next to its direct run)
-                "decode_tok_s_paired": _round(paired_tok, 4),
-                "ttft_paired": _round(paired_ttft, 4),
-            })
-    for arm in arms:
-        pooled = _pooled(cells, arm, workloads)
-        if pooled:
-            overhead.append(pooled)
-    return results, overhead, mismatched
-
-
-def _pooled(cells: dict[tuple[str, str, str], list[Generation]], arm: str,
-            workloads: list[str]) -> dict[str, Any] | None:
-    """Every workload's runs together (workload "all"): decode tok/s as total tokens over total
-    decode seconds per path, TTFT as the mean, and the mean and standard error of the run-by-run
-    decode overhead: on a noisy machine one workload's 5 runs cannot resolve a few per cent."""
-    pairs = [(p, d) for wl in workloads
-             for p, d in zip(cells[(wl, arm, "proxy")], cells[(wl, arm, "direct")],
-                             strict=False)]
-    if not pairs:
-        return None
-
-    def rate(gens: list[Generation]) -> float | None:
-        secs = sum(g.decode_s for g in gens if g.tokens > 1)
-        return sum(g.tokens - 1 for g in gens if g.tokens > 1) / secs if secs > 0 else None
-
-    p_tok, d_tok = rate([p for p, _ in pairs]), rate([d for _, d in pairs])
-    p_ttft = statistics.fmean(p.ttft_s for p, _ in pairs)
-    d_ttft = statistics.fmean(d.ttft_s for _, d in pairs)
-    ratios = [(d.tok_s - p.tok_s) / d.tok_s for p, d in pairs if p.tok_s and d.tok_s]
-    def cpu_ms_per_token(gens: list[Generation], attr: str) -> float | None:
-        used = [(getattr(g, attr), g.tokens) for g in gens if getattr(g, attr) is not None]
-        tokens = sum(n for _, n in used)
-        return round(sum(c for c, _ in used) / tokens * 1000, 3) if tokens else None
-
-    proxy, direct = [p for p, _ in pairs], [d for _, d in pairs]
-    return {
-        "workload": "all", "arm": arm, "runs": len(pairs),
-        # CPU per generated token (clock-tick resolution, summed over all runs): the agent's
-        # through the proxy is our layer's cost; beside direct runs it is its idle background
-        "agent_cpu_ms_per_token": {"proxy": cpu_ms_per_token(proxy, "agent_cpu_s"),
-                                   "direct": cpu_ms_per_token(direct, "agent_cpu_s")},
-        "child_cpu_ms_per_token": {"proxy": cpu_ms_per_token(proxy, "child_cpu_s"),
-                                   "direct": cpu_ms_per_token(direct, "child_cpu_s")},
-        "decode_tok_s": round((d_tok - p_tok) / d_tok, 4) if p_tok and d_tok else None,
-        "ttft": round((p_ttft - d_ttft) / d_ttft, 4) if d_ttft > 0 else None,
-        "ttft_ms": round((p_ttft - d_ttft) * 1000, 2),
-        "decode_tok_s_paired": _round(statistics.median(ratios), 4) if ratios else None,
-        "ttft_paired": _round(statistics.median((p.ttft_s - d.ttft_s) / d.ttft_s
-                                                for p, d in pairs if d.ttft_s > 0), 4),
-        "decode_tok_s_paired_mean": _round(statistics.fmean(ratios), 4) if ratios else None,
-        "decode_tok_s_paired_sem": _round(statistics.stdev(ratios) / len(ratios) ** 0.5, 4)
-        if len(ratios) > 1 else None,
-    }
-
-
 def _version(binary: Path) -> str | None:
     try:
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
@@ -529,7 +370,7 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
         gguf = resolve_gguf(store, card, lambda label: ProgressBar(label, sys.stderr))
     except ServedError as e:
         raise BenchError(str(e)) from None
-    load_before = _loadavg()
+    load_before = loadavg()
     skipped: list[dict[str, Any]] = []
     spec_type = card.placement.get("served_spec_type", "none")
     arms = [PLAIN]
@@ -558,7 +399,7 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
         "cache": "before each measured request a short different request to the same child; "
                  f"children started with {CACHE_RAM_ENV}={engine['cache_ram_env']}",
         "greedy": True, "chat_template": True, "workloads": workloads,
-        "arms": [_path_arm(a, p) for a in arms for p in ("proxy", "direct")],
+        "arms": [path_arm(a, p) for a in arms for p in ("proxy", "direct")],
         "proxy": "python -m skulkp2p join on 127.0.0.1 (our HTTP server and proxy), its "
                  "llama-server child asked directly for the direct path",
         "overhead": "(direct - proxy) / direct on median decode tok/s; (proxy - direct) / "
@@ -567,13 +408,13 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
     }
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
-        results, overhead, mismatched = _results(cells, arms, workloads)
+        results, overhead, mismatched = summarize(cells, arms, workloads)
         plain_text = {wl: cells[(wl, PLAIN, "direct")][0].text[:400]
                       for wl in workloads if cells[(wl, PLAIN, "direct")]}
         return {
             "complete": complete,
             "machine": {**machine_info(), "loadavg_before": load_before,
-                        "loadavg_after": _loadavg()},
+                        "loadavg_after": loadavg()},
             "engine": engine,
             "model": {"id": card.id, "path": str(gguf), "dtype": "gguf"},
             "settings": {**settings, "prompt_tokens": prompt_tokens, "plain_text": plain_text},
@@ -602,7 +443,7 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
         by_arm = {a.arm: a for a in agents}
         for agent in agents:  # warm-up: each arm and path once, short
             for path in ("proxy", "direct"):
-                _measure(agent, path, _WARMUP_MESSAGES, warm)
+                _measure(agent, path, WARMUP_MESSAGES, warm)
         for r in range(args.runs):
             paths = ("proxy", "direct") if r % 2 == 0 else ("direct", "proxy")
             for wl in workloads:
@@ -613,11 +454,11 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
                         if path == "direct" and gen.prompt_tokens:
                             prompt_tokens[wl] = gen.prompt_tokens
                         log.info("run %d/%d %-10s %-20s %s tok/s, ttft %.3fs%s", r + 1,
-                                 args.runs, wl, _path_arm(arm, path), _fmt(gen.tok_s, ".2f"),
+                                 args.runs, wl, path_arm(arm, path), fmt(gen.tok_s, ".2f"),
                                  gen.ttft_s, "" if gen.drafted is None
                                  else f", accepted {gen.accepted}/{gen.drafted}")
                         if args.json_out:  # a bench killed by a time limit keeps its runs
-                            _write_atomic(Path(args.json_out),
+                            write_atomic(Path(args.json_out),
                                           json.dumps(document(False)[0], indent=2) + "\n")
     except BaseException:
         log.error("agent logs kept in %s", tmp)
@@ -635,46 +476,3 @@ def run_served_bench(args: argparse.Namespace, store: Any, card: Any) -> int:
         raise BenchError("greedy output through our proxy differs from llama-server direct "
                          f"for {', '.join(mismatched)}")
     return 0
-
-
-def markdown_tables(doc: dict[str, Any]) -> str:
-    m, e, s = doc["model"], doc["engine"], doc["settings"]
-    threads = f", threads {e['threads_env']}" if e.get("threads_env") else ""
-    lines = [f"bench: {m['id']} on llama-server ({e['spec_type']}{threads}), "
-             f"{s['max_tokens']} tokens, median of {s['runs']} run(s); loadavg "
-             f"{doc['machine']['loadavg_before']} -> {doc['machine']['loadavg_after']}", "",
-             "| workload | arm | tok/s | × plain | TTFT ms | drafted | accepted | acceptance "
-             "| = direct | = plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in doc["results"]:
-        lines.append(
-            f"| {r['workload']} | {r['arm']} | {_fmt(r['tok_s'], '.2f')} | "
-            f"{_fmt(r['speedup_vs_plain'], '.2f')} | {r['ttft_s'] * 1000:.1f} | "
-            f"{_fmt(r['drafted'], 'd')} | {_fmt(r['accepted'], 'd')} | "
-            f"{_fmt(r['acceptance'], '.0%')} | {_yes_no(r.get('identical_to_direct'))} | "
-            f"{_yes_no(r.get('identical_to_plain'))} |")
-    lines += ["", "proxy overhead (positive = slower through our proxy; of medians, and the "
-                  "median of run-by-run pairs):", "",
-              "| workload | arm | decode tok/s | paired | TTFT | paired | TTFT +ms |",
-              "|---|---|---:|---:|---:|---:|---:|"]
-    for o in doc["proxy_overhead"]:
-        lines.append(
-            f"| {o['workload']} | {o['arm']} | {_fmt(o['decode_tok_s'], '+.1%')} | "
-            f"{_fmt(o['decode_tok_s_paired'], '+.1%')} | {_fmt(o['ttft'], '+.1%')} | "
-            f"{_fmt(o['ttft_paired'], '+.1%')} | {o['ttft_ms']:+.1f} |")
-    pooled = [o for o in doc["proxy_overhead"] if o.get("decode_tok_s_paired_sem") is not None]
-    lines += [""] if pooled else []
-    for o in pooled:
-        lines.append(f"{o['arm']}, all workloads ({o['runs']} pairs): decode overhead "
-                     f"{_fmt(o['decode_tok_s'], '+.1%')} of total tok/s; run by run mean "
-                     f"{_fmt(o['decode_tok_s_paired_mean'], '+.1%')} ± "
-                     f"{o['decode_tok_s_paired_sem']:.1%} (standard error)")
-        a, c = o.get("agent_cpu_ms_per_token") or {}, o.get("child_cpu_ms_per_token") or {}
-        if a.get("proxy") is not None:
-            lines.append(f"  CPU ms per token: our agent {a['proxy']:.2f} through the proxy "
-                         f"({_fmt(a.get('direct'), '.2f')} idle during direct runs); "
-                         f"llama-server {_fmt(c.get('proxy'), '.2f')} proxied, "
-                         f"{_fmt(c.get('direct'), '.2f')} direct")
-    for sk in doc.get("skipped", []):
-        lines.append(f"\nskipped {sk['arm']}: {sk['reason']}")
-    return "\n".join(lines) + "\n"

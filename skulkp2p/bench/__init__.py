@@ -1,0 +1,20 @@
+"""`python -m skulkp2p bench`: decode speed of each arm on named workloads, as JSON and a table.
+
+    cli.py            the options and the MLX bench's measurement loop (run_bench)
+    workloads.py      the workload texts and the warm-up
+    mlx_arms.py       the MLX arms (plain, spec, drafters, the mlx-lm peers): one timed run each
+    ring.py           --nodes N: the model as a ring of stage processes on loopback
+    served.py         --engine served: llama-server agents, through our proxy and direct
+    served_report.py  the served bench's rows, proxy overhead and table
+    report.py         machine info, load average, the JSON document, tables, plot
+    errors.py         BenchError
+
+The verify-width cost table that `--widths` measures belongs to the engine
+(`skulkp2p/engine/width_costs.py`). Importing this package imports no mlx: the CLI builds its
+parser before the fast BLAS is set up.
+"""
+
+from skulkp2p.bench.cli import add_bench_arguments, run_bench
+from skulkp2p.bench.errors import BenchError
+
+__all__ = ["BenchError", "add_bench_arguments", "run_bench"]

@@ -1,0 +1,345 @@
+"""`python -m skulkp2p bench`: its options and the MLX bench's measurement loop.
+
+Protocol (the anchors' one): greedy, `--max-tokens` generated tokens, median of `--runs` runs after
+a warm-up, every arm (`mlx_arms.py`) on the same loaded model in the same process. Runs are
+interleaved (run r of every workload and arm before run r+1), so slow drift of the machine spreads
+over all arms instead of favouring whichever ran first.
+
+`--widths` measures the verify-width cost table (the fastest of 7 forwards of w tokens after a
+64-token prefill, relative to w=1) with the engine's `width_costs` module and saves it under
+`<data-dir>/widths/`, where the loader reads it for the depth controller. `--nodes N` runs the
+model as a ring of stage processes (`ring.py`); `--engine served` is the served bench
+(`served.py`).
+
+Nothing here imports mlx at module level: the CLI must arrange the BLAS preload (a re-exec)
+before mlx loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import types
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.mlx_arms import (
+    MLX_LM_DRAFT_TOKENS,
+    PLAIN,
+    Arm,
+    Cell,
+    SkipArm,
+    execute,
+    open_draft,
+    parse_arm,
+    prompt_len,
+    select_arms,
+)
+from skulkp2p.bench.report import (
+    fmt,
+    loadavg,
+    machine_info,
+    markdown_tables,
+    plot_speedups,
+    require_matplotlib,
+    ring_summary,
+    round_or_none,
+    write_atomic,
+    write_document,
+)
+from skulkp2p.bench.workloads import ECHO_CODE, WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model import LoadedModel
+    from skulkp2p.models.store import ModelStore
+
+log = logging.getLogger("skulkp2p.bench")
+
+DEFAULT_MAX_TOKENS = 200
+DEFAULT_RUNS = 3
+
+# --------------------------------------------------------------------------------------------
+# Options
+
+
+def _arm_list(value: str) -> list[Arm]:
+    try:
+        return [parse_arm(part) for part in value.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _workload_list(value: str) -> list[str]:
+    names = [w.strip() for w in value.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {bad[0] if bad else value!r} (known: {', '.join(WORKLOADS)})")
+    return list(dict.fromkeys(names))
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
+def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
+    # A bench is often scripted: a bad option gets one line, not the usage block.
+    print(f"{self.prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench sub-command's options (kept here so skulkp2p/cli.py stays small)."""
+    from skulkp2p.models.cards import DEFAULT_MODEL
+
+    p.error = types.MethodType(_one_line_error, p)  # type: ignore[method-assign]
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"card id or model folder (default {DEFAULT_MODEL})")
+    p.add_argument("--engine", choices=("mlx", "served"), default="mlx",
+                   help="mlx (default), or served: a llama-server card (placement.engine = "
+                        "llama_server), plain vs its speculation, through our proxy vs direct")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="default: what this node would serve with (float32 on OpenBLAS)")
+    p.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS,
+                   help=f"generated tokens per run (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,
+                   help=f"measured runs per arm and workload; the median counts "
+                        f"(default {DEFAULT_RUNS})")
+    p.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
+                   help=f"comma list of {', '.join(WORKLOADS)} (default all)")
+    p.add_argument("--arms", type=_arm_list, default=[],
+                   help="extra arms beside plain, spec and the peers: comma list of "
+                        "DRAFTER:DEPTH (lookup:4, mtp:1, draft:3)")
+    p.add_argument("--no-peers", action="store_true", help="skip the mlx-lm peer arms")
+    p.add_argument("--draft-model", metavar="ID|PATH",
+                   help="draft model for mlx-lm's speculative generate (peer mlx_lm_draft) and, "
+                        "unless the card names one, for the engine's draft:k arms and spec")
+    p.add_argument("--draft-tokens", type=_positive, default=MLX_LM_DRAFT_TOKENS,
+                   help=f"mlx-lm's num_draft_tokens (default {MLX_LM_DRAFT_TOKENS})")
+    p.add_argument("--json", metavar="PATH", dest="json_out",
+                   help="write the JSON here and the table to stdout (default: JSON on stdout, "
+                        "table on stderr)")
+    p.add_argument("--plot", metavar="PNG", help="bar chart of speedups over plain "
+                   "(needs matplotlib)")
+    p.add_argument("--nodes", type=_positive, default=1,
+                   help="run the model as a pipeline ring of N stages: N-1 stage processes "
+                        "and this one, on loopback over TCP (default 1: no ring)")
+    p.add_argument("--link-delay-ms", type=float, default=0.0,
+                   help="with --nodes: latency added to every hop by a proxy, standing in "
+                        "for a LAN (default 0)")
+    p.add_argument("--widths", action="store_true",
+                   help="also measure the verify-width cost table (w = 1..16) and save it under "
+                        "<data-dir>/widths/")
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+
+
+def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
+    """The whole command after the CLI has arranged the BLAS; returns the exit status."""
+    from skulkp2p.bench.served import dispatch
+
+    status = dispatch(args, store)  # --engine served; a served card without it is refused
+    if status is not None:
+        return status
+    if args.plot:
+        require_matplotlib()  # before minutes of measuring, not after
+    from skulkp2p.engine import blas
+    from skulkp2p.engine.loader import open_model, serving_dtype
+
+    engine = blas.fast_path_report()
+    load_before = loadavg()  # other work on a 2-core node skews timings: record it
+    dtype = args.dtype or serving_dtype()
+    nodes = getattr(args, "nodes", 1)
+    # mlx-lm's peers need the whole model in one piece: not on a ring.
+    arms, skipped = select_arms(args.arms, not args.no_peers and nodes == 1, args.draft_model)
+    for sk in skipped if nodes > 1 and not args.no_peers else ():
+        sk["reason"] = "mlx-lm needs the whole model in one process, not a ring"
+    if nodes == 1:
+        return _run_loaded(args, store, engine, load_before, arms, skipped,
+                           open_model(store, args.model, dtype), None)
+    if args.widths:  # a stage's slice would overwrite the whole model's cost table
+        raise BenchError("--widths measures the whole model in one process: run it without "
+                         "--nodes")
+    from skulkp2p.bench.ring import RingBench, RingBenchError
+
+    ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0))
+    try:  # the stage processes end with the bench, however it ends
+        try:
+            loaded = ring.open()
+        except RingBenchError as e:
+            raise BenchError(str(e)) from None
+        return _run_loaded(args, store, engine, load_before, arms, skipped, loaded, ring)
+    finally:
+        ring.close()
+
+
+def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, Any],
+                load_before: list[float] | None, arms: list[Arm], skipped: list[dict[str, str]],
+                loaded: LoadedModel, ring: Any) -> int:
+    draft = open_draft(store, args.draft_model, loaded) if args.draft_model else None
+
+    # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
+    # cannot run on this model at all.
+    for arm in list(arms):
+        try:
+            execute(arm, loaded, draft, WARMUP_MESSAGES, min(WARMUP_TOKENS, args.max_tokens),
+                    args.draft_tokens)
+        except SkipArm as e:
+            log.warning("arm %s skipped: %s", arm.name, e)
+            skipped.append({"arm": arm.name, "reason": str(e)})
+            arms.remove(arm)
+    if PLAIN not in arms:
+        raise BenchError(f"the plain arm cannot run: {skipped[-1]['reason']}")
+    if ring is not None:
+        ring.take_run(None)  # the warm-up's traversals do not count
+
+    workloads = list(args.workloads)
+    cells = {(wl, a.name): Cell() for wl in workloads for a in arms}
+    settings = {
+        "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
+        "warmup": f"each arm once, {min(WARMUP_TOKENS, args.max_tokens)} tokens",
+        "order": "interleaved: run r of every workload and arm before run r+1",
+        "greedy": True, "chat_template": True,
+        "workloads": workloads, "arms": [a.name for a in arms],
+        "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
+        "engine_draft_model": getattr(getattr(loaded, "draft", None), "id", None),
+        # what the engine's depth controller read from <data-dir>/widths (spec arm)
+        "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
+        "prompt_tokens": {wl: prompt_len(loaded, wl) for wl in workloads},
+    }
+    if ring is not None:
+        settings["ring"] = ring.settings  # filled in as the ring runs: compute vs link seconds
+
+    def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
+        results, cell_skips, mismatched = _results(cells, arms, workloads)
+        plain_text = {wl: cells[(wl, "plain")].runs[0].text[:400]
+                      for wl in workloads if cells[(wl, "plain")].runs}
+        return {
+            "complete": complete,
+            "machine": {**machine_info(), "loadavg_before": load_before,
+                        "loadavg_after": loadavg()},
+            "engine": engine,
+            "model": {"id": loaded.id, "path": str(loaded.path), "dtype": loaded.dtype},
+            "settings": {**settings, "plain_text": plain_text},
+            "results": results,
+            "skipped": skipped + cell_skips,
+        }, mismatched
+
+    for r in range(args.runs):
+        for wl in workloads:
+            for arm in arms:
+                cell = cells[(wl, arm.name)]
+                if cell.skip:
+                    continue
+                try:
+                    run = execute(arm, loaded, draft, WORKLOADS[wl], args.max_tokens,
+                                  args.draft_tokens)
+                except SkipArm as e:
+                    cell.skip = str(e)
+                    continue
+                if ring is not None:
+                    run.ring = ring.take_run(run.ttft_s + run.decode_s)
+                cell.runs.append(run)
+                log.info("run %d/%d %-10s %-14s %s tok/s, ttft %.2fs%s", r + 1, args.runs, wl,
+                         arm.name, fmt(run.tok_s, ".2f"), run.ttft_s,
+                         "" if run.drafted is None else f", accepted {run.accepted}/{run.drafted}")
+                if args.json_out:  # a bench killed by a time limit keeps what it measured
+                    write_atomic(Path(args.json_out),
+                                 json.dumps(document(False)[0], indent=2) + "\n")
+
+    doc, mismatched = document(True)
+    if args.widths:
+        from skulkp2p.engine.width_costs import (
+            WIDTH_PREFILL,
+            WIDTH_REPS,
+            measure_width_seconds,
+            relative_costs,
+            save_width_costs,
+        )
+
+        load_widths = loadavg()
+        seconds = measure_width_seconds(loaded, ECHO_CODE)
+        path = save_width_costs(loaded.id, loaded.dtype, store.data_dir, seconds,
+                                {"blas": engine.get("blas"), "reps": WIDTH_REPS,
+                                 "statistic": "min", "machine": doc["machine"],
+                                 "loadavg_before": load_widths, "loadavg_after": loadavg()})
+        doc["widths"] = {
+            "prefill_tokens": WIDTH_PREFILL, "reps": WIDTH_REPS, "statistic": "min",
+            "file": str(path), "loadavg_before": load_widths,
+            "seconds": {str(w): round(s, 6) for w, s in seconds.items()},
+            "relative": {str(w): c for w, c in relative_costs(seconds).items()},
+        }
+
+    write_document(doc, markdown_tables(doc), args.json_out)
+    if args.plot:
+        plot_speedups(doc, Path(args.plot))
+    if mismatched:
+        own = [m for m in mismatched if not m.split("/")[0].startswith("mlx_lm")]
+        log.warning("greedy tokens differ from plain: %s", ", ".join(mismatched))
+        if own:  # our arms must be exact; a peer's mismatch is recorded, not ours to fail on
+            raise BenchError(f"greedy output differs from plain for {', '.join(own)}")
+    return 0
+
+
+def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: list[str]
+             ) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
+    """Per arm and workload: medians, speedup, acceptance, exactness; the cells that were
+    skipped; and the arm/workload pairs whose greedy tokens differ from plain's."""
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    mismatched: list[str] = []
+    for wl in workloads:
+        plain_runs = cells[(wl, "plain")].runs
+        # None when plain could not run this workload (e.g. the prompt exceeds the context)
+        reference = plain_runs[0].tokens if plain_runs else None
+        base = None
+        for arm in arms:
+            cell = cells[(wl, arm.name)]
+            if cell.skip:
+                skipped.append({"arm": arm.name, "workload": wl, "reason": cell.skip})
+                continue
+            if not cell.runs:
+                continue  # not run yet (a partial document)
+            tok_s = [x.tok_s for x in cell.runs if x.tok_s is not None]
+            med = statistics.median(tok_s) if tok_s else None
+            if arm is PLAIN:
+                base = med
+            first = cell.runs[0]
+            identical = None if reference is None else all(x.tokens == reference
+                                                           for x in cell.runs)
+            if identical is False:
+                mismatched.append(f"{arm.name}/{wl}")
+            results.append({
+                "arm": arm.name, "workload": wl, "peer": arm.peer,
+                "tok_s": round_or_none(med, 2),
+                "ttft_s": round(statistics.median(x.ttft_s for x in cell.runs), 4),
+                "runs": [x.summary() for x in cell.runs],
+                "speedup_vs_plain": round(med / base, 3) if med and base else None,
+                # per generation (greedy: every run drafts the same)
+                "drafted": first.drafted, "accepted": first.accepted,
+                "acceptance": round(first.accepted / first.drafted, 4)
+                if first.drafted else None,
+                "acceptance_per_position": first.acceptance_per_position,
+                "tokens_generated": len(first.tokens),
+                "identical_to_plain": identical,
+            })
+            if all(x.ring for x in cell.runs):
+                results[-1]["ring"] = ring_summary([x.ring for x in cell.runs])
+    return results, skipped, mismatched
+
+
+def _str_keys(d: dict[int, float] | None) -> dict[str, float] | None:
+    return None if d is None else {str(k): v for k, v in sorted(d.items())}
+
