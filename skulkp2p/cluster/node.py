@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import importlib.util
 import ipaddress
 import json
 import logging
@@ -197,22 +196,6 @@ def available_memory() -> int:
         return 0
 
 
-def detect_engines() -> list[str]:
-    """Engines this node can run, without importing them (mlx import is slow)."""
-    engines = []
-    if importlib.util.find_spec("mlx") is not None:
-        if sys.platform == "darwin":
-            engines.append("mlx-metal")
-        elif importlib.util.find_spec("mlx_cuda") is not None or \
-                os.environ.get("SKULKP2P_DEVICE", "").lower() == "cuda":
-            engines.append("mlx-cuda")
-        else:
-            engines.append("mlx-cpu")
-    from skulkp2p.served.binary import engines as served_engines
-    engines.extend(served_engines())  # llama_server, llama_server-<cuda|rocm|vulkan|cpu>
-    return engines
-
-
 def offered_memory(limit: int | None) -> int:
     avail = available_memory()
     if limit is None:
@@ -336,7 +319,8 @@ class ClusterNode:
                  on_change: Callable[[ClusterNode], None] | None = None):
         self.config = config
         self.key = wire.frame_key(config.secret)
-        self.facts = {"memory": offered_memory(config.memory_limit), "engines": detect_engines(),
+        # "engines" (which ones this node runs) comes from the composition root's facts.
+        self.facts = {"memory": offered_memory(config.memory_limit), "engines": [],
                       **(facts or {})}
         self.metrics: collections.Counter[str] = collections.Counter()
         self.on_change = on_change

@@ -1,4 +1,6 @@
-"""Generation requests: one parser for every front end (pipe now, HTTP later).
+"""Generation requests: one parser for every front end (pipe, HTTP), and the sampling settings.
+
+No mlx here: the API and the served engine import this without the MLX engine.
 
 Every field is checked for type and range; a bad one raises RequestError naming the field, so each
 front end can turn it into its own error shape.
@@ -9,7 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from skulkp2p.engine.sampling import SamplingParams
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context: int = 20  # mlx-lm's default window
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
 
 DRAFTERS = ("lookup", "mtp", "draft")
 ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -12,25 +12,13 @@ from. Draws come from a per-request numpy Generator, so concurrent requests neve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 
+from skulkp2p.engine.request import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    repetition_context: int = 20  # mlx-lm's default window
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+__all__ = ["SamplingParams", "greedy_token", "log_probs", "make_rng", "process_logits",
+           "sample_from", "target_probs"]
 
 
 def process_logits(row: mx.array, history: list[int], params: SamplingParams) -> mx.array:

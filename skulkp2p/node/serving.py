@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import logging
+import os
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -469,9 +472,25 @@ def own_want(store: Any, model: str, node_name: str) -> dict[str, Any]:
     return want
 
 
+def detect_engines() -> list[str]:
+    """Engines this node can run, without importing them (mlx import is slow)."""
+    engines = []
+    if importlib.util.find_spec("mlx") is not None:
+        if sys.platform == "darwin":
+            engines.append("mlx-metal")
+        elif importlib.util.find_spec("mlx_cuda") is not None or \
+                os.environ.get("SKULKP2P_DEVICE", "").lower() == "cuda":
+            engines.append("mlx-cuda")
+        else:
+            engines.append("mlx-cpu")
+    from skulkp2p.served.binary import engines as served_engines
+    engines.extend(served_engines())  # llama_server, llama_server-<cuda|rocm|vulkan|cpu>
+    return engines
+
+
 def node_facts(store: Any) -> dict[str, Any]:
-    """Facts for the cluster beyond memory and engines: models on disk, the dtype we run."""
-    facts: dict[str, Any] = {}
+    """Facts for the cluster beyond memory: engines, models on disk, the dtype we run."""
+    facts: dict[str, Any] = {"engines": detect_engines()}
     try:
         facts["models"] = [row["id"] for row in store.list() if row["pulled"]]
     except Exception:  # a broken card must not keep the node out of the cluster
