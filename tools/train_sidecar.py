@@ -4,12 +4,12 @@ Usage::
 
     python tools/train_sidecar.py --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
 
-What it trains (DESIGN.md §5, qwen naming ``mtp.*`` with one decoder layer of the trunk's own
+What it trains (the README's "MTP sidecars", qwen naming ``mtp.*`` with one decoder layer of the trunk's own
 family, read by skulkp2p.engine.mtp.load_mtp_head): from the trunk's hidden state h_t (after its
 final norm) and the embedding of token t+1, predict what the trunk itself predicts for t+2. The
 targets are the trunk's top-k distribution at t+1, so the head learns what the verifier accepts.
 
-How (the lessons of the first attempt, DESIGN.md §6):
+How (the lessons of the first attempt):
 
 1. Data: prompts built from text that ships with the machine (Python stdlib docstrings and
    source, /usr/share/doc READMEs), as chat requests (explain, summarise, edit code, ...) and
@@ -507,7 +507,7 @@ def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab
 
 def pair_table_baseline(train: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]]
                         ) -> float:
-    """DESIGN.md's baseline: the most frequent next label per (x_t, x_{t+1}) pair, learnt on the
+    """The baseline: the most frequent next label per (x_t, x_{t+1}) pair, learnt on the
     training generations, scored on the held-out generated positions (a miss when unseen)."""
     from collections import Counter, defaultdict
     table: dict[tuple[int, int], Counter] = defaultdict(Counter)

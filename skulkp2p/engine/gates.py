@@ -17,8 +17,8 @@ import numpy as np
 
 log = logging.getLogger("skulkp2p.spec")
 
-# Cost of a verify of w tokens relative to one, measured on a 2-core x86 CPU for SmolLM2-135M
-# (DESIGN §6 and tools/blas_probe.py). Used until `bench --widths` has measured this machine.
+# Cost of a verify of w tokens relative to one on a 2-core x86 CPU for SmolLM2-135M (where it
+# was measured: docs/architecture.md). Used until `bench --widths` has measured this machine.
 DEFAULT_WIDTH_COSTS = {
     "float32": {1: 1.0, 2: 1.15, 3: 1.3, 4: 1.35, 6: 1.5, 8: 1.6, 12: 1.75, 16: 1.9},
     "bfloat16": {1: 1.0, 2: 1.3, 3: 2.0, 4: 2.1, 6: 3.0, 8: 2.8, 12: 3.9, 16: 4.9},

@@ -52,11 +52,11 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
 
 # A head's prior acceptance is measured on held-out text (its card says so): it weighs as much as
 # this many rounds, so that a few early misses (the opening of a story) do not switch it off for
-# the whole request. SmolLM2 creative: 0 of the first 4 drafts right, 39% over 144.
+# the whole request (the measurement behind it: docs/architecture.md).
 MTP_PRIOR_WEIGHT = 8.0
 
 # Beside a model drafter, lookup takes only matches of at least this many tokens: a one-token
-# match on novel text is a worse bet than the head's draft (SmolLM2 qa: 0/23 accepted).
+# match on novel text is a worse bet than the head's draft (docs/architecture.md).
 LOOKUP_MIN_KEY_WITH_MODEL = 2
 
 
@@ -120,9 +120,8 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
         return model_drafter, model_depth, hidden
     depth = int(cfg.get("max_depth", 6))
     # Prompt gate: lookup starts on when the prompt repeats itself (code, quoted text); on novel
-    # prompts it starts off and comes back only if the output turns repetitive. 0.02 measured on
-    # SmolLM2 (bench workloads): code edits score 0.024 and lookup pays there (1.9x at depth 3);
-    # questions and stories score 0.012-0.018 and lookup does not pay from the start.
+    # prompts it starts off and comes back only if the output turns repetitive. The 0.02 default
+    # sits between code edits and novel questions (docs/architecture.md).
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.02))
     alone = model_drafter is None
     lookup = GatedDrafter(_lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL), costs,

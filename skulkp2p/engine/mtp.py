@@ -1,6 +1,6 @@
 """Native MTP head drafter: the checkpoint's own multi-token-prediction head proposes drafts.
 
-The head (DESIGN.md §5) maps the trunk's hidden state h_t at position t and the embedding of the
+The head maps the trunk's hidden state h_t at position t and the embedding of the
 next token x_{t+1} to a prediction of x_{t+2}:
 
     h' = proj(concat(norm_e(embed(x_{t+1})), norm_h(h_t)))     (MiMo: hidden first)
@@ -481,7 +481,7 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
     if vocab_ids is not None:
         head.restrict_vocab(vocab_ids)
     if quant and not prequantized:
-        # Float head beside a quantised trunk: quantise on load to match it (DESIGN.md §5).
+        # Float head beside a quantised trunk: quantise on load to match it.
         group_size, bits, mode = quant
         nn.quantize(head, group_size, bits, mode=mode,
                     class_predicate=lambda p, m: isinstance(m, nn.Linear)

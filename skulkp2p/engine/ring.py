@@ -6,7 +6,7 @@ go from the last stage to the first, and each stage passes its k+1 output rows (
 bytes) to the next, ending back at the last stage. The accept decision (keep, dropped) rides on
 the NEXT round's frame, so every stage trims (or restores and replays) its caches identically
 before it runs that round, without a traversal of its own. The request's entry node forwards the
-HTTP request to the last stage (see cluster/serving.py).
+HTTP request to the last stage (see node/serving.py).
 
 This module is protocol logic only: `StageWorker.handle` maps a frame to the frame for the next
 stage, and a `RingLink` carries frames (in process for tests, TCP in cluster/ring_link.py).
