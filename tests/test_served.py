@@ -388,3 +388,30 @@ def test_bench_served_overhead_math_and_mismatch():
     cells[("qa", PLAIN, "proxy")][1] = gen("b", 95.0, 0.12)
     results, _, mismatched = summarize(cells, [PLAIN], ["qa"])
     assert mismatched == ["served-plain/qa"] and results[0]["identical_to_direct"] is False
+
+
+def test_pipe_serves_a_gguf_card_through_its_llama_server(binary, card_dir, store):
+    """The engine comes from the card everywhere: the pipe runs the card's llama-server child
+    (never a silent GGUF -> MLX conversion), with the same greedy text the child gives, and the
+    child ends with the pipe."""
+    lines = [{"id": 1, "messages": QA, "max_tokens": 12, "temperature": 0},
+             {"id": 2, "messages": ECHO, "max_tokens": 24, "temperature": 0}]
+    out = conftest.run_cli("pipe", "--model", CARD_ID, "--data-dir",
+                           str(conftest.test_data_dir()),
+                           input="".join(json.dumps(line) + "\n" for line in lines),
+                           env={"SKULKP2P_CARDS_DIR": str(card_dir)}, timeout=180)
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["id"] for r in results] == [1, 2], results
+    for r in results:
+        assert r["timing"]["engine"] == "llama_server", r
+        assert r["model"] == CARD_ID and r["text"] and r["usage"]["completion_tokens"] > 0
+    assert results[1]["speculation"]["drafter"] == "llama_server:ngram-simple"
+    # the same request straight to a llama-server of the same card: the same greedy text
+    model = open_served(store, CARD_ID, ready_timeout_s=60)
+    try:
+        assert _run(model, QA, 12)["text"] == results[0]["text"]
+    finally:
+        model.close()
+    # no MLX conversion of the GGUF happened: the store has no converted folder for the card
+    assert not (conftest.test_data_dir() / "models" / CARD_ID).exists()

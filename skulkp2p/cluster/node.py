@@ -556,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a model this node asks the cluster to place (card id or path)")
     p.add_argument("--data-dir", help="model store (for the models on disk it announces)")
     p.add_argument("--dtype", default="bfloat16", help="dtype it claims to run models in")
+    p.add_argument("--engine", action="append", default=None,
+                   help="an engine it claims to run (default mlx-cpu; repeat for more)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -573,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     async def run() -> None:
-        node = ClusterNode(config, {"wants": wants, "models": pulled, "dtype": args.dtype})
+        node = ClusterNode(config, {"wants": wants, "models": pulled, "dtype": args.dtype,
+                                    "engines": args.engine or ["mlx-cpu"]})
         await node.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
