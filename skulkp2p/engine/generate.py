@@ -328,6 +328,8 @@ def stream(loaded: LoadedModel, req: GenerationRequest, result: dict[str, Any],
             "acceptance": round(stats.accepted / stats.drafted, 4) if stats.drafted else None,
             "acceptance_per_position": [round(a / d, 4) if d else None for a, d in
                                         zip(stats.accepted_at, stats.drafted_at, strict=True)],
+            "drafted_per_position": list(stats.drafted_at),
+            "accepted_per_position": list(stats.accepted_at),
             "gate_fired": bool(gated and drafter.events),
             "gate_events": drafter.events if gated else [],
         }
