@@ -162,7 +162,12 @@ async def serve(worker: ModelWorker, host: str, port: int, stop: asyncio.Event, 
     from skulkp2p.api.server import HttpServer
 
     node = ApiNode(worker.model_id, worker, aliases, keepalive_s)
-    server = HttpServer(node.router(), config)
+    router = node.router()
+    from skulkp2p.api import dashboard  # GET /, /metrics, /v1/stats
+    from skulkp2p.telemetry import Telemetry
+    worker.telemetry = Telemetry()
+    dashboard.add_routes(router, worker.telemetry, lambda: None, lambda: {worker.model_id: worker})
+    server = HttpServer(router, config)
     bound_host, bound_port = await server.start(host, port)
     if on_listening:
         on_listening(bound_host, bound_port)

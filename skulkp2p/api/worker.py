@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.telemetry import RequestFinished, RequestStarted, result_from_dict
 
 log = logging.getLogger("skulkp2p.worker")
 
@@ -127,6 +128,8 @@ def _stop_sequence(loaded: Any, req: GenerationRequest, result: dict[str, Any]) 
 
 
 class ModelWorker:
+    telemetry: Any = None  # a skulkp2p.telemetry.Telemetry records the jobs (dashboard, /metrics)
+
     def __init__(self, model_id: str, load: Callable[[], Any], max_queue: int = 16,
                  runner: Runner = _default_runner,
                  prompt_length: Callable[[Any, GenerationRequest], int] = _prompt_length):
@@ -246,8 +249,12 @@ class ModelWorker:
         t0 = time.monotonic()
         result: dict[str, Any] = {}
         tokens = 0
+        outcome = "error"  # telemetry
         try:
             n_prompt = self._prompt_length(self.loaded, job.req)
+            if self.telemetry is not None:
+                self.telemetry.start(RequestStarted(self.model_id, job.id, n_prompt),
+                                     lambda: tokens)
             if self._runner is _default_runner and hasattr(self.loaded, "relay"):
                 self._relay_on_loop(job, n_prompt, result)
             else:
@@ -264,7 +271,9 @@ class ModelWorker:
                     job.post("start", n_prompt)
             result["stop_sequence"] = _stop_sequence(self.loaded, job.req, result)
             job.post("done", result)
+            outcome = "ok"  # telemetry
         except Cancelled:
+            outcome = "cancelled"  # telemetry
             log.info("job %d cancelled after %d tokens, %.2f s: the model is free", job.id,
                      tokens, time.monotonic() - t0)
         except RequestError as e:
@@ -273,6 +282,9 @@ class ModelWorker:
             log.exception("job %d failed", job.id)
             job.post("error", e)
         finally:
+            if self.telemetry is not None:
+                done = result_from_dict(result) if outcome == "ok" else None
+                self.telemetry.finish(RequestFinished(self.model_id, job.id, outcome, done))
             # A running average of job length, for the Retry-After of a full queue.
             self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - t0)
 

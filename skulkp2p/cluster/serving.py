@@ -41,6 +41,7 @@ from skulkp2p.cluster.placement import ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
 from skulkp2p.engine.request import RequestError, parse_request
 from skulkp2p.engine.ring import RingError, RingForward, StageWorker
+from skulkp2p.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from skulkp2p.engine.stage import StageSpan
@@ -79,6 +80,7 @@ class ClusterServing:
         self.ring = RingData(b"")  # the data plane; its key is set in serve_cluster
         self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
+        self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
 
     @property
     def name(self) -> str:
@@ -216,6 +218,7 @@ class ClusterServing:
         aliases = (self.own_model,) if model == self.own_id else ()
         worker = ModelWorker(model, load or (lambda: self.load_model(spec)),
                              max_queue=self.max_queue)
+        worker.telemetry = self.telemetry
         self.workers[model] = worker
         self.apis[model] = ApiNode(model, worker, aliases, self.keepalive_s)
         log.info("cluster: model %s is placed here: loading it", model)
@@ -255,6 +258,9 @@ class ClusterServing:
         r.add("POST", "/v1/cluster/generate", self.routed(pipe_generate))
         r.add("GET", "/v1/cluster", self.cluster)
         r.add("POST", "/v1/cluster/place", self.place)
+        from skulkp2p.api import dashboard  # GET /, /metrics, /v1/stats
+        dashboard.add_routes(r, self.telemetry, lambda: dashboard.cluster_view(
+            self.node, self.ring), lambda: self.workers)
         return r
 
     def _model_id(self, name: Any) -> str:
