@@ -354,6 +354,8 @@ class _Model:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=recent)
         self.series: collections.deque[_Bucket] = collections.deque(maxlen=buckets)
         self.totals = collections.Counter()
+        # drafter -> rounds, drafted, accepted, gate_off, gate_on (since the node started)
+        self.drafters: dict[str, collections.Counter] = {}
 
 
 class Telemetry:
@@ -485,6 +487,8 @@ class Telemetry:
                    if spec.by_drafter else
                    {spec.drafter: (spec.rounds or 0, spec.drafted, spec.accepted)})
             for name, (rounds, d, a) in per.items():
+                m.drafters.setdefault(name, collections.Counter()).update(
+                    rounds=rounds, drafted=d, accepted=a)
                 self.num_drafts.inc(rounds, model=model, drafter=name)
                 self.num_draft_tokens.inc(d, model=model, drafter=name)
                 self.num_accepted.inc(a, model=model, drafter=name)
@@ -493,8 +497,9 @@ class Telemetry:
                                               position=pos)
             events = list(spec.gate_events or ())
             for e in events:
-                self.gate_events.inc(model=model, drafter=str(e.get("drafter", spec.drafter)),
-                                     event=str(e.get("event")))
+                who, what = str(e.get("drafter", spec.drafter)), str(e.get("event"))
+                self.gate_events.inc(model=model, drafter=who, event=what)
+                m.drafters.setdefault(who, collections.Counter())[f"gate_{what}"] += 1
             drafted, accepted = spec.drafted, spec.accepted
             m.totals["drafted"] += drafted
             m.totals["accepted"] += accepted
@@ -554,7 +559,13 @@ class Telemetry:
                 totals = dict(m.totals) if m else {}
                 totals["acceptance"] = (round(totals["accepted"] / totals["drafted"], 4)
                                         if totals.get("drafted") else None)
-                out[name] = {**info, "in_flight": running,
+                drafters = {k: {"rounds": c["rounds"], "drafted": c["drafted"],
+                                "accepted": c["accepted"],
+                                "acceptance": (round(c["accepted"] / c["drafted"], 4)
+                                               if c["drafted"] else None),
+                                "gate_off": c["gate_off"], "gate_on": c["gate_on"]}
+                            for k, c in sorted((m.drafters if m else {}).items())}
+                out[name] = {**info, "in_flight": running, "drafters": drafters,
                              "recent": list(reversed(m.recent)) if m else [],
                              "series": series, "totals": totals}
         return {"time": now, "window_s": self.window_s, "bucket_s": self.bucket_s,

@@ -220,6 +220,10 @@ def test_browser_shows_cluster_model_and_acceptance(duo, tmp_path):
         assert [str(acceptance), f"{100 * acceptance:.1f}%"] in [
             [a, text.split(" ")[0]] for a, text in shown], shown
         rows_before = len(shown)
+        drafter = page.wait(f"(r => r && [r.dataset.drafter, r.querySelector('.acceptance')"
+                            f".dataset.acceptance])(document.querySelector('{card} "
+                            f"tr[data-drafter]'))", 5, "the acceptance by drafter")
+        assert drafter == ["lookup", str(acceptance)]
 
         # The try form: a streamed lookup request from the page itself.
         page.wait("document.querySelectorAll('#try-model option').length > 0", 15,

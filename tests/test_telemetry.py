@@ -146,6 +146,11 @@ def test_recorder_in_flight_recent_and_metrics():
     assert spec["by_drafter"] == {"lookup": {"drafted": 12, "accepted": 9, "acceptance": 0.75},
                                   "mtp": {"drafted": 8, "accepted": 3, "acceptance": 0.375}}
     assert spec["gate_events"][0]["event"] == "off"
+    assert st["drafters"] == {
+        "lookup": {"rounds": 3, "drafted": 12, "accepted": 9, "acceptance": 0.75,
+                   "gate_off": 0, "gate_on": 0},
+        "mtp": {"rounds": 4, "drafted": 8, "accepted": 3, "acceptance": 0.375,
+                "gate_off": 1, "gate_on": 0}}
 
     fams = parsed(t.registry.render())
     assert value(fams, "skulkp2p_requests", "skulkp2p_requests_total", model="m",

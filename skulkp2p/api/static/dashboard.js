@@ -3,6 +3,7 @@
 "use strict";
 
 const POLL_MS = 1000;
+const RECENT_ROWS = 10; // the page shows the newest; /v1/stats has more
 const state = { cluster: null, stats: null, models: [], lastOk: 0, polls: 0 };
 
 // ---- small helpers -------------------------------------------------------------------------
@@ -169,9 +170,26 @@ function gates(s) {
     (g.reason ? ` (${g.reason})` : "")).join("; ");
 }
 
+function drafterTable(m) {
+  const names = Object.keys(m.drafters || {});
+  if (!names.length) return el("div", { class: "empty", text: "No drafter ran yet." });
+  return el("table", { class: "drafters" },
+    el("thead", {}, el("tr", {}, ["drafter", "rounds", "drafted", "accepted", "acceptance",
+      "gate off / on"].map((h) => el("th", { text: h })))),
+    el("tbody", {}, names.map((name) => {
+      const d = m.drafters[name];
+      return el("tr", { "data-drafter": name },
+        el("td", {}, el("b", { text: name })), el("td", { text: d.rounds }),
+        el("td", { text: d.drafted }), el("td", { text: d.accepted }),
+        el("td", { class: "acceptance", "data-acceptance": d.acceptance,
+          text: pct(d.acceptance) }),
+        el("td", { text: `${d.gate_off} / ${d.gate_on}` }));
+    })));
+}
+
 function recentTable(m, now) {
   if (!m.recent.length) return el("div", { class: "empty", text: "No request finished yet." });
-  const rows = m.recent.map((r) => {
+  const rows = m.recent.slice(0, RECENT_ROWS).map((r) => {
     const s = r.speculation;
     return el("tr", { "data-request": r.id },
       el("td", { text: ago(now - r.finished) }),
@@ -230,8 +248,12 @@ function modelCard(node, name, m, now, windowS) {
           el("span", {}, el("span", { class: "sw accept" }), "acceptance % (right)"),
           el("span", { class: "muted", text: `last ${Math.round(span / 60)} min` }))),
       el("div", { class: "tables" },
-        el("h4", { text: "in flight" }), inFlightTable(m),
-        el("h4", { text: "recent" }), recentTable(m, now))));
+        el("h4", { text: "acceptance by drafter" }), drafterTable(m),
+        el("h4", { text: "in flight" }), inFlightTable(m))),
+    el("div", { class: "tables" },
+      el("h4", { text: m.recent.length > RECENT_ROWS
+        ? `recent (newest ${RECENT_ROWS} of ${m.recent.length})` : "recent" }),
+      recentTable(m, now)));
   return { card, draw: () => drawChart(canvas, m.series, now, windowS) };
 }
 
