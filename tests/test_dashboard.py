@@ -149,7 +149,10 @@ def test_rejected_frames_are_counted(duo):
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(frame)
             s.settimeout(5)
-            assert s.recv(1) == b""  # the node closes the connection
+            try:
+                assert s.recv(1) == b""  # the node closes the connection...
+            except ConnectionResetError:
+                pass  # ...or aborts it
     duo.wait(lambda: all(rejected(p) == before[p] + 1 for p in before), 10,
              "both refusals in /metrics")
     assert status_of(n0.http) == 200  # and goes on serving
