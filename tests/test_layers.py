@@ -19,6 +19,7 @@ FORBIDDEN = {
     "served": {"api", "node", "cluster", "bench", "cli"},
     "models": {"api", "node", "cluster", "bench", "cli", "served", "engine"},
     "wire": {"api", "node", "cluster", "bench", "cli", "served", "engine"},
+    "telemetry": {"api", "node", "cluster", "bench", "cli", "served"},
 }
 
 # Modules that are the MLX engine itself (they import mlx at the top, by design).

@@ -12,11 +12,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from skulkp2p.api import anthropic, openai
+from skulkp2p.api import anthropic, dashboard, openai
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.forward import forward
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
 from skulkp2p.api.worker import ModelWorker
+from skulkp2p.telemetry import Telemetry
 
 Handler = Callable[[ModelEndpoint, HttpRequest], Awaitable[Response | StreamingResponse]]
 
@@ -90,7 +91,11 @@ async def serve(worker: ModelWorker, host: str, port: int, stop: asyncio.Event, 
     loading), load the model on its worker thread, serve. Returns (worker ended cleanly, load
     error)."""
     endpoint = ModelEndpoint(worker.model_id, worker, aliases, keepalive_s)
-    server = HttpServer(one_model_router(endpoint), config)
+    router = one_model_router(endpoint)
+    worker.telemetry = Telemetry()
+    dashboard.add_routes(router, worker.telemetry, lambda: None,
+                         lambda: {worker.model_id: worker})
+    server = HttpServer(router, config)
     bound_host, bound_port = await server.start(host, port)
     if on_listening:
         on_listening(bound_host, bound_port)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from skulkp2p.engine.protocol import Cancelled, Engine, Generation, LoopEngine
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
+from skulkp2p.telemetry import RequestFinished, RequestStarted, Telemetry
 
 log = logging.getLogger("skulkp2p.worker")
 
@@ -116,6 +117,8 @@ class Job:
 
 
 class ModelWorker:
+    telemetry: Telemetry | None = None  # records the jobs (dashboard, /metrics)
+
     def __init__(self, model_id: str, load: Callable[[], Engine], max_queue: int = 16):
         self.model_id = model_id
         self.max_queue = max_queue
@@ -234,8 +237,12 @@ class ModelWorker:
         assert engine is not None
         t0 = time.monotonic()
         tokens = 0
+        outcome, result = "error", None  # for telemetry
         try:
             n_prompt = engine.prompt_length(job.req)
+            if self.telemetry is not None:
+                self.telemetry.start(RequestStarted(self.model_id, job.id, n_prompt),
+                                     lambda: tokens)
             generation = job.generation = engine.generate(job.req)
             if job.cancelled.is_set():  # cancelled while we set up: Job.cancel missed it
                 generation.cancel()
@@ -256,7 +263,9 @@ class ModelWorker:
                 result = generation.result
             assert result is not None
             job.post(Finished(result))
+            outcome = "ok"
         except Cancelled:
+            outcome = "cancelled"
             log.info("job %d cancelled after %d tokens, %.2f s: the model is free", job.id,
                      tokens, time.monotonic() - t0)
         except RequestError as e:
@@ -265,6 +274,9 @@ class ModelWorker:
             log.exception("job %d failed", job.id)
             job.post(Failed(e))
         finally:
+            if self.telemetry is not None:
+                self.telemetry.finish(RequestFinished(self.model_id, job.id, outcome,
+                                                      result if outcome == "ok" else None))
             # A running average of job length, for the Retry-After of a full queue.
             self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - t0)
 

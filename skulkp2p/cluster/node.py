@@ -332,6 +332,7 @@ class ClusterNode:
         self._ticker: asyncio.Task | None = None
         self._inbound: set[asyncio.StreamWriter] = set()
         self._last_view: Any = None
+        self._leader_seen: tuple[str, int] | None = None  # metrics["leader_changes"]
         self._clock0 = time.monotonic()
 
     # ---------------------------------------------------------------- lifecycle
@@ -428,6 +429,10 @@ class ClusterNode:
     def _after(self) -> None:
         for line in self.core.drain_events():
             log.info("cluster: %s", line)
+        seen = (self.core.leader, self.core.term)
+        if seen[0] is not None and seen != self._leader_seen:  # a new leader, or a new term
+            self._leader_seen = seen
+            self.metrics["leader_changes"] += 1
         view = (self.core.leader, self.core.term, self.core.placement_version,
                 tuple(sorted(self.core.placements().items())))
         if view != self._last_view:

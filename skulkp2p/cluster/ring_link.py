@@ -51,6 +51,7 @@ class RingData:
         self._server: asyncio.base_events.Server | None = None
         self._held: dict[str, collections.deque] = {}  # frames for a stage not loaded yet
         self.dropped = 0
+        self.metrics: collections.Counter[str] = collections.Counter()  # frames rejected
         self.bytes_out = 0
 
     async def start(self, host: str, bind_source: str | None = None, port: int = 0) -> str:
@@ -106,6 +107,7 @@ class RingData:
                     self._dispatch(msg)
         except wire.WireError as e:
             log.warning("ring: closing a data connection: %s", e)
+            self.metrics[f"wire_error_{e.reason}"] += 1
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:

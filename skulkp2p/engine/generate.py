@@ -243,6 +243,8 @@ def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> Speculat
         drafted=stats.drafted, accepted=stats.accepted, max_depth=depth, rounds=stats.rounds,
         acceptance_per_position=[round(a / d, 4) if d else None for a, d in
                                  zip(stats.accepted_at, stats.drafted_at, strict=True)],
+        drafted_per_position=list(stats.drafted_at),
+        accepted_per_position=list(stats.accepted_at),
         gate_fired=bool(gated and drafter.events),
         gate_events=list(drafter.events) if gated else [], by_drafter=by_drafter)
 

@@ -78,6 +78,9 @@ class SpeculationStats:
     gate_fired: bool | None = None
     gate_events: list[dict[str, Any]] | None = None
     by_drafter: dict[str, DrafterCounts] | None = None
+    # Counts behind acceptance_per_position: drafts that reached position i, and accepted there.
+    drafted_per_position: list[int] | None = None
+    accepted_per_position: list[int] | None = None
 
     @property
     def acceptance(self) -> float | None:
@@ -92,6 +95,9 @@ class SpeculationStats:
         out.update(drafted=self.drafted, accepted=self.accepted, acceptance=self.acceptance)
         if self.acceptance_per_position is not None:
             out["acceptance_per_position"] = list(self.acceptance_per_position)
+        if self.accepted_per_position is not None:
+            out["drafted_per_position"] = list(self.drafted_per_position or [])
+            out["accepted_per_position"] = list(self.accepted_per_position)
         if self.gate_fired is not None:
             out["gate_fired"] = self.gate_fired
             out["gate_events"] = list(self.gate_events or [])

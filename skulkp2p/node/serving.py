@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from skulkp2p import wire
+from skulkp2p.api import dashboard
 from skulkp2p.api.app import Remote, add_model_routes, routed
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
@@ -46,6 +47,7 @@ from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_add
 from skulkp2p.cluster.placement import ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
 from skulkp2p.engine.protocol import Engine
+from skulkp2p.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model import LoadedModel
@@ -83,6 +85,7 @@ class ClusterServing:
         self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
         self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
+        self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
 
     @property
     def name(self) -> str:
@@ -225,6 +228,7 @@ class ClusterServing:
         aliases = (self.own_model,) if model == self.own_id else ()
         worker = ModelWorker(model, load or (lambda: self.load_model(spec)),
                              max_queue=self.max_queue)
+        worker.telemetry = self.telemetry
         self.workers[model] = worker
         self.apis[model] = ModelEndpoint(model, worker, aliases, self.keepalive_s)
         log.info("cluster: model %s is placed here: loading it", model)
@@ -261,7 +265,17 @@ class ClusterServing:
         r.add("POST", "/v1/cluster/generate", routed(pipe_generate, self))
         r.add("GET", "/v1/cluster", self.cluster)
         r.add("POST", "/v1/cluster/place", self.place)
+        dashboard.add_routes(r, self.telemetry, self.cluster_view, lambda: self.workers)
         return r
+
+    def cluster_view(self) -> dict[str, Any] | None:
+        """What the dashboard and /metrics read of the cluster: the node's status (as GET
+        /v1/cluster shows it) plus the data plane's counters; None before the node started."""
+        if self.node is None or self.node.core is None:
+            return None
+        st = self.node.status()
+        st["data_metrics"] = dict(self.ring.metrics)
+        return st
 
     def _core(self) -> ClusterCore:
         """The cluster's state; 503 in the moment between the HTTP port opening and the

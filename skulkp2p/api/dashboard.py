@@ -1,0 +1,158 @@
+"""The node's own page and metrics over HTTP: GET / (the dashboard), its assets, GET /metrics
+(Prometheus' text format) and GET /v1/stats (this node's requests as JSON; `?scope=cluster`
+gathers every live member's).
+
+Nothing here measures: skulkp2p/telemetry.py does; this module only serves what it holds. The
+page (api/static/) is plain HTML, CSS and JavaScript written for this project, served from the
+package, and fetches nothing but this node's own routes (its Content-Security-Policy says so).
+Wiring is one call: `add_routes(router, telemetry, cluster_status, workers)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Mapping
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+
+from skulkp2p.api.errors import ApiError
+from skulkp2p.api.server import HttpRequest, Response, Router
+from skulkp2p.telemetry import CONTENT_TYPE, Telemetry
+
+PEER_TIMEOUT_S = 1.5
+MAX_PEER_BODY = 4 << 20
+ASSETS = {
+    "/": ("dashboard.html", "text/html; charset=utf-8"),
+    "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+# Only this node's own routes: no script, style, font or connection anywhere else.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+       "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+ClusterStatus = Callable[[], Mapping[str, Any] | None]
+Workers = Callable[[], Mapping[str, Any]]
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("skulkp2p.api").joinpath("static", name).read_bytes()
+
+
+def worker_info(worker: Any) -> dict[str, Any]:
+    """What the page and /metrics show of a model's worker (ModelWorker)."""
+    return {"state": worker.state, "waiting": worker.waiting,
+            "busy": worker.current is not None}
+
+
+def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStatus,
+               workers: Workers) -> None:
+    """GET /, its assets, /metrics and /v1/stats on `router`. `cluster_status()` returns the
+    node's cluster status (or None on a node outside any cluster); `workers()` the
+    {model: ModelWorker} this node runs."""
+    telemetry.watch_models(lambda: {m: worker_info(w) for m, w in workers().items()})
+    telemetry.watch_cluster(cluster_status)
+
+    def status() -> Mapping[str, Any] | None:
+        try:
+            return cluster_status()
+        except Exception:
+            return None
+
+    def node_name() -> str:
+        st = status()
+        return str(st["node"]) if st and st.get("node") else socket.gethostname()
+
+    for path, (name, ctype) in ASSETS.items():
+        body = _asset(name)  # read once: a missing asset fails at start, not per request
+
+        async def asset(req: HttpRequest, body: bytes = body, ctype: str = ctype) -> Response:
+            return Response(200, body, [("Content-Type", ctype), ("Cache-Control", "no-cache"),
+                                        ("Content-Security-Policy", CSP),
+                                        ("X-Content-Type-Options", "nosniff")])
+
+        router.add("GET", path, asset)
+
+    async def metrics(req: HttpRequest) -> Response:
+        return Response(200, telemetry.registry.render().encode(),
+                        [("Content-Type", CONTENT_TYPE), ("Cache-Control", "no-cache")])
+
+    async def stats(req: HttpRequest) -> Response:
+        scope = parse_qs(req.query).get("scope", ["node"])[0]
+        own = {"node": node_name(), **telemetry.stats()}
+        if scope == "node":
+            return Response.json(200, own)
+        if scope != "cluster":
+            raise ApiError(400, f"scope is 'node' or 'cluster', not {scope[:40]!r}",
+                           param="scope")
+        return Response.json(200, {"node": own["node"],
+                                   "nodes": await cluster_stats(own, status())})
+
+    router.add("GET", "/metrics", metrics)
+    router.add("GET", "/v1/stats", stats)
+
+
+async def cluster_stats(own: dict[str, Any], st: Mapping[str, Any] | None
+                        ) -> list[dict[str, Any]]:
+    """This node's stats and every other live member's (asked over HTTP at once, each within
+    PEER_TIMEOUT_S; one that does not answer is listed with its error)."""
+    peers = []
+    for m in (st or {}).get("members") or ():
+        if m.get("name") == own["node"] or m.get("state") not in ("alive", "suspect"):
+            continue
+        peers.append((str(m.get("name")), m.get("http")))
+
+    async def ask(name: str, http: Any) -> dict[str, Any]:
+        if not http:
+            return {"node": name, "error": "no HTTP address"}
+        try:
+            got = await asyncio.wait_for(get_json(str(http), "/v1/stats"), PEER_TIMEOUT_S)
+        except Exception as e:
+            return {"node": name, "error": f"{type(e).__name__}: {e}"[:200]}
+        got["node"] = name
+        return got
+
+    others = await asyncio.gather(*(ask(n, h) for n, h in peers))
+    return [own, *sorted(others, key=lambda d: d["node"])]
+
+
+async def get_json(addr: str, path: str) -> dict[str, Any]:
+    """GET http://ADDR/PATH with one request on its own connection; the JSON body or an
+    error. Our own server answers with Content-Length, so no chunked decoding is needed."""
+    host, _, port = addr.rpartition(":")
+    reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        await writer.drain()
+        raw = await reader.read(MAX_PEER_BODY + 65536)
+        while True:
+            more = await reader.read(65536)
+            if not more:
+                break
+            raw += more
+            if len(raw) > MAX_PEER_BODY + 65536:
+                raise ValueError("answer too large")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    if not sep:
+        raise ValueError("no complete HTTP head")
+    status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or parts[1] != "200":
+        raise ValueError(f"answered {status_line[:80]!r}")
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.decode("latin-1").partition(":")
+        if k.strip().lower() == "transfer-encoding" and "chunked" in v.lower():
+            raise ValueError("chunked answer")
+    got = orjson.loads(body)
+    if not isinstance(got, dict):
+        raise ValueError("not a JSON object")
+    return got
