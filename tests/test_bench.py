@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from skulkp2p import bench
-from tests.conftest import run_cli
+from tests.helpers.procs import run_cli
 
 ARMS = {"plain", "spec", "lookup:2", "draft:2", "mlx_lm", "mlx_lm_draft"}
 WORKLOADS = {"echo", "qa"}

@@ -17,7 +17,7 @@ from skulkp2p.api.server import ServerConfig
 from skulkp2p.api.worker import ModelWorker
 from skulkp2p.engine.generate import Chunk
 from skulkp2p.engine.request import RequestError
-from tests.http_client import H11Client, parse_responses, raw_exchange
+from tests.helpers.http_client import H11Client, parse_responses, raw_exchange
 
 
 class FakeTokenizer:

@@ -2,42 +2,13 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from contextlib import contextmanager
 
 import pytest
 
-from tests.conftest import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_join(model, data_dir, wait_for: bytes):
-    """A `join` subprocess, yielded once its log shows `wait_for`; killed by pid if still alive."""
-    log = data_dir / "join.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "skulkp2p", "join", "--model", str(model),
-                                 "--data-dir", str(data_dir), "--http-port", str(free_port())],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        deadline = time.monotonic() + 60
-        while wait_for not in log.read_bytes():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, f"join never logged {wait_for!r}"
-            time.sleep(0.02)
-        yield proc, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+from tests.helpers import ROOT
+from tests.helpers.procs import running_join
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
