@@ -16,10 +16,8 @@ WORKLOADS = {"echo", "qa"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "m")
+def tiny(tiny_model):
+    return tiny_model("llama", name="m")
 
 
 def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):

@@ -11,8 +11,8 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.generate import generate, load_model
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
+from tests.helpers.models import FAMILIES
 
-FAMILIES = ("llama", "qwen3", "qwen3_5")
 # Repetitive text so that lookup drafts are both accepted and rejected.
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 

@@ -24,7 +24,6 @@ from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.stage import StageModel, StageSpan, param_bytes
 from tests.helpers.http_client import call, status_of
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
-from tools.make_tiny_model import make_tiny_model
 
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
@@ -32,10 +31,9 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("ring")
-    return {"llama": make_tiny_model("llama", base / "llama", seed=0, mtp=True),
-            "qwen3_5": make_tiny_model("qwen3_5", base / "qwen3_5", seed=0)}
+def models(tiny_model) -> dict[str, Path]:
+    return {"llama": tiny_model("llama", seed=0, mtp=True),
+            "qwen3_5": tiny_model("qwen3_5", seed=0)}
 
 
 _loaded: dict = {}
