@@ -1,7 +1,6 @@
 """Real processes for tests, each stopped by its own pid whatever happens: the CLI run to
 completion (``run_cli``), one ``join`` node on 127.0.0.1 (``JoinNode``, ``running_join``), and
-a cluster of nodes on 127.0.0.x loopback addresses (``ProcCluster``). Also free ports and
-waiting for a port to accept connections."""
+a cluster of nodes on 127.0.0.x loopback addresses (``ProcCluster``); free ports."""
 
 from __future__ import annotations
 
@@ -36,31 +35,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def port_accepts(host: str, port: int, timeout: float = 0.5) -> bool:
-    """Whether a TCP connection to host:port is accepted right now."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def wait_for_port(host: str, port: int, timeout: float,
-                  proc: subprocess.Popen | None = None, log: Path | None = None) -> float:
-    """Wait (bounded) until host:port accepts a connection; fail at once if ``proc`` exits.
-    Returns the seconds it took."""
-    t0 = time.monotonic()
-    while not port_accepts(host, port):
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"pid {proc.pid} exited ({proc.returncode}) before "
-                                 f"{host}:{port} accepted"
-                                 + (f"\n{log.read_text(errors='replace')}" if log else ""))
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{host}:{port} did not accept within {timeout}s")
-        time.sleep(0.01)
-    return time.monotonic() - t0
-
-
 def kill(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc`` by its pid if it still runs, and reap it."""
     if proc.poll() is None:
@@ -83,9 +57,13 @@ def run_cli(*args: str, input: str | None = None, env: dict | None = None,
 
 
 class JoinNode:
-    """`python -m skulkp2p join` on a free port; stopped with SIGTERM (status 0 expected)."""
+    """`python -m skulkp2p join` on a free port; stopped with SIGTERM (status 0 expected).
 
-    def __init__(self, model: str, tmp: Path, *extra: str, ready_timeout: float = 120):
+    With ``wait_ready`` (the default) the constructor returns once the model is loaded, having
+    recorded what /health said while it loaded; without it, at once after the process started."""
+
+    def __init__(self, model: str, tmp: Path, *extra: str, ready_timeout: float = 120,
+                 wait_ready: bool = True):
         self.port = free_port()
         self.log = tmp / f"join-{self.port}.log"
         self.base = f"http://127.0.0.1:{self.port}"
@@ -95,6 +73,8 @@ class JoinNode:
                  "--http-port", str(self.port), *extra],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         self.health_while_loading: list[tuple[int, dict]] = []
+        if not wait_ready:
+            return
         try:
             self._wait_ready(ready_timeout)
         except BaseException:
