@@ -1,33 +1,27 @@
-"""Shared fixtures: tiny random-weight models made by the project's own tool, and the real
-SmolLM2 pulled once into a test cache that survives between runs."""
+"""Shared fixtures: tiny random-weight models made by the project's own tool (built once per
+test session, by tests/helpers/models.py), and the real SmolLM2 pulled once into a test cache
+that survives between runs."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("llama", "qwen3", "qwen3_5")
-
-
-def test_data_dir() -> Path:
-    env = os.environ.get("SKULKP2P_TEST_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skulkp2p-tests"
+from tests.helpers.models import FAMILIES, TinyModels, test_data_dir
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    sys.path.insert(0, str(ROOT))
-    from tools.make_tiny_model import make_tiny_model
+def tiny_model(tmp_path_factory) -> TinyModels:
+    """``tiny_model(family, seed=0, mtp=False, mtp_style="qwen", name=None)``: the folder of
+    that tiny model, built the first time this session asks for it. Read-only."""
+    return TinyModels(tmp_path_factory.mktemp("tiny"))
 
-    base = tmp_path_factory.mktemp("tiny")
-    return {fam: make_tiny_model(fam, base / fam, seed=0) for fam in FAMILIES}
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model) -> dict[str, Path]:
+    """The seed-0 tiny model of every family, by family."""
+    return {fam: tiny_model(fam) for fam in FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +30,3 @@ def smollm2_path() -> Path:
 
     store = ModelStore(test_data_dir())
     return store.pull("smollm2-135m")
-
-
-def run_cli(*args: str, input: str | None = None, env: dict | None = None,
-            timeout: float = 600) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "skulkp2p", *args], input=input,
-                          capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)

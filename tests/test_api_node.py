@@ -6,82 +6,24 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
-from tests.http_client import H11Client, free_port, parse_responses, raw_exchange
+from tests.helpers.http_client import H11Client, parse_responses, raw_exchange
+from tests.helpers.procs import JoinNode, run_cli
 
 CHAT = [{"role": "user", "content": "Tell me a story about a dog."}]
-
-
-class Node:
-    """`python -m skulkp2p join` on a free port; stopped with SIGTERM (status 0 expected)."""
-
-    def __init__(self, model: str, tmp: Path, *extra: str, ready_timeout: float = 120):
-        self.port = free_port()
-        self.log = tmp / f"join-{self.port}.log"
-        self.base = f"http://127.0.0.1:{self.port}"
-        with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "skulkp2p", "join", "--model", model,
-                 "--http-port", str(self.port), *extra],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-        self.health_while_loading: list[tuple[int, dict]] = []
-        try:
-            self._wait_ready(ready_timeout)
-        except BaseException:
-            self.kill()
-            raise
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while "http: " not in self.text():
-            assert self.proc.poll() is None, self.text()
-            assert time.monotonic() < deadline, "join never listened"
-            time.sleep(0.05)
-        # The API answers while the model loads: record what /health says meanwhile.
-        while "ready: model" not in self.text():
-            assert self.proc.poll() is None, self.text()
-            assert time.monotonic() < deadline, "join never said it was ready"
-            with H11Client(self.port) as c:
-                r = c.request("GET", "/health")
-                self.health_while_loading.append((r.status, r.headers))
-            time.sleep(0.1)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=30)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def healthy(self) -> bool:
-        with H11Client(self.port, timeout=10) as c:
-            return c.request("GET", "/health").status == 200
 
 
 @pytest.fixture(scope="module")
 def node(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("node")
-    n = Node(str(tiny_models["llama"]), tmp, "--data-dir", str(tmp), "--http-header-timeout",
-             "1", "--http-idle-timeout", "3", "--max-body-bytes", "65536", "--sse-keepalive",
-             "0.5")
+    n = JoinNode(str(tiny_models["llama"]), tmp, "--data-dir", str(tmp),
+                 "--http-header-timeout", "1", "--http-idle-timeout", "3", "--max-body-bytes",
+                 "65536", "--sse-keepalive", "0.5")
     yield n
     assert n.stop() == 0, n.text()[-3000:]
     assert "stopped" in n.text()
@@ -384,8 +326,8 @@ def test_greedy_http_equals_pipe(node, oai, tiny_models):
 def test_smollm2_over_http(smollm2_path, tmp_path):
     import openai
 
-    n = Node("smollm2-135m", tmp_path, "--data-dir", str(smollm2_path.parent.parent),
-             ready_timeout=300)
+    n = JoinNode("smollm2-135m", tmp_path, "--data-dir", str(smollm2_path.parent.parent),
+                 ready_timeout=300)
     try:
         client = openai.OpenAI(base_url=n.base + "/v1", api_key="none", max_retries=0,
                                timeout=120)

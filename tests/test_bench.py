@@ -11,17 +11,16 @@ import pytest
 
 from skulkp2p.bench import BenchError, mlx_arms, report
 from skulkp2p.engine import width_costs
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT
+from tests.helpers.procs import run_cli
 
 ARMS = {"plain", "spec", "lookup:2", "draft:2", "mlx_lm", "mlx_lm_draft"}
 WORKLOADS = {"echo", "qa"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("bench") / "m")
+def tiny(tiny_model):
+    return tiny_model("llama", name="m")
 
 
 def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from skulkp2p import wire
-from tests.cluster_procs import ROOT, SECRET, ProcCluster, loopback_ips_usable
+from tests.helpers import ROOT
+from tests.helpers.procs import SECRET, ProcCluster, loopback_ips_usable
 
 pytestmark = pytest.mark.skipif(not loopback_ips_usable(),
                                 reason="needs the 127.0.0.0/8 loopback range (Linux)")

@@ -5,15 +5,14 @@ node. Every pid is killed at the end (ProcCluster.close)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
 import time
 
 import pytest
 
-from tests.cluster_procs import SECRET, ProcCluster, loopback_ips_usable
-from tests.conftest import run_cli
+from tests.helpers.http_client import call, status_of
+from tests.helpers.procs import SECRET, ProcCluster, loopback_ips_usable, run_cli
 
 pytestmark = pytest.mark.skipif(not loopback_ips_usable(),
                                 reason="needs the 127.0.0.0/8 loopback range (Linux)")
@@ -33,30 +32,6 @@ size_bytes = 140_000_000_000
 kind = "hf"
 repo = "nobody/huge-test"
 """
-
-
-def call(addr: str, method: str, path: str, body=None, timeout: float = 60):
-    host, port = addr.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        data = json.dumps(body).encode() if body is not None else None
-        conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = raw
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
-    finally:
-        conn.close()
-
-
-def status_of(addr: str, path: str = "/health") -> int:
-    try:
-        return call(addr, "GET", path, timeout=5)[0]
-    except OSError:
-        return 0
 
 
 def client(addr: str, retries: int = 0):

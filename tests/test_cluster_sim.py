@@ -7,7 +7,7 @@ import pytest
 from skulkp2p.cluster.election import Election
 from skulkp2p.cluster.membership import ALIVE, DEAD, SUSPECT, Membership
 from skulkp2p.cluster.placement import ModelSpec
-from tests.cluster_sim import SimNet
+from tests.helpers.cluster_sim import SimNet
 
 GB = 1_000_000_000
 

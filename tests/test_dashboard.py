@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.browser import Browser, chromium_binary
-from tests.cluster_procs import ProcCluster, loopback_ips_usable
-from tests.http_client import H11Client
-from tests.test_cluster_serving import call, status_of
+from tests.helpers.browser import Browser, chromium_binary
+from tests.helpers.http_client import H11Client, call, status_of
+from tests.helpers.procs import ProcCluster, loopback_ips_usable
 
 ECHO = ("Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox "
         "jumps over the lazy dog, the quick brown fox jumps over the lazy dog.")
@@ -256,8 +255,8 @@ def test_browser_shows_cluster_model_and_acceptance(duo, tmp_path):
 def test_single_node_app_counts_outcomes():
     """api/app.py's serve() (one model, no cluster) serves the same routes; the worker's
     outcomes are counted: ok, error (the engine broke), cancelled (the client left)."""
-    from tests.test_http_server import LiveNode, Script, wait_until
-    from tests.test_http_server import chat as script_chat
+    from tests.helpers.fake_engine import LiveNode, Script, wait_until
+    from tests.helpers.fake_engine import chat as script_chat
 
     node = LiveNode(Script())
     try:

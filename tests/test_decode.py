@@ -12,8 +12,8 @@ from skulkp2p.engine.generate import generate
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
+from tests.helpers.models import FAMILIES
 
-FAMILIES = ("llama", "qwen3", "qwen3_5")
 # Repetitive text so that lookup drafts are both accepted and rejected.
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 

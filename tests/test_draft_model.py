@@ -25,9 +25,8 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import LoadedModel, load_model
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from tools.make_tiny_model import make_tiny_model
+from tests.helpers.models import FAMILIES
 
-FAMILIES = ("llama", "qwen3", "qwen3_5")
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 MAX_TOKENS = 40
 
@@ -45,12 +44,11 @@ def _blend(target_path: Path, other: LoadedModel, weight: float) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> dict[str, LoadedModel]:
-    base = tmp_path_factory.mktemp("drafts")
+def models(tiny_models, tiny_model) -> dict[str, LoadedModel]:
     out: dict[str, LoadedModel] = {}
     for fam in FAMILIES:
         out[fam] = load_model(tiny_models[fam], fam)
-        other = load_model(make_tiny_model(fam, base / f"{fam}-1", seed=1), f"{fam}-seed1")
+        other = load_model(tiny_model(fam, seed=1), f"{fam}-seed1")
         out[f"{fam}-seed1"] = other
         out[f"{fam}-blend"] = _blend(tiny_models[fam], other, 0.1)
     return out

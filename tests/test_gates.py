@@ -16,7 +16,7 @@ from skulkp2p.engine.gates import (
 )
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from tests.conftest import run_cli
+from tests.helpers.procs import run_cli
 
 F32 = DEFAULT_WIDTH_COSTS["float32"]
 

@@ -167,3 +167,19 @@ def test_layers_above_the_mlx_engine_import_without_mlx():
     out = subprocess.run([sys.executable, "-c", BLOCK_MLX, *names], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers/; test modules import only that (and fixtures)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "tests" and (len(parts) < 2 or parts[1] != "helpers"):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+                if parts[-1].startswith("test_") and parts[0] != "skulkp2p":
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)

@@ -25,7 +25,7 @@ from skulkp2p.engine.mtp import (
     load_mtp_head,
 )
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from tools.make_tiny_model import RMS_EPS, make_tiny_model, mtp_tensor_shapes
+from tools.make_tiny_model import RMS_EPS, mtp_tensor_shapes
 
 CASES = [("llama", "qwen"), ("llama", "deepseek"), ("llama", "mimo"), ("qwen3", "qwen"),
          ("qwen3_5", "qwen")]
@@ -55,13 +55,12 @@ class Tiny:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    base = tmp_path_factory.mktemp("mtp")
+def tiny(tiny_model):
     cache: dict[tuple[str, str], Tiny] = {}
 
     def get(family: str, style: str) -> Tiny:
         if (family, style) not in cache:
-            path = make_tiny_model(family, base / f"{family}-{style}", mtp=True, mtp_style=style)
+            path = tiny_model(family, mtp=True, mtp_style=style)
             cache[family, style] = Tiny(path, family)
         return cache[family, style]
 
@@ -349,8 +348,8 @@ def test_detect_conventions_and_overrides(tiny):
         MtpConventions("medusa")
 
 
-def test_no_mtp_tensors_gives_none(tmp_path):
-    path = make_tiny_model("llama", tmp_path / "plain")
+def test_no_mtp_tensors_gives_none(tiny_models):
+    path = tiny_models["llama"]
     lm = load_model(path, "plain", dtype="float32")
     assert detect_conventions(path, _config(path)) is None
     assert load_mtp_head(path, lm.model, _config(path)) is None

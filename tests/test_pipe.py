@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.procs import run_cli
 
 
 def pipe(model, lines, **kw):

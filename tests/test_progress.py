@@ -14,7 +14,7 @@ import termios
 import pytest
 
 from skulkp2p.progress import ProgressBar
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_not_a_terminal_one_line_at_the_start_and_one_at_the_end():
@@ -83,7 +83,7 @@ def test_terminal_gets_a_bar_redrawn_in_place(columns):
 def test_models_pull_logs_two_lines_per_step(tmp_path):
     """`models pull` of a GGUF file with stderr in a log (a pipe): the conversion says when it
     starts and when it ends, nothing in between."""
-    from tests.test_gguf_convert import hf_weights, write_gguf
+    from tests.helpers.gguf_files import hf_weights, write_gguf
 
     src = write_gguf(tmp_path / "m.gguf", hf_weights("llama", True), "llama")
     proc = subprocess.run([sys.executable, "-m", "skulkp2p", "models", "pull", str(src),

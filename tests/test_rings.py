@@ -22,7 +22,8 @@ from skulkp2p.engine.ring import (
 )
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.stage import StageModel, StageSpan, param_bytes
-from tools.make_tiny_model import make_tiny_model
+from tests.helpers.http_client import call, status_of
+from tests.helpers.procs import ProcCluster, loopback_ips_usable
 
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
@@ -30,10 +31,9 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("ring")
-    return {"llama": make_tiny_model("llama", base / "llama", seed=0, mtp=True),
-            "qwen3_5": make_tiny_model("qwen3_5", base / "qwen3_5", seed=0)}
+def models(tiny_model) -> dict[str, Path]:
+    return {"llama": tiny_model("llama", seed=0, mtp=True),
+            "qwen3_5": tiny_model("qwen3_5", seed=0)}
 
 
 _loaded: dict = {}
@@ -175,8 +175,6 @@ PIPE_ARMS = {
 def _pipe(addr: str, model: str, arm: str, max_tokens: int = 32, retries: int = 60) -> dict:
     import time
 
-    from tests.test_cluster_serving import call
-
     body = {"model": model, "prompt": ECHO, "max_tokens": max_tokens, **PIPE_ARMS[arm]}
     for _ in range(retries):
         try:
@@ -190,8 +188,6 @@ def _pipe(addr: str, model: str, arm: str, max_tokens: int = 32, retries: int = 
 
 
 def _place(c, model: str, nodes: list[str]) -> dict:
-    from tests.test_cluster_serving import call
-
     status, _, out = call(c.nodes[0].http, "POST", "/v1/cluster/place",
                           {"model": model, "nodes": nodes})
     assert status == 200, out
@@ -208,9 +204,6 @@ def _served_by(c, model: str, ring: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def ring_cluster(models, tmp_path_factory):
-    from tests.cluster_procs import ProcCluster, loopback_ips_usable
-    from tests.test_cluster_serving import status_of
-
     if not loopback_ips_usable():
         pytest.skip("needs the 127.0.0.0/8 loopback range (Linux)")
     c = ProcCluster(tmp_path_factory.mktemp("rings"), env={"SKULKP2P_RING_TIMEOUT": "20"})
@@ -239,7 +232,6 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
             assert got.get("tokens") == single[arm]["tokens"], (ring, arm, got)
             assert got["text"] == single[arm]["text"]
     # Each stage reports what it holds, from its loaded parameters.
-    from tests.test_cluster_serving import call
     want = {"n2": [0, 2], "n0": [2, 3], "n1": [3, 4]}
 
     def held() -> dict:
@@ -286,8 +278,6 @@ def _wait_replaced_without_n1(c) -> None:
 def _long_request(c, i: int, result: dict):
     import threading
     import time
-
-    from tests.test_cluster_serving import call
 
     def run() -> None:
         body = {"model": "llama", "prompt": ECHO, "max_tokens": 3000, "speculation": "off"}

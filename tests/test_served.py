@@ -21,7 +21,8 @@ from skulkp2p.models.store import ModelStore
 from skulkp2p.served.binary import engines, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
 from skulkp2p.served.model import ServedModel, open_served, server_args
-from tests import conftest
+from tests.helpers.models import test_data_dir
+from tests.helpers.procs import JoinNode, run_cli
 
 ECHO = [{"role": "user", "content": "Repeat this list exactly, twice: apple, banana, cherry, "
                                     "date, elderberry, fig, grape, honeydew, kiwi, lemon."}]
@@ -84,7 +85,7 @@ def _post(port: int, path: str, body: dict, timeout: float = 120) -> tuple[int, 
 
 @pytest.fixture(scope="module")
 def gguf(smollm2_path) -> Path:
-    found = sorted((conftest.test_data_dir() / "downloads" / "smollm2-135m").glob("*.gguf"))
+    found = sorted((test_data_dir() / "downloads" / "smollm2-135m").glob("*.gguf"))
     assert found, "the SmolLM2 pull left no GGUF"
     return found[0]
 
@@ -100,7 +101,7 @@ def card_dir(gguf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def store(card_dir) -> ModelStore:
     cards = {c.id: c for c in (load_card(f) for f in card_dir.glob("*.toml"))}
-    return ModelStore(conftest.test_data_dir(), cards=cards)
+    return ModelStore(test_data_dir(), cards=cards)
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +141,10 @@ def test_engine_detection_and_card_fields(card_dir, binary):
 
 @pytest.mark.slow
 def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store, tmp_path):
-    from tests.test_api_node import Node
-
     old = os.environ.get("SKULKP2P_CARDS_DIR")
     os.environ["SKULKP2P_CARDS_DIR"] = str(card_dir)
     try:
-        node = Node(CARD_ID, tmp_path, "--data-dir", str(conftest.test_data_dir()), ready_timeout=120)
+        node = JoinNode(CARD_ID, tmp_path, "--data-dir", str(test_data_dir()), ready_timeout=120)
     finally:
         if old is None:
             os.environ.pop("SKULKP2P_CARDS_DIR")
@@ -299,9 +298,8 @@ def test_placement_routes_served_cards_to_one_node_with_the_engine(card_dir):
 
 
 def _bench_cli(card_dir: Path, *args: str, env: dict | None = None, timeout: float = 120):
-    return conftest.run_cli("bench", "--data-dir", str(conftest.test_data_dir()), *args,
-                            env={"SKULKP2P_CARDS_DIR": str(card_dir), **(env or {})},
-                            timeout=timeout)
+    return run_cli("bench", "--data-dir", str(test_data_dir()), *args,
+                   env={"SKULKP2P_CARDS_DIR": str(card_dir), **(env or {})}, timeout=timeout)
 
 
 def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_path):
@@ -396,8 +394,8 @@ def test_pipe_serves_a_gguf_card_through_its_llama_server(binary, card_dir, stor
     child ends with the pipe."""
     lines = [{"id": 1, "messages": QA, "max_tokens": 12, "temperature": 0},
              {"id": 2, "messages": ECHO, "max_tokens": 24, "temperature": 0}]
-    out = conftest.run_cli("pipe", "--model", CARD_ID, "--data-dir",
-                           str(conftest.test_data_dir()),
+    out = run_cli("pipe", "--model", CARD_ID, "--data-dir",
+                           str(test_data_dir()),
                            input="".join(json.dumps(line) + "\n" for line in lines),
                            env={"SKULKP2P_CARDS_DIR": str(card_dir)}, timeout=180)
     assert out.returncode == 0, out.stderr
@@ -414,4 +412,4 @@ def test_pipe_serves_a_gguf_card_through_its_llama_server(binary, card_dir, stor
     finally:
         model.close()
     # no MLX conversion of the GGUF happened: the store has no converted folder for the card
-    assert not (conftest.test_data_dir() / "models" / CARD_ID).exists()
+    assert not (test_data_dir() / "models" / CARD_ID).exists()

@@ -22,7 +22,6 @@ from skulkp2p.engine.model import is_mtp_key, load_model
 from skulkp2p.engine.mtp import MtpDrafter, load_mtp_head
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tools import publish_sidecar, train_sidecar
-from tools.make_tiny_model import make_tiny_model
 
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
 MAX_TOKENS = 24
@@ -94,12 +93,11 @@ def _raw_layer(layer: nn.Module, prefix: str) -> dict[str, mx.array]:
     return out
 
 
-def make_moe_model(out: Path, style: str, shards: int = 1) -> Path:
+def make_moe_model(out: Path, style: str, tok: Path, shards: int = 1) -> Path:
     """A tiny qwen3_moe checkpoint (bf16, per-expert tensors, optionally sharded with an index)
-    with an MoE MTP head in `style`'s naming; tokenizer from make_tiny_model."""
+    with an MoE MTP head in `style`'s naming; tokenizer from `tok` (a make_tiny_model folder)."""
     from mlx_lm.models import qwen3_moe
 
-    tok = make_tiny_model("llama", out.parent / f"{out.name}-tok")
     out.mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tok / name, out / name)
@@ -163,11 +161,12 @@ CASES = [("llama", "qwen", False), ("llama", "deepseek", False), ("llama", "mimo
 
 
 @pytest.mark.parametrize("family,style,moe", CASES)
-def test_publish_load_round_trip(tmp_path, family, style, moe):
+def test_publish_load_round_trip(tmp_path, tiny_model, family, style, moe):
     if moe:
-        src = make_moe_model(tmp_path / "src", style, shards=2 if style == "qwen" else 1)
+        src = make_moe_model(tmp_path / "src", style, tiny_model("llama"),
+                             shards=2 if style == "qwen" else 1)
     else:
-        src = make_tiny_model(family, tmp_path / "src", mtp=True, mtp_style=style)
+        src = tiny_model(family, mtp=True, mtp_style=style)
     side_dir = tmp_path / "side"
     assert publish_sidecar.main([str(src), str(side_dir)]) == 0
     sidecar = side_dir / "mtp.safetensors"
@@ -215,10 +214,10 @@ def test_publish_refuses_a_checkpoint_without_mtp(tiny_models, tmp_path, capsys)
 
 
 @pytest.fixture(scope="module")
-def llama_sidecar(tmp_path_factory) -> tuple[Path, Path, Path]:
+def llama_sidecar(tmp_path_factory, tiny_model) -> tuple[Path, Path, Path]:
     """(original with head, stripped base, sidecar file) for a tiny llama with a qwen head."""
     root = tmp_path_factory.mktemp("llama-side")
-    src = make_tiny_model("llama", root / "src", mtp=True, mtp_style="qwen")
+    src = tiny_model("llama", mtp=True, mtp_style="qwen")
     publish_sidecar.publish(src, root / "side")
     return src, _strip(src, root / "base"), root / "side" / "mtp.safetensors"
 

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from skulkp2p.models.store import ModelStore, ModelStoreError
-from tests.conftest import ROOT, run_cli
+from tests.helpers import ROOT
+from tests.helpers.models import test_data_dir
+from tests.helpers.procs import run_cli
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
@@ -26,7 +28,6 @@ def test_local_folder_resolves_to_itself(tiny_models, tmp_path):
 
 @pytest.mark.slow
 def test_killed_conversion_leaves_nothing_and_second_pull_is_noop(smollm2_path, tmp_path):
-    from tests.conftest import test_data_dir
 
     gguf = next((test_data_dir() / "downloads" / "smollm2-135m").glob("*.gguf"))
     data = tmp_path / "data"

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ class JoinSettings:
 
 
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
-    """Run the agent until a signal; 0 on a clean stop. Raises JoinError."""
+    """Run the agent until a signal, then end the process with status 0. Raises JoinError."""
     from skulkp2p.cluster.node import ClusterConfigError
     from skulkp2p.node.serving import ClusterServing, node_facts, own_want, serve_cluster
 
@@ -86,9 +87,14 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
         raise JoinError(f"model {settings.model_id} failed to load: "
                         f"{type(load_error).__name__}: {load_error}")
     log.info("stopped")
+    # Everything this agent owns is stopped (HTTP, cluster, workers, llama-server children), so
+    # leave without the interpreter's teardown: with a worker still inside one long MLX call (a
+    # load or a prefill chunk that cannot be interrupted) the teardown would hang, and native
+    # thread pools torn down at exit sometimes abort ("terminate called without an active
+    # exception", SIGABRT: seen about once in ten clean stops).
     if not clean:
-        # The worker is inside one long MLX call (a model load or a prefill chunk) that cannot
-        # be interrupted; leave without waiting for it rather than hang the shutdown.
-        logging.shutdown()
-        os._exit(0)
-    return 0
+        log.info("a model worker was still inside an MLX call; leaving without it")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -280,7 +280,7 @@ class ClusterServing:
     def _core(self) -> ClusterCore:
         """The cluster's state; 503 in the moment between the HTTP port opening and the
         cluster node starting (a health check polls from the first open port)."""
-        if self.node is None:
+        if self.node is None or self.node.core is None:
             raise _unavailable("this node is starting: it has not joined the cluster yet",
                                "node_starting")
         return self.node.core

@@ -1,20 +1,16 @@
-"""Test helpers: a strict HTTP/1.1 client (h11) over a real loopback socket, raw socket
-exchanges, and free ports. Every socket is closed by its user (context managers)."""
+"""HTTP for tests: a strict HTTP/1.1 client (h11) over a real loopback socket, raw socket
+exchanges, and one-shot JSON calls (``call``, ``status_of``) with the standard library's
+client. Every socket is closed by its user (context managers)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
 from dataclasses import dataclass, field
 
 import h11
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -163,3 +159,30 @@ def parse_responses(raw: bytes) -> list[Reply]:
         out.append(reply)
         raw = bytes(c.trailing_data[0])
     return out
+
+
+def call(addr: str, method: str, path: str, body=None, timeout: float = 60):
+    """One request to HOST:PORT on a fresh connection: (status, lower-cased headers, the body
+    parsed as JSON, or the raw bytes when it is not JSON)."""
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = raw
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
+    finally:
+        conn.close()
+
+
+def status_of(addr: str, path: str = "/health") -> int:
+    """The status ``path`` answers on HOST:PORT, or 0 when the connection fails."""
+    try:
+        return call(addr, "GET", path, timeout=5)[0]
+    except OSError:
+        return 0

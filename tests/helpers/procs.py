@@ -1,31 +1,148 @@
-"""Real cluster nodes as processes on 127.0.0.x loopback addresses, for tests.
-
-Each node gets its own loopback IP (so the fault proxy can tell nodes apart by source address),
-free ports, and a log file; ``close()`` kills every pid it started, whatever happened.
-"""
+"""Real processes for tests, each stopped by its own pid whatever happens: the CLI run to
+completion (``run_cli``), one ``join`` node on 127.0.0.1 (``JoinNode``, ``running_join``), and
+a cluster of nodes on 127.0.0.x loopback addresses (``ProcCluster``); free ports."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from skulkp2p.cluster.node import fetch_status
-from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable  # noqa: F401
+from skulkp2p.netfault import FaultProxy, loopback_ips_usable  # noqa: F401  (re-exported)
+from tests.helpers import ROOT
+from tests.helpers.http_client import H11Client
 
-ROOT = Path(__file__).resolve().parent.parent
 SECRET = "test-cluster-secret"
 
 
+# ---------------------------------------------------------------- ports and pids
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on ``host`` a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` by its pid if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def run_cli(*args: str, input: str | None = None, env: dict | None = None,
+            timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m skulkp2p ARGS` run to completion (output captured)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "skulkp2p", *args], input=input,
+                          capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+# ---------------------------------------------------------------- one `join`
+
+
+class JoinNode:
+    """`python -m skulkp2p join` on a free port; stopped with SIGTERM (status 0 expected).
+
+    With ``wait_ready`` (the default) the constructor returns once the model is loaded, having
+    recorded what /health said while it loaded; without it, at once after the process started."""
+
+    def __init__(self, model: str, tmp: Path, *extra: str, ready_timeout: float = 120,
+                 wait_ready: bool = True):
+        self.port = free_port()
+        self.log = tmp / f"join-{self.port}.log"
+        self.base = f"http://127.0.0.1:{self.port}"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "skulkp2p", "join", "--model", model,
+                 "--http-port", str(self.port), *extra],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        self.health_while_loading: list[tuple[int, dict]] = []
+        if not wait_ready:
+            return
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while "http: " not in self.text():
+            assert self.proc.poll() is None, self.text()
+            assert time.monotonic() < deadline, "join never listened"
+            time.sleep(0.05)
+        # The API answers while the model loads: record what /health says meanwhile.
+        while "ready: model" not in self.text():
+            assert self.proc.poll() is None, self.text()
+            assert time.monotonic() < deadline, "join never said it was ready"
+            with H11Client(self.port) as c:
+                r = c.request("GET", "/health")
+                self.health_while_loading.append((r.status, r.headers))
+            time.sleep(0.1)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        kill(self.proc)
+
+    def healthy(self) -> bool:
+        with H11Client(self.port, timeout=10) as c:
+            return c.request("GET", "/health").status == 200
+
+
+@contextmanager
+def running_join(model, data_dir: Path, wait_for: bytes) -> Iterator[tuple[subprocess.Popen,
+                                                                           Path]]:
+    """A `join` subprocess, yielded once its log shows `wait_for`; killed by pid if still alive."""
+    log = data_dir / "join.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "skulkp2p", "join", "--model", str(model),
+                                 "--data-dir", str(data_dir), "--http-port", str(free_port())],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        while wait_for not in log.read_bytes():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"join never logged {wait_for!r}"
+            time.sleep(0.02)
+        yield proc, log
+    finally:
+        kill(proc)
+
+
+# ---------------------------------------------------------------- a cluster on 127.0.0.x
+#
+# Each node gets its own loopback IP (so the fault proxy can tell nodes apart by source
+# address), free ports, and a log file; ``close()`` kills every pid it started, whatever
+# happened.
+
+
 @dataclass
-class Node:
+class ProcNode:
     index: int
     name: str
     ip: str
@@ -46,7 +163,7 @@ class ProcCluster:
         # A random block of loopback IPs: other test runs on this machine may be using some.
         self.base = random.Random().randrange(20, 220)
         self.proxy = FaultProxy() if proxy else None
-        self.nodes: dict[int, Node] = {}
+        self.nodes: dict[int, ProcNode] = {}
         self.env = {**os.environ, "SKULKP2P_SECRET": SECRET, "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         self.data_dir = tmp_path / "data"
@@ -55,7 +172,7 @@ class ProcCluster:
         return f"127.0.0.{self.base + i}"
 
     def start_join(self, i: int, model: str, peers: list[int] | None = None,
-                   args: list[str] = ()) -> Node:
+                   args: list[str] = ()) -> ProcNode:
         """`python -m skulkp2p join` with its cluster listener and HTTP API on 127.0.0.x."""
         http_port = free_port(self.ip(i))
         node = self.start(i, peers, ["--model", model, "--http-host", self.ip(i),
@@ -65,7 +182,7 @@ class ProcCluster:
         return node
 
     def start(self, i: int, peers: list[int] | None = None, args: list[str] = (),
-              command: list[str] = ("-m", "skulkp2p.cluster.node")) -> Node:
+              command: list[str] = ("-m", "skulkp2p.cluster.node")) -> ProcNode:
         ip = self.ip(i)
         port = free_port(ip)
         addr = f"{ip}:{port}"
@@ -85,7 +202,7 @@ class ProcCluster:
         proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=self.env)
         out.close()
-        node = Node(i, f"n{i}", ip, port, addr, proc, log)
+        node = ProcNode(i, f"n{i}", ip, port, addr, proc, log)
         self.nodes[i] = node
         return node
 
@@ -94,7 +211,7 @@ class ProcCluster:
             return self.nodes[i].addr
         raise KeyError(f"node {i} not started yet")
 
-    def start_many(self, n: int, args: list[str] = ()) -> list[Node]:
+    def start_many(self, n: int, args: list[str] = ()) -> list[ProcNode]:
         first = self.start(0, args=list(args))
         return [first] + [self.start(i, args=list(args)) for i in range(1, n)]
 

@@ -1,0 +1,14 @@
+"""Helpers shared by the test modules (test modules import these, never each other):
+
+- ``procs``: starting and stopping real processes by pid (``run_cli``, a ``join`` node, a
+  cluster of nodes on 127.0.0.x), waiting for what their logs say, free ports;
+- ``http_client``: a strict HTTP/1.1 client (h11), raw socket exchanges, JSON calls;
+- ``cluster_sim``: a simulated network and clock for the cluster's state machines;
+- ``models``: tiny random-weight models (tools/make_tiny_model.py) and the test model cache.
+
+The session fixtures in tests/conftest.py build the tiny models once per test session.
+"""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
