@@ -104,18 +104,31 @@ _REQUIRED_OPENINGS: dict[str, Callable[[str], str]] = {
 def forced_opening(fmt: ToolFormat, req: GenerationRequest) -> str:
     """The text the prompt ends with so that the reply is a call: `required` opens a call (the
     model picks the function), a named function opens a call to it. "" for auto."""
+    return call_opening(fmt.name, fmt.start, req)
+
+
+def call_opening(name: str, start: str, req: GenerationRequest) -> str:
+    """`forced_opening` for the format mlx-lm calls `name`, whose calls begin with `start`
+    (the served engine uses it too, knowing the format from the GGUF's template)."""
     choice = req.tool_choice
     if choice.mode == "required":
-        required = _REQUIRED_OPENINGS.get(fmt.name)
-        return required(fmt.start) if required else fmt.start
+        required = _REQUIRED_OPENINGS.get(name)
+        return required(start) if required else start
     if choice.mode == "function":
-        opening = _NAMED_OPENINGS.get(fmt.name)
+        opening = _NAMED_OPENINGS.get(name)
         if opening is None:
             raise RequestError(f"'tool_choice' naming a function is not supported for this "
-                               f"model's tool format ({fmt.name}); use \"required\" (supported "
+                               f"model's tool format ({name}); use \"required\" (supported "
                                f"for {', '.join(sorted(_NAMED_OPENINGS))})", "tool_choice")
-        return opening(fmt.start, choice.name or "")
+        return opening(start, choice.name or "")
     return ""
+
+
+def json_tools_template(template: str) -> bool:
+    """Whether a chat template asks for Hermes/Qwen calls (`<tool_call>{json}</tool_call>`):
+    mlx-lm's rule for json_tools, for where mlx-lm is not at hand (a GGUF's template)."""
+    return ("<tool_call>" in template and "tool_call.name" in template
+            and "<function=" not in template)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
