@@ -188,6 +188,14 @@ def test_openai_chat_tool_call_streams_as_openai_does(oai):
     assert len([tc for tc in tool_deltas if tc.id is None and tc.index == 0]) > 1  # fragments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert chunks[-1].model_extra["speculation"]["accepted"] == 3
+    # The SDK's own stream accumulator takes the deltas as they are.
+    with oai.chat.completions.stream(model="scripted", messages=user(text),
+                                     tools=[WEATHER]) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == content and final.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in message.tool_calls] == [
+        {"city": "Paris"}, {"city": "Rome"}]
 
 
 def test_openai_malformed_call_is_text_with_stop(oai):

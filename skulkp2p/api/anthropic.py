@@ -237,8 +237,14 @@ def tool_use_id(call_id: str) -> str:
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:  # the MLX engine checks calls; llama-server's could be cut off
+        arguments = None
+    if not isinstance(arguments, dict):
+        arguments = {"arguments": call.arguments}
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
-            "input": json.loads(call.arguments)}
+            "input": arguments}
 
 
 def _stop_reason(result: GenerationResult) -> str:
