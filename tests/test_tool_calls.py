@@ -263,3 +263,20 @@ def test_json_tools_template_rule():
     assert json_tools_template('{{- "<tool_call>" }}{{ tool_call.name }}')
     assert not json_tools_template("<tool_call>\n<function=x>{{ tool_call.name }}")
     assert not json_tools_template("{{ messages }}")
+
+
+def test_card_chat_field_and_unknown_parsers(tmp_path):
+    from skulkp2p.models.cards import CardError, parse_card
+
+    base = {"id": "m", "family": "qwen2", "format": "mlx", "layers": 1, "hidden_size": 8,
+            "kv_heads": 1, "context_length": 64, "size_bytes": 1,
+            "source": {"kind": "local", "path": "/x"}}
+    assert parse_card({**base, "chat": {"tool_parser": "json_tools"}}, tmp_path / "c.toml"
+                      ).chat == {"tool_parser": "json_tools"}
+    for chat, field in (({"tool_parser": "no such"}, "chat.tool_parser"),
+                        ({"tool_parser": 3}, "chat.tool_parser"),
+                        ({"parser": "json_tools"}, "chat.parser")):
+        with pytest.raises(CardError, match=field.replace(".", r"\.")):
+            parse_card({**base, "chat": chat}, tmp_path / "c.toml")
+    with pytest.raises(ValueError, match="json_tools"):  # the known ones are named
+        load_format("nope")

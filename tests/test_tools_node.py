@@ -122,6 +122,24 @@ def test_tiny_forced_call_is_exact_with_and_without_speculation(tiny_node):
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_tiny_pipe_gives_what_http_gives(tiny_node, tiny_tools):
+    from tests.conftest import run_cli
+
+    oai, _ = clients(tiny_node)
+    line = {"id": 1, "messages": PARIS, "tools": [WEATHER], "tool_choice": NAMED,
+            "max_tokens": 12}
+    proc = run_cli("pipe", "--model", str(tiny_tools), input=json.dumps(line) + "\n",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    piped = json.loads(proc.stdout)
+    r = oai.chat.completions.create(model="tools", messages=PARIS, tools=[WEATHER],
+                                    tool_choice=NAMED, max_tokens=12)
+    assert piped["finish_reason"] == r.choices[0].finish_reason
+    assert piped["text"] == (r.choices[0].message.content or "")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in
+            piped.get("tool_calls", [])] == calls(r.choices[0].message)
+
+
 def test_tiny_tools_on_every_route_and_plain_text_unchanged(tiny_node):
     oai, claude = clients(tiny_node)
     plain = oai.chat.completions.create(model="tools", messages=PARIS, max_tokens=16)
