@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import test_data_dir
+from tests import conftest
 from tests.test_api_node import Node
 
 WEATHER = {"type": "function", "function": {
@@ -185,9 +185,10 @@ def test_tiny_responses_stream_and_previous_response(tiny_node):
 def qwen_node(tmp_path_factory):
     from skulkp2p.models.store import ModelStore
 
-    ModelStore(test_data_dir()).pull("qwen2.5-coder-0.5b")
+    ModelStore(conftest.test_data_dir()).pull("qwen2.5-coder-0.5b")
     tmp = tmp_path_factory.mktemp("qwen-node")
-    n = Node("qwen2.5-coder-0.5b", tmp, "--data-dir", str(test_data_dir()), ready_timeout=300)
+    n = Node("qwen2.5-coder-0.5b", tmp, "--data-dir", str(conftest.test_data_dir()),
+             ready_timeout=300)
     yield n
     assert n.stop() == 0, n.text()[-3000:]
 
@@ -298,7 +299,7 @@ def served_qwen(tmp_path_factory):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        n = Node("qwen2.5-coder-0.5b-gguf", tmp, "--data-dir", str(test_data_dir()),
+        n = Node("qwen2.5-coder-0.5b-gguf", tmp, "--data-dir", str(conftest.test_data_dir()),
                  ready_timeout=600)
     finally:
         for k, v in old.items():
