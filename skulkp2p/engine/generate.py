@@ -236,11 +236,11 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         ttft_s=round((t_first or t_end) - t0, 4), total_s=round(t_end - t0, 4),
         decode_tok_s=round((len(generated) - 1) / decode_s, 2) if decode_s > 0 and len(
             generated) > 1 else None)
-    result = GenerationResult(text=text.text, tokens=generated, finish_reason=finish,
-                              usage=Usage(len(prompt), len(generated)), timing=timing,
-                              speculation=_speculation_stats(drafter, depth, stats),
-                              stop_sequence=text.stop_sequence)
-    return result if calls is None else calls.result(result)
+    done = GenerationResult(text=text.text, tokens=generated, finish_reason=finish,
+                            usage=Usage(len(prompt), len(generated)), timing=timing,
+                            speculation=_speculation_stats(drafter, depth, stats),
+                            stop_sequence=text.stop_sequence)
+    return done if calls is None else calls.result(done)  # the calls, the text beside them
 
 
 def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> SpeculationStats | None:
