@@ -234,3 +234,62 @@ def test_relay_reads_events_split_anywhere(cut):
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
     asyncio.run(main())
+
+
+def test_relay_maps_the_childs_tool_call_deltas():
+    """llama-server streams calls as delta.tool_calls (its first delta may carry the name and
+    the first fragment together): they become our typed deltas, id and name first, then the
+    fragments, both ways (relay and blocking), and the request carries the tools."""
+    def ev(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def call(delta: dict) -> bytes:
+        return ev({"choices": [{"index": 0, "finish_reason": None,
+                                "delta": {"tool_calls": [delta]}}]})
+
+    events = [ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}),
+              ev({"choices": [{"index": 0, "delta": {"content": "Sure."}}]}),
+              call({"index": 0, "id": "abc", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"ci'}}),
+              call({"index": 0, "function": {"arguments": 'ty": "Paris"}'}}),
+              call({"index": 1, "id": "def", "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""}}),
+              call({"index": 1, "function": {"arguments": '{"city": "Rome"}'}}),
+              ev({"choices": [{"index": 0, "finish_reason": "tool_calls", "delta": {}}],
+                  "usage": {"prompt_tokens": 9, "completion_tokens": 20}, "timings": TIMINGS}),
+              b"data: [DONE]\n\n"]
+    child = FakeChild()
+    model = _model(child)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = {**REQ, "tools": [tool], "parallel_tool_calls": False}
+
+    def check(chunks: list, result) -> None:
+        deltas = [c.tool_call for c in chunks if c.tool_call is not None]
+        assert [(d.index, d.id, d.name, d.arguments) for d in deltas] == [
+            (0, "abc", "get_weather", ""), (0, None, None, '{"ci'),
+            (0, None, None, 'ty": "Paris"}'), (1, "def", "get_weather", ""),
+            (1, None, None, '{"city": "Rome"}')]
+        assert result.text == "Sure." and result.finish_reason == "tool_calls"
+        assert [(c.id, c.name, c.arguments) for c in result.tool_calls] == [
+            ("abc", "get_weather", '{"city": "Paris"}'), ("def", "get_weather",
+                                                           '{"city": "Rome"}')]
+
+    child.replies.append(("stream", events, 0))
+    generation = model.generate(parse_request(body))
+    check(list(generation), generation.result)
+    sent = json.loads(child.requests[0].split(b"\r\n\r\n", 1)[1])
+    assert sent["tools"] == [tool] and sent["tool_choice"] == "auto"
+    assert sent["parallel_tool_calls"] is False
+
+    async def main() -> None:
+        worker = ModelWorker("fake", lambda: model)
+        await worker.start()
+        try:
+            child.replies.append(("stream", events, 0))
+            got, _ = await _job(worker, body)
+            check([p for k, p in got if k == "chunk"], got[-1][1])
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+    asyncio.run(main())

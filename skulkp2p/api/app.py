@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from skulkp2p.api import anthropic, dashboard, openai
+from skulkp2p.api import anthropic, dashboard, openai, responses
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.forward import forward
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
@@ -25,6 +25,7 @@ Handler = Callable[[ModelEndpoint, HttpRequest], Awaitable[Response | StreamingR
 MODEL_ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/v1/chat/completions", openai.chat_completions),
     ("POST", "/v1/completions", openai.completions),
+    ("POST", "/v1/responses", responses.responses),
     ("POST", "/v1/messages", anthropic.messages),
 )
 

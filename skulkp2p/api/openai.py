@@ -1,9 +1,15 @@
 """OpenAI-compatible routes: POST /v1/chat/completions and POST /v1/completions.
 
-Bodies are checked by the engine's own request parser; the OpenAI-only fields are checked here
-first. An option we cannot honour (n > 1, tools, logprobs, a JSON response format, penalties
-other than repetition_penalty) is refused with a 400 naming it, never silently dropped; options
-that change nothing for us at their harmless values (n=1, user, tool_choice "none", ...) pass.
+Bodies are checked by the engine's own request parser (tools, tool_choice and
+parallel_tool_calls included); the OpenAI-only fields are checked here first. An option we
+cannot honour (n > 1, logprobs, a JSON response format, penalties other than
+repetition_penalty, the deprecated `functions`) is refused with a 400 naming it, never silently
+dropped; options that change nothing for us at their harmless values (n=1, user, ...) pass.
+
+Tool calls come from the engine typed (`GenerationResult.tool_calls`, `Chunk.tool_call`): here
+they are only shaped, as `message.tool_calls` with finish_reason "tool_calls", or streamed as
+`delta.tool_calls` (index, id, type and name with empty arguments first, then fragments of the
+arguments), as OpenAI streams them.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
 from skulkp2p.api.worker import Failed, Finished, Produced, Started
 from skulkp2p.engine.request import GenerationRequest, RequestError, parse_request
-from skulkp2p.engine.results import GenerationResult
+from skulkp2p.engine.results import GenerationResult, ToolCallDelta
 
 
 def _none(v: Any) -> bool:
@@ -53,12 +59,10 @@ _COMMON_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 _CHAT_OPTIONS = {
     **_COMMON_OPTIONS,
-    "tools": (lambda v: v is None or v == [], "tools are not supported yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tools are not supported yet"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool),
-                            "'parallel_tool_calls' must be a boolean"),
-    "functions": (lambda v: v is None or v == [], "function calling is not supported"),
-    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not supported"),
+    "functions": (lambda v: v is None or v == [],
+                  "the deprecated 'functions' are not supported; send 'tools'"),
+    "function_call": (lambda v: v in (None, "none", "auto"),
+                      "the deprecated 'function_call' is not supported; send 'tool_choice'"),
     "logprobs": (lambda v: v in (None, False), "logprobs are not supported yet"),
     "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0),
                      "logprobs are not supported yet"),
@@ -79,6 +83,10 @@ _COMPLETION_OPTIONS = {
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
     "logprobs": (_none, "logprobs are not supported yet"),
 }
+
+
+# Handled by the engine's parser (chat only), beside the options above.
+_CHAT_TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 
 
 def _check_options(body: dict[str, Any], options: dict[str, tuple[Callable[[Any], bool], str]]
@@ -115,6 +123,11 @@ def _parse(node: ModelEndpoint, body: Any, options: dict[str, tuple[Callable[[An
     _check_options(body, options)
     stream, include_usage = _stream_flags(body)
     node.check_model(body.get("model"))
+    if options is not _CHAT_OPTIONS:
+        tools = sorted(_CHAT_TOOL_FIELDS & set(body))
+        if tools:  # the engine's parser takes them: refuse them here by name
+            raise ApiError(400, f"'{tools[0]}' is only for /v1/chat/completions",
+                           param=tools[0], code="unsupported_parameter")
     try:
         req = parse_request(body, frozenset(options) | {"stream_options"})
     except RequestError as e:
@@ -162,8 +175,12 @@ class _Shape:
 
     def whole(self, result: GenerationResult) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": result.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            if result.tool_calls:
+                message["content"] = result.text or None  # as OpenAI: null beside calls
+                message["tool_calls"] = [call.to_dict() for call in result.tool_calls]
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": result.finish_reason}
             out = self._base("chat.completion")
         else:
             choice = {"index": 0, "text": result.text, "logprobs": None,
@@ -183,6 +200,19 @@ class _Shape:
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
+
+    def tool_chunk(self, delta: ToolCallDelta) -> dict[str, Any]:
+        """One piece of a streamed call: its index, id, type and name with empty arguments
+        first, then `{"index", "function": {"arguments": fragment}}`."""
+        call: dict[str, Any] = {"index": delta.index}
+        if delta.id is not None:
+            call.update(id=delta.id, type="function",
+                        function={"name": delta.name, "arguments": delta.arguments})
+        else:
+            call["function"] = {"arguments": delta.arguments}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None,
+                  "finish_reason": None}
+        return {**self._base("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -210,7 +240,9 @@ async def _handle(node: ModelEndpoint, http_req: HttpRequest, chat: bool) -> Res
                 if chat:
                     yield sse.event(with_usage(shape.chunk("", role=True)))
             elif isinstance(event, Produced):
-                if event.chunk.text:
+                if event.chunk.tool_call is not None:
+                    yield sse.event(with_usage(shape.tool_chunk(event.chunk.tool_call)))
+                elif event.chunk.text:
                     yield sse.event(with_usage(shape.chunk(event.chunk.text)))
             elif isinstance(event, Finished):
                 result = event.result

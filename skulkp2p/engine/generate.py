@@ -31,6 +31,7 @@ from skulkp2p.engine.results import (
 )
 from skulkp2p.engine.sampling import make_rng
 from skulkp2p.engine.text import TextAssembler
+from skulkp2p.engine.tool_calls import ToolCallStream, chat_tools, tool_stream
 
 log = logging.getLogger("skulkp2p.engine")
 
@@ -40,9 +41,13 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
     if req.messages is not None:
         if not getattr(tok, "has_chat_template", True) and not getattr(tok, "chat_template", None):
             raise RequestError(f"model {loaded.id} has no chat template: send 'prompt'", "messages")
-        ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+        messages, tools, opening = chat_tools(loaded, req)  # (tool_calls.py)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      **tools)
         if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
             ids = ids["input_ids"]
+        if opening:  # tool_choice forces a call: the reply starts inside it
+            return list(ids) + list(tok.encode(opening, add_special_tokens=False))
         return list(ids)
     # As mlx-lm does: add special tokens (BOS) unless the prompt already starts with BOS.
     bos = getattr(tok, "bos_token", None)
@@ -194,6 +199,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     else:
         forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
                                hidden=hidden, interrupt=interrupt)
+    calls: ToolCallStream | None = tool_stream(loaded, req)  # None without tools
     generated: list[int] = []
     finish = "length"
     t_first = None
@@ -208,8 +214,11 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
                 finish = "stop"
                 break
             generated.append(token)
-            yield Chunk(text.add(token), [token])
-            if text.stopped:
+            if calls is None:
+                yield Chunk(text.add(token), [token])
+            else:
+                yield from calls.chunks(text.add(token), [token])
+            if text.stopped or (calls is not None and calls.done):
                 finish = "stop"
                 break
     finally:
@@ -217,7 +226,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         if hasattr(forward, "close"):
             forward.close()  # a ring frees the request's caches on the other stages
     tail = text.finish()
-    if tail:
+    if calls is not None:
+        yield from calls.finish(tail)
+    elif tail:
         yield Chunk(tail, [])
     t_end = time.perf_counter()
     decode_s = (t_end - t_first) if t_first else 0.0
@@ -225,10 +236,11 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         ttft_s=round((t_first or t_end) - t0, 4), total_s=round(t_end - t0, 4),
         decode_tok_s=round((len(generated) - 1) / decode_s, 2) if decode_s > 0 and len(
             generated) > 1 else None)
-    return GenerationResult(text=text.text, tokens=generated, finish_reason=finish,
+    done = GenerationResult(text=text.text, tokens=generated, finish_reason=finish,
                             usage=Usage(len(prompt), len(generated)), timing=timing,
                             speculation=_speculation_stats(drafter, depth, stats),
                             stop_sequence=text.stop_sequence)
+    return done if calls is None else calls.result(done)  # the calls, the text beside them
 
 
 def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> SpeculationStats | None:

@@ -42,6 +42,13 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
                         context_length=card.context_length if card and card.family else None,
                         dtype=dtype, runtime=card.runtime if card else None,
                         speculation=speculation, sidecar=sidecar, span=span)
+    if card and card.chat:
+        from skulkp2p.engine.tool_calls import model_format
+        loaded.chat = dict(card.chat)
+        try:
+            model_format(loaded.chat, loaded.tokenizer)  # a wrong card field fails the load
+        except ValueError as e:
+            raise ValueError(f"card {card.id}: {e}") from None
     if speculation.get("draft_model") and (span is None or span.last):
         loaded.draft = open_model(store, speculation["draft_model"], dtype)
         from skulkp2p.engine.draft_model import check_compatible

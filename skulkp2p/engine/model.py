@@ -29,6 +29,7 @@ class LoadedModel:
     dtype: str
     runtime: dict[str, Any] = field(default_factory=dict)
     speculation: dict[str, Any] = field(default_factory=dict)  # the card's [speculation]
+    chat: dict[str, Any] = field(default_factory=dict)  # the card's [chat] (tool_parser)
     width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
     mtp: Any = None  # a loaded MTP head, when the model has one
     draft: LoadedModel | None = None  # a draft model, when the card names one

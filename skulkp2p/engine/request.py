@@ -8,7 +8,9 @@ front end can turn it into its own error shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -52,15 +54,52 @@ class Speculation:
 
 
 @dataclass(frozen=True)
+class Tool:
+    """A function the model may call: name, description and a JSON Schema of its arguments."""
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        """The shape chat templates and llama-server take (OpenAI's chat `tools` entry)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = (self.parameters if self.parameters is not None
+                            else {"type": "object", "properties": {}})
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """auto: the model decides; none: tools are not offered (not rendered, no calls parsed);
+    required: the model must call one; function: it must call `name`."""
+    mode: str = "auto"  # auto | none | required | function
+    name: str | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     id: Any = None
     model: str | None = None
-    messages: list[dict[str, str]] | None = None
+    # Chat messages in OpenAI's shape: role and content (a string), plus an assistant's
+    # `tool_calls` ([{id, type, function: {name, arguments (JSON text)}}]) and a tool result's
+    # `tool_call_id` (and `name`, when given).
+    messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     speculation: Speculation = field(default_factory=Speculation)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered to the model and its calls are parsed."""
+        return bool(self.tools) and self.tool_choice.mode != "none"
 
 
 def _number(obj: dict, key: str, lo: float | None = None, hi: float | None = None,
@@ -107,10 +146,51 @@ def _content_text(content: Any, where: str) -> str:
     raise RequestError(f"'{where}' must be a string or a list of text parts", where)
 
 
-def parse_messages(value: Any, key: str = "messages") -> list[dict[str, str]]:
+def _arguments_text(value: Any, where: str, key: str) -> str:
+    """A call's arguments as JSON text of an object (given as that text, or as the object)."""
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str):
+        raise RequestError(f"'{where}' must be a JSON object as a string", key)
+    try:
+        parsed = json.loads(value) if value.strip() else {}
+    except ValueError:
+        raise RequestError(f"'{where}' is not valid JSON", key) from None
+    if not isinstance(parsed, dict):
+        raise RequestError(f"'{where}' must be a JSON object", key)
+    return value if value.strip() else "{}"
+
+
+def _tool_calls(value: Any, where: str, key: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise RequestError(f"'{where}' must be a list of tool calls", key)
+    out = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise RequestError(f"'{at}' must be an object with 'id' and 'function'", key)
+        if call.get("type", "function") != "function":
+            raise RequestError(f"'{at}.type' must be \"function\"", key)
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise RequestError(f"'{at}.id' must be a non-empty string", key)
+        fn = call["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"'{at}.function.name' must be a non-empty string", key)
+        out.append({"id": call_id, "type": "function", "function": {
+            "name": name,
+            "arguments": _arguments_text(fn.get("arguments", "{}"), f"{at}.function.arguments",
+                                         key)}})
+    return out
+
+
+def parse_messages(value: Any, key: str = "messages") -> list[dict[str, Any]]:
+    """Chat messages in OpenAI's shape (the other APIs map theirs onto it): role, content, and
+    what chat templates render of tool use (an assistant's tool_calls, a tool's result)."""
     if not isinstance(value, list) or not value:
         raise RequestError(f"'{key}' must be a non-empty list of messages", key)
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise RequestError(f"'{key}[{i}]' must be an object with role and content", key)
@@ -118,9 +198,177 @@ def parse_messages(value: Any, key: str = "messages") -> list[dict[str, str]]:
         if role not in ROLES:
             raise RequestError(f"'{key}[{i}].role' must be one of {', '.join(ROLES)}, "
                                f"got {role!r}", key)
-        out.append({"role": role, "content": _content_text(m.get("content"),
-                                                           f"{key}[{i}].content")})
+        calls = m.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise RequestError(f"'{key}[{i}].tool_calls' is only for assistant messages", key)
+        content = m.get("content")
+        if content is None and calls:  # an assistant turn that only called tools
+            content = ""
+        msg: dict[str, Any] = {"role": role,
+                               "content": _content_text(content, f"{key}[{i}].content")}
+        if calls:
+            msg["tool_calls"] = _tool_calls(calls, f"{key}[{i}].tool_calls", key)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise RequestError(f"'{key}[{i}].tool_call_id' must name the call this "
+                                   "message answers", key)
+            msg["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        out.append(msg)
     return out
+
+
+# ---- tools ----------------------------------------------------------------------------------
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_ONE = ("not", "if", "then", "else", "contains", "propertyNames")
+
+
+def check_schema(node: Any, where: str, depth: int = 0) -> None:
+    """A JSON Schema, checked for shape where a chat template or a constrained decoder reads it:
+    a malformed one raises RequestError naming the exact field (`param` is the path)."""
+    if depth > 32:
+        raise RequestError(f"'{where}' nests too deep (more than 32 levels)", where)
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise RequestError(f"'{where}' must be a JSON Schema object, got "
+                           f"{type(node).__name__}", where)
+    kind = node.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        if not kinds or not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
+            raise RequestError(f"'{where}.type' must be one of {', '.join(JSON_TYPES)} (or a "
+                               f"list of them), got {kind!r}", f"{where}.type")
+    for key in _SCHEMA_MAPS:
+        if key in node:
+            if not isinstance(node[key], dict):
+                raise RequestError(f"'{where}.{key}' must be an object of schemas",
+                                   f"{where}.{key}")
+            for name, sub in node[key].items():
+                check_schema(sub, f"{where}.{key}.{name}", depth + 1)
+    for key in _SCHEMA_LISTS:
+        if key in node:
+            if not isinstance(node[key], list) or not node[key]:
+                raise RequestError(f"'{where}.{key}' must be a non-empty list of schemas",
+                                   f"{where}.{key}")
+            for j, sub in enumerate(node[key]):
+                check_schema(sub, f"{where}.{key}[{j}]", depth + 1)
+    for key in _SCHEMA_ONE:
+        if key in node:
+            check_schema(node[key], f"{where}.{key}", depth + 1)
+    if "items" in node:
+        items = node["items"]
+        for j, sub in enumerate(items if isinstance(items, list) else [items]):
+            check_schema(sub, f"{where}.items" + (f"[{j}]" if isinstance(items, list) else ""),
+                         depth + 1)
+    if "additionalProperties" in node:
+        check_schema(node["additionalProperties"], f"{where}.additionalProperties", depth + 1)
+    required = node.get("required")
+    if required is not None and (not isinstance(required, list) or not all(
+            isinstance(r, str) for r in required)):
+        raise RequestError(f"'{where}.required' must be a list of property names",
+                           f"{where}.required")
+    if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
+        raise RequestError(f"'{where}.enum' must be a non-empty list", f"{where}.enum")
+    if "description" in node and not isinstance(node["description"], str):
+        raise RequestError(f"'{where}.description' must be a string", f"{where}.description")
+
+
+def make_tool(name: Any, description: Any, parameters: Any, strict: Any, where: str,
+              name_key: str = "name", params_key: str = "parameters",
+              params_required: bool = False) -> Tool:
+    """One function tool from its parts, each checked; errors name `where`.<field> as the API
+    spells it (OpenAI chat nests them under `function`, Responses and Anthropic do not)."""
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise RequestError(f"'{where}.{name_key}' must be 1-64 letters, digits, '_' or '-', "
+                           f"got {name!r}", f"{where}.{name_key}")
+    if description is not None and not isinstance(description, str):
+        raise RequestError(f"'{where}.description' must be a string", f"{where}.description")
+    if parameters is None:
+        if params_required:
+            raise RequestError(f"'{where}.{params_key}' is required", f"{where}.{params_key}")
+    else:
+        at = f"{where}.{params_key}"
+        if not isinstance(parameters, dict):
+            raise RequestError(f"'{at}' must be a JSON Schema object, got "
+                               f"{type(parameters).__name__}", at)
+        if parameters.get("type", "object") != "object":
+            raise RequestError(f"'{at}.type' must be \"object\" (a function takes named "
+                               f"arguments), got {parameters.get('type')!r}", f"{at}.type")
+        check_schema(parameters, at)
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError(f"'{where}.strict' must be a boolean", f"{where}.strict")
+    return Tool(name, description, parameters, strict)
+
+
+def check_tool_list(tools: list[Tool], key: str = "tools") -> tuple[Tool, ...]:
+    seen = set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise RequestError(f"'{key}[{i}]': a function named {tool.name!r} is already given",
+                               f"{key}[{i}]")
+        seen.add(tool.name)
+    return tuple(tools)
+
+
+def parse_tools(value: Any, key: str = "tools") -> tuple[Tool, ...]:
+    """OpenAI chat's `tools`: [{"type": "function", "function": {name, description,
+    parameters, strict}}]."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError(f"'{key}' must be a list of tools", key)
+    tools = []
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            raise RequestError(f"'{where}' must be an object", where)
+        if entry.get("type") != "function":
+            raise RequestError(f"'{where}.type' must be \"function\" (the only tools "
+                               f"supported), got {entry.get('type')!r}", f"{where}.type")
+        fn = entry.get("function")
+        if not isinstance(fn, dict):
+            raise RequestError(f"'{where}.function' must be an object with name and "
+                               "parameters", f"{where}.function")
+        tools.append(make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
+                               fn.get("strict"), f"{where}.function"))
+    return check_tool_list(tools, key)
+
+
+def parse_tool_choice(value: Any, key: str = "tool_choice") -> ToolChoice:
+    """OpenAI's `tool_choice`: "auto" | "none" | "required" | {"type": "function", "function":
+    {"name": ...}} (the Responses API's {"type": "function", "name": ...} too)."""
+    if value is None or value == "auto":
+        return ToolChoice("auto")
+    if value in ("none", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else value.get("name")
+        if isinstance(name, str) and name:
+            return ToolChoice("function", name)
+    raise RequestError(f"'{key}' must be \"auto\", \"none\", \"required\" or "
+                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", key)
+
+
+def with_tools(req: GenerationRequest, tools: tuple[Tool, ...], choice: ToolChoice,
+               parallel: bool = True, key: str = "tools", choice_key: str = "tool_choice"
+               ) -> GenerationRequest:
+    """The request with its tools, checked against each other and the rest of the request."""
+    if choice.mode in ("required", "function") and not tools:
+        raise RequestError(f"'{choice_key}' {choice.mode!r} needs '{key}'", choice_key)
+    if choice.mode == "function" and choice.name not in {t.name for t in tools}:
+        raise RequestError(f"'{choice_key}' names {choice.name!r}, which is not among "
+                           f"'{key}'", choice_key)
+    if tools and req.messages is None:
+        raise RequestError(f"'{key}' need 'messages' (the chat template renders them)", key)
+    return replace(req, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
 
 
 def parse_stop(value: Any) -> tuple[str, ...]:
@@ -157,7 +405,8 @@ def parse_speculation(value: Any) -> Speculation:
 
 COMMON_FIELDS = {"id", "model", "messages", "prompt", "max_tokens", "max_completion_tokens",
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "repetition_penalty", "speculation"}
+                 "repetition_penalty", "speculation", "tools", "tool_choice",
+                 "parallel_tool_calls"}
 
 
 def parse_request(obj: Any, extra_fields: frozenset[str] = frozenset()) -> GenerationRequest:
@@ -199,8 +448,16 @@ def parse_request(obj: Any, extra_fields: frozenset[str] = frozenset()) -> Gener
         repetition_penalty=rep,
         seed=seed,
     )
-    return GenerationRequest(
+    req = GenerationRequest(
         id=obj.get("id"), model=model, messages=messages, prompt=prompt, max_tokens=max_tokens,
         sampling=sampling, stop=parse_stop(obj.get("stop")),
         speculation=parse_speculation(obj.get("speculation")),
     )
+    parallel = obj.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    tools = parse_tools(obj.get("tools"))
+    choice = parse_tool_choice(obj.get("tool_choice"))
+    if not tools and choice.mode in ("auto", "none") and parallel is None:
+        return req
+    return with_tools(req, tools, choice, parallel is not False)

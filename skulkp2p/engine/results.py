@@ -12,11 +12,36 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: its id, the function's name and its arguments (a JSON
+    object, as text)."""
+    id: str
+    name: str
+    arguments: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's shape (also the pipe's)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A streamed piece of a tool call: the first of a call carries its id and name (with empty
+    arguments), the next ones fragments of its arguments, in order."""
+    index: int  # the call's position among this generation's calls
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One step of a generation: newly final text and the tokens behind it (empty where the
-    engine does not see token ids, e.g. llama-server)."""
+    engine does not see token ids, e.g. llama-server), or a piece of a tool call."""
     text: str
     tokens: list[int] = field(default_factory=list)
+    tool_call: ToolCallDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -110,17 +135,21 @@ class SpeculationStats:
 class GenerationResult:
     text: str
     tokens: list[int]  # generated ids without the end-of-sequence token (empty: llama-server)
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls"
     usage: Usage
     timing: Timing
     speculation: SpeculationStats | None = None
     stop_sequence: str | None = None  # which stop string ended the text, if one did
+    # The calls the model made (finish_reason "tool_calls"); `text` is what it said beside them.
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def to_pipe_dict(self, req_id: Any, model: str) -> dict[str, Any]:
         """The JSONL pipe's result object (also POST /v1/cluster/generate's)."""
         out: dict[str, Any] = {"id": req_id, "model": model, "text": self.text,
                                "tokens": list(self.tokens), "finish_reason": self.finish_reason,
                                "usage": self.usage.to_dict(), "timing": self.timing.to_dict()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_dict() for call in self.tool_calls]
         if self.speculation is not None:
             out["speculation"] = self.speculation.to_dict()
         return out

@@ -46,6 +46,7 @@ class Card:
     runtime: dict[str, Any] = field(default_factory=dict)
     speculation: dict[str, Any] = field(default_factory=dict)
     placement: dict[str, Any] = field(default_factory=dict)  # engine, served_* (see below)
+    chat: dict[str, Any] = field(default_factory=dict)  # tool_parser (see CHAT_FIELDS)
     file: Path | None = None
 
     @property
@@ -73,6 +74,7 @@ class Card:
             "runtime": dict(self.runtime),
             "speculation": dict(self.speculation),
             **({"placement": dict(self.placement)} if self.placement else {}),
+            **({"chat": dict(self.chat)} if self.chat else {}),
         }
 
 
@@ -133,6 +135,14 @@ LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "enabled": bool, "max_key": int, "min_key": int, "max_depth": int,
     "min_repetition": (int, float),
 }
+
+
+# [chat]: how the model's chat works beyond its template. `tool_parser` names the mlx-lm module
+# (mlx_lm.tool_parsers.<name>, e.g. "json_tools" for Qwen/Hermes <tool_call>{json}</tool_call>)
+# that reads its tool calls, or "none" (the model takes no tools); without it, the one mlx-lm
+# infers from the chat template. The MLX engine checks the name when it loads the model;
+# llama-server parses calls itself.
+CHAT_FIELDS: dict[str, type | tuple[type, ...]] = {"tool_parser": str}
 
 
 # [placement]: which engine serves the card. "llama_server" runs the GGUF in a llama-server child
@@ -237,6 +247,15 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
     if placement.get("engine") == "llama_server" and fmt != "gguf":
         raise CardError(f"{file}: field 'placement.engine' \"llama_server\" needs format = "
                         f"\"gguf\", got {fmt!r}")
+    chat = _get(data, "chat", dict, "", file, required=False, default={})
+    for key in chat:
+        if key not in CHAT_FIELDS:
+            raise CardError(f"{file}: unknown field 'chat.{key}' (known: "
+                            f"{', '.join(sorted(CHAT_FIELDS))})")
+        _get(chat, key, CHAT_FIELDS[key], "chat.", file)
+    if "tool_parser" in chat and not (chat["tool_parser"].isidentifier()):
+        raise CardError(f"{file}: field 'chat.tool_parser' must be a module name of "
+                        f"mlx_lm.tool_parsers or \"none\", got {chat['tool_parser']!r}")
     runtime = _get(data, "runtime", dict, "", file, required=False, default={})
     for key in runtime:
         if key in RUNTIME_FIELDS:
@@ -256,6 +275,7 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         runtime=dict(runtime),
         speculation=dict(speculation),
         placement=placement,
+        chat=dict(chat),
         file=file,
     )
 

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,16 @@ import orjson
 
 from skulkp2p.engine.protocol import EngineFailed, EngineInfo, EngineUnavailable, Generation
 from skulkp2p.engine.request import GenerationRequest, RequestError
-from skulkp2p.engine.results import Chunk, GenerationResult, SpeculationStats, Timing, Usage
+from skulkp2p.engine.results import (
+    Chunk,
+    GenerationResult,
+    SpeculationStats,
+    Timing,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from skulkp2p.engine.tool_calls import call_opening, json_tools_template
 from skulkp2p.models.cards import Card
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
@@ -62,7 +72,8 @@ def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = N
         no_spec = os.environ.get(FORCE_NO_SPEC, "") not in ("", "0")
     ctx = int(p.get("served_context") or min(card.context_length, DEFAULT_CONTEXT))
     # One slot: our worker sends one request at a time, and MTP disables parallel slots anyway.
-    args = ["-m", str(model), "-c", str(ctx), "--parallel", "1", "--no-webui"]
+    # --jinja: the GGUF's own chat template renders tools, and the child parses calls itself.
+    args = ["-m", str(model), "-c", str(ctx), "--parallel", "1", "--no-webui", "--jinja"]
     threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS")
     if threads:
         args += ["-t", threads]
@@ -99,6 +110,7 @@ class ServedModel:
         self.speculation_type = (
             "none" if "--spec-type" not in child.args
             else child.args[child.args.index("--spec-type") + 1])
+        self.json_tools: bool | None = None  # the template's calls are <tool_call>{json}
 
     def close(self) -> None:
         self.child.stop()
@@ -113,6 +125,8 @@ class ServedModel:
     def prompt_length(self, req: GenerationRequest) -> int:
         # Counting needs the child's template and tokenizer (two more round trips); the real
         # count arrives in the final usage. Over-long prompts are refused by the child (400).
+        # (A forced tool call needs the template's format: learnt here, off the loop.)
+        self._opening(req)
         return 0
 
     def generate(self, req: GenerationRequest) -> Generation:
@@ -155,7 +169,7 @@ class ServedModel:
         """`stream`, run on the event loop: each chunk goes to `emit` as it arrives, with no
         thread between the child's socket and the client's (the worker calls `prepare` first,
         on its own thread). Same request, events, errors and result as `stream`."""
-        body = json.dumps(self._body(req)).encode()
+        body = json.dumps(self._body(req, blocking=False)).encode()
         chat = req.messages is not None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         reply = _Reply(self, chat, generation.interrupt)
@@ -213,6 +227,35 @@ class ServedModel:
         except ServedError as e:
             raise EngineUnavailable(str(e), retry_after=None) from None
 
+    def _knows_json_tools(self) -> bool:
+        """(Blocking) whether the child's chat template asks for Hermes/Qwen JSON calls, read
+        once from its /props."""
+        if self.json_tools is None:
+            self.prepare()
+            conn = http.client.HTTPConnection(self.child.host, self.child.port, timeout=30)
+            try:
+                conn.request("GET", "/props")
+                resp = conn.getresponse()
+                props = json.loads(resp.read()) if resp.status == 200 else None
+            except (OSError, http.client.HTTPException, ValueError):
+                props = None
+            finally:
+                conn.close()
+            if not isinstance(props, dict):
+                return False  # asked again next time
+            template = props.get("chat_template")
+            self.json_tools = isinstance(template, str) and json_tools_template(template)
+        return self.json_tools
+
+    def _opening(self, req: GenerationRequest, blocking: bool = True) -> str:
+        """How a forced call begins, where the template's format is known (Hermes/Qwen JSON):
+        sent as the assistant's prefill, which llama-server continues and parses as a call.
+        Off the loop only: `prompt_length` (the worker's thread) learns the format first."""
+        if not req.uses_tools or req.tool_choice.mode not in ("required", "function"):
+            return ""
+        known = self._knows_json_tools() if blocking else bool(self.json_tools)
+        return call_opening("json_tools", "<tool_call>", req) if known else ""
+
     def _lost(self, e: BaseException) -> EngineUnavailable:
         return EngineUnavailable(f"llama-server for {self.id} went away mid-request ({e}); it "
                                  "is being restarted, retry")
@@ -230,11 +273,12 @@ class ServedModel:
                                      retry_after=None)
         return EngineFailed(f"llama-server for {self.id} failed: {message}")
 
-    def _body(self, req: GenerationRequest) -> dict[str, Any]:
-        return child_body(req, int(self.runtime.get("max_tokens", 256)))
+    def _body(self, req: GenerationRequest, blocking: bool = True) -> dict[str, Any]:
+        return child_body(req, int(self.runtime.get("max_tokens", 256)),
+                          self._opening(req, blocking))
 
     def _result(self, text: str, final: dict[str, Any], t0: float, t_first: float | None,
-                t_end: float) -> GenerationResult:
+                t_end: float, calls: tuple[ToolCall, ...] = ()) -> GenerationResult:
         usage = final.get("usage") or {}
         timings = final.get("timings") or {}
         n_out = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
@@ -247,19 +291,23 @@ class ServedModel:
             engine="llama_server", child_prompt_ms=timings.get("prompt_ms"),
             child_predicted_per_second=timings.get("predicted_per_second"))
         speculation = None
-        if "draft_n" in timings and self.speculation_type != "none":
+        if self.speculation_type != "none":  # (the child leaves draft_n out when it drafted nothing)
             speculation = SpeculationStats(
                 drafter=f"llama_server:{self.speculation_type}", mode="explicit",
                 drafted=int(timings.get("draft_n") or 0),
                 accepted=int(timings.get("draft_n_accepted") or 0))
-        return GenerationResult(text=text, tokens=[], finish_reason="length" if finish ==
-                                "length" else "stop", usage=Usage(n_in, n_out), timing=timing,
-                                speculation=speculation)
+        if finish != "length":
+            finish = "tool_calls" if calls else "stop"
+        return GenerationResult(text=text, tokens=[], finish_reason=finish,
+                                usage=Usage(n_in, n_out), timing=timing,
+                                speculation=speculation, tool_calls=calls)
 
 
-def child_body(req: GenerationRequest, default_max_tokens: int) -> dict[str, Any]:
+def child_body(req: GenerationRequest, default_max_tokens: int, opening: str = ""
+               ) -> dict[str, Any]:
     """The streamed request the proxy sends to the child for `req` (also what the bench sends
-    to the child directly, so both paths ask for exactly the same generation)."""
+    to the child directly, so both paths ask for exactly the same generation). `opening`: the
+    beginning of a forced tool call, prefilled as the assistant's turn."""
     s = req.sampling
     body: dict[str, Any] = {
         "stream": True, "stream_options": {"include_usage": True},
@@ -277,6 +325,18 @@ def child_body(req: GenerationRequest, default_max_tokens: int) -> dict[str, Any
         body["messages"] = req.messages
     else:
         body["prompt"] = req.prompt
+    if req.uses_tools:
+        # llama-server takes "auto", "none" or "required": a named function is "required"
+        # with only that function offered. Where the call's opening is known it is prefilled
+        # instead (as the MLX engine does): llama-server continues the assistant's last message
+        # and parses the call; its own "required" only constrains the call once it started.
+        choice = req.tool_choice
+        tools = [t for t in req.tools if choice.mode != "function" or t.name == choice.name]
+        body["tools"] = [t.to_openai() for t in tools]
+        body["tool_choice"] = "auto" if choice.mode == "auto" or opening else "required"
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+        if opening:
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": opening}]
     return body
 
 
@@ -295,6 +355,7 @@ class _Reply:
         self.final: dict[str, Any] = {}
         self.done = False  # [DONE] seen, or the body ended
         self._rest = b""  # a partial line, completed by the next read
+        self.calls: dict[int, dict[str, str]] = {}  # the child's tool calls, by its index
 
     def feed(self, data: bytes) -> Iterator[Chunk]:
         """The chunks in the next bytes of the body; b"" is its end (a last line without its
@@ -316,10 +377,35 @@ class _Reply:
                     self.t_first = time.perf_counter()
                 self.text.append(piece)
                 yield Chunk(piece)
+            if self.chat:
+                yield from self._tool_calls(event)
+
+    def _tool_calls(self, event: dict[str, Any]) -> Iterator[Chunk]:
+        """The child's `delta.tool_calls` (llama-server parses calls itself) as our typed
+        deltas: a call's id and name first (with empty arguments), then its fragments."""
+        for choice in event.get("choices") or []:
+            for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+                index = delta.get("index", len(self.calls))
+                fn = delta.get("function") or {}
+                if index not in self.calls:
+                    if self.t_first is None:
+                        self.t_first = time.perf_counter()
+                    call_id = delta.get("id") or f"call_{uuid.uuid4().hex[:24]}"
+                    self.calls[index] = {"id": call_id, "name": fn.get("name") or "",
+                                         "arguments": ""}
+                    yield Chunk("", tool_call=ToolCallDelta(len(self.calls) - 1, call_id,
+                                                            self.calls[index]["name"], ""))
+                fragment = fn.get("arguments") or ""
+                if fragment:
+                    self.calls[index]["arguments"] += fragment
+                    position = list(self.calls).index(index)
+                    yield Chunk("", tool_call=ToolCallDelta(position, arguments=fragment))
 
     def result(self) -> GenerationResult:
+        calls = tuple(ToolCall(c["id"], c["name"], c["arguments"] or "{}")
+                      for c in self.calls.values())
         return self.model._result("".join(self.text), self.final, self.t0, self.t_first,
-                                  time.perf_counter())
+                                  time.perf_counter(), calls)
 
 
 def _events(lines: list[bytes]) -> Iterator[dict[str, Any] | None]:
