@@ -239,6 +239,9 @@ class ServedModel:
         timings = final.get("timings") or {}
         n_out = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
         n_in = int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0)
+        # llama-server's own prompt cache (cache_prompt): tokens it did not evaluate again.
+        details = usage.get("prompt_tokens_details") or {}
+        n_cached = int(timings.get("cache_n") or details.get("cached_tokens") or 0)
         finish = final.get("finish_reason") or "stop"
         decode_s = (t_end - t_first) if t_first is not None else 0.0
         timing = Timing(
@@ -253,7 +256,8 @@ class ServedModel:
                 drafted=int(timings.get("draft_n") or 0),
                 accepted=int(timings.get("draft_n_accepted") or 0))
         return GenerationResult(text=text, tokens=[], finish_reason="length" if finish ==
-                                "length" else "stop", usage=Usage(n_in, n_out), timing=timing,
+                                "length" else "stop", usage=Usage(n_in, n_out, n_cached),
+                                timing=timing,
                                 speculation=speculation)
 
 
