@@ -241,18 +241,15 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float] | None,
-              loaded: LoadedModel) -> tuple[dict[str, Any], str]:
-    """Measure; return the JSON document and its table. Raises BenchError when an arm's greedy
-    tokens differ from plain's (after the document is written by the caller)."""
+              loaded: LoadedModel, ring: Any = None) -> tuple[dict[str, Any], str]:
+    """Measure; return the JSON document and its table (the caller writes them, and fails when
+    an arm's greedy tokens differ from plain's). `ring`: the model is a ring's last stage
+    (`--nodes`); its stages keep their own prefix caches."""
     mb = float(args.prefix_cache_mb)
     if mb <= 0:
         raise BenchError("--agent compares the prefix cache on and off: --prefix-cache-mb must "
                          "be more than 0")
     max_tokens = args.max_tokens
-    for arm in ARMS:  # warm-up: kernels, the allocator, a long prefill
-        engine = _engine(loaded, arm, mb)
-        ask(engine, WARMUP_MESSAGES, min(WARMUP_TOKENS, max_tokens), arm.speculation)
-        ask(engine, shared_prefix_messages("Say OK."), 2, arm.speculation)
     cells = {arm.name: ArmRuns() for arm in ARMS}
     settings = {
         "max_tokens": max_tokens, "runs": args.runs, "statistic": "median",
@@ -262,6 +259,18 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
                  "for every conversation and every pair",
         "warmup": "each arm: a short request and a cold shared-prefix request",
     }
+    if ring is not None:
+        settings["ring"] = ring.settings
+
+    def done() -> None:
+        if ring is not None:
+            ring.take_run(None)  # let the finished requests' forwards go
+
+    for arm in ARMS:  # warm-up: kernels, the allocator, a long prefill
+        engine = _engine(loaded, arm, mb)
+        ask(engine, WARMUP_MESSAGES, min(WARMUP_TOKENS, max_tokens), arm.speculation)
+        ask(engine, shared_prefix_messages("Say OK."), 2, arm.speculation)
+    done()
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
         turns, pair, mismatched = results(cells)
@@ -276,6 +285,7 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
     for r in range(args.runs):
         for arm in ARMS:
             conv = conversation(loaded, arm, max_tokens, mb)
+            done()
             cells[arm.name].conversations.append(conv)
             log.info("run %d/%d %-12s turns: ttft %s s, cached %s", r + 1, args.runs, arm.name,
                      " ".join(f"{t.ttft_s:.2f}" for t in conv),
@@ -284,6 +294,7 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
                 write_atomic(Path(args.json_out), json.dumps(document(False)[0], indent=2) + "\n")
         for arm in ARMS:
             pair = shared_pair(loaded, arm, max_tokens, mb)
+            done()
             cells[arm.name].pairs.append(pair)
             log.info("run %d/%d %-12s shared prefix: ttft %.3f s then %.3f s (%d cached)", r + 1,
                      args.runs, arm.name, pair[0].ttft_s, pair[1].ttft_s, pair[1].cached_tokens)

@@ -212,7 +212,7 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     if getattr(args, "agent", False):
         from skulkp2p.bench.agent import run_agent
 
-        doc, table = run_agent(args, engine, load_before, loaded)
+        doc, table = run_agent(args, engine, load_before, loaded, ring)
         write_document(doc, table, args.json_out)
         if doc["mismatched"]:
             raise BenchError(f"greedy output differs from plain for "

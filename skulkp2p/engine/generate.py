@@ -278,7 +278,10 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         if prefix is not None:
             # Between rounds the caches hold all of history but its pending last token: the
             # next turn of a conversation (this prompt, this answer, more) starts there.
-            prefix.keep(history)
+            try:
+                prefix.keep(history)
+            except Exception:  # the answer is complete: a cache that failed must not fail it
+                log.exception("prefix cache: keeping the request's caches failed")
     finally:
         steps.close()
         if hasattr(forward, "close"):
