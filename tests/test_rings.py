@@ -263,7 +263,8 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
         for arm in ref:
             got = _pipe(http, "qwen3_5", arm)
             assert got["tokens"] == ref[arm]["tokens"], (ring, arm)
-            assert (got["usage"]["cached_tokens"] > 0) == (arm != "plain"), (ring, arm)
+            if arm != "plain":  # every stage restored an earlier request's entry
+                assert got["usage"]["cached_tokens"] > 0, (ring, arm, got["usage"])
 
 
 def _mid_request_on_a_three_stage_ring(c):
