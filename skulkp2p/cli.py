@@ -59,7 +59,8 @@ def cmd_join(args) -> int:
         http_port=args.http_port, max_queue=args.max_queue, sse_keepalive=args.sse_keepalive,
         http_config=ServerConfig(max_body_bytes=args.max_body_bytes,
                                  header_timeout=args.http_header_timeout,
-                                 idle_timeout=args.http_idle_timeout))
+                                 idle_timeout=args.http_idle_timeout),
+        prefix_cache_mb=args.prefix_cache_mb)
     try:
         return run_join(store, settings, cluster)
     except JoinError as e:
@@ -92,9 +93,12 @@ def cmd_pipe(args) -> int:
     store.resolve(model)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
+    from functools import partial
+
     from skulkp2p.node.engines import open_engine
 
-    return run_pipe(store, model, sys.stdin, sys.stdout, open_engine)
+    return run_pipe(store, model, sys.stdin, sys.stdout,
+                    partial(open_engine, prefix_cache_mb=args.prefix_cache_mb))
 
 
 def cmd_models(args) -> int:
@@ -145,6 +149,25 @@ def cmd_bench(args) -> int:
         raise CliError(str(e)) from None
 
 
+def _megabytes(value: str) -> float:
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of MB, 0 or more, got {value!r}")
+    return mb
+
+
+def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
+    from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB  # no mlx
+
+    p.add_argument("--prefix-cache-mb", type=_megabytes, default=DEFAULT_PREFIX_CACHE_MB,
+                   metavar="MB", help="memory per model for the prefix cache: a request reuses "
+                   "the caches of the longest prompt prefix an earlier one left (in memory, "
+                   f"never on disk; default {DEFAULT_PREFIX_CACHE_MB}; 0 turns it off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m skulkp2p",
                                 description="Serve LLMs from a cluster of identical agents.")
@@ -171,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open (default 30)")
     j.add_argument("--sse-keepalive", type=float, default=10.0,
                    help="seconds of silence in a stream before a keep-alive comment (default 10)")
+    add_prefix_cache_argument(j)
     from skulkp2p.cluster.node import add_cluster_arguments  # stdlib + msgpack: no mlx
 
     add_cluster_arguments(j)
@@ -183,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send the requests through the cluster node at this cluster address "
                          "(its --host:--port) instead of loading a model here")
     pp.add_argument("--secret", help="the cluster secret for --peer (or SKULKP2P_SECRET)")
+    add_prefix_cache_argument(pp)
     pp.set_defaults(func=cmd_pipe)
 
     m = common(sub.add_parser("models", help="the local model store: list, pull, path"))

@@ -147,6 +147,31 @@ def test_anthropic_messages(node):
     assert info.value.body["error"]["param"] == "stop_sequences"
 
 
+def test_prefix_cache_usage_over_http(node, oai):
+    """A repeated prompt comes from the prefix cache: OpenAI says so in
+    usage.prompt_tokens_details.cached_tokens (also in a stream's usage chunk), Anthropic in
+    usage.cache_read_input_tokens (also in message_delta); the text is the same."""
+    messages = [{"role": "user", "content": "Count the herons by the mill pond. " * 12}]
+    first = oai.chat.completions.create(model="llama", messages=messages, max_tokens=6)
+    again = oai.chat.completions.create(model="llama", messages=messages, max_tokens=6)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    assert cached == again.usage.prompt_tokens - 1
+    chunks = list(oai.chat.completions.create(model="llama", messages=messages, max_tokens=6,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=node.base, api_key="none", max_retries=0, timeout=60)
+    msg = client.messages.create(model="llama", max_tokens=6, messages=messages)
+    assert msg.usage.cache_read_input_tokens == msg.usage.input_tokens - 1
+    with H11Client(node.port) as c:
+        r = c.request("POST", "/v1/messages", {"model": "llama", "max_tokens": 6, "stream": True,
+                                               "messages": messages})
+    delta = [json.loads(d) for n, d in r.sse() if n == "message_delta"][0]
+    assert delta["usage"]["cache_read_input_tokens"] == msg.usage.input_tokens - 1
+
+
 def test_anthropic_event_sequence_raw(node):
     with H11Client(node.port) as c:
         r = c.request("POST", "/v1/messages", {"model": "llama", "max_tokens": 5, "stream": True,

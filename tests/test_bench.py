@@ -168,6 +168,36 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
             os.kill(s["pid"], 0)
 
 
+def test_bench_agent_turns_with_and_without_the_prefix_cache(tiny, tmp_path):
+    """`bench --agent`: six turns of one conversation and the shared-prefix pair, four arms
+    (plain, spec, each with the prefix cache off and on) in one run: per-turn TTFT, decode
+    tok/s and cached tokens; every arm's tokens equal plain's. (Timings are reported, not
+    asserted.)"""
+    out = tmp_path / "agent.json"
+    proc = run_cli("bench", "--agent", "--model", str(tiny), "--data-dir", str(tmp_path),
+                   "--max-tokens", "6", "--runs", "1", "--prefix-cache-mb", "64",
+                   "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["mode"] == "agent" and doc["mismatched"] == []
+    assert [t["name"] for t in doc["turns"]] == doc["settings"]["turns"]
+    assert len(doc["turns"]) >= 5
+    for i, t in enumerate(doc["turns"]):
+        arms = t["arms"]
+        assert set(arms) == {"plain", "spec", "plain+prefix", "spec+prefix"}
+        assert all(r["identical_to_plain"] for r in arms.values())
+        assert all(r["ttft_s"] > 0 for r in arms.values())
+        assert arms["plain"]["cached_tokens"] == arms["spec"]["cached_tokens"] == 0
+        if i > 0:  # from turn 2 on, the conversation so far comes from the cache
+            assert arms["plain+prefix"]["cached_tokens"] > doc["turns"][i - 1]["prompt_tokens"] / 2
+        assert set(t["ttft_gain_prefix"]) == {"plain", "spec"}
+    pair = doc["shared_prefix"]["arms"]
+    assert pair["plain"]["second_cached_tokens"] == 0
+    assert pair["plain+prefix"]["second_cached_tokens"] > 500
+    assert {"turn5_ttft_plain", "shared_prefix_second_ttft_spec"} <= set(doc["aims"])
+    assert "| turn | prompt | cached |" in proc.stdout
+
+
 def test_bench_options_import_no_mlx():
     """The CLI builds the bench's parser before the fast BLAS is set up: no mlx may load."""
     code = ("import sys\n"

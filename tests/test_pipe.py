@@ -7,8 +7,9 @@ import pytest
 from tests.helpers.procs import run_cli
 
 
-def pipe(model, lines, **kw):
-    proc = run_cli("pipe", "--model", str(model), input="".join(line + "\n" for line in lines), **kw)
+def pipe(model, lines, args=(), **kw):
+    proc = run_cli("pipe", "--model", str(model), *args,
+                   input="".join(line + "\n" for line in lines), **kw)
     return proc, [json.loads(line) for line in proc.stdout.splitlines()]
 
 
@@ -58,6 +59,27 @@ def test_pipe_prompt_too_long(tiny_models):
     prompt = "word " * 3000  # the tiny models take 512 positions
     proc, out = pipe(tiny_models["qwen3"], [json.dumps({"id": 1, "prompt": prompt})])
     assert out[0]["id"] == 1 and "prompt is" in out[0]["error"]["message"]
+
+
+def test_pipe_prefix_cache_flag(tiny_models):
+    """The second of two requests on one document reuses the first's caches (usage says how
+    many prompt tokens), decodes the same tokens as without the cache; 0 MB turns it off."""
+    doc = "The survey counted birds along the river every spring. " * 20
+    lines = [json.dumps({"id": i, "prompt": doc + q, "max_tokens": 8})
+             for i, q in enumerate(("Where?", "Where?", "When?"))]
+    runs = {mb: pipe(tiny_models["llama"], lines, args=("--prefix-cache-mb", mb))
+            for mb in ("64", "0")}
+    for proc, _ in runs.values():
+        assert proc.returncode == 0, proc.stderr
+    on, off = runs["64"][1], runs["0"][1]
+    assert [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    assert [r["usage"]["cached_tokens"] for r in off] == [0, 0, 0]
+    assert on[0]["usage"]["cached_tokens"] == 0
+    assert on[1]["usage"]["cached_tokens"] == on[1]["usage"]["prompt_tokens"] - 1
+    assert 0 < on[2]["usage"]["cached_tokens"] < on[2]["usage"]["prompt_tokens"]
+    bad = run_cli("pipe", "--model", str(tiny_models["llama"]), "--prefix-cache-mb", "-1",
+                  input="")
+    assert bad.returncode == 2 and "--prefix-cache-mb" in bad.stderr
 
 
 @pytest.mark.slow

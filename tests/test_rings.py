@@ -231,6 +231,8 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
             got = _pipe(http, "llama", arm)
             assert got.get("tokens") == single[arm]["tokens"], (ring, arm, got)
             assert got["text"] == single[arm]["text"]
+            if arm in ("lookup", "sampled"):  # every stage restored plain's entry over TCP
+                assert got["usage"]["cached_tokens"] > 0, (ring, arm, got["usage"])
     # Each stage reports what it holds, from its loaded parameters.
     want = {"n2": [0, 2], "n0": [2, 3], "n1": [3, 4]}
 
@@ -251,7 +253,10 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
         _place(c, "qwen3_5", ring)
         _served_by(c, "qwen3_5", ring)
         for arm in ref:
-            assert _pipe(http, "qwen3_5", arm)["tokens"] == ref[arm]["tokens"], (ring, arm)
+            got = _pipe(http, "qwen3_5", arm)
+            assert got["tokens"] == ref[arm]["tokens"], (ring, arm)
+            if arm != "plain":  # every stage restored an earlier request's entry
+                assert got["usage"]["cached_tokens"] > 0, (ring, arm, got["usage"])
 
 
 def _mid_request_on_a_three_stage_ring(c):

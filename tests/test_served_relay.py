@@ -21,7 +21,7 @@ from skulkp2p.served.model import ServedModel
 
 PIECES = ["Hel", "lo", " wor", "ld ", "\u00e9\u4e16", "!"]
 TIMINGS = {"prompt_n": 7, "prompt_ms": 3.5, "predicted_n": 6, "predicted_per_second": 99.0,
-           "draft_n": 4, "draft_n_accepted": 3}
+           "draft_n": 4, "draft_n_accepted": 3, "cache_n": 5}
 
 
 def _chat_events(pieces: list[str]) -> list[bytes]:
@@ -152,6 +152,7 @@ def test_relay_matches_blocking_stream_and_errors():
             for key in ("text", "usage", "finish_reason", "speculation", "stop_sequence"):
                 assert getattr(result, key) == getattr(ref, key), key
             assert result.finish_reason == "length"
+            assert result.usage.cached_tokens == 5  # llama-server's own prompt cache
             assert result.speculation.to_dict() == {
                 "drafter": "llama_server:ngram-simple", "mode": "explicit", "drafted": 4,
                 "accepted": 3, "acceptance": 0.75}

@@ -325,7 +325,8 @@ async def _messages(node: ModelEndpoint, http_req: HttpRequest) -> Response | St
             "content": content + [_tool_use(call) for call in result.tool_calls],
             "stop_reason": _stop_reason(result), "stop_sequence": result.stop_sequence,
             "usage": {"input_tokens": result.usage.prompt_tokens,
-                      "output_tokens": result.usage.completion_tokens},
+                      "output_tokens": result.usage.completion_tokens,
+                      "cache_read_input_tokens": result.usage.cached_tokens},
             **result.extras()})
     job, first = await node.open_stream(req, _RENAME)
 
@@ -351,7 +352,8 @@ async def _messages(node: ModelEndpoint, http_req: HttpRequest) -> Response | St
                     "type": "message_delta",
                     "delta": {"stop_reason": _stop_reason(result),
                               "stop_sequence": result.stop_sequence},
-                    "usage": {"output_tokens": result.usage.completion_tokens},
+                    "usage": {"output_tokens": result.usage.completion_tokens,
+                              "cache_read_input_tokens": result.usage.cached_tokens},
                     **result.extras()}, "message_delta")
                 yield sse.event({"type": "message_stop"}, "message_stop")
             elif isinstance(event, Failed):

@@ -186,7 +186,7 @@ class _Shape:
             choice = {"index": 0, "text": result.text, "logprobs": None,
                       "finish_reason": result.finish_reason}
             out = self._base("text_completion")
-        return {**out, "choices": [choice], "usage": result.usage.to_dict(), **result.extras()}
+        return {**out, "choices": [choice], "usage": result.usage.openai_dict(), **result.extras()}
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False
               ) -> dict[str, Any]:
@@ -249,7 +249,7 @@ async def _handle(node: ModelEndpoint, http_req: HttpRequest, chat: bool) -> Res
                 final = shape.chunk(None if chat else "", result.finish_reason)
                 yield sse.event(with_usage({**final, **result.extras()}))
                 if include_usage:
-                    yield sse.event(shape.usage_chunk(result.usage.to_dict()))
+                    yield sse.event(shape.usage_chunk(result.usage.openai_dict()))
                 yield sse.DONE
             elif isinstance(event, Failed):
                 yield sse.event(engine_error(event.error).body())

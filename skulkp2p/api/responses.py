@@ -252,7 +252,7 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str,
 def _usage(result: GenerationResult) -> dict[str, Any]:
     u = result.usage
     return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0) or 0},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens}

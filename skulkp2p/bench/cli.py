@@ -5,6 +5,9 @@ a warm-up, every arm (`mlx_arms.py`) on the same loaded model in the same proces
 interleaved (run r of every workload and arm before run r+1), so slow drift of the machine spreads
 over all arms instead of favouring whichever ran first.
 
+`--agent` runs the multi-turn agent workload and the shared-prefix pair instead (`agent.py`):
+per-turn time to first token and decode speed, prefix cache on and off, plain and speculative.
+
 `--widths` measures the verify-width cost table (the fastest of 7 forwards of w tokens after a
 64-token prefill, relative to w=1) with the engine's `width_costs` module and saves it under
 `<data-dir>/widths/`, where the loader reads it for the depth controller. `--nodes N` runs the
@@ -26,6 +29,7 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skulkp2p.bench.agent import DEFAULT_AGENT_MAX_TOKENS
 from skulkp2p.bench.errors import BenchError
 from skulkp2p.bench.mlx_arms import (
     MLX_LM_DRAFT_TOKENS,
@@ -100,6 +104,7 @@ def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The bench sub-command's options (kept here so skulkp2p/cli.py stays small)."""
+    from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB
     from skulkp2p.models.cards import DEFAULT_MODEL
 
     p.error = types.MethodType(_one_line_error, p)  # type: ignore[method-assign]
@@ -110,8 +115,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "llama_server), plain vs its speculation, through our proxy vs direct")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default: what this node would serve with (float32 on OpenBLAS)")
-    p.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS,
-                   help=f"generated tokens per run (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--max-tokens", type=_positive, default=None,
+                   help=f"generated tokens per run (default {DEFAULT_MAX_TOKENS}; with --agent "
+                        f"per turn, default {DEFAULT_AGENT_MAX_TOKENS})")
     p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,
                    help=f"measured runs per arm and workload; the median counts "
                         f"(default {DEFAULT_RUNS})")
@@ -140,6 +146,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", action="store_true",
                    help="also measure the verify-width cost table (w = 1..16) and save it under "
                         "<data-dir>/widths/")
+    p.add_argument("--agent", action="store_true",
+                   help="instead of the workloads: a 6-turn coding-agent conversation (a "
+                        "~1,000-token file read, edits, tool results) and a shared-prefix pair; "
+                        "per-turn time to first token and decode tok/s with the prefix cache "
+                        "on and off, plain and spec")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                   metavar="MB", help="the prefix cache of the --agent arms that use it, and "
+                   f"of ring stages (default {DEFAULT_PREFIX_CACHE_MB})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,6 +164,11 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     """The whole command after the CLI has arranged the BLAS; returns the exit status."""
     from skulkp2p.bench.served import dispatch
 
+    if args.max_tokens is None:
+        args.max_tokens = DEFAULT_AGENT_MAX_TOKENS if getattr(args, "agent", False) \
+            else DEFAULT_MAX_TOKENS
+    if getattr(args, "agent", False) and (args.plot or args.widths):
+        raise BenchError("--agent has its own tables: run --plot and --widths without it")
     status = dispatch(args, store)  # --engine served; a served card without it is refused
     if status is not None:
         return status
@@ -174,7 +193,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                          "--nodes")
     from skulkp2p.bench.ring import RingBench, RingBenchError
 
-    ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0))
+    ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0),
+                     prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
     try:  # the stage processes end with the bench, however it ends
         try:
             loaded = ring.open()
@@ -189,6 +209,15 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                 load_before: list[float] | None, arms: list[Arm], skipped: list[dict[str, str]],
                 loaded: LoadedModel, ring: Any) -> int:
     draft = open_draft(store, args.draft_model, loaded) if args.draft_model else None
+    if getattr(args, "agent", False):
+        from skulkp2p.bench.agent import run_agent
+
+        doc, table = run_agent(args, engine, load_before, loaded, ring)
+        write_document(doc, table, args.json_out)
+        if doc["mismatched"]:
+            raise BenchError(f"greedy output differs from plain for "
+                             f"{', '.join(doc['mismatched'])}")
+        return 0
 
     # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
     # cannot run on this model at all.

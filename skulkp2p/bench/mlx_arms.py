@@ -138,7 +138,9 @@ def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
     from skulkp2p.engine.request import RequestError
 
     req = engine_request(messages, max_tokens, speculation)
-    generation = MlxEngine(loaded).generate(req)
+    # A fresh engine without the prefix cache: every run is a cold request (`--agent` measures
+    # the cache).
+    generation = MlxEngine(loaded, prefix_cache_mb=0).generate(req)
     t_first = t_last = None
     t0 = time.perf_counter()
     try:

@@ -78,10 +78,12 @@ class RingBench:
     """N stages on loopback, started by :meth:`open`, stopped by :meth:`close` (idempotent)."""
 
     def __init__(self, store: ModelStore, spec: str, dtype: str, nodes: int,
-                 link_delay_ms: float = 0.0, timeout_s: float | None = None):
+                 link_delay_ms: float = 0.0, timeout_s: float | None = None,
+                 prefix_cache_mb: float = 0.0):
         if nodes < 2:
             raise ValueError("a ring has at least 2 nodes")
         self.store, self.spec, self.dtype, self.nodes = store, spec, dtype, nodes
+        self.prefix_cache_mb = prefix_cache_mb  # each stage process's own prefix cache
         self.delay_s = max(0.0, link_delay_ms) / 1e3
         self.timeout_s = timeout_s
         self.stages: list[_Stage] = []
@@ -180,7 +182,8 @@ class RingBench:
         cmd = [sys.executable, "-m", "skulkp2p.bench.ring", "--model", self.spec,
                "--dtype", self.dtype, "--layers", f"{st.layers[0]},{st.layers[1]},{total}",
                "--host", st.ip, "--port", str(st.port), "--next", next_addr,
-               "--data-dir", str(self.store.data_dir)]
+               "--data-dir", str(self.store.data_dir),
+               "--prefix-cache-mb", str(self.prefix_cache_mb)]
         with open(st.log_path, "wb") as err:
             st.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=err, env=env)
@@ -338,6 +341,7 @@ def _stage_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--next", required=True, help="the next stage's ring address")
     p.add_argument("--data-dir", required=True)
+    p.add_argument("--prefix-cache-mb", type=float, default=0.0)
     return p.parse_args(argv)
 
 
@@ -380,7 +384,11 @@ async def _serve_stage(args: argparse.Namespace) -> int:
         if not load.done():
             return 0
         loaded = load.result()
-        data.set_stage(MODEL_KEY, StageWorker(StageModel(loaded.model, span), TERM),
+        from skulkp2p.engine.prefix_cache import MB, PrefixCache
+
+        mb = args.prefix_cache_mb
+        data.set_stage(MODEL_KEY, StageWorker(StageModel(loaded.model, span), TERM,
+                                              PrefixCache(int(mb * MB)) if mb > 0 else None),
                        lambda: args.next)
         _say(ready=True, param_bytes=param_bytes(loaded.model), pid=os.getpid())
         await stop.wait()

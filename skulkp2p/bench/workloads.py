@@ -91,3 +91,167 @@ WORKLOADS: dict[str, list[dict[str, str]]] = {
 
 # Each arm's warm-up (kernels, allocator), short and unlike any workload.
 WARMUP_MESSAGES = [{"role": "user", "content": "Repeat exactly: red green blue red green blue"}]
+
+# --------------------------------------------------------------------------------------------
+# The multi-turn agent workload (`bench --agent`): one conversation that grows turn by turn, as
+# a coding agent's does: read a file (about 1,000 tokens), edit it, a tool's result, edit again.
+# The model's own answer of each turn goes into the next turn's messages.
+
+AGENT_FILE = '''\
+"""Inventory of a small shop: items, stock movements, reorder suggestions and a CSV report."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Item:
+    sku: str
+    name: str
+    unit_price: float
+    stock: int = 0
+    reorder_level: int = 5
+    supplier: str = "unknown"
+    history: list[tuple[dt.date, int]] = field(default_factory=list)
+
+    def value(self) -> float:
+        return self.unit_price * self.stock
+
+    def needs_reorder(self) -> bool:
+        return self.stock <= self.reorder_level
+
+
+class Inventory:
+    def __init__(self) -> None:
+        self.items: dict[str, Item] = {}
+
+    def add(self, item: Item) -> None:
+        if item.sku in self.items:
+            raise ValueError(f"duplicate sku {item.sku}")
+        self.items[item.sku] = item
+
+    def receive(self, sku: str, quantity: int, day: dt.date) -> None:
+        item = self.items[sku]
+        item.stock += quantity
+        item.history.append((day, quantity))
+
+    def sell(self, sku: str, quantity: int, day: dt.date) -> float:
+        item = self.items[sku]
+        if quantity > item.stock:
+            raise ValueError(f"only {item.stock} of {sku} left")
+        item.stock -= quantity
+        item.history.append((day, -quantity))
+        return quantity * item.unit_price
+
+    def total_value(self) -> float:
+        total = 0.0
+        for item in self.items.values():
+            total += item.value()
+        return total
+
+    def reorder_list(self) -> list[Item]:
+        return sorted((i for i in self.items.values() if i.needs_reorder()),
+                      key=lambda i: (i.supplier, i.sku))
+
+    def sales_between(self, start: dt.date, end: dt.date) -> dict[str, int]:
+        sold: dict[str, int] = {}
+        for item in self.items.values():
+            for day, change in item.history:
+                if start <= day <= end and change < 0:
+                    sold[item.sku] = sold.get(item.sku, 0) - change
+        return sold
+
+    def best_sellers(self, start: dt.date, end: dt.date, n: int = 3) -> list[str]:
+        sold = self.sales_between(start, end)
+        ranked = sorted(sold, key=sold.get, reverse=True)
+        return ranked[:n]
+
+
+def load_inventory(path: Path) -> Inventory:
+    inventory = Inventory()
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            inventory.add(Item(sku=row["sku"], name=row["name"],
+                               unit_price=float(row["unit_price"]),
+                               stock=int(row["stock"]),
+                               reorder_level=int(row.get("reorder_level") or 5),
+                               supplier=row.get("supplier") or "unknown"))
+    return inventory
+
+
+def write_report(inventory: Inventory, path: Path) -> int:
+    rows = 0
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sku", "name", "stock", "value", "reorder"])
+        for item in sorted(inventory.items.values(), key=lambda i: i.sku):
+            writer.writerow([item.sku, item.name, item.stock, f"{item.value():.2f}",
+                             "yes" if item.needs_reorder() else "no"])
+            rows += 1
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: inventory.py STOCK.csv REPORT.csv")
+        return 2
+    inventory = load_inventory(Path(argv[1]))
+    rows = write_report(inventory, Path(argv[2]))
+    print(f"{rows} items, total value {inventory.total_value():.2f}")
+    for item in inventory.reorder_list():
+        print(f"reorder {item.sku} ({item.name}) from {item.supplier}")
+    return 0
+'''
+
+AGENT_SYSTEM = (
+    "You are a coding agent working in a Python repository. You can call tools by writing one "
+    "line: read_file(path), write_file(path), run_tests(). When you edit code, show the "
+    "complete changed function in a python code block.")
+
+# The user's (or the tools') side of each turn; the assistant's side is the model's own answer.
+AGENT_TURNS: list[tuple[str, str]] = [
+    ("ask", "The report from inventory.py lists items that are out of stock as 'no' in the "
+            "reorder column when their reorder level is 0. Find out why. Start by reading the "
+            "file."),
+    ("read_file", f"Tool result of read_file('inventory.py'):\n```python\n{AGENT_FILE}```"),
+    ("edit", "Fix it: an item whose stock is 0 always needs a reorder. Show the changed method "
+             "only."),
+    ("tool_result", "Tool result of run_tests():\n"
+                    "FAILED tests/test_inventory.py::test_sell_more_than_stock - ValueError: "
+                    "only 2 of A-17 left\n"
+                    "    inventory.sell('A-17', 3, day)\n"
+                    "  inventory.py:51: in sell\n"
+                    "1 failed, 14 passed in 0.21s\n"
+                    "The test expects sell() to sell what is left and return its price instead "
+                    "of raising."),
+    ("edit_again", "Change sell() so that it sells at most the stock left and returns the price "
+                   "of what it sold. Show the complete updated function."),
+    ("summary", "Tool result of run_tests(): 15 passed in 0.19s. Summarise your two changes in "
+                "two short sentences."),
+]
+
+# The shared-prefix pair: the same ~1,000-token prefix (system prompt and file), two questions.
+SHARED_PREFIX_QUESTIONS = (
+    "Which method of Inventory would you change to support returns of sold items? Answer in one "
+    "sentence.",
+    "List the functions of this module that read or write files.",
+)
+
+
+def agent_messages(answers: list[str]) -> list[dict[str, str]]:
+    """The conversation before turn len(answers) + 1, with the model's earlier answers."""
+    messages = [{"role": "system", "content": AGENT_SYSTEM}]
+    for (_, user), answer in zip(AGENT_TURNS, answers, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": AGENT_TURNS[len(answers)][1]})
+    return messages
+
+
+def shared_prefix_messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": AGENT_SYSTEM},
+            {"role": "user", "content": f"File inventory.py:\n```python\n{AGENT_FILE}```\n\n"
+                                        f"{question}"}]

@@ -7,7 +7,7 @@ layers run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +33,8 @@ class Drafter(Protocol):
 
     def begin(self, prompt: list[int], forward: Forward) -> None:
         """Called once after the prompt (all but its last token) is prefilled; a drafter that
-        reads the trunk's hidden rows finds them in `forward.last_hidden`."""
+        reads the trunk's hidden rows finds them in `forward.last_hidden` (the rows of the
+        positions this prefill ran: after a prefix-cache hit, those past the cached ones)."""
         ...
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
@@ -109,16 +110,32 @@ def decode(
     drafter: Drafter | None = None,
     depth: int = 0,
     stats: DecodeStats | None = None,
+    *,
+    cached: int = 0,
+    history: list[int] | None = None,
+    on_prefill: Callable[[], None] | None = None,
 ) -> Iterator[int]:
-    """Yield generated tokens one at a time. The caller stops consuming at EOS or a stop string."""
+    """Yield generated tokens one at a time. The caller stops consuming at EOS or a stop string.
+
+    `cached`: the forward's caches already hold prompt[:cached] (a prefix-cache hit), so only
+    the rest of the prompt is prefilled. `history`, when given, is kept equal to the prompt and
+    every token emitted so far; between rounds the caches hold all of it but its last token
+    (the pending one). `on_prefill` is called once the prompt is prefilled and the drafter has
+    begun, before the first round (the caches then hold prompt[:-1])."""
     if not prompt:
         raise ValueError("empty prompt")
+    if not 0 <= cached < len(prompt):
+        raise ValueError(f"cached must be in [0, {len(prompt)}), got {cached}")
     stats = stats if stats is not None else DecodeStats()
-    forward.prefill(prompt[:-1])
+    forward.prefill(prompt[cached:-1])
     if drafter is not None:
         drafter.begin(prompt, forward)
+    if on_prefill is not None:
+        on_prefill()
     pending = prompt[-1]
-    history = list(prompt)
+    if history is None:
+        history = []
+    history[:] = prompt
     produced = 0
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0

@@ -47,6 +47,13 @@ class StageCache:
         self.cache = make_prompt_cache(self.stage.model)
         self._snapshot = None
 
+    def adopt(self, cache: list[Any]) -> None:
+        """Go on from these caches (fresh ones from the prefix cache, one per layer here)."""
+        if len(cache) != len(self.cache):
+            raise ValueError(f"{len(cache)} caches for a stage of {len(self.cache)} layers")
+        self.cache = cache
+        self._snapshot = None
+
     def run(self, x: Any, *, verify: bool, logits: bool = False,
             hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
         width = len(x) if isinstance(x, list) else x.shape[0]
@@ -96,6 +103,13 @@ class LocalForward:
     def reset(self) -> None:
         """Empty caches (a drafter whose history diverged starts over)."""
         self.local.reset()
+
+    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+        """Go on from caches that hold `tokens` (a prefix-cache hit; `key` is the entry's key,
+        `tokens` and the next one); how many tokens are now held (a ring's stages may miss,
+        see RingForward.restore)."""
+        self.local.adopt(cache)
+        return len(tokens)
 
     def prefill(self, tokens: list[int]) -> None:
         # Same chunking as mlx-lm's generate_step, so the cache holds bit-identical keys/values.

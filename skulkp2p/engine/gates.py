@@ -135,6 +135,8 @@ class GatedDrafter:
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
         if self.on or self.can_return:  # a drafter that is off for good stops costing anything
             self.inner.observe(drafted, accepted, emitted, forward)
+        else:
+            self._lag(accepted, emitted, forward)
         self.generated += len(emitted)
         self._recent = (self._recent + emitted)[-64:]
         if drafted:
@@ -161,8 +163,17 @@ class GatedDrafter:
             keep_in_step = getattr(self.inner, "follow", None)
             if keep_in_step is not None:
                 keep_in_step(accepted, emitted, forward)
+        else:
+            self._lag(accepted, emitted, forward)
         self.generated += len(emitted)
         self._recent = (self._recent + emitted)[-64:]
+
+    def _lag(self, accepted: int, emitted: list[int], forward) -> None:
+        # Off for good: an MTP head only keeps references to the verified rows (no compute),
+        # so that its cache can be brought in step for the prefix cache at the end.
+        lag = getattr(self.inner, "lag", None)
+        if lag is not None:
+            lag(accepted, emitted, forward)
 
     def _switch(self, on: bool, reason: str) -> None:
         self.on = on

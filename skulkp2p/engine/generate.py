@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from skulkp2p.engine import caches
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.draft_model import DraftModelDrafter, vocab_size
 from skulkp2p.engine.drafters import PromptLookup
@@ -20,6 +21,7 @@ from skulkp2p.engine.gates import (
     repetition_score,
 )
 from skulkp2p.engine.model import LoadedModel
+from skulkp2p.engine.prefix_cache import PrefixCache
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import (
     Chunk,
@@ -174,16 +176,69 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
         target_vocab=vocab_size(loaded.model))
 
 
+def _mtp_in(drafter: Any) -> Any:
+    """The MTP head drafter inside a (gated, combined) drafter, or None."""
+    from skulkp2p.engine.mtp import MtpDrafter
+
+    while drafter is not None and not isinstance(drafter, MtpDrafter):
+        drafter = drafter.model if isinstance(drafter, LookupThenModel) else getattr(
+            drafter, "inner", None)
+    return drafter
+
+
+class _PrefixUse:
+    """One request's use of the model's prefix cache (engine/prefix_cache.py): restore the
+    longest cached prefix of the prompt before the prefill, keep the caches at the end of the
+    prompt when they cannot trim back to it later, and at the end of the request."""
+
+    def __init__(self, cache: PrefixCache, forward: Any, mtp: Any, caches_trim: bool):
+        self.cache = cache
+        self.forward = forward
+        # Whether every stage's caches trim (on a ring, other stages may hold recurrent state
+        # even where this one holds none): else entries serve their own length only.
+        self.trim = caches_trim and caches.exactly_trimmable(forward.cache)
+        self.mtp = mtp  # the request's MTP head drafter: its cache is restored and kept too
+        self.held = 0  # prompt tokens restored
+
+    def restore(self, prompt: list[int]) -> int:
+        hit = self.cache.fetch(prompt, mtp=self.mtp is not None)
+        self.held = 0 if hit is None else self.forward.restore(
+            hit.caches, prompt[:hit.length], prompt[:hit.length + 1])
+        if self.held and self.mtp is not None:
+            self.mtp.restore(hit.mtp, hit.mtp_hidden)
+        return self.held
+
+    def after_prefill(self, prompt: list[int]) -> None:
+        # Trimmable caches are kept at the end of the request only: that entry serves this
+        # prompt too (trimmed). Recurrent state is kept here, at the prompt's boundary (unless
+        # the entry restored was this very prompt's).
+        if not self.trim and self.held < len(prompt) - 1:
+            self.keep(prompt)
+
+    def keep(self, key: list[int]) -> None:
+        mtp = self.mtp
+        if mtp is not None:
+            mtp.catch_up()  # the rows it skipped while switched off, in one call
+        self.cache.store(key, self.forward.cache, None if mtp is None else mtp.cache,
+                         None if mtp is None else mtp.last_hidden_row, trim=self.trim)
+        share = getattr(self.forward, "share_store", None)  # a ring: the other stages too
+        if share is not None:
+            share(key)
+
+
 def stream(loaded: LoadedModel, req: GenerationRequest,
-           interrupt: Callable[[], None] | None = None
+           interrupt: Callable[[], None] | None = None,
+           prefix_cache: PrefixCache | None = None, prompt: list[int] | None = None,
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
 
     `interrupt` is called between prefill chunks and between decoded tokens; it raises (any
-    exception, which propagates) to abandon the request, e.g. when an HTTP client went away."""
+    exception, which propagates) to abandon the request, e.g. when an HTTP client went away.
+    `prefix_cache`: the model's prefix cache (None: off), used by one request at a time.
+    `prompt`: the prompt's token ids, when the caller has them (default: from the request)."""
     t0 = time.perf_counter()
-    prompt = prompt_tokens(loaded, req)
+    prompt = list(prompt) if prompt is not None else prompt_tokens(loaded, req)
     if len(prompt) >= loaded.context_length:
         raise RequestError(f"prompt is {len(prompt)} tokens; model {loaded.id} takes at most "
                            f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
@@ -200,10 +255,18 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
                                hidden=hidden, interrupt=interrupt)
     calls: ToolCallStream | None = tool_stream(loaded, req)  # None without tools
+    prefix = None if prefix_cache is None else _PrefixUse(prefix_cache, forward,
+                                                             _mtp_in(drafter), loaded.caches_trim)
+    cached = prefix.restore(prompt) if prefix is not None else 0
+    if cached:
+        log.debug("prefix cache: %d of %d prompt tokens restored", cached, len(prompt))
+    history: list[int] = []
     generated: list[int] = []
     finish = "length"
     t_first = None
-    steps = decode(forward, prompt, req.sampling, max_tokens, rng, drafter, depth, stats)
+    steps = decode(forward, prompt, req.sampling, max_tokens, rng, drafter, depth, stats,
+                   cached=cached, history=history,
+                   on_prefill=None if prefix is None else lambda: prefix.after_prefill(prompt))
     try:
         for token in steps:
             if interrupt is not None:
@@ -221,6 +284,13 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
             if text.stopped or (calls is not None and calls.done):
                 finish = "stop"
                 break
+        if prefix is not None:
+            # Between rounds the caches hold all of history but its pending last token: the
+            # next turn of a conversation (this prompt, this answer, more) starts there.
+            try:
+                prefix.keep(history)
+            except Exception:  # the answer is complete: a cache that failed must not fail it
+                log.exception("prefix cache: keeping the request's caches failed")
     finally:
         steps.close()
         if hasattr(forward, "close"):
@@ -237,7 +307,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         decode_tok_s=round((len(generated) - 1) / decode_s, 2) if decode_s > 0 and len(
             generated) > 1 else None)
     done = GenerationResult(text=text.text, tokens=generated, finish_reason=finish,
-                            usage=Usage(len(prompt), len(generated)), timing=timing,
+                            usage=Usage(len(prompt), len(generated), cached), timing=timing,
                             speculation=_speculation_stats(drafter, depth, stats),
                             stop_sequence=text.stop_sequence)
     return done if calls is None else calls.result(done)  # the calls, the text beside them

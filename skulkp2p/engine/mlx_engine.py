@@ -5,17 +5,24 @@ from __future__ import annotations
 
 from skulkp2p.engine.generate import prompt_tokens, stream
 from skulkp2p.engine.model import LoadedModel
+from skulkp2p.engine.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import GenerationRequest, RequestError
 
 
 class MlxEngine:
+    """`prefix_cache_mb`: the model's prefix cache (engine/prefix_cache.py), in memory, bounded
+    in MB; 0 turns it off. The engine's generations run one at a time on one thread (the
+    model's worker), which is what lets them share the cache without a lock."""
+
     runs_on_loop = False
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB)) if prefix_cache_mb > 0 \
+            else None
 
     def info(self) -> EngineInfo:
         loaded = self.loaded
@@ -26,6 +33,8 @@ class MlxEngine:
             detail["mtp_head"] = loaded.mtp.conventions.style
         if loaded.draft is not None:
             detail["draft_model"] = loaded.draft.id
+        if self.prefix_cache is not None:
+            detail["prefix_cache"] = self.prefix_cache.stats()
         return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail)
 
     def prompt_length(self, req: GenerationRequest) -> int:
@@ -39,7 +48,8 @@ class MlxEngine:
         return n
 
     def generate(self, req: GenerationRequest) -> Generation:
-        return Generation(lambda interrupt: stream(self.loaded, req, interrupt))
+        return Generation(lambda interrupt: stream(self.loaded, req, interrupt,
+                                                   self.prefix_cache))
 
     def close(self) -> None:
         """MLX frees the weights with the last reference; nothing runs in the background."""

@@ -36,6 +36,9 @@ class LoadedModel:
     span: StageSpan | None = None  # the layers held here, when this node is one ring stage
     # (request, hidden, interrupt) -> a Forward; set on the last stage of a ring (RingForward)
     make_forward: Callable[..., Any] | None = None
+    # Every layer's cache of the WHOLE model trims exactly (no recurrent state, no rotating
+    # window); a ring stage, which holds only some layers, learns it at load time.
+    caches_trim: bool = True
 
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
@@ -80,6 +83,10 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
 
     model, config = mlx_load_model(Path(path), lazy=span is not None,
                                    get_model_classes=_trunk_classes)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from skulkp2p.engine.caches import exactly_trimmable
+    caches_trim = exactly_trimmable(make_prompt_cache(model))  # cache objects only, no weights
     if span is not None:
         # The last stage runs the drafter: an MTP head embeds its draft tokens.
         keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
@@ -101,4 +108,5 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
                  model_id, head.conventions.style, head.conventions.hidden,
                  head.conventions.max_depth)
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
-                       dict(runtime or {}), speculation, mtp=head, span=span)
+                       dict(runtime or {}), speculation, mtp=head, span=span,
+                       caches_trim=caches_trim)

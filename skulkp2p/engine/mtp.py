@@ -511,6 +511,12 @@ class MtpDrafter:
         self.cache: KVCache = head.make_cache()
         self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
         self._speculative = 0  # rows propose appended past the verified ones
+        # From the prefix cache, for begin: the head's rows, and the trunk's hidden row of the
+        # position after them when begin must recompute that row (see restore).
+        self._restored: tuple[KVCache | None, mx.array | None] | None = None
+        self.last_hidden_row: mx.array | None = None  # the trunk row paired in the last row
+        # Verified rows not yet appended while the head is switched off (see lag).
+        self._lagging: list[tuple[mx.array, list[int]]] = []
         self.stats = DecodeStats()  # the drafter's own per-position acceptance
 
     def _check_forward(self, forward: Any) -> None:
@@ -522,26 +528,43 @@ class MtpDrafter:
     def _append(self, hidden: mx.array, tokens: list[int]) -> None:
         out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self.cache)
         self._next = (out.logits[-1], out.chain(self.head.conventions.chain)[-1])
+        self.last_hidden_row = hidden[-1]
+
+    def restore(self, cache: KVCache | None, hidden: mx.array | None = None) -> None:
+        """Begin from these rows (a prefix-cache hit: the head's cache over the positions the
+        trunk's restored caches hold); the next `begin` appends only the rows after them.
+        `hidden`: the trunk's hidden row of the position right after `cache`'s rows (None: a
+        fresh cache), which the trunk's restored caches hold but did not recompute; begin
+        recomputes that row of the head first."""
+        self._restored = (cache, hidden)
 
     def begin(self, prompt: list[int], forward: Any) -> None:
         """Fill the head's cache over the prompt: pair (h_i, x_{i+1}) at position i for
         i = 0..n-2 (the prefill covered prompt[:-1]). The last pair, (h_{n-2}, x_{n-1}),
-        predicts what the verifier emits from the pending x_{n-1}: round 1's draft 1."""
+        predicts what the verifier emits from the pending x_{n-1}: round 1's draft 1.
+
+        After a prefix-cache hit the restored rows cover the positions the prefill skipped, and
+        the prefill's hidden rows (forward.last_hidden) the ones after them."""
         self._check_forward(forward)
-        self.cache = self.head.make_cache()
+        (cache, row), self._restored = self._restored or (None, None), None
+        self.cache = cache if cache is not None else self.head.make_cache()
         self._next = None
         self._speculative = 0
+        self._lagging = []
         n = len(prompt) - 1
-        if n == 0:
-            return  # nothing prefilled: the first round goes without a draft
+        first = self.cache.offset
+        if n == first:
+            return  # a one-token prompt: the first round goes without a draft
         hidden = forward.last_hidden
-        if hidden is None or hidden.shape[0] != n:
+        if row is not None:
+            hidden = row[None] if hidden is None else mx.concatenate([row[None], hidden], 0)
+        if hidden is None or hidden.shape[0] != n - first:
             got = None if hidden is None else hidden.shape[0]
-            raise ValueError(f"MTP drafter needs the {n} prefill hidden rows, got {got}; build "
-                             f"the forward with hidden={self.conventions.hidden!r}")
-        for start in range(0, n, self.prefill_step):
+            raise ValueError(f"MTP drafter needs the {n - first} prefill hidden rows, got {got}; "
+                             f"build the forward with hidden={self.conventions.hidden!r}")
+        for start in range(first, n, self.prefill_step):
             stop = min(start + self.prefill_step, n)
-            self._append(hidden[start:stop], prompt[start + 1:stop + 1])
+            self._append(hidden[start - first:stop - first], prompt[start + 1:stop + 1])
             mx.eval(self.cache.keys, self.cache.values, *self._next)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
@@ -575,6 +598,30 @@ class MtpDrafter:
 
     def follow(self, accepted: int, emitted: list[int], forward: Any) -> None:
         """Keep the head's cache in step after a verify round, whoever drafted it."""
+        self.catch_up()
+        self._append(*self._verified(accepted, emitted, forward))
+
+    def lag(self, accepted: int, emitted: list[int], forward: Any) -> None:
+        """A round while the head is switched off: keep the verified rows (references to the
+        trunk rows the verify computed anyway) instead of running the head on them, so that
+        `catch_up` can bring its cache in step in one call when it is needed again (the
+        prefix cache keeps it at the end of the request)."""
+        self._lagging.append(self._verified(accepted, emitted, forward))
+
+    def catch_up(self) -> None:
+        """Append the rows `lag` kept, in one call per prefill_step rows."""
+        if not self._lagging:
+            return
+        hidden = mx.concatenate([h for h, _ in self._lagging], axis=0)
+        tokens = [t for _, ts in self._lagging for t in ts]
+        self._lagging = []
+        for start in range(0, len(tokens), self.prefill_step):
+            stop = min(start + self.prefill_step, len(tokens))
+            self._append(hidden[start:stop], tokens[start:stop])
+            mx.eval(self.cache.keys, self.cache.values, *self._next)
+
+    def _verified(self, accepted: int, emitted: list[int], forward: Any
+                  ) -> tuple[mx.array, list[int]]:
         if self._speculative:
             self.cache.trim(self._speculative)
             self._speculative = 0
@@ -584,4 +631,4 @@ class MtpDrafter:
             raise ValueError(f"MTP drafter: {keep} verified rows expected, got hidden "
                              f"{None if hidden is None else hidden.shape[0]} and "
                              f"{len(emitted)} emitted tokens")
-        self._append(hidden[:keep], emitted)
+        return hidden[:keep], list(emitted)

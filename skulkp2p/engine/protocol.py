@@ -20,6 +20,11 @@ __all__ = ["Cancelled", "Chunk", "Engine", "EngineFailed", "EngineInfo", "Engine
            "Generation", "GenerationResult", "RequestError"]
 
 
+# The MLX engine's prefix cache per model, in MB (`--prefix-cache-mb`; 0 turns it off). Here,
+# without mlx, so that the CLI and the factory can name it before mlx loads.
+DEFAULT_PREFIX_CACHE_MB = 512
+
+
 class Cancelled(Exception):
     """Raised inside an engine by its interrupt check once its generation was cancelled."""
 

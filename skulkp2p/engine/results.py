@@ -48,15 +48,25 @@ class Chunk:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens whose caches came from the prefix cache (not prefilled by this request).
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def to_dict(self) -> dict[str, int]:
+        """The pipe's shape (also /v1/cluster/generate)."""
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+                "total_tokens": self.total_tokens, "cached_tokens": self.cached_tokens}
+
+    def openai_dict(self) -> dict[str, Any]:
+        """OpenAI's shape: cached prompt tokens under prompt_tokens_details."""
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass(frozen=True)

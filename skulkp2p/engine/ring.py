@@ -57,11 +57,14 @@ def header(term: int, instance: str, request: str, step: int, op: str) -> dict[s
 class StageWorker:
     """A stage that is not the last: frame in -> frame for the next stage (or None: dropped)."""
 
-    def __init__(self, stage: StageModel, term: int):
+    def __init__(self, stage: StageModel, term: int, prefix_cache: Any = None):
         self.stage = stage
         self.term = term
         self.sessions: dict[str, tuple[str, int, StageCache]] = {}  # request -> (instance, step)
         self.dropped = 0
+        # This stage's own entries (engine/prefix_cache.py), under the keys the last stage
+        # names: a "restore" frame asks for a cached prefix, a "store" field keeps one.
+        self.prefix_cache = prefix_cache
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -79,6 +82,11 @@ class StageWorker:
         known = self.sessions.get(request)
         if op == "end":
             if known is not None and known[0] == instance:
+                session = known[2]
+                if msg.get("store"):
+                    if msg.get("rollback"):
+                        session.rollback(*(int(v) for v in msg["rollback"]))
+                    self._store(session, msg["store"])
                 del self.sessions[request]
             return dict(msg)
         if step == 0 and known is None:
@@ -89,9 +97,20 @@ class StageWorker:
             return None
         session = known[2]
         t0 = time.perf_counter()
+        if op == "restore":
+            length, key = msg["prefix"]
+            missed = [int(v) for v in msg.get("missed") or []]
+            if not self._restore(session, int(length), key):
+                missed.append(self.stage.span.start)  # this stage lacks the entry: say so
+            self.sessions[request] = (instance, step, session)
+            return {**header(self.term, instance, request, step, op), "x": None,
+                    "prefix": msg["prefix"], "missed": missed,
+                    "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
         if msg.get("rollback"):
             keep, dropped = msg["rollback"]
             session.rollback(int(keep), int(dropped))
+        if msg.get("store"):
+            self._store(session, msg["store"])
         x = msg["x"] if self.stage.span.first else wire.unpack_array(msg["x"], as_mlx=True)
         if self.stage.span.first and (not isinstance(x, list) or not x):
             raise ValueError("the first stage needs a non-empty token list")
@@ -102,8 +121,25 @@ class StageWorker:
         # stage's compute time ("cs", seconds per stage), which tells the last stage how much
         # of a traversal was compute and how much was link.
         return {**header(self.term, instance, request, step, op), "x": packed,
-                "rollback": msg.get("rollback"),
+                "rollback": msg.get("rollback"), "store": msg.get("store"),
                 "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+
+    def _restore(self, session: StageCache, length: int, key: list[int]) -> bool:
+        """Put the session's caches at exactly `length` cached positions (0: empty)."""
+        if length == 0:
+            session.reset()
+            return True
+        if self.prefix_cache is None or not isinstance(key, list) or len(key) != length + 1:
+            return False
+        hit = self.prefix_cache.fetch(key, want=length)
+        if hit is None:
+            return False
+        session.adopt(hit.caches)
+        return True
+
+    def _store(self, session: StageCache, key: Any) -> None:
+        if self.prefix_cache is not None and isinstance(key, list):
+            self.prefix_cache.store(key, session.cache)
 
 
 def _seconds_list(value: Any) -> list[float]:
@@ -131,6 +167,7 @@ class RingForward:
         self.last_hidden: mx.array | None = None
         self.step = 0
         self._pending: tuple[int, int] | None = None  # the decision the next frame carries
+        self._store: list[int] | None = None  # a prefix-cache key the next frame carries
         self.link_rows = 0  # hidden rows that crossed into this stage (for reports)
         # Where the time went (for reports): waiting on the traversal, of which the other
         # stages' own compute (they report it in the frame), and this stage's compute.
@@ -139,9 +176,14 @@ class RingForward:
         self.stages_compute_s = 0.0
         self.compute_s = 0.0
 
-    def _traverse(self, op: str, tokens: list[int]) -> mx.array:
+    @property
+    def cache(self) -> list[Any]:
+        return self.local.cache
+
+    def _send(self, op: str, tokens: list[int] | None, **extra: Any) -> dict[str, Any]:
         msg = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
-               "rollback": list(self._pending) if self._pending else None}
+               "rollback": list(self._pending) if self._pending else None,
+               "store": self._store, **extra}
         t0 = time.perf_counter()
         out = self.link.traverse(msg)
         self.wait_s += time.perf_counter() - t0
@@ -152,9 +194,36 @@ class RingForward:
                             f"expected step {self.step} of {self.request}")
         self.step += 1
         self._pending = None
+        self._store = None
+        return out
+
+    def _traverse(self, op: str, tokens: list[int]) -> mx.array:
+        out = self._send(op, tokens)
         rows = wire.unpack_array(out["x"], as_mlx=True)
         self.link_rows += rows.shape[0]
         return rows
+
+    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+        """Go on from this stage's caches for `tokens` (a prefix-cache hit here) if every other
+        stage restores its own entry for them too: one traversal asks each for the entry under
+        `key` (tokens and the next one), at exactly that length. Returns the tokens now held:
+        len(tokens), or 0 when a stage missed (every stage is then reset, and the prompt is
+        prefilled whole: never a wrong answer)."""
+        length = len(tokens)
+        out = self._send("restore", None, prefix=[length, [int(t) for t in key]])
+        missed = out.get("missed") or []
+        if missed:
+            log.info("ring: prefix of %d tokens missing on the stage(s) starting at layer %s: "
+                     "full prefill", length, ", ".join(str(m) for m in missed))
+            self._send("restore", None, prefix=[0, []])  # the stages that restored start over
+            return 0
+        self.local.adopt(cache)
+        return length
+
+    def share_store(self, key: list[int]) -> None:
+        """Have the other stages keep their caches under `key` too (with the next frame, or the
+        end of the request), before they run anything more."""
+        self._store = [int(t) for t in key]
 
     def prefill(self, tokens: list[int]) -> None:
         import mlx.core as mx
@@ -190,8 +259,12 @@ class RingForward:
 
     def close(self) -> None:
         """Free the request's caches on the other stages (best effort)."""
+        msg = header(self.term, self.instance, self.request, self.step, "end")
+        if self._store is not None:  # the stages undo the last rejected drafts, then keep
+            msg.update(store=self._store,
+                       rollback=list(self._pending) if self._pending else None)
         try:
-            self.link.send(header(self.term, self.instance, self.request, self.step, "end"))
+            self.link.send(msg)
         except Exception as e:  # the ring may be gone already; the stages time sessions out
             log.debug("ring: end of %s not sent: %s", self.request, e)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skulkp2p.engine.protocol import Engine
+from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 
 
 def uses_llama_server(store: Any, spec: str) -> bool:
@@ -18,9 +18,11 @@ def uses_llama_server(store: Any, spec: str) -> bool:
     return wants_served(store.resolve(spec).card)
 
 
-def open_engine(store: Any, spec: str) -> Engine:
+def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+                ) -> Engine:
     """Load `spec` (a card id or a local path) on the engine its card names. Blocking: call it
-    off the event loop (importing mlx-lm alone takes seconds)."""
+    off the event loop (importing mlx-lm alone takes seconds). `prefix_cache_mb`: the MLX
+    engine's prefix cache for the model (0: off); llama-server keeps its own prompt cache."""
     if uses_llama_server(store, spec):
         from skulkp2p.served.model import open_served
 
@@ -28,4 +30,4 @@ def open_engine(store: Any, spec: str) -> Engine:
     from skulkp2p.engine.loader import open_model
     from skulkp2p.engine.mlx_engine import MlxEngine
 
-    return MlxEngine(open_model(store, spec))
+    return MlxEngine(open_model(store, spec), prefix_cache_mb)

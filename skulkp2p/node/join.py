@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from skulkp2p.engine.protocol import Engine
+from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 from skulkp2p.node.engines import open_engine
 
 log = logging.getLogger("skulkp2p.node")
@@ -31,6 +31,7 @@ class JoinSettings:
     max_queue: int
     sse_keepalive: float
     http_config: Any  # api.server.ServerConfig
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # per model (and ring stage); 0: off
 
 
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
@@ -45,7 +46,7 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
     def load_model(spec: str = settings.model) -> Engine:
         # On the model's worker thread: the cluster decides which models this node loads
         # (its own --model when placed here, or another node's).
-        return open_engine(store, spec)
+        return open_engine(store, spec, prefix_cache_mb=settings.prefix_cache_mb)
 
     def on_ready(engine: Engine) -> None:
         info = engine.info()
@@ -65,7 +66,8 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
         try:
             serving = ClusterServing(store, settings.model, settings.model_id, load_model,
                                      max_queue=settings.max_queue,
-                                     keepalive_s=settings.sse_keepalive, on_ready=on_ready)
+                                     keepalive_s=settings.sse_keepalive, on_ready=on_ready,
+                                     prefix_cache_mb=settings.prefix_cache_mb)
             return await serve_cluster(cluster, serving,
                                        own_want(store, settings.model, cluster.name),
                                        settings.http_host, settings.http_port, stop,

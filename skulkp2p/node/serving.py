@@ -46,7 +46,7 @@ from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
 from skulkp2p.cluster.placement import ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
-from skulkp2p.engine.protocol import Engine
+from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 from skulkp2p.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ class ClusterServing:
     def __init__(self, store: Any, own_model: str, own_id: str,
                  load_model: Callable[[str], Engine], *, max_queue: int = 16,
                  keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
-                 load_stage: Callable[[str, StageSpan], LoadedModel] | None = None):
+                 load_stage: Callable[[str, StageSpan], LoadedModel] | None = None,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         self.store = store
         self.own_model = own_model  # as given on the command line (card id or path)
         self.own_id = own_id
@@ -86,6 +87,7 @@ class ClusterServing:
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
         self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
         self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
+        self.prefix_cache_mb = prefix_cache_mb  # each model's, and each ring stage's own
 
     @property
     def name(self) -> str:
@@ -148,7 +150,7 @@ class ClusterServing:
                 loaded.make_forward = self._ring_forward_factory(model, p.ring, loaded)
                 self._stage_reports[model] = {"layers": [span.start, span.end],
                                               "param_bytes": param_bytes(loaded.model)}
-                return MlxEngine(loaded)
+                return MlxEngine(loaded, self.prefix_cache_mb)
             self._ensure_worker(model, p.spec.source, load)
             return
         loop = asyncio.get_running_loop()
@@ -160,11 +162,14 @@ class ClusterServing:
             if fut.exception() is not None:
                 log.error("model %s: stage failed to load: %s", model, fut.exception())
                 return
+            from skulkp2p.engine.prefix_cache import MB, PrefixCache
             from skulkp2p.engine.ring import StageWorker
             from skulkp2p.engine.stage import StageModel, param_bytes
 
             loaded = fut.result()
-            worker = StageWorker(StageModel(loaded.model, span), p.term)
+            mb = self.prefix_cache_mb
+            worker = StageWorker(StageModel(loaded.model, span), p.term,
+                                 PrefixCache(int(mb * MB)) if mb > 0 else None)
             self.ring.set_stage(model, worker, lambda: self._ring_addr(nxt))
             log.info("cluster: model %s: stage %d of %d ready (layers %d-%d, %.1f MB held)",
                      model, idx + 1, len(p.ring), span.start, span.end - 1,

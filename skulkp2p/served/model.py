@@ -283,6 +283,9 @@ class ServedModel:
         timings = final.get("timings") or {}
         n_out = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
         n_in = int(usage.get("prompt_tokens") or timings.get("prompt_n") or 0)
+        # llama-server's own prompt cache (cache_prompt): tokens it did not evaluate again.
+        details = usage.get("prompt_tokens_details") or {}
+        n_cached = int(timings.get("cache_n") or details.get("cached_tokens") or 0)
         finish = final.get("finish_reason") or "stop"
         decode_s = (t_end - t_first) if t_first is not None else 0.0
         timing = Timing(
@@ -299,7 +302,7 @@ class ServedModel:
         if finish != "length":
             finish = "tool_calls" if calls else "stop"
         return GenerationResult(text=text, tokens=[], finish_reason=finish,
-                                usage=Usage(n_in, n_out), timing=timing,
+                                usage=Usage(n_in, n_out, n_cached), timing=timing,
                                 speculation=speculation, tool_calls=calls)
 
 
