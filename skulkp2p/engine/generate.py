@@ -30,6 +30,7 @@ from skulkp2p.engine.results import (
     Usage,
 )
 from skulkp2p.engine.sampling import make_rng
+from skulkp2p.engine.suffix import SuffixDrafter, SuffixMemory
 from skulkp2p.engine.text import TextAssembler
 
 log = logging.getLogger("skulkp2p.engine")
@@ -60,10 +61,23 @@ MTP_PRIOR_WEIGHT = 8.0
 LOOKUP_MIN_KEY_WITH_MODEL = 2
 
 
-def _lookup(loaded: LoadedModel, min_key: int = 1) -> PromptLookup:
+def _lookup(loaded: LoadedModel, min_key: int = 1, memory: SuffixMemory | None = None,
+            prompt: list[int] | None = None) -> SuffixDrafter | PromptLookup:
+    """The model-free drafter: the suffix drafter (engine/suffix.py), or with the card's
+    `[speculation.lookup] drafter = "scan"` the older n-gram scan (kept for the ablation)."""
     cfg = loaded.speculation.get("lookup", {})
-    return PromptLookup(max_key=cfg.get("max_key", 3),
-                        min_key=max(int(cfg.get("min_key", 1)), min_key))
+    min_match = max(int(cfg.get("min_key", 1)), min_key)
+    if cfg.get("drafter", "suffix") == "scan":
+        return PromptLookup(max_key=cfg.get("max_key", 3), min_key=min_match)
+    drafter = SuffixDrafter(min_match=min_match, memory=memory)
+    if prompt is not None:
+        drafter.prepare(prompt)
+    return drafter
+
+
+# A prompt whose end matches this many tokens of an earlier request in the memory (a retried
+# request, a templated one) starts lookup on even when the prompt itself does not repeat.
+MEMORY_START_MATCH = 16
 
 
 def _costs(loaded: LoadedModel) -> dict[int, float]:
@@ -78,7 +92,8 @@ def speculation_allowed(loaded: LoadedModel) -> bool:
     return not multi_node or bool(loaded.speculation.get("speculative_multi_node", True))
 
 
-def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int]):
+def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int],
+                    memory: SuffixMemory | None = None):
     """(drafter or None, depth, which trunk hidden state the forward must keep).
 
     An explicit drafter runs at the asked depth, ungated: the caller asked for it. "auto" wraps
@@ -90,7 +105,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
         return None, 0, None
     if spec.mode == "explicit":
         if spec.drafter == "lookup":
-            return _lookup(loaded), spec.depth or 4, None
+            return _lookup(loaded, memory=memory, prompt=prompt), spec.depth or 4, None
         if spec.drafter == "mtp":
             if loaded.mtp is None:
                 raise RequestError(f"model {loaded.id} has no MTP head (no mtp tensors and no "
@@ -124,8 +139,10 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # sits between code edits and novel questions (docs/architecture.md).
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.02))
     alone = model_drafter is None
-    lookup = GatedDrafter(_lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL), costs,
-                          depth, start_on=start_on, can_return=True, request_id=req.id)
+    inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
+    start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
+    lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
+                          request_id=req.id)
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
@@ -170,7 +187,7 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
 
 
 def stream(loaded: LoadedModel, req: GenerationRequest,
-           interrupt: Callable[[], None] | None = None
+           interrupt: Callable[[], None] | None = None, memory: SuffixMemory | None = None
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
@@ -184,7 +201,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
                            f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
     default_max = int(loaded.runtime.get("max_tokens", 256))
     max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
-    drafter, depth, hidden = _choose_drafter(loaded, req, prompt)
+    drafter, depth, hidden = _choose_drafter(loaded, req, prompt, memory)
     rng = make_rng(req.sampling.seed)
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)

@@ -7,15 +7,27 @@ from skulkp2p.engine.generate import prompt_tokens, stream
 from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.suffix import SuffixMemory
+
+# Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
+# drafter): tokens, about 1.5 MB of Python objects per 1k tokens of automaton.
+DEFAULT_MEMORY_TOKENS = 65536
 
 
 class MlxEngine:
     runs_on_loop = False
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, memory_tokens: int | None = None):
+        """`memory_tokens`: bound of the draft memory of earlier requests (0 = off); None takes
+        the card's `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS."""
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
+        if memory_tokens is None:
+            memory_tokens = int(loaded.speculation.get("lookup", {}).get(
+                "memory_tokens", DEFAULT_MEMORY_TOKENS))
+        # Lives as long as the model is loaded; one worker thread runs its requests in turn.
+        self.memory = SuffixMemory(memory_tokens)
 
     def info(self) -> EngineInfo:
         loaded = self.loaded
@@ -39,7 +51,15 @@ class MlxEngine:
         return n
 
     def generate(self, req: GenerationRequest) -> Generation:
-        return Generation(lambda interrupt: stream(self.loaded, req, interrupt))
+        return Generation(lambda interrupt: self._remembered(req, interrupt))
+
+    def _remembered(self, req: GenerationRequest, interrupt):
+        """The stream, and its prompt and output into the draft memory when it ends."""
+        memory = self.memory if self.memory.enabled else None
+        result = yield from stream(self.loaded, req, interrupt, memory)
+        if memory is not None:
+            memory.add(prompt_tokens(self.loaded, req) + list(result.tokens))
+        return result
 
     def close(self) -> None:
         """MLX frees the weights with the last reference; nothing runs in the background."""
