@@ -190,8 +190,11 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             skipped.append({"arm": "llama_*", "reason": "no llama-server binary (--llama-server "
                                                         "PATH or SKULKP2P_LLAMA_SERVER_BIN)"})
         else:
-            args.peer = (binary, peer_gguf(store, store.resolve(args.model).id))
-            arms += [Arm(name, "llama") for name in LLAMA_ARMS]
+            try:
+                args.peer = (binary, peer_gguf(store, store.resolve(args.model).id))
+                arms += [Arm(name, "llama") for name in LLAMA_ARMS]
+            except BenchError as e:
+                skipped.append({"arm": "llama_*", "reason": str(e)})
     if nodes == 1:
         return _run_loaded(args, store, engine, load_before, arms, skipped,
                            open_model(store, args.model, dtype), None)

@@ -18,9 +18,10 @@ def uses_llama_server(store: Any, spec: str) -> bool:
     return wants_served(store.resolve(spec).card)
 
 
-def open_engine(store: Any, spec: str) -> Engine:
+def open_engine(store: Any, spec: str, draft_memory_tokens: int | None = None) -> Engine:
     """Load `spec` (a card id or a local path) on the engine its card names. Blocking: call it
-    off the event loop (importing mlx-lm alone takes seconds)."""
+    off the event loop (importing mlx-lm alone takes seconds). `draft_memory_tokens`: the MLX
+    engine's draft memory of earlier requests (0 = off; None: the card's, else the default)."""
     if uses_llama_server(store, spec):
         from skulkp2p.served.model import open_served
 
@@ -28,4 +29,4 @@ def open_engine(store: Any, spec: str) -> Engine:
     from skulkp2p.engine.loader import open_model
     from skulkp2p.engine.mlx_engine import MlxEngine
 
-    return MlxEngine(open_model(store, spec))
+    return MlxEngine(open_model(store, spec), memory_tokens=draft_memory_tokens)

@@ -30,6 +30,7 @@ class JoinSettings:
     max_queue: int
     sse_keepalive: float
     http_config: Any  # api.server.ServerConfig
+    draft_memory_tokens: int | None = None  # MLX engine's draft memory (0 = off, None = card's)
 
 
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
@@ -44,7 +45,7 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
     def load_model(spec: str = settings.model) -> Engine:
         # On the model's worker thread: the cluster decides which models this node loads
         # (its own --model when placed here, or another node's).
-        return open_engine(store, spec)
+        return open_engine(store, spec, settings.draft_memory_tokens)
 
     def on_ready(engine: Engine) -> None:
         info = engine.info()
