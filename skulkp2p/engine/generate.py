@@ -75,6 +75,11 @@ def _lookup(loaded: LoadedModel, min_key: int = 1, memory: SuffixMemory | None =
     return drafter
 
 
+# Depth and starting belief of the suffix drafter's controller: measured on echo, code-edit and
+# agent (bench), 16 and 0.8 beat 12 and 0.5 on all three (docs/architecture.md).
+SUFFIX_MAX_DEPTH = 16
+SUFFIX_PRIOR_ACCEPT = 0.8
+
 # A prompt whose end matches this many tokens of an earlier request in the memory (a retried
 # request, a templated one) starts lookup on even when the prompt itself does not repeat.
 MEMORY_START_MATCH = 16
@@ -133,7 +138,10 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     cfg = loaded.speculation.get("lookup", {})
     if not cfg.get("enabled", True):
         return model_drafter, model_depth, hidden
-    depth = int(cfg.get("max_depth", 6))
+    # The suffix drafter caps each draft at its match length, so it may go deep where a long
+    # match says so; the scan keeps its old settings (docs/architecture.md, measured constants).
+    scan = cfg.get("drafter", "suffix") == "scan"
+    depth = int(cfg.get("max_depth", 6 if scan else SUFFIX_MAX_DEPTH))
     # Prompt gate: lookup starts on when the prompt repeats itself (code, quoted text); on novel
     # prompts it starts off and comes back only if the output turns repetitive. The 0.02 default
     # sits between code edits and novel questions (docs/architecture.md).
@@ -141,8 +149,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     alone = model_drafter is None
     inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
     start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
+    prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
     lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
-                          request_id=req.id)
+                          request_id=req.id, prior_accept=prior)
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).

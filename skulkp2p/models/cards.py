@@ -132,6 +132,7 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
 LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "enabled": bool, "max_key": int, "min_key": int, "max_depth": int,
     "min_repetition": (int, float),
+    "prior_acceptance": (int, float),  # the depth controller's starting belief per position
     "memory_tokens": int,  # bound of the draft memory of earlier requests (0 = off)
     "drafter": str,  # suffix (default) | scan (the older n-gram scan, for comparison)
 }
