@@ -197,3 +197,23 @@ def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_mo
     plain = se._first_tokens(lambda: se.PrefilledForward(lm.model), prompt, params, se.N_E2E,
                              seed0=0, take=2)
     se._check_against_plain(spec, plain, se._probs_after(lm.model, prompt, params))
+
+
+@pytest.mark.parametrize("memory", [None, "0"])
+def test_pipe_retry_drafts_from_memory_unless_the_flag_turns_it_off(tiny_models, memory):
+    import json
+
+    from tests.conftest import run_cli
+
+    line = json.dumps({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
+                       "speculation": {"drafter": "lookup", "depth": 6}})
+    extra = [] if memory is None else ["--draft-memory-tokens", memory]
+    proc = run_cli("pipe", "--model", str(tiny_models["llama"]), *extra,
+                   input=line + "\n" + line + "\n", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, again = (json.loads(x) for x in proc.stdout.splitlines())
+    assert first["text"] == again["text"]
+    if memory is None:
+        assert again["speculation"]["accepted"] >= 20
+    else:
+        assert again["speculation"]["accepted"] == first["speculation"]["accepted"]

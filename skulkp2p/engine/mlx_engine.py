@@ -10,7 +10,7 @@ from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.suffix import SuffixMemory
 
 # Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
-# drafter): tokens, about 1.5 MB of Python objects per 1k tokens of automaton.
+# drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).
 DEFAULT_MEMORY_TOKENS = 65536
 
 
