@@ -272,7 +272,10 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
     if arm.kind == "llama":
         from skulkp2p.bench.peers import run_llama
 
-        return run_llama(*peer, arm.name, list(setup), messages, max_tokens)
+        gen = run_llama(*peer, arm.name, list(setup), messages, max_tokens)
+        # Token ids are not streamed: placeholders of the right count (tok/s); text compares.
+        return Run(tokens=list(range(gen.tokens)), ttft_s=gen.ttft_s, decode_s=gen.decode_s,
+                   drafted=gen.drafted, accepted=gen.accepted, text=gen.text)
     if arm.kind == "mlx_lm":
         return run_mlx_lm(loaded, messages, max_tokens)
     return run_mlx_lm(loaded, messages, max_tokens, draft, draft_tokens)

@@ -8,7 +8,8 @@ from (the smollm2-135m card's Q4_1 file; our engine runs the same weights dequan
 * `llama_ngram_simple` — `--spec-type ngram-simple` (llama.cpp's defaults);
 * `llama_ngram_mod` — `--spec-type ngram-mod` (llama.cpp's defaults).
 
-A fresh server is started for every measured request (so no drafter state or prompt cache
+Threads: SKULKP2P_LLAMA_SERVER_THREADS, else as many as our engine's BLAS uses. A fresh server is
+started for every measured request (so no drafter state or prompt cache
 carries over from another run or arm), on 127.0.0.1 and a free port; a workload with earlier
 requests (a session, a retry: workloads.SESSIONS) sends those to the same fresh server first,
 unmeasured, as our engine arms do with a fresh engine. The server is ended by pid when the
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from skulkp2p.bench.errors import BenchError
+from skulkp2p.engine.blas import default_blas_threads
 
 LLAMA_ARMS = {
     "llama_plain": [],
@@ -59,15 +61,17 @@ def peer_gguf(store: Any, model_id: str) -> Path:
 def run_llama(binary: Path, gguf: Path, arm: str, setup: list[list[dict[str, str]]],
               messages: list[dict[str, str]], max_tokens: int):
     """One measured greedy request on a fresh llama-server (after the session's earlier
-    requests, unmeasured); a bench Run."""
-    from skulkp2p.bench.mlx_arms import Run
+    requests, unmeasured): the streamed Generation (text, token count, timing, drafts)."""
     from skulkp2p.bench.served import direct_body, stream_chat
     from skulkp2p.served.child import ServedChild, ServedError
 
     args = ["-m", str(gguf), "-c", "4096", "--parallel", "1", "--no-webui", *LLAMA_ARMS[arm]]
-    threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS")
-    if threads:
-        args += ["-t", threads]
+    # As many threads as our engine's BLAS uses (one core fewer than this process may run on):
+    # with a thread per core, llama.cpp's threads spin at every op's barrier and one of them
+    # descheduled by other work stalls all (measured here, qa, 60 tokens, load average 4-5:
+    # -t 2 6-13 tok/s, -t 1 66-94 tok/s).
+    threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS") or str(default_blas_threads())
+    args += ["-t", threads]
     child = ServedChild(f"bench-{arm}", binary, args, ready_timeout_s=READY_TIMEOUT_S)
     try:
         child.start()
@@ -78,7 +82,4 @@ def run_llama(binary: Path, gguf: Path, arm: str, setup: list[list[dict[str, str
         raise BenchError(f"{arm}: {e}") from None
     finally:
         child.stop()  # kills the child by its pid
-    # Token ids are not streamed: placeholders of the right count (tok/s), the text compares.
-    run = Run(tokens=list(range(gen.tokens)), ttft_s=gen.ttft_s, decode_s=gen.decode_s,
-              drafted=gen.drafted, accepted=gen.accepted, text=gen.text)
-    return run
+    return gen
