@@ -55,7 +55,8 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
         assert cells[("plain", wl)]["speedup_vs_plain"] == 1.0
         look = cells[("lookup:2", wl)]
         assert look["drafted"] > 0 and 0 <= look["accepted"] <= look["drafted"]
-        assert len(look["acceptance_per_position"]) == 2
+        # the suffix drafter drafts at most as many tokens as its match is long
+        assert 1 <= len(look["acceptance_per_position"]) <= 2
         for arm in ("draft:2", "mlx_lm_draft"):  # same model drafting: every draft accepted
             cell = cells[(arm, wl)]
             assert cell["drafted"] > 0 and cell["accepted"] == cell["drafted"], cell
@@ -78,7 +79,9 @@ def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [r["arm"] for r in doc["results"]] == ["plain", "spec"]
-    assert {s["arm"] for s in doc["skipped"]} == {"mlx_lm", "mlx_lm_draft"}
+    # a model folder has no GGUF card for the llama-server arms: skipped, with the reason
+    assert {s["arm"] for s in doc["skipped"]} <= {"mlx_lm", "mlx_lm_draft", "llama_*"}
+    assert {"mlx_lm", "mlx_lm_draft"} <= {s["arm"] for s in doc["skipped"]}
     assert "widths" not in doc
     assert "| qa | plain |" in proc.stderr
 
