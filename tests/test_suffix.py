@@ -217,3 +217,19 @@ def test_pipe_retry_drafts_from_memory_unless_the_flag_turns_it_off(tiny_models,
         assert again["speculation"]["accepted"] >= 20
     else:
         assert again["speculation"]["accepted"] == first["speculation"]["accepted"]
+
+
+def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
+    """Sampled output depends on which drafts were offered, so seeded requests never draft from
+    memory: the same seed gives the same text on a fresh engine and after other requests."""
+    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.request import parse_request
+
+    def req():
+        return parse_request({"prompt": "Tell me about the sea.", "max_tokens": 24,
+                              "temperature": 1.0, "seed": 7,
+                              "speculation": {"drafter": "lookup", "depth": 6}})
+
+    engine = MlxEngine(llama, memory_tokens=4096)
+    first = _run(engine, req())
+    assert _run(engine, req()).tokens == first.tokens == _run(MlxEngine(llama), req()).tokens

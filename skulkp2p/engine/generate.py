@@ -108,6 +108,10 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     spec = req.speculation
     if spec.mode == "off" or not speculation_allowed(loaded):
         return None, 0, None
+    if memory is not None and not req.sampling.greedy and req.sampling.seed is not None:
+        # Sampled output depends on which drafts were offered (never on its distribution): a
+        # seeded request must give the same text whatever ran before it, so no memory there.
+        memory = None
     if spec.mode == "explicit":
         if spec.drafter == "lookup":
             return _lookup(loaded, memory=memory, prompt=prompt), spec.depth or 4, None
