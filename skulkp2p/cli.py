@@ -43,6 +43,14 @@ def _log_engine_path() -> None:
     blas.log_fast_path(blas.fast_path_report(), logging.getLogger("skulkp2p"))
 
 
+def _draft_memory_argument(p) -> None:
+    p.add_argument("--draft-memory-tokens", type=int, default=None, metavar="N",
+                   help="the MLX engine keeps earlier requests' prompts and outputs in memory "
+                        "(never on disk) for drafting, up to N tokens, least recently used out "
+                        "first; 0 turns it off (default: the card's "
+                        "speculation.lookup.memory_tokens, else 65536)")
+
+
 def cmd_join(args) -> int:
     """Serve the HTTP API at once (health 503 while loading), load the model on its worker
     thread, serve until SIGINT/SIGTERM, exit 0."""
@@ -57,6 +65,7 @@ def cmd_join(args) -> int:
     settings = JoinSettings(
         model=args.model, model_id=resolved.id, http_host=args.http_host,
         http_port=args.http_port, max_queue=args.max_queue, sse_keepalive=args.sse_keepalive,
+        draft_memory_tokens=args.draft_memory_tokens,
         http_config=ServerConfig(max_body_bytes=args.max_body_bytes,
                                  header_timeout=args.http_header_timeout,
                                  idle_timeout=args.http_idle_timeout),
@@ -98,7 +107,8 @@ def cmd_pipe(args) -> int:
     from skulkp2p.node.engines import open_engine
 
     return run_pipe(store, model, sys.stdin, sys.stdout,
-                    partial(open_engine, prefix_cache_mb=args.prefix_cache_mb))
+                    partial(open_engine, prefix_cache_mb=args.prefix_cache_mb,
+                            draft_memory_tokens=args.draft_memory_tokens))
 
 
 def cmd_models(args) -> int:
@@ -195,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--sse-keepalive", type=float, default=10.0,
                    help="seconds of silence in a stream before a keep-alive comment (default 10)")
     add_prefix_cache_argument(j)
+    _draft_memory_argument(j)
     from skulkp2p.cluster.node import add_cluster_arguments  # stdlib + msgpack: no mlx
 
     add_cluster_arguments(j)
@@ -208,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(its --host:--port) instead of loading a model here")
     pp.add_argument("--secret", help="the cluster secret for --peer (or SKULKP2P_SECRET)")
     add_prefix_cache_argument(pp)
+    _draft_memory_argument(pp)
     pp.set_defaults(func=cmd_pipe)
 
     m = common(sub.add_parser("models", help="the local model store: list, pull, path"))

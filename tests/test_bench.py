@@ -54,7 +54,8 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
         assert cells[("plain", wl)]["speedup_vs_plain"] == 1.0
         look = cells[("lookup:2", wl)]
         assert look["drafted"] > 0 and 0 <= look["accepted"] <= look["drafted"]
-        assert len(look["acceptance_per_position"]) == 2
+        # the suffix drafter drafts at most as many tokens as its match is long
+        assert 1 <= len(look["acceptance_per_position"]) <= 2
         for arm in ("draft:2", "mlx_lm_draft"):  # same model drafting: every draft accepted
             cell = cells[(arm, wl)]
             assert cell["drafted"] > 0 and cell["accepted"] == cell["drafted"], cell
@@ -77,7 +78,9 @@ def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [r["arm"] for r in doc["results"]] == ["plain", "spec"]
-    assert {s["arm"] for s in doc["skipped"]} == {"mlx_lm", "mlx_lm_draft"}
+    # a model folder has no GGUF card for the llama-server arms: skipped, with the reason
+    assert {s["arm"] for s in doc["skipped"]} <= {"mlx_lm", "mlx_lm_draft", "llama_*"}
+    assert {"mlx_lm", "mlx_lm_draft"} <= {s["arm"] for s in doc["skipped"]}
     assert "widths" not in doc
     assert "| qa | plain |" in proc.stderr
 
@@ -209,3 +212,50 @@ def test_bench_options_import_no_mlx():
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_bench_sessions_memory_ablation_and_summary(tiny, tmp_path):
+    """The retry workload's second request drafts from the first in the engine's memory (spec)
+    and not without it (spec_nomem); every arm starts from a fresh engine; exact throughout."""
+    out = tmp_path / "out.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--max-tokens", "16", "--runs", "1", "--workloads", "retry,agent",
+                   "--arms", "spec_nomem,spec_scan", "--no-peers", "--no-llama-server",
+                   "--json", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["sessions"] == {"retry": 1, "agent": 1}
+    cells = {(r["arm"], r["workload"]): r for r in doc["results"]}
+    assert all(r["identical_to_plain"] is True for r in doc["results"])
+    spec, alone = cells[("spec", "retry")], cells[("spec_nomem", "retry")]
+    assert spec["accepted"] >= 12 and spec["accepted"] > (alone["accepted"] or 0)
+    rows = {r["workload"]: r for r in doc["summary"]}
+    assert rows["retry"]["exact"] is True and rows["retry"]["llama_best_ngram"] is None
+    assert "| workload | spec × plain |" in proc.stdout
+
+
+def test_ablation_arms_parse():
+    assert mlx_arms.parse_arm("spec_nomem").memory is False
+    assert mlx_arms.parse_arm("spec_scan").lookup == "scan"
+
+
+def test_llama_arms_on_a_fresh_server_each(smollm2_path):
+    """The peer arms on the real llama-server (when one is installed): a fresh server per
+    request, greedy text equal with and without its n-gram drafter, the child gone after."""
+    import os
+    from pathlib import Path
+
+    from skulkp2p.bench import peers
+    from skulkp2p.bench.workloads import SESSIONS, WORKLOADS
+    from skulkp2p.models.store import ModelStore
+    from tests.conftest import test_data_dir
+
+    binary = os.environ.get("SKULKP2P_LLAMA_SERVER_BIN") or str(
+        Path.home() / ".cache/skulkp2p-ci/llama-server/llama-server")
+    if not Path(binary).is_file():
+        pytest.skip("no llama-server binary")
+    gguf = peers.peer_gguf(ModelStore(test_data_dir()), "smollm2-135m")
+    runs = {arm: peers.run_llama(Path(binary), gguf, arm, SESSIONS["retry"], WORKLOADS["retry"],
+                                 24) for arm in ("llama_plain", "llama_ngram_mod")}
+    assert runs["llama_plain"].text and runs["llama_plain"].text == runs["llama_ngram_mod"].text
+    assert runs["llama_plain"].tokens == 24

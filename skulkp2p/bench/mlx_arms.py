@@ -39,8 +39,10 @@ DRAFTER_NAMES = ("lookup", "mtp", "draft")
 @dataclass(frozen=True)
 class Arm:
     name: str
-    kind: str  # "engine" | "mlx_lm" | "mlx_lm_draft"
+    kind: str  # "engine" | "mlx_lm" | "mlx_lm_draft" | "llama" (peers.py)
     speculation: Any = None  # the request's `speculation` field, for engine arms
+    memory: bool = True  # engine arms: the draft memory of earlier requests (else off)
+    lookup: str | None = None  # engine arms: card's speculation.lookup.drafter for this arm
 
     @property
     def peer(self) -> bool:
@@ -49,6 +51,10 @@ class Arm:
 
 PLAIN = Arm("plain", "engine", "off")
 SPEC = Arm("spec", "engine", "auto")
+# The ablation of the model-free drafter, in "auto" mode beside the MTP head: the older n-gram
+# scan without memory, the suffix drafter without memory (spec is suffix + memory).
+ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, lookup="scan"),
+             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False)}
 
 
 def parse_arm(text: str) -> Arm:
@@ -60,9 +66,12 @@ def parse_arm(text: str) -> Arm:
         return SPEC
     if text in PEERS:
         return Arm(text, text)
+    if text in ABLATIONS:
+        return ABLATIONS[text]
     m = re.fullmatch(r"([a-z_]+):(\d+)", text)
     if not m or m.group(1) not in DRAFTER_NAMES:
-        raise ValueError(f"unknown arm {text!r} (expected plain, spec, mlx_lm, mlx_lm_draft or "
+        raise ValueError(f"unknown arm {text!r} (expected plain, spec, spec_scan, spec_nomem, "
+                         "mlx_lm, mlx_lm_draft or "
                          f"DRAFTER:DEPTH with DRAFTER one of {', '.join(DRAFTER_NAMES)})")
     depth = int(m.group(2))
     if not 1 <= depth <= 32:
@@ -133,14 +142,23 @@ def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation:
 
 
 def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: int,
-               speculation: Any) -> Run:
+               speculation: Any, engine: Any = None,
+               setup: Sequence[list[dict[str, str]]] = ()) -> Run:
+    """One measured request on `engine` (default: a fresh MlxEngine, so an empty draft
+    memory), after the session's earlier requests `setup`, unmeasured. Engines here run without
+    the prefix cache: every run is a cold prefill (`--agent` measures the cache)."""
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.request import RequestError
 
+    engine = engine if engine is not None else MlxEngine(loaded, prefix_cache_mb=0)
+    for earlier in setup:
+        try:
+            for _ in engine.generate(engine_request(earlier, max_tokens, speculation)):
+                pass
+        except RequestError as e:
+            raise SkipArm(e.message) from None
     req = engine_request(messages, max_tokens, speculation)
-    # A fresh engine without the prefix cache: every run is a cold request (`--agent` measures
-    # the cache).
-    generation = MlxEngine(loaded, prefix_cache_mb=0).generate(req)
+    generation = engine.generate(req)
     t_first = t_last = None
     t0 = time.perf_counter()
     try:
@@ -235,10 +253,31 @@ class Cell:
 
 
 def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, max_tokens: int,
-            draft_tokens: int) -> Run:
-    """One generation of `arm` on `messages`."""
+            draft_tokens: int, setup: Sequence[list[dict[str, str]]] = (),
+            memory_tokens: int | None = None, peer: Any = None) -> Run:
+    """One generation of `arm` on `messages`, after the session's earlier requests `setup` on
+    the same fresh engine (or server). `memory_tokens`: the engine's draft memory bound (None:
+    the card's or the default); `peer`: (llama-server binary, GGUF) for llama arms."""
     if arm.kind == "engine":
-        return run_engine(loaded, messages, max_tokens, arm.speculation)
+        from skulkp2p.engine.mlx_engine import MlxEngine
+
+        saved = loaded.speculation
+        if arm.lookup is not None:
+            loaded.speculation = {**saved, "lookup": {**saved.get("lookup", {}),
+                                                      "drafter": arm.lookup}}
+        try:
+            engine = MlxEngine(loaded, prefix_cache_mb=0,
+                               memory_tokens=memory_tokens if arm.memory else 0)
+            return run_engine(loaded, messages, max_tokens, arm.speculation, engine, setup)
+        finally:
+            loaded.speculation = saved
+    if arm.kind == "llama":
+        from skulkp2p.bench.peers import run_llama
+
+        gen = run_llama(*peer, arm.name, list(setup), messages, max_tokens)
+        # Token ids are not streamed: placeholders of the right count (tok/s); text compares.
+        return Run(tokens=list(range(gen.tokens)), ttft_s=gen.ttft_s, decode_s=gen.decode_s,
+                   drafted=gen.drafted, accepted=gen.accepted, text=gen.text)
     if arm.kind == "mlx_lm":
         return run_mlx_lm(loaded, messages, max_tokens)
     return run_mlx_lm(loaded, messages, max_tokens, draft, draft_tokens)

@@ -89,6 +89,44 @@ WORKLOADS: dict[str, list[dict[str, str]]] = {
         "in a bottle written in her own handwriting.")}],
 }
 
+# A coding agent's session, second turn measured: the first turn (the file, a change asked for,
+# the agent's answer) is in the conversation, and was an earlier request on this node.
+AGENT_SYSTEM = ("You are a coding agent. You edit files in the user's repository. Reply with the "
+                "complete updated file in one code block and nothing else.")
+AGENT_TURN1 = ("Add a function `average_order(orders)` to `orders.py` that returns the mean "
+               "order amount (0.0 for no orders).\n\n"
+               f"`orders.py`:\n```python\n{ECHO_CODE}```")
+AGENT_REPLY1 = f'''```python
+{ECHO_CODE}
+
+def average_order(orders: list[Order]) -> float:
+    if not orders:
+        return 0.0
+    return sum(order.amount for order in orders) / len(orders)
+```'''
+AGENT_TURN2 = ("Good. Now make `top_customers` count only paid orders. Reply with the complete "
+               "updated `orders.py`.")
+AGENT_FIRST = [{"role": "system", "content": AGENT_SYSTEM},
+               {"role": "user", "content": AGENT_TURN1}]
+
+# A novel request sent twice (a client retrying after a timeout, or a templated job): the
+# second, measured, can draft from the first's output in the engine's memory.
+RETRY = [{"role": "user", "content": (
+    "Write a short poem of about 120 words about a fox who learns to read the stars, then "
+    "explain in two sentences what the poem is about.")}]
+
+WORKLOADS["agent"] = [*AGENT_FIRST, {"role": "assistant", "content": AGENT_REPLY1},
+                      {"role": "user", "content": AGENT_TURN2}]
+WORKLOADS["retry"] = RETRY
+
+# Earlier requests of a workload's session, sent to the same engine (or server) before the
+# measured one, unmeasured: every arm starts from a fresh engine or server per measured
+# request, so this is all it can remember.
+SESSIONS: dict[str, list[list[dict[str, str]]]] = {
+    "agent": [AGENT_FIRST],
+    "retry": [RETRY],
+}
+
 # Each arm's warm-up (kernels, allocator), short and unlike any workload.
 WARMUP_MESSAGES = [{"role": "user", "content": "Repeat exactly: red green blue red green blue"}]
 

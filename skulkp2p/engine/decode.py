@@ -17,6 +17,8 @@ from skulkp2p.engine.forward import Forward
 from skulkp2p.engine.sampling import (
     SamplingParams,
     greedy_token,
+    greedy_tokens,
+    log_probs,
     process_logits,
     sample_from,
     target_probs,
@@ -133,6 +135,15 @@ def decode(
     if on_prefill is not None:
         on_prefill()
     pending = prompt[-1]
+    # Greedy with no logits processor: every row's token is the argmax of its own log-probs,
+    # computed for all rows of a round at once (one evaluation, no per-row copies).
+    plain_rows = params.greedy and (params.repetition_penalty in (None, 1.0))
+    # Pipelined plain greedy runs one step ahead of what it hands out, so its caches do not end
+    # where `history` says: only where nobody keeps them afterwards (no prefix cache in use).
+    if (drafter is None and plain_rows and history is None and on_prefill is None
+            and hasattr(forward, "lazy_logits")):
+        yield from _pipelined_greedy(forward, pending, max_tokens)
+        return
     if history is None:
         history = []
     history[:] = prompt
@@ -143,16 +154,24 @@ def decode(
         logits = forward([pending, *draft])
         emitted: list[int] = []
         accepted = 0
-        for i in range(len(draft) + 1):
-            row = process_logits(logits[i:i + 1], history + emitted, params)
-            if i < len(draft):
-                token, ok = verify_one(row, draft[i], q[i] if q else None, params, rng)
-            else:
-                token, ok = choose(row, params, rng), False
-            emitted.append(token)
-            if not ok:
-                break
-            accepted += 1
+        if plain_rows:
+            chosen = greedy_tokens(logits[:len(draft) + 1])
+            for i, token in enumerate(chosen):
+                emitted.append(token)
+                if i == len(draft) or token != draft[i]:
+                    break
+                accepted += 1
+        else:
+            for i in range(len(draft) + 1):
+                row = process_logits(logits[i:i + 1], history + emitted, params)
+                if i < len(draft):
+                    token, ok = verify_one(row, draft[i], q[i] if q else None, params, rng)
+                else:
+                    token, ok = choose(row, params, rng), False
+                emitted.append(token)
+                if not ok:
+                    break
+                accepted += 1
         forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
         stats.record(len(draft), accepted)
         if drafter is not None:
@@ -162,3 +181,26 @@ def decode(
         for token in emitted:
             produced += 1
             yield token
+
+
+def _pipelined_greedy(forward, pending: int, max_tokens: int) -> Iterator[int]:
+    """Plain greedy decoding the way mlx-lm's generate_step runs it: the next step's graph is
+    built on the current token as an unevaluated array and evaluated asynchronously while the
+    current token goes out, so Python's per-token work overlaps the model's. Same ops, same
+    tokens as the loop above (tests/test_decode.py checks against mlx-lm)."""
+    import mlx.core as mx
+
+    def step(token: mx.array) -> mx.array:
+        return mx.argmax(log_probs(forward.lazy_logits(token)), axis=-1)
+
+    y = step(mx.array([pending]))
+    mx.async_eval(y)
+    produced = 0
+    while produced < max_tokens:
+        produced += 1
+        nxt = None
+        if produced < max_tokens:
+            nxt = step(y)
+            mx.async_eval(nxt)
+        yield int(y.item())
+        y = nxt

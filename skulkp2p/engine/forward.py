@@ -133,3 +133,10 @@ class LocalForward:
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
         self.local.rollback(keep, dropped)
+
+    def lazy_logits(self, token: mx.array) -> mx.array:
+        """Logits [1, V] of one token given as an mx array [1], appended to the cache, NOT
+        evaluated: plain greedy decoding builds step n+1 while step n runs (as mlx-lm's
+        generate_step does). Never rolled back; the cache may hold one token past the last one
+        the caller consumed."""
+        return self.local.stage.run(token, self.local.cache, logits=True)[0]

@@ -32,6 +32,7 @@ from skulkp2p.engine.results import (
     Usage,
 )
 from skulkp2p.engine.sampling import make_rng
+from skulkp2p.engine.suffix import SuffixDrafter, SuffixMemory
 from skulkp2p.engine.text import TextAssembler
 from skulkp2p.engine.tool_calls import ToolCallStream, chat_tools, tool_stream
 
@@ -67,10 +68,28 @@ MTP_PRIOR_WEIGHT = 8.0
 LOOKUP_MIN_KEY_WITH_MODEL = 2
 
 
-def _lookup(loaded: LoadedModel, min_key: int = 1) -> PromptLookup:
+def _lookup(loaded: LoadedModel, min_key: int = 1, memory: SuffixMemory | None = None,
+            prompt: list[int] | None = None) -> SuffixDrafter | PromptLookup:
+    """The model-free drafter: the suffix drafter (engine/suffix.py), or with the card's
+    `[speculation.lookup] drafter = "scan"` the older n-gram scan (kept for the ablation)."""
     cfg = loaded.speculation.get("lookup", {})
-    return PromptLookup(max_key=cfg.get("max_key", 3),
-                        min_key=max(int(cfg.get("min_key", 1)), min_key))
+    min_match = max(int(cfg.get("min_key", 1)), min_key)
+    if cfg.get("drafter", "suffix") == "scan":
+        return PromptLookup(max_key=cfg.get("max_key", 3), min_key=min_match)
+    drafter = SuffixDrafter(min_match=min_match, memory=memory)
+    if prompt is not None:
+        drafter.prepare(prompt)
+    return drafter
+
+
+# Depth and starting belief of the suffix drafter's controller: measured on echo, code-edit and
+# agent (bench), 16 and 0.8 beat 12 and 0.5 on all three (docs/architecture.md).
+SUFFIX_MAX_DEPTH = 16
+SUFFIX_PRIOR_ACCEPT = 0.8
+
+# A prompt whose end matches this many tokens of an earlier request in the memory (a retried
+# request, a templated one) starts lookup on even when the prompt itself does not repeat.
+MEMORY_START_MATCH = 16
 
 
 def _costs(loaded: LoadedModel) -> dict[int, float]:
@@ -85,7 +104,8 @@ def speculation_allowed(loaded: LoadedModel) -> bool:
     return not multi_node or bool(loaded.speculation.get("speculative_multi_node", True))
 
 
-def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int]):
+def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int],
+                    memory: SuffixMemory | None = None):
     """(drafter or None, depth, which trunk hidden state the forward must keep).
 
     An explicit drafter runs at the asked depth, ungated: the caller asked for it. "auto" wraps
@@ -95,9 +115,13 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     spec = req.speculation
     if spec.mode == "off" or not speculation_allowed(loaded):
         return None, 0, None
+    if memory is not None and not req.sampling.greedy and req.sampling.seed is not None:
+        # Sampled output depends on which drafts were offered (never on its distribution): a
+        # seeded request must give the same text whatever ran before it, so no memory there.
+        memory = None
     if spec.mode == "explicit":
         if spec.drafter == "lookup":
-            return _lookup(loaded), spec.depth or 4, None
+            return _lookup(loaded, memory=memory, prompt=prompt), spec.depth or 4, None
         if spec.drafter == "mtp":
             if loaded.mtp is None:
                 raise RequestError(f"model {loaded.id} has no MTP head (no mtp tensors and no "
@@ -125,14 +149,20 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     cfg = loaded.speculation.get("lookup", {})
     if not cfg.get("enabled", True):
         return model_drafter, model_depth, hidden
-    depth = int(cfg.get("max_depth", 6))
+    # The suffix drafter caps each draft at its match length, so it may go deep where a long
+    # match says so; the scan keeps its old settings (docs/architecture.md, measured constants).
+    scan = cfg.get("drafter", "suffix") == "scan"
+    depth = int(cfg.get("max_depth", 6 if scan else SUFFIX_MAX_DEPTH))
     # Prompt gate: lookup starts on when the prompt repeats itself (code, quoted text); on novel
     # prompts it starts off and comes back only if the output turns repetitive. The 0.02 default
     # sits between code edits and novel questions (docs/architecture.md).
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.02))
     alone = model_drafter is None
-    lookup = GatedDrafter(_lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL), costs,
-                          depth, start_on=start_on, can_return=True, request_id=req.id)
+    inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
+    start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
+    prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
+    lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
+                          request_id=req.id, prior_accept=prior)
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
@@ -229,6 +259,7 @@ class _PrefixUse:
 def stream(loaded: LoadedModel, req: GenerationRequest,
            interrupt: Callable[[], None] | None = None,
            prefix_cache: PrefixCache | None = None, prompt: list[int] | None = None,
+           memory: SuffixMemory | None = None
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
@@ -244,7 +275,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
                            f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
     default_max = int(loaded.runtime.get("max_tokens", 256))
     max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
-    drafter, depth, hidden = _choose_drafter(loaded, req, prompt)
+    drafter, depth, hidden = _choose_drafter(loaded, req, prompt, memory)
     rng = make_rng(req.sampling.seed)
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)

@@ -8,6 +8,11 @@ from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.suffix import SuffixMemory
+
+# Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
+# drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).
+DEFAULT_MEMORY_TOKENS = 65536
 
 
 class MlxEngine:
@@ -17,12 +22,21 @@ class MlxEngine:
 
     runs_on_loop = False
 
-    def __init__(self, loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+    def __init__(self, loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 memory_tokens: int | None = None):
+        """`prefix_cache_mb`: the prefix cache's bound (0 = off). `memory_tokens`: bound of the
+        draft memory of earlier requests (0 = off); None takes the card's
+        `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS."""
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB)) if prefix_cache_mb > 0 \
             else None
+        if memory_tokens is None:
+            memory_tokens = int(loaded.speculation.get("lookup", {}).get(
+                "memory_tokens", DEFAULT_MEMORY_TOKENS))
+        # Both live as long as the model is loaded; one worker thread runs its requests in turn.
+        self.memory = SuffixMemory(memory_tokens)
 
     def info(self) -> EngineInfo:
         loaded = self.loaded
@@ -48,8 +62,16 @@ class MlxEngine:
         return n
 
     def generate(self, req: GenerationRequest) -> Generation:
-        return Generation(lambda interrupt: stream(self.loaded, req, interrupt,
-                                                   self.prefix_cache))
+        return Generation(lambda interrupt: self._remembered(req, interrupt))
+
+    def _remembered(self, req: GenerationRequest, interrupt):
+        """The stream, and its prompt and output into the draft memory when it ends."""
+        memory = self.memory if self.memory.enabled else None
+        result = yield from stream(self.loaded, req, interrupt, self.prefix_cache,
+                                   memory=memory)
+        if memory is not None:
+            memory.add(prompt_tokens(self.loaded, req) + list(result.tokens))
+        return result
 
     def close(self) -> None:
         """MLX frees the weights with the last reference; nothing runs in the background."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from skulkp2p.engine.request import SamplingParams
 
-__all__ = ["SamplingParams", "greedy_token", "log_probs", "make_rng", "process_logits",
+__all__ = ["SamplingParams", "greedy_token", "greedy_tokens", "log_probs", "make_rng", "process_logits",
            "sample_from", "target_probs"]
 
 
@@ -44,6 +44,12 @@ def log_probs(row: mx.array) -> mx.array:
 def greedy_token(row: mx.array) -> int:
     """argmax of log-probabilities in the model's dtype, as mlx-lm's greedy sampler sees them."""
     return int(mx.argmax(log_probs(row), axis=-1).item())
+
+
+def greedy_tokens(rows: mx.array) -> list[int]:
+    """greedy_token of each row of [w, V], in one evaluation (each row's log-probs are reduced
+    over that row alone, as for a single row)."""
+    return mx.argmax(log_probs(rows), axis=-1).tolist()
 
 
 def target_probs(row: mx.array, params: SamplingParams) -> np.ndarray:

@@ -134,6 +134,9 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
 LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "enabled": bool, "max_key": int, "min_key": int, "max_depth": int,
     "min_repetition": (int, float),
+    "prior_acceptance": (int, float),  # the depth controller's starting belief per position
+    "memory_tokens": int,  # bound of the draft memory of earlier requests (0 = off)
+    "drafter": str,  # suffix (default) | scan (the older n-gram scan, for comparison)
 }
 
 
@@ -240,6 +243,11 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
                 if lk not in LOOKUP_FIELDS:
                     raise CardError(f"{file}: unknown field 'speculation.lookup.{lk}'")
                 _get(value, lk, LOOKUP_FIELDS[lk], "speculation.lookup.", file)
+            if value.get("drafter", "suffix") not in ("suffix", "scan"):
+                raise CardError(f"{file}: field 'speculation.lookup.drafter' must be suffix or "
+                                f"scan, got {value['drafter']!r}")
+            if value.get("memory_tokens", 0) < 0:
+                raise CardError(f"{file}: field 'speculation.lookup.memory_tokens' must be >= 0")
         if key in ("mtp_max_depth", "draft_max_depth") and not 1 <= value <= 16:
             raise CardError(f"{file}: field 'speculation.{key}' must be 1..16, got {value}")
     placement = _parse_placement(

@@ -18,11 +18,13 @@ def uses_llama_server(store: Any, spec: str) -> bool:
     return wants_served(store.resolve(spec).card)
 
 
-def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
-                ) -> Engine:
+def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                draft_memory_tokens: int | None = None) -> Engine:
     """Load `spec` (a card id or a local path) on the engine its card names. Blocking: call it
     off the event loop (importing mlx-lm alone takes seconds). `prefix_cache_mb`: the MLX
-    engine's prefix cache for the model (0: off); llama-server keeps its own prompt cache."""
+    engine's prefix cache for the model (0: off); llama-server keeps its own prompt cache.
+    `draft_memory_tokens`: the MLX engine's draft memory of earlier requests (0 = off; None:
+    the card's, else the default)."""
     if uses_llama_server(store, spec):
         from skulkp2p.served.model import open_served
 
@@ -30,4 +32,5 @@ def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_C
     from skulkp2p.engine.loader import open_model
     from skulkp2p.engine.mlx_engine import MlxEngine
 
-    return MlxEngine(open_model(store, spec), prefix_cache_mb)
+    return MlxEngine(open_model(store, spec), prefix_cache_mb,
+                     memory_tokens=draft_memory_tokens)

@@ -32,6 +32,7 @@ class JoinSettings:
     sse_keepalive: float
     http_config: Any  # api.server.ServerConfig
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # per model (and ring stage); 0: off
+    draft_memory_tokens: int | None = None  # MLX engine's draft memory (0 = off, None = card's)
 
 
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
@@ -46,7 +47,8 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
     def load_model(spec: str = settings.model) -> Engine:
         # On the model's worker thread: the cluster decides which models this node loads
         # (its own --model when placed here, or another node's).
-        return open_engine(store, spec, prefix_cache_mb=settings.prefix_cache_mb)
+        return open_engine(store, spec, prefix_cache_mb=settings.prefix_cache_mb,
+                           draft_memory_tokens=settings.draft_memory_tokens)
 
     def on_ready(engine: Engine) -> None:
         info = engine.info()

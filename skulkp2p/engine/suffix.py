@@ -1,0 +1,282 @@
+"""The suffix drafter: an online suffix automaton over the prompt and the output so far, and a
+per-model memory of earlier requests searched when the request's own text has no longer match.
+
+A suffix automaton over a token sequence T has one state per class of substrings with the same
+set of end positions; appending a token costs O(1) amortised (Blumer et al. 1985). After each
+append, the suffix link of the newest state is the state of the longest suffix of T that also
+occurred earlier, so the longest match is read off without any scan, however long it is. Each
+state keeps one end position of an earlier occurrence (moved to the most recent one whenever the
+state is the longest match) and counts of the tokens that followed it each time it was the
+longest match; a draft walks the automaton from the match, taking at each step the token that
+followed most often (the most recent continuation breaks ties and stands in where there are no
+counts), for up to `match length` tokens (a long match predicts a long run, a 2-token match a
+short one) and the depth the gate asked for.
+
+The memory is one more automaton over earlier requests' prompts and outputs on this node (each
+entry ends with its own separator, so no match spans two entries), bounded in tokens: the least
+recently used entries go when it is full (the automaton is rebuilt from the rest). A request
+walks it as it goes (matching statistics: the longest suffix of its text that occurs in the
+memory, O(1) amortised per token) and drafts from it only where its own text has no longer
+match. It holds text of earlier requests in memory only, never on disk.
+
+Pure Python: no mlx, no numpy. Drafts never change what is emitted (the verifier decides), so
+nothing here can make output wrong, only slower or faster.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+from collections import OrderedDict
+
+import numpy as np
+
+
+class SuffixAutomaton:
+    """Online suffix automaton over int tokens (negative tokens are separators: never drafted)."""
+
+    __slots__ = ("nxt", "link", "length", "pos", "counts", "tokens", "last", "match",
+                 "match_len")
+
+    def __init__(self) -> None:
+        self.nxt: list[dict[int, int]] = [{}]
+        self.link: list[int] = [-1]
+        self.length: list[int] = [0]
+        self.pos: list[int] = [-1]  # end index of an earlier occurrence of the state's strings
+        self.counts: list[dict[int, int] | None] = [None]
+        self.tokens: list[int] = []
+        self.last = 0
+        self.match = 0  # state of the longest suffix of `tokens` that occurred earlier
+        self.match_len = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, c: int) -> None:
+        nxt, link, length, pos = self.nxt, self.link, self.length, self.pos
+        n = len(self.tokens)
+        m = self.match
+        if self.match_len and c >= 0:
+            # c followed the longest match: count it, and the match's latest occurrence ends at
+            # n - 1 now (an occurrence earlier than any later query's own end).
+            counts = self.counts[m]
+            if counts is None:
+                counts = self.counts[m] = {}
+            counts[c] = counts.get(c, 0) + 1
+            pos[m] = n - 1
+        self.tokens.append(c)
+        cur = len(length)
+        nxt.append({})
+        link.append(0)
+        length.append(length[self.last] + 1)
+        pos.append(n)
+        self.counts.append(None)
+        p = self.last
+        while p != -1 and c not in nxt[p]:
+            nxt[p][c] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][c]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:
+                clone = len(length)
+                nxt.append(dict(nxt[q]))
+                link.append(link[q])
+                length.append(length[p] + 1)
+                pos.append(pos[q])
+                cq = self.counts[q]
+                self.counts.append(dict(cq) if cq else None)
+                while p != -1 and nxt[p].get(c) == q:
+                    nxt[p][c] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
+        self.match = link[cur]
+        self.match_len = length[self.match] if c >= 0 else 0
+
+    def walk(self, state: int, k: int) -> list[int]:
+        """Up to k tokens continuing the strings of `state`: at each step the token that most
+        often followed (counts), else the continuation of its latest earlier occurrence."""
+        out: list[int] = []
+        nxt, pos, tokens, counts_of = self.nxt, self.pos, self.tokens, self.counts
+        end = len(tokens)
+        while len(out) < k and state > 0:
+            p = pos[state] + 1
+            recent = tokens[p] if p < end else -1
+            counts = counts_of[state]
+            token = recent
+            if counts:
+                best = counts.get(recent, 0) + (recent >= 0)
+                for t, n in counts.items():
+                    if n > best:
+                        token, best = t, n
+            if token < 0:
+                break
+            out.append(token)
+            state = nxt[state].get(token, 0)
+        return out
+
+    def step(self, state: int, matched: int, c: int) -> tuple[int, int]:
+        """Matching statistics: from (state, matched length) of some text's longest suffix that
+        occurs here, the pair for that text with c appended."""
+        nxt, link, length = self.nxt, self.link, self.length
+        while state and c not in nxt[state]:
+            state = link[state]
+            matched = length[state]
+        t = nxt[state].get(c)
+        if t is None:
+            return 0, 0
+        return t, matched + 1
+
+
+class SuffixMemory:
+    """Earlier requests' prompts and outputs on this node, for drafting: bounded in tokens,
+    least recently used out first. Text lives in this process's memory only."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max(0, int(max_tokens))
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # LRU order
+        self._starts: list[int] = []  # start offset of each entry in the automaton's text
+        self._keys: list[int] = []
+        self.sam = SuffixAutomaton()
+        self.hits = 0  # requests that drafted from memory
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(e) for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._rebuild()
+
+    def add(self, tokens: list[int]) -> None:
+        """Remember one request's prompt + output (a repeat only moves to most recent)."""
+        if not self.enabled or not tokens:
+            return
+        entry = tuple(tokens[-self.max_tokens:])
+        key = hash(entry)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            self._entries[key] = entry
+            if self.tokens > self.max_tokens:
+                # Drop to 3/4 of the bound so that the rebuild is amortised over many adds.
+                target = self.max_tokens * 3 // 4
+                total = self.tokens
+                while self._entries and total > target:
+                    _, old = self._entries.popitem(last=False)
+                    total -= len(old)
+                if key not in self._entries:  # one entry larger than the target: keep it
+                    self._entries[key] = entry
+                self._rebuild()
+            else:
+                self._append(key, entry)
+
+    def touch(self, position: int) -> None:
+        """The entry holding automaton position `position` drafted something: most recent."""
+        with self._lock:
+            i = bisect_right(self._starts, position) - 1
+            if 0 <= i < len(self._keys) and self._keys[i] in self._entries:
+                self._entries.move_to_end(self._keys[i])
+
+    def _append(self, key: int, entry: tuple[int, ...]) -> None:
+        sam = self.sam
+        self._starts.append(len(sam))
+        self._keys.append(key)
+        for t in entry:
+            sam.extend(t)
+        sam.extend(-1 - len(self._keys))  # a separator of its own: no match spans two entries
+
+    def _rebuild(self) -> None:
+        self.sam = SuffixAutomaton()
+        self._starts, self._keys = [], []
+        for key, entry in self._entries.items():
+            self._append(key, entry)
+
+
+class SuffixDrafter:
+    """Drafts the continuation of the longest suffix match in the request's own text, else in
+    the memory of earlier requests. Deterministic (q is one-hot)."""
+
+    name = "lookup"
+
+    def __init__(self, min_match: int = 1, memory: SuffixMemory | None = None,
+                 long_enough: int = 32):
+        self.min_match = max(1, min_match)
+        self.memory = memory if memory is not None and memory.enabled else None
+        self.long_enough = long_enough  # an own match this long is not compared with memory
+        self.sam = SuffixAutomaton()
+        self._mem_sam: SuffixAutomaton | None = None
+        self._mem_state = 0
+        self._mem_len = 0
+        self.from_memory = 0  # drafted tokens that came from memory
+        self._used_memory = False
+        self._prompt_len = -1
+
+    def prepare(self, prompt: list[int]) -> None:
+        """Index the prompt (done before decoding so the prompt gate can ask about memory)."""
+        if self._prompt_len == len(prompt) and len(self.sam) == len(prompt):
+            return
+        self.sam = SuffixAutomaton()
+        self._mem_sam = self.memory.sam if self.memory is not None else None
+        self._mem_state = self._mem_len = 0
+        self._feed(prompt)
+        self._prompt_len = len(prompt)
+
+    @property
+    def memory_match(self) -> int:
+        """Tokens of the text so far matched, at its end, by memory."""
+        return self._mem_len
+
+    def _feed(self, tokens: list[int]) -> None:
+        sam = self.sam
+        mem = self._mem_sam
+        for t in tokens:
+            sam.extend(t)
+        if mem is not None:
+            state, matched = self._mem_state, self._mem_len
+            for t in tokens:
+                state, matched = mem.step(state, matched, t)
+            self._mem_state, self._mem_len = state, matched
+
+    def begin(self, prompt: list[int], forward) -> None:
+        self.prepare(prompt)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        if k <= 0:
+            return [], None
+        if len(history) != len(self.sam):  # not in step (e.g. observe skipped): catch up
+            if len(history) > len(self.sam) and history[:len(self.sam)] == self.sam.tokens:
+                self._feed(history[len(self.sam):])
+            else:
+                self._prompt_len = -1
+                self.prepare(history)
+        sam = self.sam
+        own = sam.match_len
+        mem = self._mem_len if self._mem_sam is not None else 0
+        if own >= self.min_match and (own >= mem or own >= self.long_enough):
+            return sam.walk(sam.match, min(k, own)), None
+        if mem >= self.min_match:
+            draft = self._mem_sam.walk(self._mem_state, min(k, mem))
+            if draft:
+                self.from_memory += len(draft)
+                if not self._used_memory:
+                    self._used_memory = True
+                    self.memory.hits += 1
+                self.memory.touch(self._mem_sam.pos[self._mem_state])
+            return draft, None
+        return [], None
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+        self._feed(emitted)
