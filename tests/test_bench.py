@@ -248,7 +248,7 @@ def test_llama_arms_on_a_fresh_server_each(smollm2_path):
     from skulkp2p.bench import peers
     from skulkp2p.bench.workloads import SESSIONS, WORKLOADS
     from skulkp2p.models.store import ModelStore
-    from tests.conftest import test_data_dir
+    from tests.helpers.models import test_data_dir
 
     binary = os.environ.get("SKULKP2P_LLAMA_SERVER_BIN") or str(
         Path.home() / ".cache/skulkp2p-ci/llama-server/llama-server")

@@ -536,3 +536,32 @@ def test_penalty_test_rejects_a_forgetful_window(bigram_plain):
     drafts = _bigram_drafts()
     spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts, forgetful=True)
     assert two_sample([s[:2] for s in spec], [s[:2] for s in bigram_plain]) < ALPHA
+
+
+@pytest.mark.slow
+def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_models):
+    """The memory holds the prompt followed by skewed tokens (a likely, a likely, then the least
+    likely token the target allows), so the suffix drafter drafts them; sampled output must
+    still be distributed as plain sampling's (the chi-square tests above)."""
+    from skulkp2p.engine.model import load_model
+    from skulkp2p.engine.suffix import SuffixDrafter, SuffixMemory
+
+    lm = load_model(tiny_models["llama"], "llama-sharp")
+    import mlx.core as mx
+
+    w = lm.model.lm_head.weight
+    lm.model.lm_head.weight = (w.astype(mx.float32) * SHARPEN).astype(w.dtype)
+    params = TOPK
+    prompt = _prompt(lm, params)
+    drafts = _skewed_sequence(lm.model, prompt, params)
+    mem = SuffixMemory(1000)
+    mem.add(prompt + drafts)
+
+    def drafter(i: int) -> SuffixDrafter:
+        return SuffixDrafter(memory=mem)
+
+    spec = _spec_samples(lm, prompt, params, drafter, DEPTH)
+    assert mem.hits > 0.5 * N_E2E
+    plain = _first_tokens(lambda: PrefilledForward(lm.model), prompt, params, N_E2E,
+                             seed0=0, take=2)
+    _check_against_plain(spec, plain, _probs_after(lm.model, prompt, params))

@@ -169,41 +169,11 @@ def test_card_field_turns_memory_off(llama):
     assert MlxEngine(llama).memory.enabled is True
 
 
-@pytest.mark.slow
-def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_models):
-    """The memory holds the prompt followed by skewed tokens (a likely, a likely, then the least
-    likely token the target allows), so the suffix drafter drafts them; sampled output must
-    still be distributed as plain sampling's (the chi-square tests of test_sampling_exactness)."""
-    import test_sampling_exactness as se
-
-    from skulkp2p.engine.model import load_model
-
-    lm = load_model(tiny_models["llama"], "llama-sharp")
-    import mlx.core as mx
-
-    w = lm.model.lm_head.weight
-    lm.model.lm_head.weight = (w.astype(mx.float32) * se.SHARPEN).astype(w.dtype)
-    params = se.TOPK
-    prompt = se._prompt(lm, params)
-    drafts = se._skewed_sequence(lm.model, prompt, params)
-    mem = SuffixMemory(1000)
-    mem.add(prompt + drafts)
-
-    def drafter(i: int) -> SuffixDrafter:
-        return SuffixDrafter(memory=mem)
-
-    spec = se._spec_samples(lm, prompt, params, drafter, se.DEPTH)
-    assert mem.hits > 0.5 * se.N_E2E
-    plain = se._first_tokens(lambda: se.PrefilledForward(lm.model), prompt, params, se.N_E2E,
-                             seed0=0, take=2)
-    se._check_against_plain(spec, plain, se._probs_after(lm.model, prompt, params))
-
-
 @pytest.mark.parametrize("memory", [None, "0"])
 def test_pipe_retry_drafts_from_memory_unless_the_flag_turns_it_off(tiny_models, memory):
     import json
 
-    from tests.conftest import run_cli
+    from tests.helpers.procs import run_cli
 
     line = json.dumps({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
                        "speculation": {"drafter": "lookup", "depth": 6}})
