@@ -106,7 +106,8 @@ def test_metrics_scrape(duo):
     assert drafted >= first["drafted"] > 0 and accepted >= first["accepted"]
     per_pos = [v for name, labels, v in m1[sp + "num_accepted_tokens_per_pos"]["samples"]
                if labels["drafter"] == "lookup"]
-    assert len(per_pos) == 4 and sum(per_pos) == accepted  # depth 4: positions 0..3
+    # depth 4: positions 0..3 at most (the suffix drafter caps a draft at its match length)
+    assert 1 <= len(per_pos) <= 4 and sum(per_pos) == accepted
     assert sample(m1, sp + "num_drafts", sp + "num_drafts_total", model="llama",
                   drafter="lookup") >= first["rounds"]
     ttft = "skulkp2p_time_to_first_token_seconds"
