@@ -146,6 +146,28 @@ def test_stale_term_and_unknown_request_are_dropped(models):
         fwd.prefill([1, 2, 3])
 
 
+def test_frames_for_another_cut_of_the_layers_are_dropped(models):
+    """A re-placement within one term cuts the layers anew: a frame meant for a stage that
+    starts at another layer (a request still running on the old ring) is dropped, never run
+    on the wrong layers; the last stage refuses rows that end at another layer than its own
+    start."""
+    two, three = stages(models["llama"], 2), stages(models["llama"], 3)
+    first = StageWorker(StageModel(two[0].model, two[0].span), term=4)
+    frame = {**header(4, "i", "a", 0, "prefill"), "x": [1, 2, 3], "rollback": None}
+    out = first.handle({**frame, "at": 0})
+    assert out is not None and out["at"] == two[0].span.end
+    middle = StageWorker(StageModel(three[1].model, three[1].span), term=4)
+    assert middle.stage.span.start != 0
+    assert middle.handle({**frame, "request": "b", "at": 0}) is None  # tokens for a first stage
+    assert middle.handle({**out, "request": "c"}) is None  # rows ending where it does not start
+    assert middle.dropped == 2
+    # the last stage of the 3-stage cut behind the first stage of the 2-stage cut
+    fwd = RingForward(StageModel(three[2].model, three[2].span), InProcessLink([first]), term=4,
+                      instance="i1", request="r9", prefill_step=7)
+    with pytest.raises(RingError, match="re-placed"):
+        fwd.prefill([1, 2, 3])
+
+
 def test_card_gate_turns_speculation_off_on_rings(models):
     from skulkp2p.engine.generate import _choose_drafter
     from skulkp2p.engine.request import parse_request

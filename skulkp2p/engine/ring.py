@@ -78,6 +78,11 @@ class StageWorker:
         if msg.get("t") != FRAME or msg["term"] != self.term:
             self.dropped += 1  # another term's ring: its placement is gone
             return None
+        if msg.get("at", self.stage.span.start) != self.stage.span.start:
+            # Sent for another cut of the layers (a re-placement within the same term): this
+            # stage would run the wrong layers on it.
+            self.dropped += 1
+            return None
         request, instance, step, op = msg["request"], msg["instance"], msg["step"], msg["op"]
         known = self.sessions.get(request)
         if op == "end":
@@ -88,7 +93,7 @@ class StageWorker:
                         session.rollback(*(int(v) for v in msg["rollback"]))
                     self._store(session, msg["store"])
                 del self.sessions[request]
-            return dict(msg)
+            return {**msg, "at": self.stage.span.end}
         if step == 0 and known is None:
             from skulkp2p.engine.forward import StageCache
             known = (instance, -1, StageCache(self.stage))
@@ -104,6 +109,7 @@ class StageWorker:
                 missed.append(self.stage.span.start)  # this stage lacks the entry: say so
             self.sessions[request] = (instance, step, session)
             return {**header(self.term, instance, request, step, op), "x": None,
+                    "at": self.stage.span.end,
                     "prefix": msg["prefix"], "missed": missed,
                     "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
         if msg.get("rollback"):
@@ -121,6 +127,7 @@ class StageWorker:
         # stage's compute time ("cs", seconds per stage), which tells the last stage how much
         # of a traversal was compute and how much was link.
         return {**header(self.term, instance, request, step, op), "x": packed,
+                "at": self.stage.span.end,
                 "rollback": msg.get("rollback"), "store": msg.get("store"),
                 "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
@@ -181,7 +188,10 @@ class RingForward:
         return self.local.cache
 
     def _send(self, op: str, tokens: list[int] | None, **extra: Any) -> dict[str, Any]:
+        # "at": the layer the receiving stage must start at (the first stage: 0); each stage
+        # passes on where it ended, and a stage cut differently drops the frame.
         msg = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
+               "at": 0,
                "rollback": list(self._pending) if self._pending else None,
                "store": self._store, **extra}
         t0 = time.perf_counter()
@@ -192,6 +202,9 @@ class RingForward:
         if out.get("step") != self.step or out.get("request") != self.request:
             raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
                             f"expected step {self.step} of {self.request}")
+        if out.get("at", self.stage.span.start) != self.stage.span.start:
+            raise RingError(f"the ring's stages end at layer {out.get('at')}, this stage starts "
+                            f"at {self.stage.span.start}: it was re-placed; retry")
         self.step += 1
         self._pending = None
         self._store = None
@@ -259,7 +272,7 @@ class RingForward:
 
     def close(self) -> None:
         """Free the request's caches on the other stages (best effort)."""
-        msg = header(self.term, self.instance, self.request, self.step, "end")
+        msg = {**header(self.term, self.instance, self.request, self.step, "end"), "at": 0}
         if self._store is not None:  # the stages undo the last rejected drafts, then keep
             msg.update(store=self._store,
                        rollback=list(self._pending) if self._pending else None)
