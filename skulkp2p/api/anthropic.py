@@ -21,6 +21,7 @@ from typing import Any
 from skulkp2p.api import sse
 from skulkp2p.api.endpoint import KeepAlive, ModelEndpoint
 from skulkp2p.api.errors import ApiError, engine_error
+from skulkp2p.api.fields import check_body
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
 from skulkp2p.api.worker import Failed, Finished, Produced, Started
 from skulkp2p.engine.request import (
@@ -185,16 +186,7 @@ def _tool_choice(value: Any) -> tuple[ToolChoice, bool]:
 
 
 def parse_messages_request(node: ModelEndpoint, body: Any) -> tuple[GenerationRequest, bool]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", param=unknown[0],
-                       code="unsupported_parameter")
-    for key, (ok, why) in _OPTIONS.items():
-        if key in body and not ok(body[key]):
-            raise ApiError(400, f"unsupported value for '{key}': {why}", param=key,
-                           code="unsupported_parameter")
+    body = check_body(body, _KNOWN, _OPTIONS)
     node.check_model(body.get("model"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -28,6 +28,7 @@ from typing import Any
 from skulkp2p.api import sse
 from skulkp2p.api.endpoint import KeepAlive, ModelEndpoint
 from skulkp2p.api.errors import ApiError, engine_error
+from skulkp2p.api.fields import check_body
 from skulkp2p.api.response_store import ResponseStore, node_store
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
 from skulkp2p.api.worker import Failed, Finished, Produced
@@ -184,16 +185,7 @@ class Parsed:
 
 
 def parse_response_request(node: ModelEndpoint, body: Any, store: ResponseStore) -> Parsed:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", param=unknown[0],
-                       code="unsupported_parameter")
-    for key, (ok, why) in _OPTIONS.items():
-        if key in body and not ok(body[key]):
-            raise ApiError(400, f"unsupported value for '{key}': {why}", param=key,
-                           code="unsupported_parameter")
+    body = check_body(body, _KNOWN, _OPTIONS)
     node.check_model(body.get("model"))
     if body.get("input") is None:
         raise ApiError(400, "'input' is required", param="input")
