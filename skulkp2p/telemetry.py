@@ -118,7 +118,21 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
+class _Scalar(_Metric):
+    """One number per label set (counters and gauges)."""
+
+    def value(self, **labels: Any) -> float:
+        with self.registry.lock:
+            return self._values.get(self._key(labels), 0)
+
+    def family(self) -> Family:
+        fam = Family(self.name, self.type, self.help)
+        for key, v in sorted(self._values.items()):
+            fam.add(v, **self._pairs(key))
+        return fam
+
+
+class Counter(_Scalar):
     """Only goes up. Its samples are named NAME (which must end in _total)."""
     type = "counter"
 
@@ -140,18 +154,7 @@ class Counter(_Metric):
         with self.registry.lock:
             self._values.setdefault(key, 0)
 
-    def value(self, **labels: Any) -> float:
-        with self.registry.lock:
-            return self._values.get(self._key(labels), 0)
-
-    def family(self) -> Family:
-        fam = Family(self.name, self.type, self.help)
-        for key, v in sorted(self._values.items()):
-            fam.add(v, **self._pairs(key))
-        return fam
-
-
-class Gauge(_Metric):
+class Gauge(_Scalar):
     type = "gauge"
 
     def set(self, value: float, **labels: Any) -> None:
@@ -163,17 +166,6 @@ class Gauge(_Metric):
         key = self._key(labels)
         with self.registry.lock:
             self._values[key] = self._values.get(key, 0) + amount
-
-    def value(self, **labels: Any) -> float:
-        with self.registry.lock:
-            return self._values.get(self._key(labels), 0)
-
-    def family(self) -> Family:
-        fam = Family(self.name, self.type, self.help)
-        for key, v in sorted(self._values.items()):
-            fam.add(v, **self._pairs(key))
-        return fam
-
 
 class Histogram(_Metric):
     """Cumulative buckets (`le`), `_sum` and `_count`, as Prometheus expects."""
