@@ -32,6 +32,7 @@ from skulkp2p.engine.request import (
     check_tool_list,
     make_tool,
     parse_request,
+    tool_entries,
     with_tools,
 )
 from skulkp2p.engine.results import Chunk, GenerationResult, ToolCall
@@ -146,13 +147,8 @@ def _turn(m: dict[str, Any], i: int) -> list[dict[str, Any]]:
 
 def _tools(value: Any) -> tuple[Tool, ...]:
     """Anthropic's `tools`: [{name, description, input_schema}] (custom tools only)."""
-    if not isinstance(value, list):
-        raise RequestError("'tools' must be a list of tools", "tools")
     tools = []
-    for i, t in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise RequestError(f"'{where}' must be an object", where)
+    for where, t in tool_entries(value):
         if t.get("type", "custom") != "custom":
             raise RequestError(f"'{where}.type': only custom tools (with input_schema) are "
                                f"supported, got {t.get('type')!r}", f"{where}.type")

@@ -41,6 +41,7 @@ from skulkp2p.engine.request import (
     parse_messages,
     parse_request,
     parse_tool_choice,
+    tool_entries,
     with_tools,
 )
 from skulkp2p.engine.results import Chunk, GenerationResult
@@ -157,13 +158,8 @@ def parse_tools(value: Any) -> tuple[Tool, ...]:
     parameters, strict}]."""
     if value is None:
         return ()
-    if not isinstance(value, list):
-        raise RequestError("'tools' must be a list of tools", "tools")
     tools = []
-    for i, t in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise RequestError(f"'{where}' must be an object", where)
+    for where, t in tool_entries(value):
         if t.get("type") != "function":
             raise RequestError(f"'{where}.type': only function tools are supported, got "
                                f"{t.get('type')!r}", f"{where}.type")

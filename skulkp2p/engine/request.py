@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -317,18 +318,25 @@ def check_tool_list(tools: list[Tool], key: str = "tools") -> tuple[Tool, ...]:
     return tuple(tools)
 
 
+def tool_entries(value: Any, key: str = "tools") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path, entry) for each object of an API's tool list, in every API's shape: the list and
+    each entry being an object are checked here, the entry's own fields by the caller."""
+    if not isinstance(value, list):
+        raise RequestError(f"'{key}' must be a list of tools", key)
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            raise RequestError(f"'{where}' must be an object", where)
+        yield where, entry
+
+
 def parse_tools(value: Any, key: str = "tools") -> tuple[Tool, ...]:
     """OpenAI chat's `tools`: [{"type": "function", "function": {name, description,
     parameters, strict}}]."""
     if value is None:
         return ()
-    if not isinstance(value, list):
-        raise RequestError(f"'{key}' must be a list of tools", key)
     tools = []
-    for i, entry in enumerate(value):
-        where = f"{key}[{i}]"
-        if not isinstance(entry, dict):
-            raise RequestError(f"'{where}' must be an object", where)
+    for where, entry in tool_entries(value, key):
         if entry.get("type") != "function":
             raise RequestError(f"'{where}.type' must be \"function\" (the only tools "
                                f"supported), got {entry.get('type')!r}", f"{where}.type")
