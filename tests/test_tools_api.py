@@ -6,16 +6,11 @@ models behind a real `join`: test_tools_node.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 
 import pytest
 
-from skulkp2p.api.app import serve
 from skulkp2p.api.response_store import ResponseStore
-from skulkp2p.api.worker import ModelWorker
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.results import (
     Chunk,
@@ -30,6 +25,7 @@ from skulkp2p.engine.tool_calls import (
     forced_opening,
     load_format,
 )
+from tests.helpers.fake_engine import LiveNode
 from tests.helpers.http_client import H11Client
 
 WEATHER = {"type": "function", "function": {
@@ -95,40 +91,13 @@ class ScriptedEngine:
         pass
 
 
-class LiveNode:
-    def __init__(self, engine: ScriptedEngine):
-        self.engine = engine
-        self.worker = ModelWorker("scripted", lambda: engine)
-        self.listening = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self.thread.start()
-        assert self.listening.wait(10)
-        deadline = time.monotonic() + 10
-        while self.worker.state != "ready":
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.stop = asyncio.Event()
-
-        def listening(host, port):
-            self.port = port
-            self.listening.set()
-
-        self.result = await serve(self.worker, "127.0.0.1", 0, self.stop, keepalive_s=5,
-                                  on_listening=listening, stop_timeout=5)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(15)
-        assert not self.thread.is_alive()
-
-
 @pytest.fixture(scope="module")
 def node():
-    n = LiveNode(ScriptedEngine())
+    # The server's own defaults (bodies with tool schemas are larger than the fake's 4 KiB).
+    n = LiveNode(engine=ScriptedEngine(), model_id="scripted", max_queue=16, keepalive_s=5,
+                 header_timeout=10.0, body_timeout=60.0, idle_timeout=30.0,
+                 max_body_bytes=8 << 20)
+    n.wait_ready()
     yield n
     n.close()
 

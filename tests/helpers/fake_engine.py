@@ -93,16 +93,20 @@ class FakeEngine:
 class LiveNode:
     """`serve()` on its own event-loop thread, on a free port."""
 
-    def __init__(self, script: Script, load_gate: threading.Event | None = None,
-                 max_queue: int = 2, keepalive_s: float = 0.3, **config):
+    def __init__(self, script: Script | None = None, load_gate: threading.Event | None = None,
+                 max_queue: int = 2, keepalive_s: float = 0.3, engine=None,
+                 model_id: str = "fake", **config):
+        """Serves `engine`, or a FakeEngine run by `script`; `config` overrides the (strict,
+        short) ServerConfig."""
         self.script = script
+        self.engine = engine
 
         def load():
             if load_gate is not None:
                 load_gate.wait(30)
-            return FakeEngine(script)
+            return engine if engine is not None else FakeEngine(script)
 
-        self.worker = ModelWorker("fake", load, max_queue=max_queue)
+        self.worker = ModelWorker(model_id, load, max_queue=max_queue)
         self.config = ServerConfig(**{"header_timeout": 1.0, "idle_timeout": 1.0,
                                       "body_timeout": 1.0, "max_body_bytes": 4096, **config})
         self.keepalive_s = keepalive_s
@@ -122,6 +126,10 @@ class LiveNode:
         self.result = await serve(self.worker, "127.0.0.1", 0, self.stop, aliases=("alias",),
                                   keepalive_s=self.keepalive_s, config=self.config,
                                   on_listening=listening, stop_timeout=5)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 10
