@@ -67,10 +67,11 @@ class MlxEngine:
     def _remembered(self, req: GenerationRequest, interrupt):
         """The stream, and its prompt and output into the draft memory when it ends."""
         memory = self.memory if self.memory.enabled else None
-        result = yield from stream(self.loaded, req, interrupt, self.prefix_cache,
+        prompt = prompt_tokens(self.loaded, req)  # once: the stream and the memory share it
+        result = yield from stream(self.loaded, req, interrupt, self.prefix_cache, prompt,
                                    memory=memory)
         if memory is not None:
-            memory.add(prompt_tokens(self.loaded, req) + list(result.tokens))
+            memory.add(prompt + list(result.tokens))
         return result
 
     def close(self) -> None:
