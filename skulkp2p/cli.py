@@ -51,6 +51,24 @@ def _draft_memory_argument(p) -> None:
                         "speculation.lookup.memory_tokens, else 65536)")
 
 
+def _max_batch(value: str) -> int:
+    from skulkp2p.node.engines import MaxBatchError, check_max_batch  # no mlx
+
+    try:
+        return check_max_batch(int(value))
+    except (ValueError, MaxBatchError):
+        from skulkp2p.node.engines import MAX_BATCH_LIMIT
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_BATCH_LIMIT}, "
+                                         f"got {value!r}") from None
+
+
+def _max_batch_argument(p) -> None:
+    p.add_argument("--max-batch", type=_max_batch, default=None, metavar="N",
+                   help="requests a model generates at once (1: one at a time, first in first "
+                        "out; a llama-server child gets N parallel slots); default: the card's "
+                        "runtime.max_batch, else the engine's default")
+
+
 def cmd_join(args) -> int:
     """Serve the HTTP API at once (health 503 while loading), load the model on its worker
     thread, serve until SIGINT/SIGTERM, exit 0."""
@@ -65,7 +83,7 @@ def cmd_join(args) -> int:
     settings = JoinSettings(
         model=args.model, model_id=resolved.id, http_host=args.http_host,
         http_port=args.http_port, max_queue=args.max_queue, sse_keepalive=args.sse_keepalive,
-        draft_memory_tokens=args.draft_memory_tokens,
+        draft_memory_tokens=args.draft_memory_tokens, max_batch=args.max_batch,
         http_config=ServerConfig(max_body_bytes=args.max_body_bytes,
                                  header_timeout=args.http_header_timeout,
                                  idle_timeout=args.http_idle_timeout),
@@ -108,7 +126,8 @@ def cmd_pipe(args) -> int:
 
     return run_pipe(store, model, sys.stdin, sys.stdout,
                     partial(open_engine, prefix_cache_mb=args.prefix_cache_mb,
-                            draft_memory_tokens=args.draft_memory_tokens))
+                            draft_memory_tokens=args.draft_memory_tokens,
+                            max_batch=args.max_batch))
 
 
 def cmd_models(args) -> int:
@@ -206,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of silence in a stream before a keep-alive comment (default 10)")
     add_prefix_cache_argument(j)
     _draft_memory_argument(j)
+    _max_batch_argument(j)
     from skulkp2p.cluster.node import add_cluster_arguments  # stdlib + msgpack: no mlx
 
     add_cluster_arguments(j)
@@ -220,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--secret", help="the cluster secret for --peer (or SKULKP2P_SECRET)")
     add_prefix_cache_argument(pp)
     _draft_memory_argument(pp)
+    _max_batch_argument(pp)
     pp.set_defaults(func=cmd_pipe)
 
     m = common(sub.add_parser("models", help="the local model store: list, pull, path"))

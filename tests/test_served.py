@@ -4,6 +4,8 @@ SKULKP2P_LLAMA_SERVER_BIN) on the real SmolLM2 GGUF, behind our API. Every proce
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import http.client
 import json
 import os
@@ -20,7 +22,7 @@ from skulkp2p.models.cards import load_card
 from skulkp2p.models.store import ModelStore
 from skulkp2p.served.binary import engines, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
-from skulkp2p.served.model import ServedModel, open_served, server_args
+from skulkp2p.served.model import DEFAULT_MAX_BATCH, ServedModel, open_served, server_args
 from tests.helpers.models import test_data_dir
 from tests.helpers.procs import JoinNode, run_cli
 
@@ -137,6 +139,70 @@ def test_engine_detection_and_card_fields(card_dir, binary):
     args = server_args(None, card, Path("/m.gguf"), no_spec=False)
     assert args[args.index("--spec-type") + 1] == "ngram-simple"
     assert "--spec-type" not in server_args(None, card, Path("/m.gguf"), no_spec=True)
+
+
+def test_parallel_slots_from_flag_card_and_default(card_dir):
+    """-np N from --max-batch, else the card's [runtime] max_batch, else the default; -c is N
+    slots of the card's context each (llama-server splits -c across slots)."""
+    card = load_card(card_dir / f"{CARD_ID}.toml")  # served_context = 2048
+
+    def slots_ctx(c, **kw) -> tuple[int, int]:
+        args = server_args(None, c, Path("/m.gguf"), no_spec=False, **kw)
+        return int(args[args.index("--parallel") + 1]), int(args[args.index("-c") + 1])
+
+    assert slots_ctx(card) == (DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH * 2048)
+    assert slots_ctx(card, max_batch=1) == (1, 2048)
+    assert slots_ctx(card, max_batch=3) == (3, 3 * 2048)
+    with_card = dataclasses.replace(card, runtime={**card.runtime, "max_batch": 2})
+    assert slots_ctx(with_card) == (2, 4096)
+    assert slots_ctx(with_card, max_batch=5) == (5, 5 * 2048)  # the flag wins
+    # Speculation stays on with parallel slots.
+    args = server_args(None, card, Path("/m.gguf"), no_spec=False, max_batch=3)
+    assert args[args.index("--spec-type") + 1] == "ngram-simple"
+
+
+PROMPTS = [ECHO, QA,
+           [{"role": "user", "content": "Write a short poem about the sea and the wind."}],
+           [{"role": "user", "content": "List five prime numbers and explain why each is prime."}]]
+
+
+def test_parallel_slots_overlap_and_equal_solo(binary, store):
+    """N requests relayed at once through one ServedModel run in the child together (every
+    one has its first token before any one ends: with one slot the second could not start
+    before the first ended) and each returns the text it returns when served alone (greedy,
+    the card's n-gram speculation on)."""
+    model = open_served(store, CARD_ID, ready_timeout_s=60, max_batch=len(PROMPTS))
+    try:
+        assert model.max_concurrent == len(PROMPTS)
+        assert model.info().detail["slots"] == len(PROMPTS)
+        solo = [_run(model, m, max_tokens=40)["text"] for m in PROMPTS]
+        events: list[tuple[str, int]] = []
+
+        async def one(i: int) -> str:
+            req = parse_request({"messages": PROMPTS[i], "max_tokens": 40, "temperature": 0})
+            generation = model.generate(req)
+            pieces: list[str] = []
+
+            def emit(chunk) -> None:
+                if not pieces:
+                    events.append(("first", i))
+                pieces.append(chunk.text)
+            result = await model.relay(req, generation, emit)
+            events.append(("end", i))
+            assert "".join(pieces) == result.text
+            return result.text
+
+        async def all_at_once() -> list[str]:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(i) for i in range(len(PROMPTS)))), 120)
+
+        together = asyncio.run(all_at_once())
+        assert together == solo
+        first_end = next(n for n, (kind, _) in enumerate(events) if kind == "end")
+        assert sorted(i for kind, i in events[:first_end] if kind == "first") == \
+            list(range(len(PROMPTS))), f"the requests did not overlap in the child: {events}"
+    finally:
+        model.close()
 
 
 @pytest.mark.slow

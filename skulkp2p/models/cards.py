@@ -114,6 +114,7 @@ RUNTIME_FIELDS: dict[str, type | tuple[type, ...]] = {
     "min_p": (int, float),
     "repetition_penalty": (int, float),
     "prefill_step": int,
+    "max_batch": int,  # requests a model generates at once (`--max-batch` wins); 1 = FIFO
 }
 
 
@@ -268,6 +269,8 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
     for key in runtime:
         if key in RUNTIME_FIELDS:
             _get(runtime, key, RUNTIME_FIELDS[key], "runtime.", file)
+    if "max_batch" in runtime:
+        _positive(runtime["max_batch"], "runtime.max_batch", file)
 
     return Card(
         id=card_id,

@@ -3,13 +3,36 @@
 `join`, `pipe` and `bench` all open models through `open_engine`, so a GGUF card whose card says
 `engine = "llama_server"` runs on its llama-server child everywhere (it is never converted and
 run on MLX behind the user's back), and every other model runs on the MLX engine.
+
+`max_batch` (how many requests an engine generates at once: `--max-batch`, else the card's
+`[runtime] max_batch`, else the engine's default) is threaded through here to both engines.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from typing import Any
 
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
+
+log = logging.getLogger("skulkp2p.node")
+
+MAX_BATCH_LIMIT = 256  # a bound on `--max-batch`: past it a typo, not a setting
+
+
+class MaxBatchError(ValueError):
+    """A `--max-batch` value no engine can run."""
+
+
+def check_max_batch(value: int | None) -> int | None:
+    """`value` if it is a usable `--max-batch` (None: not given); raise MaxBatchError if not."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_LIMIT:
+        raise MaxBatchError(f"--max-batch must be a whole number from 1 to {MAX_BATCH_LIMIT}, "
+                            f"got {value!r}")
+    return value
 
 
 def uses_llama_server(store: Any, spec: str) -> bool:
@@ -19,18 +42,35 @@ def uses_llama_server(store: Any, spec: str) -> bool:
 
 
 def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                draft_memory_tokens: int | None = None) -> Engine:
+                draft_memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
     """Load `spec` (a card id or a local path) on the engine its card names. Blocking: call it
     off the event loop (importing mlx-lm alone takes seconds). `prefix_cache_mb`: the MLX
     engine's prefix cache for the model (0: off); llama-server keeps its own prompt cache.
     `draft_memory_tokens`: the MLX engine's draft memory of earlier requests (0 = off; None:
-    the card's, else the default)."""
+    the card's, else the default). `max_batch`: requests generated at once (None: the card's
+    `[runtime] max_batch`, else the engine's default)."""
+    check_max_batch(max_batch)
     if uses_llama_server(store, spec):
         from skulkp2p.served.model import open_served
 
-        return open_served(store, spec)
+        return open_served(store, spec, max_batch=max_batch)
     from skulkp2p.engine.loader import open_model
+
+    return mlx_engine(open_model(store, spec), prefix_cache_mb,
+                      memory_tokens=draft_memory_tokens, max_batch=max_batch)
+
+
+def mlx_engine(loaded: Any, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, *,
+               memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
+    """An MlxEngine over `loaded` (a whole model, or a ring's last stage). `max_batch` is passed
+    only to an MlxEngine that takes it (the batching scheduler adds the keyword); an older one
+    generates one request at a time whatever was asked, and says so once in the log."""
     from skulkp2p.engine.mlx_engine import MlxEngine
 
-    return MlxEngine(open_model(store, spec), prefix_cache_mb,
-                     memory_tokens=draft_memory_tokens)
+    kwargs: dict[str, Any] = {"memory_tokens": memory_tokens}
+    if "max_batch" in inspect.signature(MlxEngine).parameters:
+        kwargs["max_batch"] = max_batch
+    elif max_batch not in (None, 1):
+        log.warning("max_batch %d asked for %s, but this MLX engine generates one request at "
+                    "a time", max_batch, getattr(loaded, "id", "the model"))
+    return MlxEngine(loaded, prefix_cache_mb, **kwargs)

@@ -33,6 +33,7 @@ class JoinSettings:
     http_config: Any  # api.server.ServerConfig
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # per model (and ring stage); 0: off
     draft_memory_tokens: int | None = None  # MLX engine's draft memory (0 = off, None = card's)
+    max_batch: int | None = None  # requests a model generates at once (None: card's, else default)
 
 
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
@@ -48,7 +49,8 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
         # On the model's worker thread: the cluster decides which models this node loads
         # (its own --model when placed here, or another node's).
         return open_engine(store, spec, prefix_cache_mb=settings.prefix_cache_mb,
-                           draft_memory_tokens=settings.draft_memory_tokens)
+                           draft_memory_tokens=settings.draft_memory_tokens,
+                           max_batch=settings.max_batch)
 
     def on_ready(engine: Engine) -> None:
         info = engine.info()
@@ -69,7 +71,8 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
             serving = ClusterServing(store, settings.model, settings.model_id, load_model,
                                      max_queue=settings.max_queue,
                                      keepalive_s=settings.sse_keepalive, on_ready=on_ready,
-                                     prefix_cache_mb=settings.prefix_cache_mb)
+                                     prefix_cache_mb=settings.prefix_cache_mb,
+                                     max_batch=settings.max_batch)
             return await serve_cluster(cluster, serving,
                                        own_want(store, settings.model, cluster.name),
                                        settings.http_host, settings.http_port, stop,

@@ -68,7 +68,8 @@ class ClusterServing:
                  load_model: Callable[[str], Engine], *, max_queue: int = 16,
                  keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
                  load_stage: Callable[[str, StageSpan], LoadedModel] | None = None,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 max_batch: int | None = None):
         self.store = store
         self.own_model = own_model  # as given on the command line (card id or path)
         self.own_id = own_id
@@ -88,6 +89,7 @@ class ClusterServing:
         self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
         self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
         self.prefix_cache_mb = prefix_cache_mb  # each model's, and each ring stage's own
+        self.max_batch = max_batch  # a ring's last stage's (None: the card's, else default)
 
     @property
     def name(self) -> str:
@@ -143,14 +145,14 @@ class ClusterServing:
                  model, idx + 1, len(p.ring), span.start, span.end - 1)
         if span.last:
             def load() -> Engine:
-                from skulkp2p.engine.mlx_engine import MlxEngine
                 from skulkp2p.engine.stage import param_bytes
+                from skulkp2p.node.engines import mlx_engine
 
                 loaded = self.load_stage(spec, span)
                 loaded.make_forward = self._ring_forward_factory(model, p.ring, loaded)
                 self._stage_reports[model] = {"layers": [span.start, span.end],
                                               "param_bytes": param_bytes(loaded.model)}
-                return MlxEngine(loaded, self.prefix_cache_mb)
+                return mlx_engine(loaded, self.prefix_cache_mb, max_batch=self.max_batch)
             self._ensure_worker(model, p.spec.source, load)
             return
         loop = asyncio.get_running_loop()

@@ -2,10 +2,12 @@
 protocol (engine/protocol.py), beside the MLX engine.
 
 The OpenAI and Anthropic routes, queueing, cancellation, SSE and the error format stay exactly
-the MLX engine's: the worker sees an Engine. One request at a time, like the MLX engine: the
-worker's thread takes the job, and `relay` (the proxy, on asyncio streams) runs it on the event
-loop while that thread waits, so a token goes from the child's socket to the client's without a
-thread hand-off (`runs_on_loop`). `generate` is the blocking form (http.client), for callers
+the MLX engine's: the worker sees an Engine. The child runs `max_concurrent` parallel slots
+(`-np`, from `max_batch`) and llama.cpp batches their decode steps together; every `relay` (the
+proxy, on asyncio streams, one connection to the child per request, no state shared between
+requests) runs on the event loop, so a token goes from the child's socket to the client's
+without a thread hand-off (`runs_on_loop`), and up to `max_concurrent` of them run at once where
+the worker hands them out that way. `generate` is the blocking form (http.client), for callers
 without a loop (the pipe).
 """
 
@@ -45,6 +47,9 @@ log = logging.getLogger("skulkp2p.served")
 
 FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
 DEFAULT_CONTEXT = 4096  # llama-server allocates KV for the whole -c up front
+# Parallel slots when neither --max-batch nor the card's [runtime] max_batch says: the issue's
+# household/team case (4 clients at once); each slot gets the card's whole context.
+DEFAULT_MAX_BATCH = 4
 CHILD_TIMEOUT_S = 600  # no byte from the child for this long: it is lost
 
 
@@ -65,15 +70,33 @@ def resolve_gguf(store: Any, card: Card, progress: Any = None) -> Path:
     return store._fetch_gguf(card, progress)  # noqa: SLF001 - fetch only, no conversion
 
 
-def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = None) -> list[str]:
-    """llama-server flags from the card. FORCE_NO_SPEC drops speculation (for benchmarks)."""
+def served_slots(card: Card, max_batch: int | None = None) -> int:
+    """Parallel slots for the card's child: `max_batch` (--max-batch), else the card's
+    `[runtime] max_batch`, else DEFAULT_MAX_BATCH."""
+    return int(max_batch or card.runtime.get("max_batch") or DEFAULT_MAX_BATCH)
+
+
+def slot_context(card: Card) -> int:
+    """Context of one slot: the card's served_context, else min(context_length, 4096)."""
+    return int(card.placement.get("served_context") or min(card.context_length, DEFAULT_CONTEXT))
+
+
+def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = None,
+                max_batch: int | None = None) -> list[str]:
+    """llama-server flags from the card. FORCE_NO_SPEC drops speculation (for benchmarks).
+    `max_batch`: parallel slots (see served_slots)."""
     p = card.placement
     if no_spec is None:
         no_spec = os.environ.get(FORCE_NO_SPEC, "") not in ("", "0")
-    ctx = int(p.get("served_context") or min(card.context_length, DEFAULT_CONTEXT))
-    # One slot: our worker sends one request at a time, and MTP disables parallel slots anyway.
+    slots = served_slots(card, max_batch)
+    # -np N slots, batched together by llama.cpp (continuous batching is its default). Without
+    # a unified KV cache (off when -np is given) llama-server splits -c evenly across slots, so
+    # -c is N x the context one request may use: every slot keeps the card's whole context.
+    # Speculation stays on with -np (each slot drafts and verifies its own rows in the shared
+    # batch; the child reports draft_n per request).
     # --jinja: the GGUF's own chat template renders tools, and the child parses calls itself.
-    args = ["-m", str(model), "-c", str(ctx), "--parallel", "1", "--no-webui", "--jinja"]
+    args = ["-m", str(model), "-c", str(slot_context(card) * slots), "--parallel", str(slots),
+            "--no-kv-unified", "--no-webui", "--jinja"]
     threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS")
     if threads:
         args += ["-t", threads]
@@ -104,8 +127,10 @@ class ServedModel:
         self.card = card
         self.child = child
         self.compute = compute
-        self.context_length = int(card.placement.get("served_context")
-                                  or min(card.context_length, DEFAULT_CONTEXT))
+        self.context_length = slot_context(card)  # per request (per slot)
+        # Generations the child runs at once: its parallel slots (the -np it was started with).
+        self.max_concurrent = (int(child.args[child.args.index("--parallel") + 1])
+                               if "--parallel" in child.args else 1)
         self.runtime = dict(card.runtime)
         self.speculation_type = (
             "none" if "--spec-type" not in child.args
@@ -118,7 +143,7 @@ class ServedModel:
     def info(self) -> EngineInfo:
         return EngineInfo(self.id, "llama_server", self.dtype, self.context_length, {
             "pid": self.child.pid, "compute": "/".join(self.compute),
-            "speculation": self.speculation_type})
+            "speculation": self.speculation_type, "slots": self.max_concurrent})
 
     # ---- the Engine protocol -----------------------------------------------------------------
 
@@ -511,8 +536,10 @@ def _loads(payload: bytes) -> Any:
         return json.loads(payload)
 
 
-def open_served(store: Any, spec: str, *, ready_timeout_s: float = 120.0) -> ServedModel:
-    """Fetch the card's GGUF, start its llama-server, wait until it answers."""
+def open_served(store: Any, spec: str, *, ready_timeout_s: float = 120.0,
+                max_batch: int | None = None) -> ServedModel:
+    """Fetch the card's GGUF, start its llama-server (with `served_slots(card, max_batch)`
+    parallel slots), wait until it answers."""
     from skulkp2p.progress import ProgressBar
 
     card = store.resolve(spec).card
@@ -521,7 +548,7 @@ def open_served(store: Any, spec: str, *, ready_timeout_s: float = 120.0) -> Ser
         raise ServedError(f"card {card.id} needs llama-server: install skulkp2p[served] or set "
                           "SKULKP2P_LLAMA_SERVER_BIN")
     model = resolve_gguf(store, card, lambda label: ProgressBar(label, sys.stderr))
-    child = ServedChild(card.id, binary, server_args(store, card, model),
+    child = ServedChild(card.id, binary, server_args(store, card, model, max_batch=max_batch),
                         ready_timeout_s=ready_timeout_s)
     child.start()
     return ServedModel(card, child, detect_compute(binary))
