@@ -50,6 +50,8 @@ def test_good_card(tmp_path):
     ('kind = "pypi"', 'kind = "ftp"', "source.kind"),
     ('packages = ["pkg==1.0"]', 'packages = ["pkg"]', "source.packages[0]"),
     ('max_tokens = 16', 'max_tokens = "many"', "runtime.max_tokens"),
+    ('max_tokens = 16', 'max_tokens = 16\nmax_batch = 0', "runtime.max_batch"),
+    ('max_tokens = 16', 'max_tokens = 16\nmax_batch = "four"', "runtime.max_batch"),
     ('id = "m"', 'id = "a/b"', "id"),
 ])
 def test_bad_card_names_file_and_field(tmp_path, old, new, field):

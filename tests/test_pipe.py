@@ -82,6 +82,25 @@ def test_pipe_prefix_cache_flag(tiny_models):
     assert bad.returncode == 2 and "--prefix-cache-mb" in bad.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "four", "1.5", "100000"])
+def test_pipe_and_join_refuse_a_bad_max_batch(tiny_models, value):
+    for command in ("pipe", "join"):
+        bad = run_cli(command, "--model", str(tiny_models["llama"]), "--max-batch", value,
+                      input="")
+        assert bad.returncode == 2, bad.stderr
+        assert f"--max-batch: must be a whole number from 1 to 256, got {value!r}" in bad.stderr
+
+
+def test_pipe_max_batch_flag_runs(tiny_models):
+    """--max-batch reaches the engine factory; the pipe answers the same with any value."""
+    lines = [json.dumps({"id": i, "prompt": p, "max_tokens": 6})
+             for i, p in enumerate(("One two", "Three four"))]
+    runs = [pipe(tiny_models["llama"], lines, args=("--max-batch", n)) for n in ("1", "3")]
+    for proc, _ in runs:
+        assert proc.returncode == 0, proc.stderr
+    assert [r["tokens"] for r in runs[0][1]] == [r["tokens"] for r in runs[1][1]]
+
+
 @pytest.mark.slow
 def test_smollm2_pipe(smollm2_path, tmp_path):
     """The real default model: chat and raw prompts, greedy equal to mlx-lm, stops, seeds."""
