@@ -259,3 +259,54 @@ def test_llama_arms_on_a_fresh_server_each(smollm2_path):
                                  24) for arm in ("llama_plain", "llama_ngram_mod")}
     assert runs["llama_plain"].text and runs["llama_plain"].text == runs["llama_ngram_mod"].text
     assert runs["llama_plain"].tokens == 24
+
+
+def test_bench_concurrency_batched_against_fifo_equal_to_solo(tiny, tmp_path):
+    """`bench --concurrency 3` starts two agents (--max-batch 3 and 1) and sends 3 clients at
+    once, each a different workload: the document's shape, and every output equal to the same
+    request served alone (the command fails otherwise)."""
+    out = tmp_path / "conc.json"
+    proc = run_cli("bench", "--concurrency", "3", "--model", str(tiny), "--data-dir",
+                   str(tmp_path / "data"), "--max-tokens", "12", "--runs", "2",
+                   "--workloads", "echo,qa,code-edit", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["engine"] == "mlx" and doc["model"]["id"] == "m"
+    s = doc["settings"]
+    assert s["concurrency"] == 3 and s["client_workloads"] == ["echo", "qa", "code-edit"]
+    assert {name: args[args.index("--max-batch") + 1] for name, args in s["agents"].items()} \
+        == {"batched": "3", "fifo": "1"}
+    rows = {(r["arm"], r["mode"]): r for r in doc["results"]}
+    assert set(rows) == {(a, m) for a in ("plain", "spec") for m in ("fifo", "batched")}
+    for (_arm, mode), r in rows.items():
+        assert r["rounds"] == 2 and r["requests"] == 6 and len(r["aggregate_tok_s_runs"]) == 2
+        assert r["aggregate_tok_s"] > 0 and r["per_request_tok_s"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["solo_ttft_s"] > 0
+        assert r["max_batch"] == (3 if mode == "batched" else 1)
+        assert ("speedup_vs_fifo" in r) == (mode == "batched")
+    assert doc["outputs_equal_solo"] is True and doc["mismatches"] == []
+    for arm in ("plain", "spec"):
+        assert set(doc["solo"][arm]) == {"echo", "qa", "code-edit"}
+        assert all(cell["tokens"] > 0 for cell in doc["solo"][arm].values())
+    assert "| arm | mode | aggregate tok/s |" in proc.stdout
+
+
+@pytest.mark.parametrize("bad,message", [
+    (("--concurrency", "0"), "--concurrency: must be a positive integer"),
+    (("--url", "http://127.0.0.1:1"), "--url needs --concurrency N"),
+    (("--concurrency", "2", "--agent"), "--agent does not apply to --concurrency"),
+    (("--concurrency", "2", "--url", "ftp://x"), "--url must be http://HOST:PORT"),
+])
+def test_bench_concurrency_bad_options_one_line(bad, message):
+    proc = run_cli("bench", *bad, timeout=60)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and message in errors[0], proc.stderr  # (beside the BLAS log line)
+
+
+def test_percentile_nearest_rank():
+    from skulkp2p.bench.concurrency import percentile
+
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None

@@ -166,6 +166,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "~1,000-token file read, edits, tool results) and a shared-prefix pair; "
                         "per-turn time to first token and decode tok/s with the prefix cache "
                         "on and off, plain and spec")
+    p.add_argument("--concurrency", type=_positive, default=None, metavar="N",
+                   help="instead of the workloads one by one: N clients at once through HTTP "
+                        "(each a different workload) against an agent with --max-batch N and "
+                        "one with --max-batch 1, started here; aggregate and per-request tok/s, "
+                        "TTFT p50/p99, plain and spec")
+    p.add_argument("--url", metavar="http://HOST:PORT",
+                   help="with --concurrency: measure this running node instead of starting "
+                        "agents (no FIFO baseline)")
     p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
                    metavar="MB", help="the prefix cache of the --agent arms that use it, and "
                    f"of ring stages (default {DEFAULT_PREFIX_CACHE_MB})")
@@ -184,6 +192,13 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             else DEFAULT_MAX_TOKENS
     if getattr(args, "agent", False) and (args.plot or args.widths):
         raise BenchError("--agent has its own tables: run --plot and --widths without it")
+    if getattr(args, "url", None) and not getattr(args, "concurrency", None):
+        raise BenchError("--url needs --concurrency N")
+    if getattr(args, "concurrency", None):
+        from skulkp2p.bench.concurrency import refuse_other_modes, run_concurrency_bench
+
+        refuse_other_modes(args)
+        return run_concurrency_bench(args, store)
     status = dispatch(args, store)  # --engine served; a served card without it is refused
     if status is not None:
         return status

@@ -105,9 +105,9 @@ def _refuse_mlx_options(args: argparse.Namespace) -> None:
 
 
 def stream_chat(port: int, body: dict[str, Any], where: str,
-                timeout: float = READ_TIMEOUT_S) -> Generation:
-    """POST a streamed chat completion to 127.0.0.1:port; time it as a client sees it."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+                timeout: float = READ_TIMEOUT_S, host: str = "127.0.0.1") -> Generation:
+    """POST a streamed chat completion to host:port; time it as a client sees it."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     parts: list[str] = []
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
