@@ -9,7 +9,10 @@ i mod W of `--workloads` (so the clients ask different things) as a greedy chat 
 Arms: `plain` and `spec`. For an MLX card they are the request's `speculation` (`"off"`,
 `"auto"`), so one agent per mode serves both; for a llama-server card speculation is the
 child's configuration, so each (arm, mode) gets its own agent, `plain` with
-SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC=1. The MLX agents run with the prefix cache and the draft
+SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC=1 and without llama-server's host-memory prompt cache;
+there the clients also ask each agent's child directly (modes `batched-direct`,
+`fifo-direct`, with the body our proxy would send), which shows what the child's parallel slots
+give whatever our worker does in between. The MLX agents run with the prefix cache and the draft
 memory off: the rounds repeat the same prompts, which would otherwise be served from the
 caches of earlier rounds.
 
@@ -18,7 +21,9 @@ release of the clients to the last token; median over `--runs` rounds), per-requ
 tok/s (median over every request), time to first token p50 and p99 (nearest rank over every
 request), and the speedup of batched over fifo. Before the rounds every workload is served once
 alone on the fifo agent (per arm): every output of every round must equal that solo output, or
-the command fails after writing its document. Rounds are interleaved (round r of every arm and
+the command fails after writing its document (MLX cards; on a llama-server card every request
+gets a system line of its own, so that no slot serves a prompt it kept from an earlier round,
+and llama.cpp's text is not compared: it is not batch-invariant). Rounds are interleaved (round r of every arm and
 mode before round r+1).
 """
 
@@ -28,6 +33,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -38,6 +44,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +52,7 @@ from urllib.parse import urlsplit
 
 from skulkp2p.bench.errors import BenchError
 from skulkp2p.bench.report import fmt, loadavg, machine_info, round_or_none, write_document
-from skulkp2p.bench.served import stream_chat
+from skulkp2p.bench.served import direct_body, stream_chat
 from skulkp2p.bench.served_report import Generation
 from skulkp2p.bench.workloads import WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
 from skulkp2p.served.child import _die_with_parent, free_port
@@ -56,6 +63,7 @@ log = logging.getLogger("skulkp2p.bench")
 ARMS = ("plain", "spec")
 MLX_SPECULATION = {"plain": "off", "spec": "auto"}
 READY_TIMEOUT_S = 300.0
+_CHILD_READY = re.compile(r"llama-server for \S+ ready on http://127\.0\.0\.1:(\d+) ")
 CLIENT_TIMEOUT_S = 600.0  # one request of a round; a stalled node ends the bench, never hangs
 
 
@@ -138,6 +146,19 @@ def _stop_node(node: Node) -> None:
         proc.wait()
 
 
+def _direct(node: Node) -> Node:
+    """The llama-server child of a served agent, asked directly (its port from the agent's
+    log): what its parallel slots do without our worker and proxy in between."""
+    m = None
+    if node.log_path is not None:
+        m = _CHILD_READY.search(node.log_path.read_text(errors="replace"))
+    if m is None:
+        raise BenchError(f"agent {node.name}: cannot find the port of its llama-server in its "
+                         f"log: {node.log_tail()}")
+    return Node(f"{node.name}-direct", f"{node.mode}-direct", "127.0.0.1", int(m.group(1)),
+                args=["(its llama-server child, asked directly)"])
+
+
 def _url_node(url: str) -> Node:
     parts = urlsplit(url if "//" in url else f"http://{url}")
     if parts.scheme != "http" or not parts.hostname:
@@ -169,9 +190,13 @@ def _body(messages: list[dict[str, str]], max_tokens: int, speculation: str | No
     return body
 
 
-def run_round(node: Node, speculation: str | None, workloads: list[str], max_tokens: int
-              ) -> Round:
-    """len(workloads) clients, each its own thread and connection, released at once."""
+MakeBody = Callable[[list[dict[str, str]], str], dict[str, Any]]
+
+
+def run_round(node: Node, make_body: MakeBody, workloads: list[str], tag: str) -> Round:
+    """len(workloads) clients, each its own thread and connection, released at once;
+    `make_body(messages, tag)` turns a workload's messages into the request (`tag` names the
+    round and client)."""
     n = len(workloads)
     gate = threading.Barrier(n + 1)
     out: list[Generation | BaseException | None] = [None] * n
@@ -179,8 +204,7 @@ def run_round(node: Node, speculation: str | None, workloads: list[str], max_tok
     def client(i: int) -> None:
         try:
             gate.wait(CLIENT_TIMEOUT_S)
-            out[i] = stream_chat(node.port, _body(WORKLOADS[workloads[i]], max_tokens,
-                                                  speculation),
+            out[i] = stream_chat(node.port, make_body(WORKLOADS[workloads[i]], f"{tag}.{i}"),
                                  f"{node.name} client {i} ({workloads[i]})",
                                  timeout=CLIENT_TIMEOUT_S, host=node.host)
         except BaseException as e:  # noqa: BLE001 - reported below, by client
@@ -277,8 +301,8 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
         "per_request": "median decode tok/s ((tokens - 1) / first to last token) over every "
                        "request", "ttft": "nearest-rank p50 and p99 over every request",
         "solo": "every workload once alone on the fifo agent (--url: on that node), per arm; "
-                "every output must equal it (llama-server: its own agent's solo output, and a "
-                "difference is recorded, not fatal)",
+                "every output must equal it (MLX; llama-server: not compared, each request "
+                "has a system line of its own so that no slot serves a repeated prompt)",
     }
     if served:
         # Fetched here, once: agents started together would each fetch it into the same place.
@@ -328,49 +352,55 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
         deadline = time.monotonic() + READY_TIMEOUT_S
         for node in dict.fromkeys(nodes.values()):
             _await_ready(node, deadline)
+        if served:  # and each agent's child directly, beside it
+            for (arm, mode), node in list(nodes.items()):
+                nodes[(arm, f"{mode}-direct")] = _direct(node)
+            modes += [f"{mode}-direct" for mode in modes]
         settings["agents"] = {node.name: node.args for node in dict.fromkeys(nodes.values())}
         ref_mode = "url" if url else "fifo"
 
-        def speculation(arm: str) -> str | None:
-            return None if served else MLX_SPECULATION[arm]
+        def body_for(arm: str, mode: str, max_tokens: int = args.max_tokens) -> MakeBody:
+            def make(messages: list[dict[str, str]], tag: str) -> dict[str, Any]:
+                if served:
+                    # A system line of its own per request: llama-server's slots keep their
+                    # last prompt, and -np N slots would keep N of the repeated prompts (a
+                    # prefill skipped, for batched only). Our MLX agents run without caches.
+                    messages = [{"role": "system", "content": f"Conversation {tag}."},
+                                *messages]
+                if mode.endswith("-direct"):  # what our proxy would send the child
+                    return direct_body(messages, max_tokens)
+                return _body(messages, max_tokens, None if served else MLX_SPECULATION[arm])
+            return make
 
         warm = min(WARMUP_TOKENS, args.max_tokens)
-        for (arm, _mode), node in nodes.items():  # warm-up: every agent and arm once, short
-            stream_chat(node.port, _body(WARMUP_MESSAGES, warm, speculation(arm)),
+        for (arm, mode), node in nodes.items():  # warm-up: every agent and arm once, short
+            stream_chat(node.port, body_for(arm, mode, warm)(WARMUP_MESSAGES, "warm-up"),
                         f"{node.name} warm-up", timeout=CLIENT_TIMEOUT_S, host=node.host)
-        # Every workload alone, per arm: on the fifo agent (the reference every output must
-        # equal), and for llama-server also on each agent itself (llama.cpp is not batch- or
-        # cache-invariant: its own solo output is what a round is compared with there).
+        # Every workload alone, per arm, on the fifo agent: the reference every output must
+        # equal, and the 1-client TTFT.
         solo: dict[str, dict[str, Generation]] = {arm: {} for arm in ARMS}
-        own_solo: dict[tuple[str, str], dict[str, Generation]] = {}
-        for (arm, mode), node in nodes.items():
-            if mode != ref_mode and not served:
-                continue
-            own_solo[(arm, mode)] = {}
+        for arm in ARMS:
+            node = nodes[(arm, ref_mode)]
             for wl in workloads:
-                g = stream_chat(node.port, _body(WORKLOADS[wl], args.max_tokens,
-                                                 speculation(arm)),
+                g = stream_chat(node.port, body_for(arm, ref_mode)(WORKLOADS[wl], f"solo.{wl}"),
                                 f"{node.name} solo {wl}", timeout=CLIENT_TIMEOUT_S,
                                 host=node.host)
-                own_solo[(arm, mode)][wl] = g
-                log.info("solo %-5s %-7s %-10s %s tok/s, ttft %.3f s", arm, mode, wl,
-                         fmt(g.tok_s, ".1f"), g.ttft_s)
-            if mode == ref_mode:
-                solo[arm] = own_solo[(arm, mode)]
+                solo[arm][wl] = g
+                log.info("solo %-5s %-10s %s tok/s, ttft %.3f s", arm, wl, fmt(g.tok_s, ".1f"),
+                         g.ttft_s)
         rounds: dict[tuple[str, str], list[Round]] = {key: [] for key in nodes}
         mismatches: list[dict[str, Any]] = []
         for r in range(args.runs):
             for arm in ARMS:
                 for mode in modes:
-                    rnd = run_round(nodes[(arm, mode)], speculation(arm), client_workloads,
-                                    args.max_tokens)
+                    rnd = run_round(nodes[(arm, mode)], body_for(arm, mode), client_workloads,
+                                    f"{r}.{arm}.{mode}")
                     rounds[(arm, mode)].append(rnd)
-                    ref = own_solo[(arm, mode)] if served else solo[arm]
                     for i, (wl, g) in enumerate(rnd.generations):
-                        if g.text != ref[wl].text:
+                        if not served and g.text != solo[arm][wl].text:
                             mismatches.append({"arm": arm, "mode": mode, "round": r,
                                                "client": i, "workload": wl,
-                                               "solo": ref[wl].text[:200],
+                                               "solo": solo[arm][wl].text[:200],
                                                "got": g.text[:200]})
                     log.info("round %d/%d %-5s %-7s aggregate %s tok/s, wall %.2f s", r + 1,
                              args.runs, arm, mode, fmt(rnd.aggregate_tok_s, ".1f"), rnd.wall_s)
@@ -388,14 +418,17 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
     results = []
     for arm in ARMS:
         solo_ttft = statistics.median(g.ttft_s for g in solo[arm].values())
+        order = ["url"] if url else ["fifo", "batched"] + (
+            ["fifo-direct", "batched-direct"] if served else [])
         fifo = None
-        for mode in (["fifo", "batched"] if not url else ["url"]):
-            row = {"arm": arm, "mode": mode, "max_batch": {"batched": n, "fifo": 1}.get(mode),
+        for mode in order:
+            row = {"arm": arm, "mode": mode,
+                   "max_batch": None if url else (n if mode.startswith("batched") else 1),
                    **summarize_cell(rounds[(arm, mode)], solo_ttft),
                    "solo_ttft_s": round(solo_ttft, 4)}
-            if mode == "fifo":
+            if mode.startswith("fifo"):
                 fifo = row["aggregate_tok_s"]
-            elif fifo and row["aggregate_tok_s"]:
+            elif mode.startswith("batched") and fifo and row["aggregate_tok_s"]:
                 row["speedup_vs_fifo"] = round(row["aggregate_tok_s"] / fifo, 2)
             results.append(row)
     doc = {
@@ -408,17 +441,15 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                             "ttft_s": round(g.ttft_s, 4), "tok_s": round_or_none(g.tok_s, 2)}
                        for wl, g in solo[arm].items()} for arm in ARMS},
         "results": results,
-        "outputs_equal_solo": not mismatches,
+        # llama-server: every request has a prompt of its own (see body_for), and llama.cpp's
+        # greedy text moves with its batch and cache state anyway (the served bench found the
+        # same between its plain and speculative decode): not compared.
+        "outputs_equal_solo": None if served else not mismatches,
         "mismatches": mismatches,
         "skipped": skipped,
     }
     write_document(doc, markdown_table(doc), args.json_out)
-    if mismatches and served:
-        # llama.cpp's greedy text moves with its batch and cache state (the served bench found
-        # the same between its plain and speculative decode): recorded, not our failure.
-        log.warning("%d outputs of llama-server differ from its own solo output (recorded in "
-                    "the document: llama.cpp is not batch-invariant)", len(mismatches))
-    elif mismatches:
+    if mismatches:
         raise BenchError(f"{len(mismatches)} concurrent outputs differ from the same request "
                          f"served alone (first: {mismatches[0]['arm']} {mismatches[0]['mode']} "
                          f"{mismatches[0]['workload']})")
