@@ -368,6 +368,32 @@ def _bench_cli(card_dir: Path, *args: str, env: dict | None = None, timeout: flo
                    env={"SKULKP2P_CARDS_DIR": str(card_dir), **(env or {})}, timeout=timeout)
 
 
+@pytest.mark.slow
+def test_bench_concurrency_on_a_served_card(binary, card_dir, tmp_path):
+    """bench --concurrency 2 on a llama-server card: an agent per arm and mode (-np 2 and -np 1
+    children), through our proxy and at each child directly; the document's shape."""
+    out = tmp_path / "conc.json"
+    r = _bench_cli(card_dir, "--concurrency", "2", "--model", CARD_ID, "--workloads", "echo,qa",
+                   "--runs", "1", "--max-tokens", "12", "--json", str(out),
+                   env={"SKULKP2P_LLAMA_SERVER_THREADS": "1"}, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["engine"] == "llama_server" and doc["outputs_equal_solo"] is None
+    rows = {(row["arm"], row["mode"]): row for row in doc["results"]}
+    modes = ("fifo", "batched", "fifo-direct", "batched-direct")
+    assert set(rows) == {(a, m) for a in ("plain", "spec") for m in modes}
+    for (arm, mode), row in rows.items():
+        assert row["requests"] == 2 and row["aggregate_tok_s"] > 0 and row["ttft_p99_s"] > 0
+        assert row["max_batch"] == (2 if mode.startswith("batched") else 1)
+        if arm == "plain":  # no speculation flags on those children
+            assert "drafted" not in row, row
+        elif not mode.endswith("direct"):  # our proxy reports the child's counts, 0 included
+            assert row["drafted"] >= row["accepted"] >= 0, row
+    agents = doc["settings"]["agents"]
+    assert agents["spec-batched"][agents["spec-batched"].index("--max-batch") + 1] == "2"
+    assert agents["plain-fifo"][agents["plain-fifo"].index("--max-batch") + 1] == "1"
+
+
 def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_path):
     out = tmp_path / "bench.json"
     # one llama.cpp thread per child: on a busy 2-core machine two spinning threads collapse
