@@ -166,6 +166,7 @@ PROMPTS = [ECHO, QA,
            [{"role": "user", "content": "List five prime numbers and explain why each is prime."}]]
 
 
+@pytest.mark.slow
 def test_parallel_slots_overlap_and_equal_solo(binary, store):
     """N requests relayed at once through one ServedModel run in the child together (every
     one has its first token before any one ends: with one slot the second could not start
