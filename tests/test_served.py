@@ -211,7 +211,8 @@ def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store,
     old = os.environ.get("SKULKP2P_CARDS_DIR")
     os.environ["SKULKP2P_CARDS_DIR"] = str(card_dir)
     try:
-        node = JoinNode(CARD_ID, tmp_path, "--data-dir", str(test_data_dir()), ready_timeout=120)
+        node = JoinNode(CARD_ID, tmp_path, "--data-dir", str(test_data_dir()), "--max-batch",
+                        "2", ready_timeout=120)
     finally:
         if old is None:
             os.environ.pop("SKULKP2P_CARDS_DIR")
@@ -229,7 +230,7 @@ def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store,
         # The same binary and flags, asked directly.
         card = store.cards[CARD_ID]
         direct = ServedChild("direct", binary, server_args(store, card, Path(
-            card.placement["gguf_file"])))
+            card.placement["gguf_file"]), max_batch=2))
         direct.start()
         status, theirs = _post(direct.port, "/v1/chat/completions",
                                {"messages": ECHO, "max_tokens": 48, "temperature": 0})
@@ -252,6 +253,8 @@ def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store,
         kids = [p for p in _children(node.proc.pid) if "llama" in Path(
             f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
         assert kids, "no llama-server child under the agent"
+        cmdline = Path(f"/proc/{kids[0]}/cmdline").read_bytes().decode().split("\0")
+        assert cmdline[cmdline.index("--parallel") + 1] == "2"  # join --max-batch 2
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait(10)
         deadline = time.monotonic() + 10
