@@ -207,8 +207,11 @@ def _start_agent(arm: str, card_id: str, data_dir: str | None, tmp: Path) -> Age
     env.setdefault(CACHE_RAM_ENV, "0")
     root = str(Path(skulkp2p.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # One slot (--max-batch 1): the flush request before each measured one must evict the
+    # slot's cached prompt; with several slots it lands in another and the measured request
+    # would be served from the cache its twin (proxy or direct) left.
     cmd = [sys.executable, "-m", "skulkp2p", "--log-level", "info", "join", "--model", card_id,
-           "--http-port", str(port), "--port", "0", "--name", f"bench-{arm}"]
+           "--http-port", str(port), "--port", "0", "--name", f"bench-{arm}", "--max-batch", "1"]
     if data_dir:
         cmd += ["--data-dir", data_dir]
     log_path = tmp / f"{arm}.log"
