@@ -6,6 +6,7 @@
     ring.py           --nodes N: the model as a ring of stage processes on loopback
     served.py         --engine served: llama-server agents, through our proxy and direct
     served_report.py  the served bench's rows, proxy overhead and table
+    concurrency.py    --concurrency N: N clients at once over HTTP, batched agents against FIFO
     report.py         machine info, load average, the JSON document, tables, plot
     errors.py         BenchError
 
