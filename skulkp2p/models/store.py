@@ -136,6 +136,13 @@ class ModelStore:
         name = Path(card.source.member).name if "*" not in card.source.member else "model.gguf"
         return self.data_dir / "downloads" / card.id / name
 
+    def fetch_gguf(self, card: Card, progress=None) -> Path:
+        """The card's GGUF file, fetched if it is not here yet (no conversion: a llama-server
+        child reads it as it is). Under the model's lock, so agents sharing a data dir fetch it
+        once: the second waits and finds the file."""
+        with self._lock(card.id):
+            return self._fetch_gguf(card, progress)
+
     def _fetch_gguf(self, card: Card, progress) -> Path:
         dest = self.gguf_path(card)
         if card.source.kind == "local":

@@ -67,7 +67,7 @@ def resolve_gguf(store: Any, card: Card, progress: Any = None) -> Path:
         if not path.is_file():
             raise ServedError(f"card {card.id}: placement.gguf_file {path} does not exist")
         return path
-    return store._fetch_gguf(card, progress)  # noqa: SLF001 - fetch only, no conversion
+    return store.fetch_gguf(card, progress)
 
 
 def served_slots(card: Card, max_batch: int | None = None) -> int:
