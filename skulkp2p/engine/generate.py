@@ -259,7 +259,8 @@ class _PrefixUse:
 def stream(loaded: LoadedModel, req: GenerationRequest,
            interrupt: Callable[[], None] | None = None,
            prefix_cache: PrefixCache | None = None, prompt: list[int] | None = None,
-           memory: SuffixMemory | None = None
+           memory: SuffixMemory | None = None,
+           make_forward: Callable[[str | None, Callable[[], None] | None], Any] | None = None
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
@@ -267,7 +268,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     `interrupt` is called between prefill chunks and between decoded tokens; it raises (any
     exception, which propagates) to abandon the request, e.g. when an HTTP client went away.
     `prefix_cache`: the model's prefix cache (None: off), used by one request at a time.
-    `prompt`: the prompt's token ids, when the caller has them (default: from the request)."""
+    `prompt`: the prompt's token ids, when the caller has them (default: from the request).
+    `make_forward(hidden, interrupt)`: the forward to decode on (a row of a batch,
+    engine/scheduler.py); default a LocalForward of its own, or the ring's."""
     t0 = time.perf_counter()
     prompt = list(prompt) if prompt is not None else prompt_tokens(loaded, req)
     if len(prompt) >= loaded.context_length:
@@ -280,7 +283,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
-    if loaded.make_forward is not None:
+    if make_forward is not None:
+        forward = make_forward(hidden, interrupt)
+    elif loaded.make_forward is not None:
         forward = loaded.make_forward(req, hidden, interrupt)
     else:
         forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),
