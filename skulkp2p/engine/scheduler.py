@@ -44,6 +44,51 @@ from skulkp2p.engine.forward import StageCache, whole_model_stage
 BATCH_PREFILL_CHUNK = 512
 
 
+class TicketLock:
+    """A lock granted in the order it was asked for. Python's own lock lets the thread that
+    releases it take it straight back, so a request decoding alone could keep the model from
+    one that waits to join; here whoever asked first goes first (admission stays first come
+    first served). Works under threading.Condition (it says who owns it)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0
+        self._serving = 0
+        self._owner: int | None = None
+
+    @property
+    def queued(self) -> int:
+        """Threads holding or waiting for the lock."""
+        return self._next - self._serving
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._cond:
+            if not blocking and self._next != self._serving:
+                return False
+            ticket = self._next
+            self._next += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+            self._owner = threading.get_ident()
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("release of a TicketLock this thread does not hold")
+            self._owner = None
+            self._serving += 1
+            self._cond.notify_all()
+
+    def _is_owned(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def batchable(model: nn.Module) -> bool:
     """Every layer's cache is a plain KV cache: rows can sit side by side at their own lengths."""
     return all(type(c) is KVCache for c in make_prompt_cache(model))
@@ -58,12 +103,14 @@ class BatchScheduler:
         self.stage = whole_model_stage(model)
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
-        self.cond = threading.Condition()  # its lock: the model's, for every MLX call
+        self.lock = TicketLock()  # the model's, for every MLX call
+        self.cond = threading.Condition(self.lock)
         self.rows = RowLengths()
         self.layers = [RowsKVCache(self.rows) for _ in make_prompt_cache(model)]
         self.active: list[RowForward] = []
         self.steps = 0  # batched forwards run so far
         self.widths: list[int] = []  # the last step's row widths (tests, the cost model)
+        self.peak = 0  # the most rows one step has run
 
     @property
     def batch_size(self) -> int:
@@ -138,6 +185,7 @@ class BatchScheduler:
         self._settle()
         self.steps += 1
         self.widths = widths
+        self.peak = max(self.peak, len(rows))
         self.cond.notify_all()
 
 
