@@ -27,6 +27,7 @@ families); recurrent or sliding-window layers are served one request at a time (
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,7 @@ class TicketLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         with self._cond:
+            self._cond.notify_all()  # (wait_queued)
             if not blocking and self._next != self._serving:
                 return False
             ticket = self._next
@@ -78,6 +80,11 @@ class TicketLock:
             self._owner = None
             self._serving += 1
             self._cond.notify_all()
+
+    def wait_queued(self, n: int, timeout: float) -> bool:
+        """Wait until `n` threads hold or wait for the lock (False when `timeout` passed)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.queued >= n, timeout)
 
     def _is_owned(self) -> bool:
         return self._owner == threading.get_ident()
@@ -111,6 +118,8 @@ class BatchScheduler:
         self.steps = 0  # batched forwards run so far
         self.widths: list[int] = []  # the last step's row widths (tests, the cost model)
         self.peak = 0  # the most rows one step has run
+        self.ragged = 0  # steps whose rows had different widths (drafts of different depths)
+        self.leaves: collections.deque[int] = collections.deque(maxlen=64)  # steps at each leave
 
     @property
     def batch_size(self) -> int:
@@ -141,6 +150,7 @@ class BatchScheduler:
         self._settle()
         self.rows.set([self.rows.lengths[i] for i in kept])
         del self.active[index]
+        self.leaves.append(self.steps)
         self._step_if_ready()
         self.cond.notify_all()
 
@@ -186,6 +196,7 @@ class BatchScheduler:
         self.steps += 1
         self.widths = widths
         self.peak = max(self.peak, len(rows))
+        self.ragged += len(set(widths)) > 1
         self.cond.notify_all()
 
 
