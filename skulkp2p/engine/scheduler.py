@@ -221,6 +221,12 @@ class RowForward:
         self.closed = False
 
     @property
+    def batch_size(self) -> int:
+        """Rows in this row's forwards (itself included, once it joins): the gates weigh it."""
+        active = len(self.scheduler.active)
+        return active if self.joined else min(active + 1, self.scheduler.max_batch)
+
+    @property
     def index(self) -> int:
         return self.scheduler.active.index(self)
 
