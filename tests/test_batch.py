@@ -11,6 +11,7 @@ the others still decode."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -261,3 +262,87 @@ def test_worker_cancel_frees_the_row_within_one_step(tiny_models):
     at = _worker_run(engine, body)
     assert sched.leaves[0] - at <= 1
     assert not sched.active
+
+
+def test_long_prompt_prefills_between_decode_steps(tiny_models):
+    """A prompt of several chunks joins while another request decodes: that request takes a
+    step between every two chunks, and both decode what they decode alone."""
+    lm = dataclasses.replace(_loaded(tiny_models["llama"]),
+                             runtime={**_loaded(tiny_models["llama"]).runtime,
+                                      "prefill_step": 8})
+    reqs = [parse_request({"prompt": PROMPTS[1], "max_tokens": 40}),
+            parse_request({"prompt": " ".join(PROMPTS), "max_tokens": 10})]
+    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
+    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=2)
+    rows: list = []
+    make = engine.scheduler.forward
+    engine.scheduler.forward = lambda *a: rows.append(make(*a)) or rows[-1]
+    batched = together(engine, reqs)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.tokens == a.tokens
+    chunks = -(-len(lm.tokenizer.encode(" ".join(PROMPTS))) // 8)
+    assert chunks >= 4 and rows[1].prefill_waits == chunks - 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["off", "auto"])
+def test_real_model_batch_matches_solo(spec):
+    """SmolLM2-135M (with its MTP head: auto drafts with lookup and the head): four requests,
+    greedy and seeded, decoded together give what each gives alone."""
+    from skulkp2p.engine.loader import open_model
+    from skulkp2p.models.store import ModelStore
+    from tests.helpers.models import test_data_dir
+
+    lm = open_model(ModelStore(test_data_dir()), "smollm2-135m", dtype="float32")
+    questions = ["Write a haiku about rain.", "Explain what a linked list is.",
+                 "Rewrite with type hints:\ndef add(a, b):\n    return a + b\n",
+                 "Name three rivers in Europe."]
+    reqs = [parse_request({"messages": [{"role": "user", "content": q}], "max_tokens": 24,
+                           "speculation": spec, **({"temperature": 0.7, "seed": i} if i % 2
+                                                   else {})})
+            for i, q in enumerate(questions)]
+    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
+    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=4)
+    batched = together(engine, reqs)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.tokens == a.tokens and b.text == a.text
+    assert engine.scheduler.peak == 4
+
+
+def test_drafting_backs_off_in_a_large_batch_without_switching_off():
+    """The measured cost table makes a draft that pays alone (acceptance 0.6) not pay in a
+    batch of 8 (each row's extra width widens every row's forward); the gate backs off for the
+    round and drafts again once the batch is small, and a seeded sampled request's gate ignores
+    the batch."""
+    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, DepthController, GatedDrafter
+
+    costs = DEFAULT_WIDTH_COSTS["float32"]
+    controller = DepthController(costs, 4, prior_accept=0.6)
+    assert controller.best_depth(4, rows=1)[0] > 0
+    assert controller.best_depth(4, rows=8)[0] == 0
+
+    class Lookup:
+        name = "lookup"
+
+        def begin(self, prompt, forward):
+            pass
+
+        def propose(self, history, k):
+            return [7] * k, None
+
+        def observe(self, drafted, accepted, emitted, forward):
+            pass
+
+    class Row:  # what a batch row tells a drafter: its batch's size
+        batch_size = 8
+
+    row = Row()
+    gated = GatedDrafter(Lookup(), costs, 4, prior_accept=0.6)
+    gated.begin([1, 2], row)
+    assert gated.propose([1, 2], 4) == ([], None) and gated.on and not gated.events
+    row.batch_size = 1
+    assert gated.propose([1, 2], 4)[0]
+    fixed = GatedDrafter(Lookup(), costs, 4, prior_accept=0.6, weigh_batch=False)
+    row.batch_size = 8
+    fixed.begin([1, 2], row)
+    assert fixed.propose([1, 2], 4)[0]

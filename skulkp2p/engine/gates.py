@@ -115,8 +115,12 @@ class GatedDrafter:
     def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
                  start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, log_every: int = 64,
-                 request_id=None):
+                 request_id=None, weigh_batch: bool = True):
+        """`weigh_batch`: let the batch's size change the depth (see DepthController.
+        best_depth). Off for a seeded sampled request, whose text depends on which drafts
+        were offered: it must not depend on what else runs."""
         self.inner = inner
+        self.weigh_batch = weigh_batch
         self.name = inner.name
         self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
                                           prior_weight=prior_weight, draft_cost=draft_cost)
@@ -134,7 +138,7 @@ class GatedDrafter:
 
     def begin(self, prompt: list[int], forward) -> None:
         # A row of a batch says how many rows its forwards run (1 for a forward of its own).
-        if hasattr(forward, "batch_size"):
+        if self.weigh_batch and hasattr(forward, "batch_size"):
             self.controller.batch = lambda: forward.batch_size
         self.inner.begin(prompt, forward)
 

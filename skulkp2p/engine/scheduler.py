@@ -217,6 +217,7 @@ class RowForward:
         self.result: mx.array | None = None
         self.result_hidden: mx.array | None = None
         self.error: BaseException | None = None
+        self.prefill_waits = 0  # steps of the decoding rows run between this prompt's chunks
         self.joined = False
         self.closed = False
 
@@ -252,6 +253,7 @@ class RowForward:
             if n and sched.active:  # let the decoding rows take one step between chunks
                 sched.cond.wait_for(lambda seen=sched.steps: sched.steps != seen
                                     or not sched.active)
+                self.prefill_waits += 1
             if self.interrupt is not None:
                 self.interrupt()
             _, h = self.local.run(tokens[start:start + sched.prefill_chunk], verify=False,
