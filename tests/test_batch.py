@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 from pathlib import Path
 
@@ -223,10 +224,19 @@ def test_worker_admits_up_to_max_batch_first_come_first_served(tiny_models):
             for i, n in enumerate((8, 40, 8, 8))]
     alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
 
+    def native_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
     async def body(worker):
         assert worker.max_concurrent == 2
         jobs = [worker.submit(req) for req in reqs]
         done = await asyncio.gather(*[_drain(job) for job in jobs])
+        # The same runners serve the next jobs: MLX keeps a native thread per thread that ran
+        # it, so a thread per job would grow this by one per job.
+        before = native_threads()
+        again = await asyncio.gather(*[_drain(worker.submit(req)) for req in reqs])
+        assert native_threads() == before
+        assert [t for t, _ in again] == [t for t, _ in done]
         return done
 
     done = _worker_run(engine, body)

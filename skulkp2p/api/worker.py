@@ -3,9 +3,9 @@
 loop (MLX calls block for a whole forward), admitted first come first served.
 
 The loop side submits a `Job` and reads its typed events from an asyncio queue; the threads post
-them with `call_soon_threadsafe`. With max_concurrent 1 the worker's own thread runs the jobs in
-turn; with more, each admitted job runs on a thread of its own (the MLX engine decodes its
-generations together in one batched forward per step: engine/scheduler.py). Cancelling a job
+them with `call_soon_threadsafe`. The worker's own thread and max_concurrent - 1 more each run
+one job at a time (the MLX engine decodes their generations together in one batched forward per
+step: engine/scheduler.py). Cancelling a job
 (its client went away) cancels its `Generation`, whose interrupt check the engine calls between
 prefill chunks and between decode rounds, so its slot is free for the next job within one
 forward; a job cancelled while still queued is dropped from the queue at once. An engine that
@@ -134,7 +134,7 @@ class ModelWorker:
         self._cond = threading.Condition()
         self._stopping = False
         self.running: list[Job] = []  # admitted, in admission order
-        self._job_threads: list[threading.Thread] = []
+        self._job_threads: list[threading.Thread] = []  # the runners beside the worker's own
         self._avg_job_s = 2.0
         self._thread = threading.Thread(target=self._main, name=f"model-{model_id}", daemon=True)
         self._ready: asyncio.Future | None = None
@@ -234,34 +234,33 @@ class ModelWorker:
             return
         self.state = "ready"
         self._resolve_ready(None)
-        limit = self.max_concurrent
+        # max_concurrent runners, this thread one of them, for as long as the model is loaded:
+        # MLX keeps a native thread for every thread that ran it, so a thread per job would
+        # leave one behind per job.
+        for n in range(1, self.max_concurrent):
+            runner = threading.Thread(target=self._serve, name=f"model-{self.model_id}-{n}",
+                                      daemon=True)
+            self._job_threads.append(runner)
+            runner.start()
+        self._serve()
+        self.state = "stopped"
+
+    def _serve(self) -> None:
+        """Run jobs until the worker stops; each free runner takes the oldest waiting job
+        (first come first served)."""
         while True:
             with self._cond:
-                # First come first served: the oldest waiting job takes the next free slot.
-                while not self._stopping and not (self._waiting and len(self.running) < limit):
+                while not self._waiting and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
-                    self.state = "stopped"
                     return
                 job = self._waiting.popleft()
                 self.running.append(job)
-                self._job_threads = [t for t in self._job_threads if t.is_alive()]
-            if limit == 1:
-                self._run_admitted(job)
-            else:
-                thread = threading.Thread(target=self._run_admitted, args=(job,),
-                                          name=f"model-{self.model_id}-job{job.id}", daemon=True)
+            try:
+                self._run(job)
+            finally:
                 with self._cond:
-                    self._job_threads.append(thread)
-                thread.start()
-
-    def _run_admitted(self, job: Job) -> None:
-        try:
-            self._run(job)
-        finally:
-            with self._cond:
-                self.running.remove(job)
-                self._cond.notify_all()  # a slot is free
+                    self.running.remove(job)
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
