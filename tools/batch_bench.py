@@ -16,6 +16,7 @@ The model comes from the test model store (the same cache the tests use).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -152,6 +153,11 @@ def main() -> None:
         widths(args.reps)
     else:
         concurrency(args.clients, args.max_tokens, args.arms.split(","))
+    # Threads that ran MLX leave native threads whose teardown at exit can abort (SIGABRT,
+    # "terminate called without an active exception"; node/join.py leaves the same way).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
