@@ -1,13 +1,17 @@
-"""One worker thread per model: it loads the model's engine, then runs generations one at a
-time, first in first out, off the event loop (MLX calls block for a whole forward).
+"""One worker per model: it loads the model's engine on its thread, then runs up to
+`engine.max_concurrent` generations at once (1: one at a time, as a FIFO), each off the event
+loop (MLX calls block for a whole forward), admitted first come first served.
 
-The loop side submits a `Job` and reads its typed events from an asyncio queue; the thread posts
-them with `call_soon_threadsafe`. Cancelling a job (its client went away) cancels its
-`Generation`, whose interrupt check the engine calls between prefill chunks and between decode
-rounds, so the model is free for the next job within one forward; a job cancelled while still
-queued is dropped from the queue at once. An engine that `runs_on_loop` (a llama-server proxy
-only waits on sockets) is the exception to "off the event loop": the thread hands it to the loop
-and waits (`_relay_on_loop`).
+The loop side submits a `Job` and reads its typed events from an asyncio queue; the threads post
+them with `call_soon_threadsafe`. The worker's own thread and max_concurrent - 1 more each run
+one job at a time (the MLX engine decodes their generations together in one batched forward per
+step: engine/scheduler.py). Cancelling a job
+(its client went away) cancels its `Generation`, whose interrupt check the engine calls between
+prefill chunks and between decode rounds, so its slot is free for the next job within one
+forward; a job cancelled while still queued is dropped from the queue at once. An engine that
+`runs_on_loop` (a llama-server proxy only waits on sockets) is the exception to "off the event
+loop": the job's thread hands it to the loop and waits (`_relay_on_loop`), so up to
+max_concurrent relays run on the loop at once.
 """
 
 from __future__ import annotations
@@ -129,7 +133,8 @@ class ModelWorker:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self.current: Job | None = None
+        self.running: list[Job] = []  # admitted, in admission order
+        self._job_threads: list[threading.Thread] = []  # the runners beside the worker's own
         self._avg_job_s = 2.0
         self._thread = threading.Thread(target=self._main, name=f"model-{model_id}", daemon=True)
         self._ready: asyncio.Future | None = None
@@ -147,6 +152,19 @@ class ModelWorker:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def current(self) -> Job | None:
+        """The oldest job running now (None: the model is idle)."""
+        running = self.running
+        return running[0] if running else None
+
+    @property
+    def max_concurrent(self) -> int:
+        """Jobs run at once: the engine's (1 until it is loaded, and for an engine that does
+        not say)."""
+        engine = self.engine
+        return max(1, int(getattr(engine, "max_concurrent", 1))) if engine is not None else 1
 
     def submit(self, req: GenerationRequest) -> Job:
         if self.state != "ready":
@@ -173,10 +191,8 @@ class ModelWorker:
         """Cancel everything and end the thread; True when it ended within `timeout`."""
         with self._cond:
             self._stopping = True
-            jobs = list(self._waiting)
+            jobs = list(self._waiting) + list(self.running)
             self._waiting.clear()
-            if self.current is not None:
-                jobs.append(self.current)
             self._cond.notify_all()
         for job in jobs:
             job.cancelled.set()
@@ -184,11 +200,14 @@ class ModelWorker:
                 job.generation.cancel()
         if self.state == "loading":
             timeout = min(timeout, 1.0)  # a load cannot be interrupted: do not wait it out
+        deadline = time.monotonic() + timeout
         if self._thread.is_alive():
             self._thread.join(timeout)
+        for thread in list(self._job_threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
         if self.engine is not None:
             self.engine.close()  # a llama-server child goes with its worker
-        return not self._thread.is_alive()
+        return not self._thread.is_alive() and not any(t.is_alive() for t in self._job_threads)
 
     # ---- thread side -----------------------------------------------------------------------
 
@@ -215,20 +234,33 @@ class ModelWorker:
             return
         self.state = "ready"
         self._resolve_ready(None)
+        # max_concurrent runners, this thread one of them, for as long as the model is loaded:
+        # MLX keeps a native thread for every thread that ran it, so a thread per job would
+        # leave one behind per job.
+        for n in range(1, self.max_concurrent):
+            runner = threading.Thread(target=self._serve, name=f"model-{self.model_id}-{n}",
+                                      daemon=True)
+            self._job_threads.append(runner)
+            runner.start()
+        self._serve()
+        self.state = "stopped"
+
+    def _serve(self) -> None:
+        """Run jobs until the worker stops; each free runner takes the oldest waiting job
+        (first come first served)."""
         while True:
             with self._cond:
                 while not self._waiting and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
-                    self.state = "stopped"
                     return
                 job = self._waiting.popleft()
-                self.current = job
+                self.running.append(job)
             try:
                 self._run(job)
             finally:
                 with self._cond:
-                    self.current = None
+                    self.running.remove(job)
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -277,15 +309,16 @@ class ModelWorker:
             if self.telemetry is not None:
                 self.telemetry.finish(RequestFinished(self.model_id, job.id, outcome,
                                                       result if outcome == "ok" else None))
-            # A running average of job length, for the Retry-After of a full queue.
-            self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (time.monotonic() - t0)
+            # A running average of job length per slot, for the Retry-After of a full queue.
+            per_slot = (time.monotonic() - t0) / self.max_concurrent
+            self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * per_slot
 
     def _relay_on_loop(self, engine: LoopEngine, job: Job, n_prompt: int) -> GenerationResult:
         """An engine that only waits on sockets (a llama-server child) streams on the event
         loop itself: its events go straight into the job's queue, with no thread hop and no
         loop wake-up per token (on a machine the child keeps busy, those cost more CPU than the
-        proxying). This thread still runs the jobs one at a time, first in first out: it waits
-        for the relay here."""
+        proxying). The job's thread waits for the relay here; up to max_concurrent jobs relay
+        at once."""
         engine.prepare()  # blocks until the child answers: not on the loop
         generation = job.generation
         assert generation is not None

@@ -11,6 +11,7 @@ measured acceptance says it cannot pay; lookup may come back when the output tur
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,7 @@ class DepthController:
     prior_accept: float = 0.5
     prior_weight: float = 2.0
     draft_cost: float = 0.0  # cost of drafting one token, relative to one trunk step
+    batch: Callable[[], int] | None = None  # rows in the forward this request runs in
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
@@ -78,14 +80,26 @@ class DepthController:
             self.tried[i] += 1
             self.accepted[i] += int(i < accepted)
 
-    def best_depth(self, limit: int) -> tuple[int, float]:
-        """(k, expected speed-up over plain) for k in 0..limit."""
+    def best_depth(self, limit: int, rows: int | None = None) -> tuple[int, float]:
+        """(k, expected speed-up over plain) for k in 0..limit.
+
+        In a batch of B rows (engine/scheduler.py) a forward runs B rows at the widest row's
+        width, so a row that verifies k + 1 tokens makes the step cost c(B (k + 1)) instead of
+        c(B) (the cost of a forward follows the rows it multiplies: the same table), and the
+        other B - 1 rows pay that too for their one token each. The gain is then the batch's
+        tokens per unit of time against plain: ((B - 1) + E(k)) c(B) / (B c(B (k + 1))), which
+        is E(k) / c(k + 1) for B = 1 and falls as B grows, once the forward is compute-bound:
+        drafting backs off in a large batch (README: measured point)."""
+        if rows is None:
+            rows = max(1, self.batch()) if self.batch is not None else 1
+        base = width_cost(self.costs, rows)
         best_k, best_gain = 0, 1.0
         expected, reach = 1.0, 1.0
         for k, a in enumerate(self.rates()[:limit], start=1):
             reach *= a
             expected += reach
-            gain = expected / (width_cost(self.costs, k + 1) + self.draft_cost * k)
+            step = width_cost(self.costs, rows * (k + 1)) + self.draft_cost * k
+            gain = (rows - 1 + expected) * base / (rows * step)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k, best_gain
@@ -101,8 +115,12 @@ class GatedDrafter:
     def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
                  start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, log_every: int = 64,
-                 request_id=None):
+                 request_id=None, weigh_batch: bool = True):
+        """`weigh_batch`: let the batch's size change the depth (see DepthController.
+        best_depth). Off for a seeded sampled request, whose text depends on which drafts
+        were offered: it must not depend on what else runs."""
         self.inner = inner
+        self.weigh_batch = weigh_batch
         self.name = inner.name
         self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
                                           prior_weight=prior_weight, draft_cost=draft_cost)
@@ -119,12 +137,17 @@ class GatedDrafter:
         self._recent: list[int] = []
 
     def begin(self, prompt: list[int], forward) -> None:
+        # A row of a batch says how many rows its forwards run (1 for a forward of its own).
+        if self.weigh_batch and hasattr(forward, "batch_size"):
+            self.controller.batch = lambda: forward.batch_size
         self.inner.begin(prompt, forward)
 
     def propose(self, history: list[int], k: int):
         if not self.on:
             return [], None
         depth, _ = self.controller.best_depth(k)
+        if depth == 0 and self.controller.best_depth(k, rows=1)[0] > 0:
+            return [], None  # pays alone but not in this batch: back off for this round only
         if depth == 0:
             # Once the estimate says no depth pays, it cannot change without drafting: the
             # drafter is off for this request (lookup may come back, see observe).

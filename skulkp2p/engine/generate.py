@@ -133,19 +133,24 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
                                "speculation.draft_model)", "speculation")
         return _draft_drafter(loaded, req), spec.depth or 3, None
     costs = _costs(loaded)
+    # A seeded sampled request's text depends on which drafts were offered: its depths must
+    # not follow the batch it runs in (greedy text does not depend on them).
+    weigh = req.sampling.greedy or req.sampling.seed is None
     model_drafter, model_depth, hidden = None, 0, None
     if loaded.mtp is not None:
         model_depth = loaded.mtp.conventions.max_depth
         prior = float(loaded.speculation.get("mtp_prior_acceptance", 0.5))
         model_drafter = GatedDrafter(_mtp_drafter(loaded), costs, model_depth, request_id=req.id,
                                      draft_cost=_relative_cost(loaded.mtp, loaded),
-                                     prior_accept=prior, prior_weight=MTP_PRIOR_WEIGHT)
+                                     prior_accept=prior, prior_weight=MTP_PRIOR_WEIGHT,
+                                     weigh_batch=weigh)
         hidden = loaded.mtp.conventions.hidden
     elif loaded.draft is not None:
         model_depth = int(loaded.speculation.get("draft_max_depth", 4))
         model_drafter = GatedDrafter(_draft_drafter(loaded, req), costs, model_depth,
                                      request_id=req.id,
-                                     draft_cost=_relative_cost(loaded.draft.model, loaded))
+                                     draft_cost=_relative_cost(loaded.draft.model, loaded),
+                                     weigh_batch=weigh)
     cfg = loaded.speculation.get("lookup", {})
     if not cfg.get("enabled", True):
         return model_drafter, model_depth, hidden
@@ -162,7 +167,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
     prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
     lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
-                          request_id=req.id, prior_accept=prior)
+                          request_id=req.id, prior_accept=prior, weigh_batch=weigh)
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
@@ -259,7 +264,8 @@ class _PrefixUse:
 def stream(loaded: LoadedModel, req: GenerationRequest,
            interrupt: Callable[[], None] | None = None,
            prefix_cache: PrefixCache | None = None, prompt: list[int] | None = None,
-           memory: SuffixMemory | None = None
+           memory: SuffixMemory | None = None,
+           make_forward: Callable[[str | None, Callable[[], None] | None], Any] | None = None
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
@@ -267,7 +273,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     `interrupt` is called between prefill chunks and between decoded tokens; it raises (any
     exception, which propagates) to abandon the request, e.g. when an HTTP client went away.
     `prefix_cache`: the model's prefix cache (None: off), used by one request at a time.
-    `prompt`: the prompt's token ids, when the caller has them (default: from the request)."""
+    `prompt`: the prompt's token ids, when the caller has them (default: from the request).
+    `make_forward(hidden, interrupt)`: the forward to decode on (a row of a batch,
+    engine/scheduler.py); default a LocalForward of its own, or the ring's."""
     t0 = time.perf_counter()
     prompt = list(prompt) if prompt is not None else prompt_tokens(loaded, req)
     if len(prompt) >= loaded.context_length:
@@ -280,7 +288,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
-    if loaded.make_forward is not None:
+    if make_forward is not None:
+        forward = make_forward(hidden, interrupt)
+    elif loaded.make_forward is not None:
         forward = loaded.make_forward(req, hidden, interrupt)
     else:
         forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)),

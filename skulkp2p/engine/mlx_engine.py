@@ -3,30 +3,57 @@ of a pipeline ring) that generates with the one speculative decode loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from typing import Any
+
 from skulkp2p.engine.generate import prompt_tokens, stream
 from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.results import Chunk, GenerationResult
+from skulkp2p.engine.scheduler import BatchScheduler, batchable
 from skulkp2p.engine.suffix import SuffixMemory
 
 # Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
 # drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).
 DEFAULT_MEMORY_TOKENS = 65536
 
+# Requests decoded together when neither the caller nor the card (`[runtime] max_batch`) says
+# (measured: README, "Concurrent requests decode together").
+DEFAULT_MAX_BATCH = 8
+
 
 class MlxEngine:
     """`prefix_cache_mb`: the model's prefix cache (engine/prefix_cache.py), in memory, bounded
-    in MB; 0 turns it off. The engine's generations run one at a time on one thread (the
-    model's worker), which is what lets them share the cache without a lock."""
+    in MB; 0 turns it off. Up to `max_concurrent` generations run at once, each on its caller's
+    thread, decoded together by the model's BatchScheduler (engine/scheduler.py), whose lock
+    every request holds while its own code runs: the prefix cache and the draft memory are used
+    by one request at a time, without locks of their own. With max_concurrent 1 a generation
+    runs alone on its thread, exactly as before batching (the pipelined plain path included).
+    Each running generation must be iterated on a thread of its own (the worker's runners do):
+    a row waits in its forward until every other row has handed in its tokens, so one thread
+    taking turns between two generations would wait on itself."""
 
     runs_on_loop = False
 
     def __init__(self, loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 memory_tokens: int | None = None):
+                 memory_tokens: int | None = None, max_batch: int | None = None):
         """`prefix_cache_mb`: the prefix cache's bound (0 = off). `memory_tokens`: bound of the
         draft memory of earlier requests (0 = off); None takes the card's
-        `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS."""
+        `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS. `max_batch`: requests
+        decoded together; None takes the card's `[runtime] max_batch`, else DEFAULT_MAX_BATCH.
+        A ring's last stage and a model with recurrent or sliding-window layers serve one
+        request at a time whatever it says (engine/scheduler.py: batchable)."""
+        if max_batch is None:
+            max_batch = int(loaded.runtime.get("max_batch", DEFAULT_MAX_BATCH))
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if loaded.make_forward is not None or not batchable(loaded.model):
+            max_batch = 1
+        self.max_concurrent = max_batch
+        self.scheduler = BatchScheduler(loaded.model, max_batch, int(loaded.runtime.get(
+            "prefill_step", 2048))) if max_batch > 1 else None
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
@@ -49,6 +76,7 @@ class MlxEngine:
             detail["draft_model"] = loaded.draft.id
         if self.prefix_cache is not None:
             detail["prefix_cache"] = self.prefix_cache.stats()
+        detail["max_batch"] = self.max_concurrent
         return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail)
 
     def prompt_length(self, req: GenerationRequest) -> int:
@@ -62,17 +90,40 @@ class MlxEngine:
         return n
 
     def generate(self, req: GenerationRequest) -> Generation:
-        return Generation(lambda interrupt: self._remembered(req, interrupt))
+        if self.scheduler is None:
+            return Generation(lambda interrupt: self._remembered(req, interrupt))
+        return Generation(lambda interrupt: self._in_batch(req, interrupt))
 
-    def _remembered(self, req: GenerationRequest, interrupt):
+    def _remembered(self, req: GenerationRequest, interrupt: Callable[[], None],
+                    make_forward: Callable[..., Any] | None = None
+                    ) -> Generator[Chunk, None, GenerationResult]:
         """The stream, and its prompt and output into the draft memory when it ends."""
         memory = self.memory if self.memory.enabled else None
         prompt = prompt_tokens(self.loaded, req)  # once: the stream and the memory share it
         result = yield from stream(self.loaded, req, interrupt, self.prefix_cache, prompt,
-                                   memory=memory)
+                                   memory=memory, make_forward=make_forward)
         if memory is not None:
             memory.add(prompt + list(result.tokens))
         return result
+
+    def _in_batch(self, req: GenerationRequest, interrupt: Callable[[], None]
+                  ) -> Generator[Chunk, None, GenerationResult]:
+        """The stream as a row of the batch: its code runs with the model's lock held, let go
+        while it waits for a batched step and while its chunks go out."""
+        assert self.scheduler is not None
+        lock = self.scheduler.cond
+        steps = self._remembered(req, interrupt, self.scheduler.forward)
+        try:
+            while True:
+                with lock:
+                    try:
+                        chunk = next(steps)
+                    except StopIteration as done:
+                        return done.value
+                yield chunk
+        finally:
+            with lock:
+                steps.close()  # a consumer that stopped early: the row leaves the batch
 
     def close(self) -> None:
         """MLX frees the weights with the last reference; nothing runs in the background."""

@@ -89,6 +89,9 @@ class Engine(Protocol):
     id: str
     context_length: int
     runs_on_loop: bool  # True: a LoopEngine, the worker relays it on the event loop
+    # Generations it runs at once (the worker admits up to this many; 1: one at a time, FIFO).
+    # The MLX engine decodes them together in one batched forward per step.
+    max_concurrent: int
 
     def info(self) -> EngineInfo: ...
 

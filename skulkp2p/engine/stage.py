@@ -100,13 +100,22 @@ class StageModel:
     def run(self, x: mx.array | list[int], cache: list[Any], *, logits: bool = True,
             hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
         """(output rows [w, H] or logits [w, V] on the last stage, trunk rows for a drafter)."""
-        body = self.trunk.body
         if self.span.first:
             inputs, emb = mx.array(x)[None], None
         else:
             inputs, emb = None, x[None]
         if not self.span.last:
-            return body(inputs, cache, input_embeddings=emb)[0], None
+            return self.trunk.body(inputs, cache, input_embeddings=emb)[0], None
+        out, h = self.run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=emb)
+        return (None if out is None else out[0]), (None if h is None else h[0])
+
+    def run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool = True,
+                 hidden: str | None = None, embeddings: mx.array | None = None
+                 ) -> tuple[mx.array | None, mx.array | None]:
+        """The last stage on a batch: token rows [B, W] (or hidden rows [B, W, H]) in; logits
+        [B, W, V] and the trunk rows [B, W, H] a drafter reads out. One request is B = 1."""
+        body = self.trunk.body
+        emb = embeddings
         if hidden == "before":
             norm = body.norm
             body.norm = _Identity()
@@ -117,5 +126,5 @@ class StageModel:
             normed = norm(h)
         else:
             h = normed = body(inputs, cache, input_embeddings=emb)
-        out = self.trunk.head(normed)[0] if logits else None
-        return out, (h[0] if hidden else None)
+        out = self.trunk.head(normed) if logits else None
+        return out, (h if hidden else None)

@@ -10,7 +10,6 @@ run on MLX behind the user's back), and every other model runs on the MLX engine
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -62,15 +61,7 @@ def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_C
 
 def mlx_engine(loaded: Any, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, *,
                memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
-    """An MlxEngine over `loaded` (a whole model, or a ring's last stage). `max_batch` is passed
-    only to an MlxEngine that takes it (the batching scheduler adds the keyword); an older one
-    generates one request at a time whatever was asked, and says so once in the log."""
+    """An MlxEngine over `loaded` (a whole model, or a ring's last stage)."""
     from skulkp2p.engine.mlx_engine import MlxEngine
 
-    kwargs: dict[str, Any] = {"memory_tokens": memory_tokens}
-    if "max_batch" in inspect.signature(MlxEngine).parameters:
-        kwargs["max_batch"] = max_batch
-    elif max_batch not in (None, 1):
-        log.warning("max_batch %d asked for %s, but this MLX engine generates one request at "
-                    "a time", max_batch, getattr(loaded, "id", "the model"))
-    return MlxEngine(loaded, prefix_cache_mb, **kwargs)
+    return MlxEngine(loaded, prefix_cache_mb, memory_tokens=memory_tokens, max_batch=max_batch)

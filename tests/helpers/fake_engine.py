@@ -73,6 +73,7 @@ class FakeEngine:
     id = "fake"
     context_length = 10_000
     runs_on_loop = False
+    max_concurrent = 1
 
     def __init__(self, script: Script):
         self.script = script

@@ -1,0 +1,299 @@
+"""Continuous batching for one model: the active requests' forwards run as ONE batched forward.
+
+Each request keeps running the one decode loop (decode.py) in its own thread, with a
+`RowForward` as its forward: the loop asks it for the logits of its tokens (pending + draft) and
+for a rollback, exactly as it asks a `LocalForward`, and never learns that it runs in a batch.
+The batch is assembled at this seam: a row's call hands its tokens to the `BatchScheduler` and
+waits; once every active row has handed its tokens in, one forward runs over all of them (rows
+of different widths padded on the right, each row at its own length: batch_cache.py), and each
+row gets its own logits back. Drafting, accepting and rolling back stay the row's own (the same
+code as a request served alone); a rollback is the row's length going down.
+
+One lock (the scheduler's condition) serialises every MLX call on the model: a request's thread
+holds it while it runs its loop's own work (choosing tokens, drafting with an MTP head, text and
+stop handling) and lets go only while it waits for a step. The forward runs in the thread of the
+row whose hand-in completed the batch (or of a row whose leaving did): there is no scheduler
+thread to start, stop or wake, and no hand-off between the last row and the forward.
+
+Joining and leaving: a request prefills its prompt alone, on an ordinary per-request cache (a
+prefix-cache hit restores into that cache first), in chunks; between chunks it waits for one
+step of the rows already decoding, so a long prompt does not stall them. Its first verify call
+copies that cache into a new row. It leaves at its end (EOS, stop, max_tokens, cancellation:
+the decode loop's caller closes the forward), and the other rows are gathered at once.
+
+Only models whose every layer holds a plain KV cache batch (llama, qwen2/3 and most dense
+families); recurrent or sliding-window layers are served one request at a time (`batchable`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
+from skulkp2p.engine.forward import StageCache, whole_model_stage
+
+# A joining prompt prefills in chunks of at most this many tokens, one step of the decoding rows
+# between chunks. The same chunks whether alone or not, so a request's caches do not depend on
+# what else runs.
+BATCH_PREFILL_CHUNK = 512
+
+
+class TicketLock:
+    """A lock granted in the order it was asked for. Python's own lock lets the thread that
+    releases it take it straight back, so a request decoding alone could keep the model from
+    one that waits to join; here whoever asked first goes first (admission stays first come
+    first served). Works under threading.Condition (it says who owns it)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0
+        self._serving = 0
+        self._owner: int | None = None
+
+    @property
+    def queued(self) -> int:
+        """Threads holding or waiting for the lock."""
+        return self._next - self._serving
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        with self._cond:
+            self._cond.notify_all()  # (wait_queued)
+            if not blocking and self._next != self._serving:
+                return False
+            ticket = self._next
+            self._next += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+            self._owner = threading.get_ident()
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("release of a TicketLock this thread does not hold")
+            self._owner = None
+            self._serving += 1
+            self._cond.notify_all()
+
+    def wait_queued(self, n: int, timeout: float) -> bool:
+        """Wait until `n` threads hold or wait for the lock (False when `timeout` passed)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.queued >= n, timeout)
+
+    def _is_owned(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def batchable(model: nn.Module) -> bool:
+    """Every layer's cache is a plain KV cache: rows can sit side by side at their own lengths."""
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
+class BatchScheduler:
+    """The batch of one model: its rows' caches, and the step that runs them together."""
+
+    def __init__(self, model: nn.Module, max_batch: int, prefill_step: int = 2048):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.stage = whole_model_stage(model)
+        self.max_batch = max_batch
+        self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
+        self.lock = TicketLock()  # the model's, for every MLX call
+        self.cond = threading.Condition(self.lock)
+        self.rows = RowLengths()
+        self.layers = [RowsKVCache(self.rows) for _ in make_prompt_cache(model)]
+        self.active: list[RowForward] = []
+        self.steps = 0  # batched forwards run so far
+        self.widths: list[int] = []  # the last step's row widths (tests, the cost model)
+        self.peak = 0  # the most rows one step has run
+        self.ragged = 0  # steps whose rows had different widths (drafts of different depths)
+        self.leaves: collections.deque[int] = collections.deque(maxlen=64)  # steps at each leave
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.active)
+
+    def forward(self, hidden: str | None = None,
+                interrupt: Callable[[], None] | None = None) -> RowForward:
+        return RowForward(self, hidden, interrupt)
+
+    # -- called with the lock held --
+
+    def _join(self, row: RowForward) -> None:
+        if len(self.active) >= self.max_batch:
+            raise RuntimeError(f"batch is full ({self.max_batch} rows)")
+        length = row.local.cache[0].offset if row.local.cache else 0
+        for layer, single in zip(self.layers, row.local.cache, strict=True):
+            layer.append_row(single, length)
+        self._settle()  # (built on this thread: see _step)
+        self.active.append(row)
+        self.rows.set([*self.rows.lengths, length])
+        row.local.reset()  # the row's tokens live in the batch now
+
+    def _leave(self, row: RowForward) -> None:
+        index = self.active.index(row)
+        kept = [i for i in range(len(self.active)) if i != index]
+        for layer in self.layers:
+            layer.keep_rows(kept)
+        self._settle()
+        self.rows.set([self.rows.lengths[i] for i in kept])
+        del self.active[index]
+        self.leaves.append(self.steps)
+        self._step_if_ready()
+        self.cond.notify_all()
+
+    def _settle(self) -> None:
+        """Evaluate the rows' buffers now, on this thread (see _step)."""
+        mx.eval([a for c in self.layers for a in c.state if a is not None])
+
+    def _ready(self) -> bool:
+        return bool(self.active) and all(r.submitted is not None for r in self.active)
+
+    def _step_if_ready(self) -> None:
+        if self._ready():
+            self._step()
+
+    def _step(self) -> None:
+        rows = self.active
+        widths = [len(r.submitted) for r in rows]  # type: ignore[arg-type]
+        width = max(widths)
+        # Pad on the right with the row's last token: the padded positions are written past
+        # the row's length and masked from its real queries; the next step overwrites them.
+        tokens = [r.submitted + [r.submitted[-1]] * (width - len(r.submitted))  # type: ignore
+                  for r in rows]
+        hidden = next((r.hidden for r in rows if r.hidden is not None), None)
+        try:
+            logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
+            mx.eval([a for a in (logits, h) if a is not None])
+        except BaseException as e:  # every waiting row fails with it, not only this one
+            for r in rows:
+                r.submitted, r.error = None, e
+            self.cond.notify_all()
+            raise
+        self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
+        out = []
+        for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
+            r.result = logits[i, :w]
+            r.result_hidden = h[i, :w] if h is not None and r.hidden is not None else None
+            r.submitted = None
+            out += [a for a in (r.result, r.result_hidden) if a is not None]
+        # MLX runs a lazy array only on the thread that built it: every array another row's
+        # thread reads is evaluated here.
+        mx.eval(out)
+        self._settle()
+        self.steps += 1
+        self.widths = widths
+        self.peak = max(self.peak, len(rows))
+        self.ragged += len(set(widths)) > 1
+        self.cond.notify_all()
+
+
+class RowForward:
+    """One request's forward in a batch (the decode loop's `Forward`). Its methods are called
+    with the scheduler's lock held (MlxEngine holds it while the request's code runs)."""
+
+    def __init__(self, scheduler: BatchScheduler, hidden: str | None,
+                 interrupt: Callable[[], None] | None):
+        if hidden not in (None, "after", "before"):
+            raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
+        self.scheduler = scheduler
+        self.hidden = hidden
+        self.interrupt = interrupt
+        self.local = StageCache(scheduler.stage)  # the prompt's caches until the row joins
+        self.last_hidden: mx.array | None = None
+        self.submitted: list[int] | None = None
+        self.result: mx.array | None = None
+        self.result_hidden: mx.array | None = None
+        self.error: BaseException | None = None
+        self.prefill_waits = 0  # steps of the decoding rows run between this prompt's chunks
+        self.joined = False
+        self.closed = False
+
+    @property
+    def batch_size(self) -> int:
+        """Rows in this row's forwards (itself included, once it joins): the gates weigh it."""
+        active = len(self.scheduler.active)
+        return active if self.joined else min(active + 1, self.scheduler.max_batch)
+
+    @property
+    def index(self) -> int:
+        return self.scheduler.active.index(self)
+
+    @property
+    def cache(self) -> list[Any]:
+        """The request's caches as one-request caches (copies once it has joined): what the
+        prefix cache keeps at the end of the request."""
+        if not self.joined:
+            return self.local.cache
+        i = self.index
+        length = self.scheduler.rows.lengths[i]
+        return [layer.extract(i, length) for layer in self.scheduler.layers]
+
+    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+        """Go on from a prefix-cache hit (before the prefill)."""
+        self.local.adopt(cache)
+        return len(tokens)
+
+    def prefill(self, tokens: list[int]) -> None:
+        sched = self.scheduler
+        rows = []
+        for n, start in enumerate(range(0, len(tokens), sched.prefill_chunk)):
+            if n and sched.active:  # let the decoding rows take one step between chunks
+                sched.cond.wait_for(lambda seen=sched.steps: sched.steps != seen
+                                    or not sched.active)
+                self.prefill_waits += 1
+            if self.interrupt is not None:
+                self.interrupt()
+            _, h = self.local.run(tokens[start:start + sched.prefill_chunk], verify=False,
+                                  hidden=self.hidden)
+            if h is not None:
+                rows.append(h)
+        if rows:
+            self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+    def __call__(self, tokens: list[int]) -> mx.array:
+        sched = self.scheduler
+        if not self.joined:
+            # Wait for a free row (a batch at max_batch admits the next row when one leaves).
+            sched.cond.wait_for(lambda: len(sched.active) < sched.max_batch)
+            sched._join(self)
+            self.joined = True
+        self.result = self.error = None
+        self.submitted = list(tokens)
+        sched._step_if_ready()
+        sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
+        if self.error is not None:
+            raise RuntimeError(f"the batched forward failed: {self.error}") from self.error
+        logits, self.result = self.result, None
+        if self.result_hidden is not None:
+            self.last_hidden, self.result_hidden = self.result_hidden, None
+        return logits
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
+        if dropped <= 0:
+            return
+        rows = self.scheduler.rows
+        lengths = list(rows.lengths)
+        lengths[self.index] -= dropped
+        rows.set(lengths)
+
+    def close(self) -> None:
+        """Leave the batch (the request ended, however): the other rows go on without it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.joined:
+            self.scheduler._leave(self)
