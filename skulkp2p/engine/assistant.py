@@ -396,6 +396,11 @@ class AssistantDrafter:
         # cache, whose logits chose the new pending token.
         self.carry = forward.last_hidden[accepted:accepted + 1]
 
+    # A round another drafter drafted (lookup first, gates.LookupThenModel), or one while the
+    # gate has it off: the carried row still follows the cache (a slice, no compute).
+    follow = lag = lambda self, accepted, emitted, forward: self.observe(0, accepted, emitted,
+                                                                         forward)
+
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
         if k <= 0 or self.carry is None or len(history) < 2:
             return [], None
