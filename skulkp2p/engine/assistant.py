@@ -370,6 +370,16 @@ def shared_kv(view: TargetView, cache: list[Any], position: int
     return kv, {FULL: None, SLIDING: mask}
 
 
+def assistant_pass(assistant: LoadedAssistant, token: mx.array, carry: mx.array, kv: dict,
+                   masks: dict, position: mx.array) -> tuple[mx.array, mx.array]:
+    """One pass: the target's scaled embedding of `token` [1] beside the carried row [1, 1, Hb]
+    -> (next carried row, normed row for the head)."""
+    view = assistant.view
+    emb = view.embed_tokens(token[None]) * view.embed_scale
+    return assistant.model.step(mx.concatenate([emb, carry.astype(emb.dtype)], axis=-1), kv,
+                                masks, position)
+
+
 class AssistantDrafter:
     """Drafter protocol (decode.Drafter) over a loaded assistant: k passes per round, one token
     each, reading the forward's live caches (after the loop's rollback, so no draft ever reads
@@ -411,26 +421,30 @@ class AssistantDrafter:
         kv, masks = shared_kv(a.view, cache, position)
         pos = mx.array(position)
         greedy = self.params.greedy
+        token, carry = mx.array([history[-1]]), self.carry[None]
+        if greedy and self.params.repetition_penalty in (None, 1.0):
+            # Each pass's token feeds the next as an array: the k passes are one graph,
+            # evaluated once (no round trip to Python between passes).
+            chain = []
+            for _ in range(k):
+                carry, h = assistant_pass(a, token, carry, kv, masks, pos)
+                token = a.model.greedy(h[0, 0])[None]
+                chain.append(token)
+            return mx.concatenate(chain).tolist(), None
         ctx = self.params.repetition_context
         recent = history[-ctx:] if ctx > 0 else list(history)
-        token, carry = history[-1], self.carry[None]
         drafts: list[int] = []
         qs: list[np.ndarray] = []
         for _ in range(k):
-            emb = a.view.embed_tokens(mx.array([[token]])) * a.view.embed_scale
-            carry, h = a.model.step(mx.concatenate([emb, carry.astype(emb.dtype)], axis=-1),
-                                    kv, masks, pos)
-            if greedy and self.params.repetition_penalty in (None, 1.0):
-                token = int(a.model.greedy(h[0, 0]).item())
+            carry, h = assistant_pass(a, token, carry, kv, masks, pos)
+            row = process_logits(a.model.head_logits(h[0, 0]), recent + drafts, self.params)
+            if greedy:
+                drafts.append(greedy_token(row))
             else:
-                row = process_logits(a.model.head_logits(h[0, 0]), recent + drafts, self.params)
-                if greedy:
-                    token = greedy_token(row)
-                else:
-                    q = target_probs(row, self.params)
-                    token = sample_from(q, self.rng)
-                    qs.append(q)
-            drafts.append(token)
+                q = target_probs(row, self.params)
+                drafts.append(sample_from(q, self.rng))
+                qs.append(q)
+            token = mx.array(drafts[-1:])
         return drafts, (None if greedy else qs)
 
 
@@ -442,9 +456,8 @@ def draft_row(assistant: LoadedAssistant, cache: list[Any], carry: mx.array, tok
     cached = cache[assistant.view.full_index].offset
     position = cached - 1 if assistant.query_position == "last" else cached
     kv, masks = shared_kv(assistant.view, cache, position)
-    emb = assistant.view.embed_tokens(mx.array([[token]])) * assistant.view.embed_scale
-    _, h = assistant.model.step(mx.concatenate([emb, carry[None].astype(emb.dtype)], axis=-1),
-                                kv, masks, mx.array(position))
+    _, h = assistant_pass(assistant, mx.array([token]), carry[None], kv, masks,
+                          mx.array(position))
     return assistant.model.head_logits(h[0, 0])
 
 
