@@ -264,3 +264,35 @@ def test_loader_resolves_a_folder_beside_the_card(gemma, tmp_path):
     spec = {"assistant_model": "assistant-dense", "assistant_block_size": 5}
     assistant = open_assistant(store, spec, card_file, loaded)
     assert assistant.depth == 4 and not assistant.config.use_ordered_embeddings
+
+
+README_CARD = '''
+id = "gemma-4-e4b-it"
+family = "gemma4"
+format = "mlx"
+layers = 42
+hidden_size = 2560
+kv_heads = 2
+context_length = 131072
+size_bytes = 9_000_000_000
+
+[source]
+kind = "hf"
+repo = "mlx-community/gemma-4-e4b-it-8bit"
+
+[speculation]
+drafter = "assistant"
+assistant_model = "hf:mlx-community/gemma-4-E4B-it-assistant-bf16"
+assistant_block_size = 4
+'''
+
+
+def test_the_readme_card_parses(tmp_path):
+    from skulkp2p.models.cards import load_card
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for line in README_CARD.strip().splitlines():
+        assert line in readme  # the card shown in the README is this one
+    f = tmp_path / "gemma.toml"
+    f.write_text(README_CARD)
+    card = load_card(f)
+    assert card.speculation["assistant_model"].startswith("hf:mlx-community/")
