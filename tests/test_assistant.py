@@ -296,3 +296,110 @@ def test_the_readme_card_parses(tmp_path):
     f.write_text(README_CARD)
     card = load_card(f)
     assert card.speculation["assistant_model"].startswith("hf:mlx-community/")
+
+
+def test_served_card_passes_the_assistant_gguf_as_draft_mtp(tmp_path):
+    from skulkp2p.models.cards import load_card
+    from skulkp2p.served.model import server_args
+
+    f = tmp_path / "gemma-gguf.toml"
+    f.write_text('''id = "gemma-4-e2b-it-gguf"
+family = "gemma4"
+format = "gguf"
+layers = 35
+hidden_size = 1536
+kv_heads = 1
+context_length = 131072
+size_bytes = 3_000_000_000
+
+[source]
+kind = "local"
+path = "gemma-4-E2B-it-Q4_0.gguf"
+
+[placement]
+engine = "llama_server"
+served_spec_type = "draft_mtp"
+served_spec_draft = "gemma-4-E2B-it-assistant-Q4_0.gguf"
+served_spec_n_max = 3
+''')
+    card = load_card(f)
+
+    class NoCards:
+        cards: dict = {}
+
+    args = server_args(NoCards(), card, tmp_path / "gemma-4-E2B-it-Q4_0.gguf", no_spec=False)
+    assert args[args.index("--spec-type") + 1] == "draft-mtp"
+    assert args[args.index("--model-draft") + 1] == str(
+        tmp_path / "gemma-4-E2B-it-assistant-Q4_0.gguf")
+    assert args[args.index("--spec-draft-n-max") + 1] == "3"
+
+
+def test_pipe_runs_a_card_that_pairs_the_assistant(gemma, tmp_path):
+    """The whole path a user takes: a card in SKULKP2P_CARDS_DIR naming the target folder and its
+    assistant beside it, `python -m skulkp2p pipe`, explicit and auto speculation."""
+    from tests.helpers.procs import run_cli
+
+    cards = tmp_path / "cards"
+    cards.mkdir()
+    (cards / "gemma-tiny.toml").write_text(f'''id = "gemma-tiny"
+family = "gemma4"
+format = "mlx"
+layers = 6
+hidden_size = 64
+kv_heads = 2
+context_length = 4096
+size_bytes = 1_000_000
+
+[source]
+kind = "local"
+path = "{gemma['target']}"
+
+[speculation]
+drafter = "assistant"
+assistant_model = "{gemma['ordered']}"
+assistant_block_size = 3
+''')
+    lines = [json.dumps({"id": i, "prompt": PROMPT, "max_tokens": 20, "speculation": spec})
+             for i, spec in enumerate(["off", {"drafter": "assistant"}, "auto"])]
+    proc = run_cli("pipe", "--model", "gemma-tiny", "--data-dir", str(tmp_path / "data"),
+                   input="".join(line + "\n" for line in lines),
+                   env={"SKULKP2P_CARDS_DIR": str(cards)})
+    assert proc.returncode == 0, proc.stderr
+    off, explicit, auto = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert explicit["tokens"] == off["tokens"] == auto["tokens"]
+    assert explicit["speculation"]["drafter"] == "assistant"
+    assert explicit["speculation"]["max_depth"] == 2 and explicit["speculation"]["drafted"] > 0
+    assert "assistant" in auto["speculation"]["drafter"]
+
+
+def test_pipe_names_the_field_of_a_mismatched_pair(gemma, tmp_path):
+    from tests.helpers.procs import run_cli
+
+    bad = _copy_with(gemma["ordered"], tmp_path / "bad",
+                     lambda c: c["text_config"].update(head_dim=8))
+    cards = tmp_path / "cards"
+    cards.mkdir()
+    (cards / "g.toml").write_text(f'''id = "g"
+family = "gemma4"
+format = "mlx"
+layers = 6
+hidden_size = 64
+kv_heads = 2
+context_length = 4096
+size_bytes = 1_000_000
+
+[source]
+kind = "local"
+path = "{gemma['target']}"
+
+[speculation]
+drafter = "assistant"
+assistant_model = "{bad}"
+''')
+    proc = run_cli("pipe", "--model", "g", "--data-dir", str(tmp_path / "data"),
+                   input=json.dumps({"prompt": "x", "max_tokens": 2}) + "\n",
+                   env={"SKULKP2P_CARDS_DIR": str(cards)})
+    # The pipe answers the line with the load's error and goes on (as for any card field error).
+    assert proc.returncode == 0, proc.stderr
+    error = json.loads(proc.stdout)["error"]["message"]
+    assert "speculation.assistant_model" in error and "text_config.head_dim = 8" in error
