@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm import load as mlx_load
@@ -403,3 +404,42 @@ assistant_model = "{bad}"
     assert proc.returncode == 0, proc.stderr
     error = json.loads(proc.stdout)["error"]["message"]
     assert "speculation.assistant_model" in error and "text_config.head_dim = 8" in error
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_quantized_assistant_loads_and_drafts_close_to_the_full_one(target, gemma, kind,
+                                                                      tmp_path):
+    """mlx-community also publishes quantized conversions: `quantization` in config.json,
+    `.scales`/`.biases` beside packed weights (8-bit here, groups of 32)."""
+    from mlx.utils import tree_flatten
+
+    from skulkp2p.engine.assistant import AssistantModel, read_config
+
+    model, tokenizer = target
+    full = load_assistant(gemma[kind], model, mx.float32)
+    q = AssistantModel(read_config(gemma[kind]))
+    q.load_weights(tree_flatten(full.model.parameters()))
+    nn.quantize(q, group_size=32, bits=8)
+    out = tmp_path / "q"
+    out.mkdir()
+    weights = dict(tree_flatten(q.parameters()))
+    if kind == "ordered":
+        weights["masked_embedding.token_ordering"] = q.masked_embedding.token_ordering
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    config = json.loads((gemma[kind] / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 8}
+    (out / "config.json").write_text(json.dumps(config))
+    quant = load_assistant(out, model, mx.float32)
+    assert hasattr(quant.model.model.embed_tokens, "scales")
+
+    prompt = tokenizer.encode(PROMPT)
+    forward = LocalForward(model, hidden="after")
+    forward.prefill(prompt[:-1])
+    carry = forward.last_hidden[-1:]
+    a = np.array(draft_row(full, forward.cache, carry, prompt[-1]))[0]
+    b = np.array(draft_row(quant, forward.cache, carry, prompt[-1]))[0]
+    assert np.corrcoef(a, b)[0, 1] > 0.99
+    spec = list(decode(LocalForward(model, hidden="after"), prompt, SamplingParams(), 16,
+                       np.random.default_rng(0),
+                       AssistantDrafter(quant, SamplingParams(), np.random.default_rng(0)), 3))
+    assert spec == _mlx_lm_greedy(model, prompt, 16)

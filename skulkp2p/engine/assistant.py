@@ -136,6 +136,16 @@ class _Body(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
+def _rows(embedding: nn.Module, ids: mx.array) -> mx.array:
+    """Rows `ids` of an embedding (or linear) weight, as floats."""
+    if hasattr(embedding, "scales"):  # quantized: gather the packed rows, then dequantize them
+        return mx.dequantize(embedding.weight[ids], embedding.scales[ids],
+                             getattr(embedding, "biases", None)[ids]
+                             if getattr(embedding, "biases", None) is not None else None,
+                             embedding.group_size, embedding.bits)
+    return embedding.weight[ids]
+
+
 class CentroidHead(nn.Module):
     """`masked_embedding.*` of the E2B/E4B assistants: `centroids` scores clusters of tokens,
     `token_ordering` lists each cluster's token ids (vocab / centroids per cluster); only the
@@ -151,17 +161,18 @@ class CentroidHead(nn.Module):
         self.token_ordering = mx.zeros((args.vocab_size,), dtype=mx.int32)
         self.freeze(keys="token_ordering", recurse=False)  # an index buffer, not a weight
 
-    def candidates(self, h: mx.array, embedding: mx.array) -> tuple[mx.array, mx.array]:
-        """(token ids [n], their logits [n]) of the top clusters for one row h [d]."""
+    def candidates(self, h: mx.array, embedding: nn.Module) -> tuple[mx.array, mx.array]:
+        """(token ids [n], their logits [n]) of the top clusters for one row h [d]; only those
+        rows of the embedding are read (dequantized row by row when it is quantized)."""
         scores = self.centroids(h)
         top = mx.argpartition(scores, kth=-self.top_k, axis=-1)[-self.top_k:]
         ids = self.token_ordering.reshape(self.num_centroids, self.per_cluster)[top].reshape(-1)
-        return ids, embedding[ids] @ h
+        return ids, _rows(embedding, ids) @ h
 
-    def logits(self, h: mx.array, embedding: mx.array) -> mx.array:
+    def logits(self, h: mx.array, embedding: nn.Module, vocab: int) -> mx.array:
         """A full row [V]: the candidates' logits, every other token the smallest minus one."""
         ids, values = self.candidates(h, embedding)
-        row = mx.full((embedding.shape[0],), values.min() - 1.0, dtype=values.dtype)
+        row = mx.full((vocab,), values.min() - 1.0, dtype=values.dtype)
         row[ids] = values
         return row
 
@@ -194,13 +205,9 @@ class AssistantModel(nn.Module):
             out[name] = value
         return out
 
-    def output_weight(self) -> mx.array:
-        if not self.config.tie_word_embeddings:
-            return self.lm_head.weight
-        emb = self.model.embed_tokens
-        if isinstance(emb, nn.QuantizedEmbedding):
-            return mx.dequantize(emb.weight, emb.scales, emb.biases, emb.group_size, emb.bits)
-        return emb.weight
+    def output_layer(self) -> nn.Module:
+        """The module whose weight rows are the output embedding (tied or not)."""
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
 
     def step(self, x: mx.array, kv: dict[str, tuple[mx.array, mx.array]],
              masks: dict[str, mx.array | None], position: mx.array) -> tuple[mx.array, mx.array]:
@@ -216,7 +223,8 @@ class AssistantModel(nn.Module):
     def head_logits(self, h: mx.array) -> mx.array:
         """Logits [1, V] of one normed row h [d]."""
         if self.config.use_ordered_embeddings:
-            return self.masked_embedding.logits(h, self.output_weight())[None]
+            return self.masked_embedding.logits(h, self.output_layer(),
+                                                self.config.text.vocab_size)[None]
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)[None]
         return self.lm_head(h)[None]
@@ -224,7 +232,7 @@ class AssistantModel(nn.Module):
     def greedy(self, h: mx.array) -> mx.array:
         """The argmax token of one row without a full-vocabulary row (centroid head)."""
         if self.config.use_ordered_embeddings:
-            ids, values = self.masked_embedding.candidates(h, self.output_weight())
+            ids, values = self.masked_embedding.candidates(h, self.output_layer())
             return ids[mx.argmax(values)]
         return mx.argmax(self.head_logits(h)[0])
 
