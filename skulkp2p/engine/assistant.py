@@ -313,6 +313,22 @@ class LoadedAssistant:
     def depth(self) -> int:
         return max(1, self.block_size - 1)
 
+    def weights_per_pass(self) -> int:
+        """Parameters one pass reads (decode is bound by reading weights): the layers and
+        projections, and of the output embedding only the candidates' rows with a centroid head
+        (the centroids too) or all of it with a dense head."""
+        from mlx.utils import tree_flatten
+
+        config = self.config
+        head = {"model.embed_tokens.weight", "lm_head.weight", "masked_embedding.token_ordering"}
+        own = sum(v.size for name, v in tree_flatten(self.model.parameters())
+                  if name.split(".scales")[0].split(".biases")[0] not in head
+                  and not name.startswith(("model.embed_tokens.", "lm_head.")))
+        rows = config.text.vocab_size
+        if config.use_ordered_embeddings:
+            rows = config.centroid_top_k * (config.text.vocab_size // config.num_centroids)
+        return own + rows * config.text.hidden_size
+
 
 def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
                    block_size: int = 4, query_position: str = "last") -> LoadedAssistant:

@@ -146,9 +146,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
         hidden = loaded.mtp.conventions.hidden
     elif _assistant_usable(loaded):
         model_depth = loaded.assistant.depth
-        model_drafter = GatedDrafter(_assistant_drafter(loaded, req), costs, model_depth,
-                                     request_id=req.id,
-                                     draft_cost=_relative_cost(loaded.assistant.model, loaded))
+        model_drafter = GatedDrafter(
+            _assistant_drafter(loaded, req), costs, model_depth, request_id=req.id,
+            draft_cost=loaded.assistant.weights_per_pass() / max(_param_count(loaded.model), 1))
         hidden = "after"
     elif loaded.draft is not None:
         model_depth = int(loaded.speculation.get("draft_max_depth", 4))
