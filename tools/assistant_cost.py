@@ -4,9 +4,11 @@
 
 Without folders it builds the tiny gemma4_text target and its two tiny assistants
 (tools/tiny_gemma4.py) in a temporary folder. For each assistant it times, interleaved, the
-median of: one plain step of the target (one token through every layer, then trimmed back),
+median of: one plain step of the target (one token through every layer),
 one draft round (`propose` of `depth` tokens: depth assistant passes over the live cache) and a
-verify of depth + 1 tokens; it prints JSON with the times and their ratios to the plain step.
+verify of depth + 1 tokens (rolled back to its first token, as a round whose drafts were all
+rejected); the context grows as in decoding, past the sliding window. It prints JSON with the
+times and their ratios to the plain step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ def _median_ms(samples: list[float]) -> float:
 def measure(target: Path, assistant_dir: Path, depth: int, reps: int, dtype: str) -> dict:
     from mlx_lm import load
 
-    from skulkp2p.engine import caches
     from skulkp2p.engine.assistant import AssistantDrafter, load_assistant
     from skulkp2p.engine.forward import LocalForward
     from skulkp2p.engine.model import DTYPES
@@ -45,17 +46,23 @@ def measure(target: Path, assistant_dir: Path, depth: int, reps: int, dtype: str
     drafter = AssistantDrafter(assistant, SamplingParams(), np.random.default_rng(0))
     drafter.begin(prompt, forward)
     plain, draft, verify = [], [], []
+    history = list(prompt)
     for _ in range(reps):
+        # As decoding does: a plain step appends its token; a round drafts, verifies and keeps
+        # the pending token (the drafts are dropped), so the context grows by two per rep.
         t0 = time.perf_counter()
-        mx.eval(forward([prompt[-1]]))
+        mx.eval(forward([history[-1]]))
         t1 = time.perf_counter()
-        caches.trim(forward.cache, 1)
+        history.append(history[-1])
+        drafter.observe(0, 0, [history[-1]], forward)
         t2 = time.perf_counter()
-        tokens, _ = drafter.propose(prompt, depth)
+        tokens, _ = drafter.propose(history, depth)
         t3 = time.perf_counter()
-        mx.eval(forward([prompt[-1], *tokens]))
+        mx.eval(forward([history[-1], *tokens]))
         t4 = time.perf_counter()
-        forward.rollback(keep=0, dropped=depth + 1)
+        forward.rollback(keep=1, dropped=depth)
+        drafter.observe(depth, 0, [history[-1]], forward)
+        history.append(history[-1])
         plain.append(t1 - t0)
         draft.append(t3 - t2)
         verify.append(t4 - t3)

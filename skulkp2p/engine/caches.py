@@ -22,8 +22,9 @@ _EXACT_TRIM = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")
 def _cuts_after_concat(entry: Any, incoming: int | None) -> bool:
     """A rotating cache fed several entries at once (mlx-lm's `_update_concat`) holds them in a
     buffer in time order after the max_size - 1 entries before them, evicting nothing it still
-    needs: cutting up to `incoming` entries off that buffer's end undoes them exactly, wrapped or
-    not (a sliding-window target, e.g. Gemma, then rolls back a verify without a snapshot)."""
+    needs: cutting up to incoming - 1 entries off that buffer's end (a verify keeps its first
+    token) undoes them exactly, wrapped or not (a sliding-window target, e.g. Gemma, then rolls
+    back a verify without a snapshot; cutting more raises, see _trim_entry)."""
     return (type(entry).__name__ == "RotatingKVCache" and incoming is not None and incoming > 1
             and getattr(entry, "keep", 0) == 0)
 
