@@ -1,9 +1,10 @@
 """Cache checkpoint and rollback for every cache type mlx-lm builds: the one place these rules
 live (the trunk's forward, every ring stage and the draft model use them).
 
-Plain KV caches trim. Caches that cannot trim (recurrent state of gated-delta layers, rotating
-caches that have wrapped or may wrap) are snapshotted before a multi-token call and restored on
-rejection; the caller then re-runs the tokens it kept.
+Plain KV caches trim; a rotating (sliding-window) cache fed several tokens at once is cut back at
+the end of its time-ordered buffer. Caches that cannot trim (recurrent state of gated-delta
+layers, rotating caches fed one token that have wrapped or may wrap) are snapshotted before the
+call and restored on rejection; the caller then re-runs the tokens it kept.
 """
 
 from __future__ import annotations
