@@ -443,3 +443,22 @@ def test_a_quantized_assistant_loads_and_drafts_close_to_the_full_one(target, ge
                        np.random.default_rng(0),
                        AssistantDrafter(quant, SamplingParams(), np.random.default_rng(0)), 3))
     assert spec == _mlx_lm_greedy(model, prompt, 16)
+
+
+def test_the_sliding_mask_uses_the_assistants_window(target, gemma, tmp_path):
+    """As mlx-vlm and transformers do: an assistant whose window is smaller than the target's
+    sees only the keys within its own window of the query (and is not refused for it)."""
+    model, tokenizer = target
+    narrow = _copy_with(gemma["dense"], tmp_path / "narrow",
+                        lambda c: c["text_config"].update(sliding_window=8))
+    wide = load_assistant(gemma["dense"], model, mx.float32)
+    small = load_assistant(narrow, model, mx.float32)
+    assert (wide.view.window, small.view.window) == (16, 8)
+    prompt = tokenizer.encode(PROMPT + " " + PROMPT)
+    assert len(prompt) > 16  # more keys than either window
+    forward = LocalForward(model, hidden="after")
+    forward.prefill(prompt[:-1])
+    carry = forward.last_hidden[-1:]
+    a = np.array(draft_row(wide, forward.cache, carry, prompt[-1]).astype(mx.float32))
+    b = np.array(draft_row(small, forward.cache, carry, prompt[-1]).astype(mx.float32))
+    assert not np.allclose(a, b, atol=1e-3)

@@ -243,12 +243,12 @@ class TargetView:
     in layer order) hold the K/V it attends to, the sliding window, the input embedding."""
     full_index: int  # the last cache-owning full-attention layer
     sliding_index: int  # the last cache-owning sliding-window layer
-    window: int
+    window: int  # the assistant's sliding window (its masks; mlx-vlm and transformers use it)
     embed_tokens: nn.Module
     embed_scale: float
 
 
-def target_view(model: nn.Module) -> TargetView:
+def target_view(model: nn.Module, window: int | None = None) -> TargetView:
     trunk = Trunk(model)
     args = getattr(trunk.text, "args", None)
     types = list(getattr(args, "layer_types", None) or [])
@@ -261,7 +261,7 @@ def target_view(model: nn.Module) -> TargetView:
     if FULL not in last or SLIDING not in last:
         raise AssistantError("target: the assistant needs a cache-owning full-attention and a "
                              f"sliding-window layer; its owners are {types[:owners]}")
-    return TargetView(last[FULL], last[SLIDING], int(args.sliding_window),
+    return TargetView(last[FULL], last[SLIDING], int(window or args.sliding_window),
                       trunk.embed_tokens, float(trunk.body.embed_scale))
 
 
@@ -290,7 +290,6 @@ def check_pair(config: AssistantConfig, target_args: Any, where: str = "assistan
             raise AssistantError(f"{where} does not fit this target: "
                                  f"text_config.num_attention_heads = {a.num_attention_heads} is "
                                  f"no multiple of the target's {n} key/value heads")
-    differ("text_config.sliding_window", a.sliding_window, t.sliding_window, "sliding_window")
 
 
 def _safetensors(path: Path) -> list[Path]:
@@ -338,7 +337,7 @@ def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
         raise AssistantError(f"query position must be one of {', '.join(QUERY_POSITIONS)}, got "
                              f"{query_position!r}")
     config = read_config(path)
-    view = target_view(target)
+    view = target_view(target, config.text.sliding_window)
     check_pair(config, Trunk(target).text.args, f"assistant {path}")
     model = AssistantModel(config)
     weights: dict[str, mx.array] = {}
