@@ -20,20 +20,50 @@ def _window(cache):
     return sorted(int(x) for x in keys.reshape(-1)[: min(cache.offset, cache.max_size)].tolist())
 
 
-def test_rotating_cache_that_wraps_during_verify_is_snapshotted():
+def _reference_window(n: int) -> list[int]:
+    reference = RotatingKVCache(max_size=8, keep=0)
+    for t in range(n):
+        _feed(reference, [t])
+    return _window(reference)
+
+
+def test_rotating_cache_that_wraps_during_verify_is_cut_back():
+    """A multi-token verify goes through mlx-lm's concatenating update, which keeps the keys in
+    time order: cutting the rejected ones off the end is exact, wrapped or not (no snapshot)."""
     cache = [RotatingKVCache(max_size=8, keep=0)]
     _feed(cache[0], list(range(6)))
     verify = [6, 7, 100, 101]  # wraps the window during the verify
-    assert caches.needs_snapshot(cache, len(verify))
-    snap = caches.snapshot(cache, len(verify))
+    assert not caches.needs_snapshot(cache, len(verify))
     _feed(cache[0], verify)
-    caches.restore(cache, snap)  # reject the two drafts, then re-run what was kept
-    _feed(cache[0], [6, 7])
+    caches.trim(cache, 2)  # reject the two drafts
     _feed(cache[0], [8])
-    reference = RotatingKVCache(max_size=8, keep=0)
-    for t in range(9):
-        _feed(reference, [t])
-    assert _window(cache[0]) == _window(reference) == list(range(1, 9))
+    assert _window(cache[0]) == _reference_window(9) == list(range(1, 9))
+    _feed(cache[0], [9, 10, 200])  # and again, from a wrapped in-place buffer
+    caches.trim(cache, 1)
+    _feed(cache[0], [11])
+    assert _window(cache[0]) == _reference_window(12)
+    _feed(cache[0], [12, 400])
+    with pytest.raises(ValueError, match="cannot cut"):  # less than a window would be left
+        caches.trim(cache, 2)
+
+
+def test_rotating_cache_fed_one_token_that_wraps_is_snapshotted():
+    """One token at a time a wrapped ring overwrites its oldest entry: that needs a snapshot,
+    and restoring it (an offset entry otherwise) gives back the window."""
+    cache = [RotatingKVCache(max_size=8, keep=0)]
+    _feed(cache[0], list(range(8)))
+    assert caches.needs_snapshot(cache, 1)
+    snap = caches.snapshot(cache, 1)
+    _feed(cache[0], [100])
+    caches.restore(cache, snap)
+    _feed(cache[0], [8])
+    assert _window(cache[0]) == _reference_window(9)
+    snap = caches.snapshot(cache, 3)  # a whole verify undone: a cut cannot, so a copy
+    assert snap.entries[0][0] == "state"
+    _feed(cache[0], [9, 300, 301])
+    caches.restore(cache, snap)
+    _feed(cache[0], [9])
+    assert _window(cache[0]) == _reference_window(10)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

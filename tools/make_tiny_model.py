@@ -4,6 +4,8 @@ Usage::
 
     python tools/make_tiny_model.py --family llama|qwen3|qwen3_5 --out DIR [--seed N]
         [--mtp] [--mtp-style qwen|deepseek|mimo]
+    python tools/make_tiny_model.py --family gemma4_text --out DIR [--seed N]
+        [--assistant ordered|dense --assistant-out DIR2]   (tools/tiny_gemma4.py)
 
 The directory holds ``config.json``, ``generation_config.json``, ``model.safetensors``
 (bfloat16), ``tokenizer.json`` and ``tokenizer_config.json`` (a byte-level BPE with a
@@ -55,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "qwen3_5")
+FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma4_text")  # gemma4_text: tools/tiny_gemma4.py
 MTP_STYLES = ("qwen", "deepseek", "mimo")
 
 VOCAB_SIZE = 512
@@ -375,15 +377,18 @@ def _bf16_bytes(a: np.ndarray) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
-def _write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], bytes]]) -> None:
-    """A bf16 safetensors file with a canonical header, so the bytes depend only on data."""
+def _write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], bytes]],
+                       int64: dict[str, tuple[tuple[int, ...], bytes]] | None = None) -> None:
+    """A bf16 safetensors file with a canonical header, so the bytes depend only on data;
+    `int64` adds integer tensors (index buffers, e.g. a Gemma 4 assistant's token ordering)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
+    tensors = {**tensors, **(int64 or {})}
     names = sorted(tensors)
     for name in names:
         shape, data = tensors[name]
         header[name] = {
-            "dtype": "BF16",
+            "dtype": "I64" if int64 and name in int64 else "BF16",
             "shape": list(shape),
             "data_offsets": [offset, offset + len(data)],
         }
@@ -648,12 +653,27 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _write_common_files(out: Path) -> None:
+    """generation_config.json and the tokenizer, the same for every family."""
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": None, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": 0},
+    )
+    (out / "tokenizer.json").write_text(_train_tokenizer(), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+
+
 def make_tiny_model(
     family: str, out: Path, seed: int = 0, mtp: bool = False, mtp_style: str = "qwen"
 ) -> Path:
     """Write the tiny model for ``family`` into ``out`` (created if needed); return ``out``."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family == "gemma4_text":
+        if mtp:
+            raise ValueError("gemma4_text drafts with its assistant (--assistant), not --mtp")
+        from tools.tiny_gemma4 import make_target
+        return make_target(out, seed)
     if mtp_style not in MTP_STYLES:
         raise ValueError(f"unknown mtp style {mtp_style!r}; expected one of {MTP_STYLES}")
     out = Path(out)
@@ -661,12 +681,7 @@ def make_tiny_model(
     weights = _weights(family, seed, mtp, mtp_style)  # validates the style before writing
     _write_safetensors(out / "model.safetensors", weights)
     _write_json(out / "config.json", _config(family, mtp, mtp_style))
-    _write_json(
-        out / "generation_config.json",
-        {"bos_token_id": None, "eos_token_id": [IM_END_ID, ENDOFTEXT_ID], "pad_token_id": 0},
-    )
-    (out / "tokenizer.json").write_text(_train_tokenizer(), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config())
+    _write_common_files(out)
     conventions = out / "mtp_conventions.json"
     if mtp:
         _write_json(conventions, _mtp_conventions(family, mtp_style))
@@ -682,14 +697,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mtp", action="store_true", help="add a one-layer MTP head")
     parser.add_argument("--mtp-style", choices=MTP_STYLES, default=None)
+    parser.add_argument("--assistant", choices=("ordered", "dense"), default=None,
+                        help="gemma4_text: also write its assistant drafter (centroid head: "
+                        "ordered, as E2B/E4B; tied dense head: dense, as 12B/26B/31B)")
+    parser.add_argument("--assistant-out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.mtp_style is not None and not args.mtp:
         parser.error("--mtp-style needs --mtp")
+    if (args.assistant is None) != (args.assistant_out is None):
+        parser.error("--assistant and --assistant-out go together")
+    if args.assistant is not None and args.family != "gemma4_text":
+        parser.error("--assistant needs --family gemma4_text")
     try:
         path = make_tiny_model(args.family, args.out, args.seed, args.mtp, args.mtp_style or "qwen")
     except ValueError as e:
         parser.error(str(e))
     print(path)
+    if args.assistant is not None:
+        from tools.tiny_gemma4 import make_assistant
+        print(make_assistant(args.assistant_out, args.assistant, args.seed))
     return 0
 
 

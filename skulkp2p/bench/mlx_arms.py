@@ -33,7 +33,7 @@ MLX_LM_DRAFT_TOKENS = 2  # mlx-lm's own default num_draft_tokens
 
 
 PEERS = ("mlx_lm", "mlx_lm_draft")
-DRAFTER_NAMES = ("lookup", "mtp", "draft")
+DRAFTER_NAMES = ("lookup", "mtp", "draft", "assistant")
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
                                    "sidecar)", "speculation")
             return _mtp_drafter(loaded), spec.depth or loaded.mtp.conventions.max_depth, \
                 loaded.mtp.conventions.hidden
+        if spec.drafter == "assistant":
+            return _assistant_drafter(loaded, req, explicit=True), spec.depth or \
+                loaded.assistant.depth, "after"
         if loaded.draft is None:
             raise RequestError(f"model {loaded.id} has no draft model (card field "
                                "speculation.draft_model)", "speculation")
@@ -145,6 +148,12 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
                                      prior_accept=prior, prior_weight=MTP_PRIOR_WEIGHT,
                                      weigh_batch=weigh)
         hidden = loaded.mtp.conventions.hidden
+    elif _assistant_usable(loaded):
+        model_depth = loaded.assistant.depth
+        model_drafter = GatedDrafter(
+            _assistant_drafter(loaded, req), costs, model_depth, request_id=req.id,
+            draft_cost=loaded.assistant.weights_per_pass() / max(_param_count(loaded.model), 1))
+        hidden = "after"
     elif loaded.draft is not None:
         model_depth = int(loaded.speculation.get("draft_max_depth", 4))
         model_drafter = GatedDrafter(_draft_drafter(loaded, req), costs, model_depth,
@@ -202,6 +211,24 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
 def _mtp_drafter(loaded: LoadedModel):
     from skulkp2p.engine.mtp import MtpDrafter
     return MtpDrafter(loaded.mtp)
+
+
+def _assistant_usable(loaded: LoadedModel) -> bool:
+    # The assistant reads the target's caches of two mid-stack layers: it runs where every
+    # layer is local (a ring's last stage does not hold them yet; README, Gemma 4 assistant).
+    return loaded.assistant is not None and loaded.make_forward is None
+
+
+def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bool = False):
+    from skulkp2p.engine.assistant import AssistantDrafter, explicit_unavailable
+    if explicit and not _assistant_usable(loaded):
+        if loaded.assistant is None:
+            raise explicit_unavailable(loaded.id)
+        raise RequestError(f"model {loaded.id}: the assistant drafter runs only where the whole "
+                           "target is on one node (this model is split over a ring)",
+                           "speculation")
+    return AssistantDrafter(loaded.assistant, req.sampling, make_rng(
+        None if req.sampling.seed is None else req.sampling.seed + 1))
 
 
 def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):

@@ -54,12 +54,59 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
         from skulkp2p.engine.draft_model import check_compatible
         check_compatible(loaded.tokenizer, loaded.draft.tokenizer,
                          _vocab_size(loaded), _vocab_size(loaded.draft))
+    if speculation.get("drafter") == "assistant" and (span is None or span.last):
+        loaded.assistant = open_assistant(store, speculation, card.file if card else None,
+                                          loaded)
     from skulkp2p.engine.width_costs import load_width_costs  # `bench --widths` wrote it here
     loaded.width_costs = load_width_costs(resolved.id, dtype, store.data_dir)
     if loaded.width_costs:
         log.info("verify width costs for %s (%s) measured here: %s", resolved.id, dtype,
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())[:8]))
     return loaded
+
+
+def open_assistant(store: ModelStore, speculation: dict, card_file: Path | None,
+                   target: LoadedModel):
+    """The Gemma 4 assistant the card pairs with `target` (engine/assistant.py), in its dtype."""
+    from skulkp2p.engine.assistant import AssistantError, load_assistant
+    from skulkp2p.engine.model import DTYPES
+
+    path = resolve_assistant(store, speculation["assistant_model"], card_file)
+    try:
+        return load_assistant(path, target.model, DTYPES[target.dtype],
+                              int(speculation.get("assistant_block_size", 4)),
+                              speculation.get("assistant_query_position", "last"))
+    except AssistantError as e:
+        raise ValueError(f"card field speculation.assistant_model: {e}") from None
+
+
+def resolve_assistant(store: ModelStore, value: str, card_file: Path | None = None) -> Path:
+    """The local folder a card's `speculation.assistant_model` names: "hf:owner/repo" (the
+    hub's copy, e.g. hf:mlx-community/gemma-4-E4B-it-assistant-bf16; the local cache only
+    under HF_HUB_OFFLINE), a card id (pulled by the store), or a folder (relative to the card
+    file, or absolute)."""
+    if value.startswith("hf:"):
+        repo = value[3:]
+        if not _HF_REPO.fullmatch(repo):
+            raise ValueError(f"card field speculation.assistant_model {value!r}: not an "
+                             "'hf:owner/repo' Hugging Face repo id")
+        import huggingface_hub
+        try:
+            return Path(huggingface_hub.snapshot_download(
+                repo, allow_patterns=["*.json", "*.safetensors"], local_files_only=_hf_offline()))
+        except Exception as e:  # the hub's errors vary by version; the message says what
+            raise FileNotFoundError(f"card field speculation.assistant_model {value!r}: cannot "
+                                    f"fetch it{' (HF_HUB_OFFLINE is set)' * _hf_offline()}: "
+                                    f"{type(e).__name__}: {e}") from e
+    if value in store.cards:
+        return store.pull(value, progress=lambda label: ProgressBar(label, sys.stderr))
+    path = Path(value).expanduser()
+    if not path.is_absolute() and card_file is not None:
+        path = Path(card_file).parent / path
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"card field speculation.assistant_model {value!r}: no card of "
+                                f"that id and no folder with a config.json at {path}")
+    return path
 
 
 SIDECAR_FILE = "mtp.safetensors"

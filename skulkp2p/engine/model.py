@@ -33,6 +33,7 @@ class LoadedModel:
     width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
     mtp: Any = None  # a loaded MTP head, when the model has one
     draft: LoadedModel | None = None  # a draft model, when the card names one
+    assistant: Any = None  # a Gemma 4 assistant drafter (engine/assistant.py), when the card pairs one
     span: StageSpan | None = None  # the layers held here, when this node is one ring stage
     # (request, hidden, interrupt) -> a Forward; set on the last stage of a ring (RingForward)
     make_forward: Callable[..., Any] | None = None

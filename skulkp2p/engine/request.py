@@ -30,7 +30,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-DRAFTERS = ("lookup", "mtp", "draft")
+DRAFTERS = ("lookup", "mtp", "draft", "assistant")
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -408,7 +408,7 @@ def parse_speculation(value: Any) -> Speculation:
         depth = _integer(value, "depth", lo=1, hi=32) if "depth" in value else None
         return Speculation("explicit", drafter, depth)
     raise RequestError("'speculation' must be \"auto\", \"off\" or "
-                       "{\"drafter\": \"mtp\"|\"lookup\"|\"draft\", \"depth\": k}", "speculation")
+                       "{\"drafter\": \"mtp\"|\"lookup\"|\"draft\"|\"assistant\", \"depth\": k}", "speculation")
 
 
 COMMON_FIELDS = {"id", "model", "messages", "prompt", "max_tokens", "max_completion_tokens",

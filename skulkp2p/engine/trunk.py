@@ -7,6 +7,7 @@ trunk's hidden state, after or before the final norm depending on the model; com
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,10 @@ class _Identity(nn.Module):
         return x
 
 
+def _softcap(cap: float, x: mx.array) -> mx.array:
+    return mx.tanh(x / cap) * cap
+
+
 class Trunk:
     def __init__(self, model: nn.Module):
         self.model = model
@@ -26,15 +31,21 @@ class Trunk:
         args = getattr(self.text, "args", None)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or not hasattr(
             self.text, "lm_head")
+        # Gemma 2/3/4 cap their logits (tanh(x / c) * c) after the head, inside __call__: the
+        # family's own (compiled) function where it has one, so the rows are bit for bit its own.
+        self.softcap = getattr(self.text, "final_logit_softcapping", None)
+        module = sys.modules.get(type(self.text).__module__)
+        self._cap = getattr(module, "logit_softcap", None) or _softcap
 
     @property
     def embed_tokens(self) -> nn.Module:
         return self.body.embed_tokens
 
     def head(self, h: mx.array) -> mx.array:
-        if self.tied:
-            return self.body.embed_tokens.as_linear(h)
-        return self.text.lm_head(h)
+        out = self.body.embed_tokens.as_linear(h) if self.tied else self.text.lm_head(h)
+        if self.softcap:
+            out = self._cap(self.softcap, out)
+        return out
 
     def norm(self, h: mx.array) -> mx.array:
         return self.body.norm(h)

@@ -131,7 +131,15 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "draft_model": str,  # card id or path of a smaller model with the same tokenizer
     "draft_max_depth": int,
     "lookup": dict,
+    # The Gemma 4 assistant (engine/assistant.py): drafter = "assistant" pairs the target with
+    # assistant_model (a card id, a folder relative to the card or absolute, or hf:owner/repo);
+    # assistant_block_size counts the verified token plus the drafts, as mlx-vlm does.
+    "drafter": str,
+    "assistant_model": str,
+    "assistant_block_size": int,
+    "assistant_query_position": str,  # last (default) | next: which position the queries take
 }
+SPECULATION_DRAFTERS = ("assistant",)
 LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "enabled": bool, "max_key": int, "min_key": int, "max_depth": int,
     "min_repetition": (int, float),
@@ -154,6 +162,7 @@ CHAT_FIELDS: dict[str, type | tuple[type, ...]] = {"tool_parser": str}
 ENGINES = ("mlx", "llama_server")
 SERVED_SPEC_TYPES = ("none", "draft_simple", "draft_mtp", "draft_eagle3", "ngram_simple",
                      "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache")
+SERVED_DRAFT_TYPES = ("draft_simple", "draft_mtp")
 PLACEMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "engine": str,
     "gguf_file": str,  # path (relative to the card file or absolute); default: the card's source
@@ -189,15 +198,39 @@ def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
     if spec_type == "draft_simple" and not table.get("served_spec_draft"):
         raise CardError(f"{file}: field 'placement.served_spec_draft' is required when "
                         "served_spec_type is \"draft_simple\"")
-    if table.get("served_spec_draft") and spec_type != "draft_simple":
+    # draft_mtp takes a separate drafter GGUF too: a Gemma 4 target's assistant (llama.cpp's
+    # gemma4-assistant architecture), passed as --model-draft.
+    if table.get("served_spec_draft") and spec_type not in SERVED_DRAFT_TYPES:
         raise CardError(f"{file}: field 'placement.served_spec_draft' is only used with "
-                        f"served_spec_type \"draft_simple\", got {spec_type!r}")
+                        f"served_spec_type {' or '.join(SERVED_DRAFT_TYPES)}, got {spec_type!r}")
     if "served_context" in table:
         _positive(table["served_context"], "placement.served_context", file)
     for i, arg in enumerate(table.get("served_args", [])):
         if not isinstance(arg, str):
             raise CardError(f"{file}: field 'placement.served_args[{i}]' must be a string")
     return dict(table)
+
+
+def _check_assistant(speculation: dict[str, Any], file: Path) -> None:
+    drafter = speculation.get("drafter")
+    if drafter is not None and drafter not in SPECULATION_DRAFTERS:
+        raise CardError(f"{file}: field 'speculation.drafter' must be one of "
+                        f"{', '.join(SPECULATION_DRAFTERS)}, got {drafter!r}")
+    fields = [k for k in speculation if k.startswith("assistant_")]
+    if drafter == "assistant" and "assistant_model" not in speculation:
+        raise CardError(f"{file}: field 'speculation.assistant_model' is required when "
+                        "speculation.drafter is \"assistant\"")
+    if fields and drafter != "assistant":
+        raise CardError(f"{file}: field 'speculation.{fields[0]}' needs speculation.drafter = "
+                        "\"assistant\"")
+    block = speculation.get("assistant_block_size")
+    if block is not None and not 2 <= block <= 17:
+        raise CardError(f"{file}: field 'speculation.assistant_block_size' must be 2..17 (the "
+                        f"verified token and 1..16 drafts), got {block}")
+    position = speculation.get("assistant_query_position", "last")
+    if position not in ("last", "next"):
+        raise CardError(f"{file}: field 'speculation.assistant_query_position' must be last or "
+                        f"next, got {position!r}")
 
 
 def parse_card(data: dict[str, Any], file: Path) -> Card:
@@ -251,8 +284,13 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
                 raise CardError(f"{file}: field 'speculation.lookup.memory_tokens' must be >= 0")
         if key in ("mtp_max_depth", "draft_max_depth") and not 1 <= value <= 16:
             raise CardError(f"{file}: field 'speculation.{key}' must be 1..16, got {value}")
+    _check_assistant(speculation, file)
     placement = _parse_placement(
         _get(data, "placement", dict, "", file, required=False, default={}), file)
+    if placement.get("engine") == "llama_server" and speculation.get("drafter") == "assistant":
+        raise CardError(f"{file}: field 'speculation.drafter' \"assistant\" runs on the MLX "
+                        "engine; a llama_server card pairs its Gemma 4 assistant GGUF with "
+                        "placement.served_spec_type = \"draft_mtp\" and served_spec_draft")
     if placement.get("engine") == "llama_server" and fmt != "gguf":
         raise CardError(f"{file}: field 'placement.engine' \"llama_server\" needs format = "
                         f"\"gguf\", got {fmt!r}")
