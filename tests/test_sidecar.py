@@ -369,6 +369,15 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     assert logits.shape[-1] == VOCAB  # full vocabulary, -inf outside the draft vocabulary
     assert np.isin(logits.argmax(-1), ids).all()
     assert _decode(lm, head, 3) == _decode(lm)
+    if kind == "qwen":
+        # --init-from: an eagle head warm-started from this one drafts exactly as it does.
+        warm = train_sidecar.warm_start_tensors(base, lm.model, _config(base),
+                                                out / "mtp.safetensors", ids, "eagle")
+        mx.save_safetensors(str(tmp_path / "warm.safetensors"), warm)
+        lw = load_model(base, "tiny", dtype="float32", sidecar=tmp_path / "warm.safetensors")
+        assert lw.mtp.conventions.style == "eagle"
+        np.testing.assert_allclose(_logits(lw.mtp, hidden, tokens), logits, rtol=1e-5,
+                                   atol=1e-5)
 
     # Resumable: the checkpoint carries the step; a resumed run goes on from it.
     assert train_sidecar.main([*common, "--steps", "5", "--resume"]) == 0

@@ -83,6 +83,15 @@ PROMPT_ROW_WEIGHT = 0.5  # rows inside the prompt count less: drafts happen on g
 GEN_SHARE = 0.5  # of the time budget spent generating (the rest: init, training, evaluation)
 EVAL_SHARE = 0.15  # kept back for the held-out replay and writing
 CHECKPOINT_EVERY_S = 60.0
+DATA_NOTES = {  # the provenance's word on where the training text came from
+    "broad": "float32 generations of the base, greedy and sampled ({share:.0%} of batches, "
+             "temperature {t:g}), answering the broad chat prompt list of "
+             "tools/sidecar_prompts.py; held out: its separate hand-written prompts of another "
+             "style, answered greedily",
+    "stdlib": "float32 generations of the base, greedy and sampled ({share:.0%} of batches, "
+              "temperature {t:g}), from prompts built from Python stdlib docstrings/source and "
+              "/usr/share/doc texts; 1 in 10 source files held out",
+}
 
 
 # --- offline text and prompts ------------------------------------------------------------------
@@ -337,6 +346,24 @@ def initial_tensors(model: nn.Module, fc: np.ndarray, vocab_ids: np.ndarray,
     out[prefix + parts["norm_embed"] + ".weight"] = mx.ones((hidden,))
     out[prefix + parts["norm_hidden"] + ".weight"] = mx.ones((hidden,))
     out[prefix + parts["final_norm"] + ".weight"] = trunk.body.norm.weight.astype(mx.float32)
+    out[prefix + VOCAB_IDS] = mx.array(vocab_ids.astype(np.int32))
+    return out
+
+
+def warm_start_tensors(model_path: Path, model: nn.Module, config: dict[str, Any],
+                       sidecar: Path, vocab_ids: np.ndarray, kind: str) -> dict[str, mx.array]:
+    """The starting head from an earlier trained head (any kind, e.g. the qwen-named first
+    head): its weights under this kind's names, a zero fc bias where the kind has one, and the
+    new draft vocabulary (the lm_head rows are the trunk's, so the vocabulary is free to
+    change). Training then goes on from what the earlier head learnt."""
+    old = load_mtp_head(model_path, model, config, sidecar=Path(sidecar))
+    if old is None:
+        raise SystemExit(f"train_sidecar: {sidecar} holds no drafting head")
+    out = {_to_file_name(k, kind): v.astype(mx.float32)
+           for k, v in tree_flatten(old.trainable_parameters())}
+    prefix = PREFIXES[kind]
+    if kind == "eagle" and prefix + "fc.bias" not in out:
+        out[prefix + "fc.bias"] = mx.zeros((old.proj.weight.shape[0],))
     out[prefix + VOCAB_IDS] = mx.array(vocab_ids.astype(np.int32))
     return out
 
@@ -666,9 +693,14 @@ def train(args: argparse.Namespace) -> Path:
         coverage = state["coverage"]
     else:
         vocab_ids, coverage = choose_vocab(shards, args.coverage, vocab, eos, args.vocab)
-        fc = ridge_fc(lm.model, shards, eps)
         head_file = work / "init.safetensors"
-        mx.save_safetensors(str(head_file), initial_tensors(lm.model, fc, vocab_ids, args.kind))
+        if args.init_from:
+            start = warm_start_tensors(model_path, lm.model, config, args.init_from, vocab_ids,
+                                       args.kind)
+        else:
+            start = initial_tensors(lm.model, ridge_fc(lm.model, shards, eps), vocab_ids,
+                                    args.kind)
+        mx.save_safetensors(str(head_file), start)
     head = load_mtp_head(model_path, lm.model, config, sidecar=head_file)
     head.set_dtype(mx.float32)
     batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state))
@@ -768,7 +800,9 @@ def train(args: argparse.Namespace) -> Path:
         "training": {
             "steps": step, "runs": runs + [this_run()],
             "batch_sequences": args.train_batch, "lr": args.lr,
-            "feat_weight": args.feat_weight, "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
+            "feat_weight": args.feat_weight,
+            "init_from": (f"{args.init_from.name} (sha256 {sha256_file(args.init_from)})"
+                          if args.init_from else "ridge fit"), "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
             "train_seconds": round(train_s, 1),
             "total_seconds_this_run": round(time.monotonic() - t_start, 1),
             "minutes_budget": args.minutes, "seed": args.seed,
@@ -776,9 +810,8 @@ def train(args: argparse.Namespace) -> Path:
             "gen_tokens": args.gen_tokens, "train_shards": len(shards),
             "heldout_shards": len(held), "train_rows": gen_rows,
             "draft_vocab_coverage": round(coverage, 4),
-            "data": "greedy float32 generations of the base from prompts built from Python "
-                    "stdlib docstrings/source and /usr/share/doc texts; 1 in 10 source files "
-                    "held out", **counts,
+            "data": DATA_NOTES[args.data].format(share=args.sample_share, t=args.temperature),
+            **counts,
         },
         "source": {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
                    for f in [model_path / "config.json", *model_files]},
@@ -815,6 +848,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout-batches", type=int, default=0, help="cap (default: all)")
     p.add_argument("--heldout-batch", type=int, default=1,
                    help="sequences per held-out generation batch (1 keeps prompts whole)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this earlier trained head (sidecar file) instead of the "
+                        "ridge-fitted initial head")
     p.add_argument("--kind", choices=tuple(PREFIXES), default="eagle",
                    help="head to train: eagle (default) or the first head's qwen naming")
     p.add_argument("--data", choices=("broad", "stdlib"), default="broad",
