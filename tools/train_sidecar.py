@@ -10,7 +10,8 @@ default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bi
 layer of the trunk's own family, final norm, reduced vocabulary), or the first head's layout in
 qwen naming ``mtp.*`` (``--kind qwen``, no fc bias). Either way: from the trunk's hidden state
 h_t (after its final norm) and the embedding of token t+1, predict what the trunk itself
-predicts for t+2. The targets are the trunk's top-k distribution at t+1, so the head learns what the verifier accepts.
+predicts for t+2. The targets are the trunk's top-k distribution at t+1, so the head learns
+what the verifier accepts.
 
 How (the lessons of the first attempt):
 
@@ -29,9 +30,10 @@ How (the lessons of the first attempt):
    fraction of a trunk step; it stays exact because the verifier decides every token.
 3. A head that starts close to right (or from an earlier head, ``--init-from``): the decoder
    layer is a copy of the trunk's last layer with its residual output projections (o_proj,
-   down_proj) zeroed, so it starts as the identity; the final norm is the trunk's; fc is the ridge-regression solution mapping
-   [norm(embed(x_{t+1})), norm(h_t)] to the trunk's next hidden state, so the initial head already
-   predicts x_{t+2} as a linear model would instead of starting from a large loss.
+   down_proj) zeroed, so it starts as the identity; the final norm is the trunk's; fc is the
+   ridge-regression solution mapping [norm(embed(x_{t+1})), norm(h_t)] to the trunk's next
+   hidden state, so the initial head already predicts x_{t+2} as a linear model would instead
+   of starting from a large loss.
 4. Loss: cross-entropy against the trunk's top-k distribution at t+1 (over the draft vocabulary)
    plus a feature term pulling the head's normed output towards the trunk's h_{t+1}, which is what
    the head is fed back at depth > 1 (EAGLE's lesson).
