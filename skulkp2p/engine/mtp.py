@@ -23,9 +23,10 @@ A fourth kind is no checkpoint's own but a drafting head trained for a model tha
 
 * eagle (EAGLE-style): `eagle.fc` (with a bias, as EAGLE's fc) over `eagle.enorm` /
   `eagle.hnorm` of the next token's embedding and the trunk's feature, one decoder layer of the
-  trunk's family under `eagle.layers.0.`, `eagle.norm`, always with `eagle.vocab_ids` (the
-  reduced draft vocabulary over the trunk's lm_head). It is trained so that its normed output is
-  the trunk's next feature, and that output is what depth > 1 feeds back (chain "after").
+  trunk's family under `eagle.layers.0.`, `eagle.norm`, and `eagle.vocab_ids` (the reduced
+  draft vocabulary over the trunk's lm_head, as the trainer writes it). It is trained so that
+  its normed output is the trunk's next feature, and that output is what depth > 1 feeds back
+  (chain "after").
 
 A sidecar may also hold `{prefix}vocab_ids` (int32 [K]): a reduced draft vocabulary. The head
 then scores only those K rows of the shared lm_head (taken at load, quantised like the base),
