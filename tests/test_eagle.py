@@ -17,13 +17,13 @@ from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.mtp import MtpDrafter, detect_conventions, has_mtp_tensors
-from skulkp2p.engine.sampling import SamplingParams, make_rng
+from skulkp2p.engine.sampling import SamplingParams, make_rng, process_logits, target_probs
 from skulkp2p.engine.trunk import Trunk
-from tests.test_sampling_exactness import SHARPEN, goodness_of_fit, two_sample
-from tests.test_sampling_exactness import _probs_after as probs_after
+from tests.helpers.stats import goodness_of_fit, two_sample
 from tools import train_sidecar
 
 ALPHA = 1e-3
+SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exactness.py does)
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "cards" / "sidecars" / "smollm2-135m" / "mtp.safetensors"
@@ -98,6 +98,13 @@ def test_eagle_head_is_greedy_exact(eagle_llama):
         stats = DecodeStats()
         assert _decode(lm, lm.mtp, depth, stats=stats) == plain, f"depth {depth}"
         assert sum(stats.drafted_at) > 0
+
+
+def probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
+    """The exact distribution plain decoding draws the token after `history` from."""
+    f = LocalForward(model)
+    f.prefill(history[:-1])
+    return target_probs(process_logits(f([history[-1]]), history, params), params)
 
 
 def _sharpened(lm):
