@@ -6,8 +6,9 @@ topics from many fields, so the head sees the kinds of text a chat model writes.
 
 `HELDOUT_PROMPTS` is a separate, hand-written set used only to measure acceptance: a different
 style (several numbered questions in one message, first-person requests with a situation,
-role-play, riddles) on subjects that are not in the training topics, and none of the bench's
-workload texts (skulkp2p/bench/workloads.py).
+role-play, riddles), mostly on subjects outside the training topics; none of its prompts is in
+the training list (train_sidecar checks), and none is one of the bench's workload texts
+(skulkp2p/bench/workloads.py).
 """
 
 from __future__ import annotations
