@@ -336,31 +336,48 @@ def test_card_sidecar_from_hf_offline(tmp_path, monkeypatch):
 # --- training ---------------------------------------------------------------------------------
 
 
-def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path):
+@pytest.mark.parametrize("kind,data", [("eagle", "broad"), ("qwen", "stdlib")])
+def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     base = tiny_models["llama"]
     out = tmp_path / "trained"
+    p = train_sidecar.PREFIXES[kind]
     common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "12",
-              "--limit-files", "30", "--max-batches", "2", "--eval-tokens", "40"]
+              "--max-batches", "2", "--eval-tokens", "40", "--kind", kind, "--data", data,
+              "--heldout-batches", "2"]
+    if data == "stdlib":
+        common += ["--limit-files", "30", "--heldout-batch", "4"]
     assert train_sidecar.main([*common, "--steps", "3"]) == 0
     prov = tomllib.loads((out / "mtp.provenance.toml").read_text())
+    assert prov["conventions"]["style"] == kind
     assert prov["training"]["steps"] == 3
     acc = prov["acceptance"]
     assert [len(acc[f"depth{d}_per_position"]) for d in (1, 2, 3)] == [1, 2, 3]
     assert all(0.0 <= a <= 1.0 for a in acc["depth3_per_position"])
     tensors = mx.load(str(out / "mtp.safetensors"))
-    assert tensors["mtp.fc.weight"].dtype == mx.bfloat16
-    assert "lm_head.weight" not in tensors and "mtp.vocab_ids" in tensors
+    assert tensors[p + "fc.weight"].dtype == mx.bfloat16
+    assert "lm_head.weight" not in tensors and p + "vocab_ids" in tensors
+    assert (p + "fc.bias" in tensors) == (kind == "eagle")
 
     lm = load_model(base, "tiny", dtype="float32", sidecar=out / "mtp.safetensors")
     head = lm.mtp
     assert head is not None and head.conventions.hidden == "after"
+    assert head.conventions.style == kind
     ids = np.array(head.vocab_ids)
-    assert len(ids) == tensors["mtp.vocab_ids"].size <= VOCAB
+    assert len(ids) == tensors[p + "vocab_ids"].size <= VOCAB
     hidden, tokens = _rows(4)
     logits = _logits(head, hidden, tokens)
     assert logits.shape[-1] == VOCAB  # full vocabulary, -inf outside the draft vocabulary
     assert np.isin(logits.argmax(-1), ids).all()
     assert _decode(lm, head, 3) == _decode(lm)
+    if kind == "qwen":
+        # --init-from: an eagle head warm-started from this one drafts exactly as it does.
+        warm = train_sidecar.warm_start_tensors(base, lm.model, _config(base),
+                                                out / "mtp.safetensors", ids, "eagle")
+        mx.save_safetensors(str(tmp_path / "warm.safetensors"), warm)
+        lw = load_model(base, "tiny", dtype="float32", sidecar=tmp_path / "warm.safetensors")
+        assert lw.mtp.conventions.style == "eagle"
+        np.testing.assert_allclose(_logits(lw.mtp, hidden, tokens), logits, rtol=1e-5,
+                                   atol=1e-5)
 
     # Resumable: the checkpoint carries the step; a resumed run goes on from it.
     assert train_sidecar.main([*common, "--steps", "5", "--resume"]) == 0

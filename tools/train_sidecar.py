@@ -1,29 +1,39 @@
-"""Train an MTP head (a sidecar) for a model that has none, by self-distillation, trunk frozen.
+"""Train a drafting head (a sidecar) for a model that has none, by self-distillation, trunk frozen.
 
 Usage::
 
     python tools/train_sidecar.py --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
+        [--kind eagle|qwen] [--data broad|stdlib] [--init-from SIDECAR]
 
-What it trains (the README's "MTP sidecars", qwen naming ``mtp.*`` with one decoder layer of the trunk's own
-family, read by skulkp2p.engine.mtp.load_mtp_head): from the trunk's hidden state h_t (after its
-final norm) and the embedding of token t+1, predict what the trunk itself predicts for t+2. The
-targets are the trunk's top-k distribution at t+1, so the head learns what the verifier accepts.
+What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.mtp.load_mtp_head): by
+default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bias, one decoder
+layer of the trunk's own family, final norm, reduced vocabulary), or the first head's layout in
+qwen naming ``mtp.*`` (``--kind qwen``, no fc bias). Either way: from the trunk's hidden state
+h_t (after its final norm) and the embedding of token t+1, predict what the trunk itself
+predicts for t+2. The targets are the trunk's top-k distribution at t+1, so the head learns
+what the verifier accepts.
 
 How (the lessons of the first attempt):
 
-1. Data: prompts built from text that ships with the machine (Python stdlib docstrings and
-   source, /usr/share/doc READMEs), as chat requests (explain, summarise, edit code, ...) and
-   plain continuations; the model answers them greedily, in batches, in float32. Training rows
-   are mostly those generations: the distribution the head drafts on. A separate set of prompts
-   (other source files) is held out for the acceptance measurement.
+1. Data: the model's own answers, in batches, in float32 through our own trunk (so the features
+   are what serving computes; measured on this 2-core CPU, this batched generation with features
+   ran at 275 tok/s at batch 64 against llama-server's 251 tok/s with 32 slots on the Q4_1 GGUF,
+   which would still need a feature pass). ``--data broad`` (default): the chat prompt list of
+   tools/sidecar_prompts.py (questions, explanations, instructions, stories, poems, letters,
+   code), half the batches answered greedily and half sampled (``--sample-share``,
+   ``--temperature``); held out: its separate hand-written prompts of another style, answered
+   greedily one at a time (equal-length batches would cut their content). ``--data stdlib``: the
+   first head's prompts, built from Python stdlib docstrings/source and /usr/share/doc texts, one
+   source file in ten held out. Training rows are mostly generated text: what the head drafts on.
 2. A reduced draft vocabulary: the K most frequent target tokens (covering --coverage of the
    training targets). The head scores K rows of the shared lm_head, so a draft costs a small
    fraction of a trunk step; it stays exact because the verifier decides every token.
-3. A head that starts close to right: the decoder layer is a copy of the trunk's last layer with
-   its residual output projections (o_proj, down_proj) zeroed, so it starts as the identity; the
-   final norm is the trunk's; fc is the ridge-regression solution mapping
-   [norm(embed(x_{t+1})), norm(h_t)] to the trunk's next hidden state, so the initial head already
-   predicts x_{t+2} as a linear model would instead of starting from a large loss.
+3. A head that starts close to right (or from an earlier head, ``--init-from``): the decoder
+   layer is a copy of the trunk's last layer with its residual output projections (o_proj,
+   down_proj) zeroed, so it starts as the identity; the final norm is the trunk's; fc is the
+   ridge-regression solution mapping [norm(embed(x_{t+1})), norm(h_t)] to the trunk's next
+   hidden state, so the initial head already predicts x_{t+2} as a linear model would instead
+   of starting from a large loss.
 4. Loss: cross-entropy against the trunk's top-k distribution at t+1 (over the draft vocabulary)
    plus a feature term pulling the head's normed output towards the trunk's h_{t+1}, which is what
    the head is fed back at depth > 1 (EAGLE's lesson).
@@ -76,13 +86,22 @@ from skulkp2p.engine.trunk import Trunk  # noqa: E402
 from skulkp2p.progress import ProgressBar  # noqa: E402
 from tools.publish_sidecar import sha256_file, write_sidecar  # noqa: E402
 
-PREFIX = "mtp."
-LAYER_PREFIX = "mtp.layers.0."
+# Tensor prefix per kind of head: "eagle" (the default) or the first head's qwen naming.
+PREFIXES = {"eagle": "eagle.", "qwen": "mtp."}
 TOP_K = 8  # teacher distribution kept per position
 PROMPT_ROW_WEIGHT = 0.5  # rows inside the prompt count less: drafts happen on generated text
 GEN_SHARE = 0.5  # of the time budget spent generating (the rest: init, training, evaluation)
 EVAL_SHARE = 0.15  # kept back for the held-out replay and writing
 CHECKPOINT_EVERY_S = 60.0
+DATA_NOTES = {  # the provenance's word on where the training text came from
+    "broad": "float32 generations of the base, greedy and sampled ({share:.0%} of batches, "
+             "temperature {t:g}), answering the broad chat prompt list of "
+             "tools/sidecar_prompts.py; held out: its separate hand-written prompts of another "
+             "style, answered greedily",
+    "stdlib": "float32 generations of the base, greedy and sampled ({share:.0%} of batches, "
+              "temperature {t:g}), from prompts built from Python stdlib docstrings/source and "
+              "/usr/share/doc texts; 1 in 10 source files held out",
+}
 
 
 # --- offline text and prompts ------------------------------------------------------------------
@@ -196,6 +215,26 @@ def build_prompts(tokenizer: Any, seed: int, limit_files: int | None = None
     return train, held, counts
 
 
+def _chat_ids(tokenizer: Any, content: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def build_broad_prompts(tokenizer: Any, seed: int
+                        ) -> tuple[list[list[int]], list[list[int]], dict[str, int]]:
+    """(train prompts, held-out prompts, counts) from tools/sidecar_prompts.py: the broad chat
+    list for training, the separate hand-written set of another style for the measurement."""
+    from tools.sidecar_prompts import HELDOUT_PROMPTS, train_prompts
+    texts = train_prompts(seed)
+    overlap = set(texts) & set(HELDOUT_PROMPTS)
+    if overlap:
+        raise SystemExit(f"train_sidecar: held-out prompts in the training list: {overlap}")
+    train = [_chat_ids(tokenizer, t) for t in texts]
+    held = [_chat_ids(tokenizer, t) for t in HELDOUT_PROMPTS]
+    return train, held, {"train_prompts": len(train), "heldout_prompts": len(held)}
+
+
 def _tail_length(tokenizer: Any) -> int:
     """Tokens the chat template puts after the user's content (end of turn, assistant header):
     equalising prompt lengths cuts content, never these."""
@@ -227,11 +266,14 @@ def batches_of(prompts: list[list[int]], batch: int, max_len: int, tail: int
 
 
 def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
-                   eos: set[int], deadline: float | None = None) -> dict[str, np.ndarray]:
-    """Greedy continuations of equal-length prompts, batched, float32. Returns, per sample and
-    position: tokens, the hidden state after the final norm, the trunk's top-k logits; `ends`
-    is the first EOS position (or the length). Past `deadline` (time.monotonic) the answers
-    are cut short: a batch takes minutes on a busy CPU and must not overrun the budget."""
+                   eos: set[int], deadline: float | None = None,
+                   temperature: float = 0.0) -> dict[str, np.ndarray]:
+    """Continuations of equal-length prompts, batched, float32: greedy, or sampled at
+    `temperature` (more varied text; the targets stay the trunk's top-k at every position,
+    which is what the verifier decides by). Returns, per sample and position: tokens, the hidden
+    state after the final norm, the trunk's top-k logits; `ends` is the first EOS position (or
+    the length). Past `deadline` (time.monotonic) the answers are cut short: a batch takes
+    minutes on a busy CPU and must not overrun the budget."""
     trunk = Trunk(model)
     cache = make_prompt_cache(model)
     batch, plen = len(prompts), len(prompts[0])
@@ -248,6 +290,8 @@ def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
         hidden.append(np.array(h.astype(mx.float16)))
         top_ids.append(np.array(ids.astype(mx.int32)))
         top_vals.append(np.array(vals.astype(mx.float16)))
+        if temperature > 0:
+            return mx.random.categorical(logits[:, -1] / temperature)[:, None].astype(mx.int32)
         return ids[:, -1:, 0]
 
     nxt = step(tokens[0])
@@ -275,25 +319,29 @@ def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
 # --- the head -----------------------------------------------------------------------------------
 
 
-def _to_file_name(param: str) -> str:
-    """Head parameter name -> the sidecar's tensor name (qwen naming)."""
+def _to_file_name(param: str, kind: str) -> str:
+    """Head parameter name -> the sidecar's tensor name (the kind's naming)."""
+    prefix = PREFIXES[kind]
     if param.startswith("layer."):
-        return LAYER_PREFIX + param[len("layer."):]
+        return prefix + "layers.0." + param[len("layer."):]
     part, rest = param.split(".", 1)
-    return PREFIX + _PARTS["qwen"][part] + "." + rest
+    return prefix + _PARTS[kind][part] + "." + rest
 
 
 def head_tensors(head: MtpHead, dtype: mx.Dtype) -> dict[str, mx.array]:
-    out = {_to_file_name(k): v.astype(dtype) for k, v in tree_flatten(head.trainable_parameters())}
+    kind = head.conventions.style
+    out = {_to_file_name(k, kind): v.astype(dtype)
+           for k, v in tree_flatten(head.trainable_parameters())}
     if head.vocab_ids is not None:
-        out[PREFIX + VOCAB_IDS] = head.vocab_ids.astype(mx.int32)
+        out[PREFIXES[kind] + VOCAB_IDS] = head.vocab_ids.astype(mx.int32)
     return out
 
 
-def initial_tensors(model: nn.Module, fc: np.ndarray, vocab_ids: np.ndarray
-                    ) -> dict[str, mx.array]:
+def initial_tensors(model: nn.Module, fc: np.ndarray, vocab_ids: np.ndarray,
+                    kind: str = "eagle") -> dict[str, mx.array]:
     """The starting head: the trunk's last layer with zeroed residual outputs, unit input norms,
-    the trunk's final norm, and fc from the ridge fit."""
+    the trunk's final norm, and fc from the ridge fit (an eagle head's fc bias starts at 0)."""
+    prefix, parts = PREFIXES[kind], _PARTS[kind]
     trunk = Trunk(model)
     last = trunk.body.layers[-1]
     hidden = int(trunk.body.norm.weight.shape[0])
@@ -301,12 +349,32 @@ def initial_tensors(model: nn.Module, fc: np.ndarray, vocab_ids: np.ndarray
     for k, v in tree_flatten(last.parameters()):
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             v = mx.zeros_like(v)  # the layer starts as the identity on the residual stream
-        out[LAYER_PREFIX + k] = v.astype(mx.float32)
-    out[PREFIX + "fc.weight"] = mx.array(fc.astype(np.float32))
-    out[PREFIX + "pre_fc_norm_embedding.weight"] = mx.ones((hidden,))
-    out[PREFIX + "pre_fc_norm_hidden.weight"] = mx.ones((hidden,))
-    out[PREFIX + "norm.weight"] = trunk.body.norm.weight.astype(mx.float32)
-    out[PREFIX + VOCAB_IDS] = mx.array(vocab_ids.astype(np.int32))
+        out[prefix + "layers.0." + k] = v.astype(mx.float32)
+    out[prefix + parts["proj"] + ".weight"] = mx.array(fc.astype(np.float32))
+    if kind == "eagle":
+        out[prefix + parts["proj"] + ".bias"] = mx.zeros((hidden,))
+    out[prefix + parts["norm_embed"] + ".weight"] = mx.ones((hidden,))
+    out[prefix + parts["norm_hidden"] + ".weight"] = mx.ones((hidden,))
+    out[prefix + parts["final_norm"] + ".weight"] = trunk.body.norm.weight.astype(mx.float32)
+    out[prefix + VOCAB_IDS] = mx.array(vocab_ids.astype(np.int32))
+    return out
+
+
+def warm_start_tensors(model_path: Path, model: nn.Module, config: dict[str, Any],
+                       sidecar: Path, vocab_ids: np.ndarray, kind: str) -> dict[str, mx.array]:
+    """The starting head from an earlier trained head (any kind, e.g. the qwen-named first
+    head): its weights under this kind's names, a zero fc bias where the kind has one, and the
+    new draft vocabulary (the lm_head rows are the trunk's, so the vocabulary is free to
+    change). Training then goes on from what the earlier head learnt."""
+    old = load_mtp_head(model_path, model, config, sidecar=Path(sidecar))
+    if old is None:
+        raise SystemExit(f"train_sidecar: {sidecar} holds no drafting head")
+    out = {_to_file_name(k, kind): v.astype(mx.float32)
+           for k, v in tree_flatten(old.trainable_parameters())}
+    prefix = PREFIXES[kind]
+    if kind == "eagle" and prefix + "fc.bias" not in out:
+        out[prefix + "fc.bias"] = mx.zeros((old.proj.weight.shape[0],))
+    out[prefix + VOCAB_IDS] = mx.array(vocab_ids.astype(np.int32))
     return out
 
 
@@ -575,12 +643,16 @@ def train(args: argparse.Namespace) -> Path:
     eos = set(int(e) for e in lm.tokenizer.eos_token_ids)
 
     # 1. prompts and generations (held-out first: it is needed whatever the budget)
-    train_p, held_p, counts = build_prompts(lm.tokenizer, args.seed, args.limit_files)
+    if args.data == "broad":
+        train_p, held_p, counts = build_broad_prompts(lm.tokenizer, args.seed)
+    else:
+        train_p, held_p, counts = build_prompts(lm.tokenizer, args.seed, args.limit_files)
     tail = _tail_length(lm.tokenizer)
     # Batches are length buckets: shuffle them, so neither set is only the shortest prompts.
-    held_b = batches_of(held_p, args.batch, args.prompt_tokens, tail)
+    # Held-out batches of 1 keep every prompt whole (equal-length batches cut content).
+    held_b = batches_of(held_p, args.heldout_batch or args.batch, args.prompt_tokens, tail)
     random.Random(args.seed + 1).shuffle(held_b)
-    held_b = held_b[:args.heldout_batches]
+    held_b = held_b[:args.heldout_batches or None]
     train_b = batches_of(train_p, args.batch, args.prompt_tokens, tail)
     random.Random(args.seed).shuffle(train_b)
     if args.max_batches:
@@ -600,12 +672,21 @@ def train(args: argparse.Namespace) -> Path:
         if kind == "train" and time.monotonic() > gen_deadline and any(work.glob("train-*")):
             break
         deadline = gen_deadline if kind == "train" else None
-        _save_shard(path, generate_shard(lm.model, prompts, args.gen_tokens, eos, deadline))
+        # Training batches alternate greedy and sampled answers (--sample-share of them
+        # sampled, by batch index); held-out answers are greedy, as the bench decodes.
+        sampled = kind == "train" and int((i + 1) * args.sample_share) > int(i * args.sample_share)
+        temperature = args.temperature if sampled else 0.0
+        mx.random.seed(args.seed * 100_003 + i)  # a batch's samples do not depend on resuming
+        _save_shard(path, generate_shard(lm.model, prompts, args.gen_tokens, eos, deadline,
+                                         temperature))
         spent = (time.monotonic() - t_start) / max(gen_deadline - t_start, 1e-9)
         bar(max(int(1000 * spent), int(1000 * (j + 1) / len(jobs))), 1000)
         _log(f"{kind} batch {i}: {len(prompts)} x {len(prompts[0])} prompt tokens, "
              f"{time.monotonic() - t_start:.0f}s")
     bar(1, 1)
+    if args.generate_only:
+        _log(f"generated; {time.monotonic() - t_start:.0f}s")
+        return work
     held = _load_shards(work, "heldout")
     shards = _load_shards(work, "train")
     gen_rows = sum(int(np.minimum(s["ends"], s["tokens"].shape[1]).sum()) for s in shards)
@@ -618,13 +699,18 @@ def train(args: argparse.Namespace) -> Path:
         args.resume and state_file.exists()) else {}
     if state:
         head_file = ckpt
-        vocab_ids = np.array(mx.load(str(ckpt))[PREFIX + VOCAB_IDS])
+        vocab_ids = np.array(mx.load(str(ckpt))[PREFIXES[args.kind] + VOCAB_IDS])
         coverage = state["coverage"]
     else:
         vocab_ids, coverage = choose_vocab(shards, args.coverage, vocab, eos, args.vocab)
-        fc = ridge_fc(lm.model, shards, eps)
         head_file = work / "init.safetensors"
-        mx.save_safetensors(str(head_file), initial_tensors(lm.model, fc, vocab_ids))
+        if args.init_from:
+            start = warm_start_tensors(model_path, lm.model, config, args.init_from, vocab_ids,
+                                       args.kind)
+        else:
+            start = initial_tensors(lm.model, ridge_fc(lm.model, shards, eps), vocab_ids,
+                                    args.kind)
+        mx.save_safetensors(str(head_file), start)
     head = load_mtp_head(model_path, lm.model, config, sidecar=head_file)
     head.set_dtype(mx.float32)
     batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state))
@@ -704,7 +790,8 @@ def train(args: argparse.Namespace) -> Path:
         "model_type": str(config.get("model_type")),
         "licence": "as the base model's",
         "conventions": {
-            "style": "qwen", "prefix": PREFIX, "hidden": "after", "concat": "embed_first",
+            "style": args.kind, "prefix": PREFIXES[args.kind], "hidden": "after",
+            "concat": "embed_first",
             "norm_offset": 0.0, "chain": "after", "zero_first_embed": False, "layers": 1,
             "dtype": "bfloat16", "vocab_ids": len(vocab_ids),
             "shared_lm_head": "not stored: the base's lm_head rows for vocab_ids are used",
@@ -723,7 +810,10 @@ def train(args: argparse.Namespace) -> Path:
         "training": {
             "steps": step, "runs": runs + [this_run()],
             "batch_sequences": args.train_batch, "lr": args.lr,
-            "feat_weight": args.feat_weight, "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
+            "feat_weight": args.feat_weight,
+            "init_from": (f"{args.init_from.name} (sha256 {sha256_file(args.init_from)})"
+                          if args.init_from else "ridge fit"),
+            "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
             "train_seconds": round(train_s, 1),
             "total_seconds_this_run": round(time.monotonic() - t_start, 1),
             "minutes_budget": args.minutes, "seed": args.seed,
@@ -731,9 +821,8 @@ def train(args: argparse.Namespace) -> Path:
             "gen_tokens": args.gen_tokens, "train_shards": len(shards),
             "heldout_shards": len(held), "train_rows": gen_rows,
             "draft_vocab_coverage": round(coverage, 4),
-            "data": "greedy float32 generations of the base from prompts built from Python "
-                    "stdlib docstrings/source and /usr/share/doc texts; 1 in 10 source files "
-                    "held out", **counts,
+            "data": DATA_NOTES[args.data].format(share=args.sample_share, t=args.temperature),
+            **counts,
         },
         "source": {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
                    for f in [model_path / "config.json", *model_files]},
@@ -767,7 +856,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=48, help="sequences per generation batch")
     p.add_argument("--prompt-tokens", type=int, default=112, help="longest prompt")
     p.add_argument("--gen-tokens", type=int, default=160, help="tokens generated per prompt")
-    p.add_argument("--heldout-batches", type=int, default=1)
+    p.add_argument("--heldout-batches", type=int, default=0, help="cap (default: all)")
+    p.add_argument("--heldout-batch", type=int, default=1,
+                   help="sequences per held-out generation batch (1 keeps prompts whole)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this earlier trained head (sidecar file) instead of the "
+                        "ridge-fitted initial head")
+    p.add_argument("--kind", choices=tuple(PREFIXES), default="eagle",
+                   help="head to train: eagle (default) or the first head's qwen naming")
+    p.add_argument("--data", choices=("broad", "stdlib"), default="broad",
+                   help="prompts: tools/sidecar_prompts.py (default), or texts from the "
+                        "Python stdlib and /usr/share/doc (the first head's data)")
+    p.add_argument("--sample-share", type=float, default=0.5,
+                   help="share of training batches answered by sampling (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="temperature of the sampled answers (default %(default)s)")
+    p.add_argument("--generate-only", action="store_true",
+                   help="stop after generating the data (continue with --resume)")
     p.add_argument("--max-batches", type=int, default=0, help="cap on training batches")
     p.add_argument("--limit-files", type=int, default=None, help="cap on source files read")
     p.add_argument("--train-batch", type=int, default=8, help="sequences per training step")

@@ -44,8 +44,10 @@ class LoadedModel:
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
     """MTP head tensors in any of the namings real checkpoints use (Qwen `mtp.*`, MiMo
-    `model.mtp_layers.*`, DeepSeek's extra layer past num_hidden_layers)."""
-    return (key.startswith("mtp.") or ".mtp." in key or key.startswith("model.mtp_layers.")
+    `model.mtp_layers.*`, DeepSeek's extra layer past num_hidden_layers), and the trained
+    EAGLE-style heads' `eagle.*`."""
+    return (key.startswith(("mtp.", "eagle.")) or ".mtp." in key
+            or key.startswith("model.mtp_layers.")
             or (num_layers is not None and key.startswith(f"model.layers.{num_layers}.")))
 
 

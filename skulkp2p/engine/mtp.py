@@ -18,6 +18,16 @@ Three checkpoint namings carry such a head; `detect_conventions` recognises them
 * mimo (MiMo): `model.mtp_layers.0.` with `token_layernorm`, `hidden_layernorm`, `input_proj`
   (hidden FIRST in the concat), `final_layernorm`; embedding zeroed at position 0.
 
+A fourth kind is no checkpoint's own but a drafting head trained for a model that has none
+(tools/train_sidecar.py, shipped as a sidecar):
+
+* eagle (EAGLE-style): `eagle.fc` (with a bias, as EAGLE's fc) over `eagle.enorm` /
+  `eagle.hnorm` of the next token's embedding and the trunk's feature, one decoder layer of the
+  trunk's family under `eagle.layers.0.`, `eagle.norm`, and `eagle.vocab_ids` (the reduced
+  draft vocabulary over the trunk's lm_head, as the trainer writes it). It is trained so that
+  its normed output is the trunk's next feature, and that output is what depth > 1 feeds back
+  (chain "after").
+
 A sidecar may also hold `{prefix}vocab_ids` (int32 [K]): a reduced draft vocabulary. The head
 then scores only those K rows of the shared lm_head (taken at load, quantised like the base),
 which cuts a draft's cost when the vocabulary is large; other tokens are never drafted. Heads
@@ -64,7 +74,7 @@ from skulkp2p.engine.trunk import Trunk
 
 log = logging.getLogger("skulkp2p.mtp")
 
-STYLES = ("qwen", "deepseek", "mimo")
+STYLES = ("qwen", "deepseek", "mimo", "eagle")
 # Families whose raw checkpoints store RMSNorm weights zero-centred (x * (1 + w)).
 ZERO_CENTRED_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -74,6 +84,7 @@ _STYLE_DEFAULTS: dict[str, tuple[str, str, bool]] = {
     "qwen": ("embed_first", "after", False),
     "deepseek": ("embed_first", "before", True),
     "mimo": ("hidden_first", "after", True),
+    "eagle": ("embed_first", "after", False),
 }
 
 # Per style, the head's own modules (relative to the style's tensor prefix); every other tensor
@@ -85,7 +96,10 @@ _PARTS: dict[str, dict[str, str]] = {
                  "final_norm": "shared_head.norm", "head": "shared_head.head"},
     "mimo": {"proj": "input_proj", "norm_embed": "token_layernorm",
              "norm_hidden": "hidden_layernorm", "final_norm": "final_layernorm"},
+    "eagle": {"proj": "fc", "norm_embed": "enorm", "norm_hidden": "hnorm", "final_norm": "norm"},
 }
+# Styles whose decoder layer sits under `{prefix}layers.0.` (the others: under the prefix itself).
+_NESTED_LAYER = ("qwen", "eagle")
 # DeepSeek's MTP layer carries a copy of the shared embedding; the trunk's is used instead.
 _IGNORED = {"deepseek": ("embed_tokens.",)}
 # Optional int32 tensor (under the style's prefix) listing a reduced draft vocabulary.
@@ -95,7 +109,7 @@ VOCAB_IDS = "vocab_ids"
 @dataclass(frozen=True)
 class MtpConventions:
     """How to run one checkpoint's MTP head. Card fields override the detected values."""
-    style: str  # "qwen" | "deepseek" | "mimo"
+    style: str  # "qwen" | "deepseek" | "mimo" | "eagle"
     hidden: str = "after"  # trunk hidden fed to the head: "after" | "before" the final norm
     concat: str = "embed_first"  # "embed_first" | "hidden_first"
     norm_offset: float = 0.0  # 1.0 when the checkpoint stores RMSNorm weights zero-centred
@@ -147,6 +161,8 @@ def _locate(names: list[str], config: dict[str, Any]) -> tuple[str, str] | None:
     for name in names:
         if name.endswith("mtp.fc.weight"):
             return "qwen", name[: -len("fc.weight")]
+        if name.endswith("eagle.fc.weight"):
+            return "eagle", name[: -len("fc.weight")]
     deepseek = sorted(int(m.group(1)) for n in names
                       if (m := re.fullmatch(r"model\.layers\.(\d+)\.enorm\.weight", n)))
     if deepseek:
@@ -216,9 +232,10 @@ class MtpHead(nn.Module):
     """The MTP head's own modules; embedding and (shared) lm_head stay the trunk's."""
 
     def __init__(self, trunk: Trunk, layer: nn.Module, hidden_size: int, eps: float,
-                 conventions: MtpConventions, own_head_vocab: int | None = None):
+                 conventions: MtpConventions, own_head_vocab: int | None = None,
+                 proj_bias: bool = False):
         super().__init__()
-        self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=proj_bias)
         self.norm_embed = nn.RMSNorm(hidden_size, eps=eps)
         self.norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
         self.layer = layer
@@ -425,9 +442,9 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
     conv = _conventions(style, config, overrides)
     tensors = _read_tensors(files, prefix)
     parts = _PARTS[style]
-    layer_prefix = prefix + "layers.0." if style == "qwen" else prefix
+    layer_prefix = prefix + "layers.0." if style in _NESTED_LAYER else prefix
     ignored = tuple(prefix + p for p in _IGNORED.get(style, ()))
-    if style == "qwen" and any(n.startswith(prefix + "layers.1.") for n in tensors):
+    if style in _NESTED_LAYER and any(n.startswith(prefix + "layers.1.") for n in tensors):
         log.warning("MTP head has more than one layer; only layer 0 is used")
 
     trunk = Trunk(model)
@@ -466,7 +483,8 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
                 or 1e-6)
     own_head = weights.get("head.weight")  # DeepSeek's shared_head.head, when the file has it
     vocab = int(own_head.shape[0]) if own_head is not None else None
-    head = MtpHead(trunk, _build_layer(trunk, layer_tensors), hidden_size, eps, conv, vocab)
+    head = MtpHead(trunk, _build_layer(trunk, layer_tensors), hidden_size, eps, conv, vocab,
+                   proj_bias="proj.bias" in weights)
     quant = _quantization(config)
     prequantized = any(k.endswith(".scales") for k in weights)
     if prequantized:

@@ -1,0 +1,181 @@
+"""The EAGLE-style drafting head (engine/mtp.py, style "eagle"): a random head of that kind on a
+tiny model loads from its own tensor names (fc bias, reduced vocabulary) and drafts exactly
+(greedy byte-identical at depths 1-3; sampled output keeps the target's distribution); the head
+shipped for smollm2-135m loads as that kind and decodes byte-identically to plain decoding and
+to mlx-lm's generate (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import stream_generate
+
+from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.model import load_model
+from skulkp2p.engine.mtp import MtpDrafter, detect_conventions, has_mtp_tensors
+from skulkp2p.engine.sampling import SamplingParams, make_rng, process_logits, target_probs
+from skulkp2p.engine.trunk import Trunk
+from tests.helpers.stats import goodness_of_fit, two_sample
+from tools import train_sidecar
+
+ALPHA = 1e-3
+SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exactness.py does)
+TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "cards" / "sidecars" / "smollm2-135m" / "mtp.safetensors"
+
+
+def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int = 0) -> Path:
+    """A random EAGLE-style head for the model at `base`: the training tool's starting tensors
+    (eagle naming) with noise on every float tensor, so no part is the identity or zero."""
+    lm = load_model(base, "base", dtype="float32")
+    hidden = int(Trunk(lm.model).body.norm.weight.shape[0])
+    rng = np.random.default_rng(seed)
+    fc = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
+    tensors = train_sidecar.initial_tensors(lm.model, fc, vocab_ids, "eagle")
+    noisy = {}
+    for k, v in tensors.items():
+        if v.dtype == mx.int32:
+            noisy[k] = v
+            continue
+        noise = rng.standard_normal(v.shape).astype(np.float32) * 0.05
+        noisy[k] = (v.astype(mx.float32) + mx.array(noise)).astype(mx.bfloat16)
+    mx.save_safetensors(str(out), noisy)
+    return out
+
+
+def _decode(lm, head=None, depth=0, stats=None) -> list[int]:
+    """Greedy tokens after TEXT, with the head drafting at `depth` (plain without a head)."""
+    fwd = LocalForward(lm.model, hidden=head.conventions.hidden if head else None)
+    drafter = MtpDrafter(head) if head else None
+    return list(decode(fwd, lm.tokenizer.encode(TEXT), SamplingParams(), 24, make_rng(0),
+                       drafter, depth, stats))
+
+
+@pytest.fixture(scope="module")
+def eagle_llama(tiny_models, tmp_path_factory):
+    base = tiny_models["llama"]
+    vocab = int(Trunk(load_model(base, "base").model).embed_tokens.weight.shape[0])
+    ids = np.sort(np.random.default_rng(1).choice(vocab, 96, replace=False)).astype(np.int32)
+    sidecar = make_eagle_sidecar(base, tmp_path_factory.mktemp("eagle") / "eagle.safetensors",
+                                 ids)
+    return base, sidecar, ids
+
+
+def test_eagle_head_loads_as_its_own_kind(eagle_llama):
+    base, sidecar, ids = eagle_llama
+    names = set(mx.load(str(sidecar)))
+    assert {"eagle.fc.weight", "eagle.fc.bias", "eagle.enorm.weight", "eagle.hnorm.weight",
+            "eagle.norm.weight", "eagle.vocab_ids"} <= names
+    assert any(n.startswith("eagle.layers.0.self_attn.") for n in names)
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    assert has_mtp_tensors(base, {}, sidecar)
+    conv = detect_conventions(sidecar, {})
+    assert conv is not None and conv.style == "eagle" and conv.chain == "after"
+    head = lm.mtp
+    assert head is not None and head.conventions.style == "eagle"
+    assert "bias" in head.proj  # EAGLE's fc has a bias; the other kinds' do not
+    np.testing.assert_array_equal(np.array(head.proj.bias),
+                                  np.array(mx.load(str(sidecar))["eagle.fc.bias"]
+                                           .astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(head.vocab_ids), ids)
+    # Drafts come from the reduced vocabulary only.
+    rng = np.random.default_rng(2)
+    hidden = mx.array(rng.standard_normal((5, head.proj.weight.shape[0])).astype(np.float32))
+    logits = head(hidden, mx.array(ids[:5]), head.make_cache(), all_logits=True).logits
+    assert np.isin(np.array(mx.argmax(logits, -1)), ids).all()
+
+
+def test_eagle_head_is_greedy_exact(eagle_llama):
+    base, sidecar, _ = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    plain = _decode(lm)
+    for depth in (1, 2, 3):
+        stats = DecodeStats()
+        assert _decode(lm, lm.mtp, depth, stats=stats) == plain, f"depth {depth}"
+        assert sum(stats.drafted_at) > 0
+
+
+def probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
+    """The exact distribution plain decoding draws the token after `history` from."""
+    f = LocalForward(model)
+    f.prefill(history[:-1])
+    return target_probs(process_logits(f([history[-1]]), history, params), params)
+
+
+def _sharpened(lm):
+    """Peaked rows, as a trained model has (tests/test_sampling_exactness.py's SHARPEN)."""
+    w = lm.model.lm_head.weight
+    lm.model.lm_head.weight = (w.astype(mx.float32) * SHARPEN).astype(w.dtype)
+    mx.eval(lm.model.parameters())
+    return lm
+
+
+@pytest.mark.slow
+def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
+    """Sampled decoding with the head's (deterministic) drafts emits the first two tokens as
+    plain sampling does. The head's vocabulary is the target's likeliest next token and one
+    unlikely token, so its drafts are accepted in some samples and rejected in others."""
+    base = tiny_models["llama"]
+    lm = _sharpened(load_model(base, "tiny", dtype="float32"))
+    params = SamplingParams(temperature=1.0, top_k=30)
+    prompt = lm.tokenizer.encode(TEXT)
+    p1 = probs_after(lm.model, prompt, params)
+    likely, unlikely = int(np.argmax(p1)), int(np.argsort(p1)[-5])
+    sidecar = make_eagle_sidecar(base, tmp_path / "eagle.safetensors",
+                                 np.array(sorted({likely, unlikely}), np.int32), seed=3)
+    lm = _sharpened(load_model(base, "tiny", dtype="float32", sidecar=sidecar))
+    head = lm.mtp
+    head.restrict_vocab(head.vocab_ids)  # again: its rows of the sharpened lm_head
+
+    n = 1500
+
+    def first_two(drafter_head, seed0: int) -> tuple[list[tuple[int, ...]], DecodeStats]:
+        stats, out = DecodeStats(), []
+        for i in range(n):
+            fwd = LocalForward(lm.model, hidden="after" if drafter_head else None)
+            drafter = MtpDrafter(drafter_head) if drafter_head else None
+            steps = decode(fwd, prompt, params, 5, make_rng(seed0 + i), drafter,
+                           3 if drafter_head else 0, stats)
+            out.append((next(steps), next(steps)))
+            steps.close()
+        return out, stats
+
+    spec, stats = first_two(head, 1_000_000)
+    plain, _ = first_two(None, 0)
+    drafted, accepted = sum(stats.drafted_at), sum(stats.accepted_at)
+    assert 0 < accepted < drafted  # both the accept and the reject paths ran
+    assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA
+    assert two_sample(spec, plain) > ALPHA
+
+
+# --- the shipped head for the default model -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
+    from skulkp2p.engine.generate import generate
+    from skulkp2p.engine.request import parse_request
+
+    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32", sidecar=SHIPPED)
+    assert lm.mtp is not None and lm.mtp.conventions.style == "eagle"
+    for content in ("Why do leaves change colour in autumn? Answer in a few sentences.",
+                    "Write a short poem about a fox in the snow."):
+        messages = [{"role": "user", "content": content}]
+        prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ref = []
+        for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=64):
+            if r.token in lm.tokenizer.eos_token_ids:
+                break
+            ref.append(r.token)
+        plain = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
+                                            "speculation": "off"}))["tokens"]
+        assert plain == ref and len(ref) > 10
+        for spec in ({"drafter": "mtp", "depth": 1}, {"drafter": "mtp", "depth": 3}, "auto"):
+            out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
+                                              "speculation": spec}))
+            assert out["tokens"] == ref, spec
