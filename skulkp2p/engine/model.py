@@ -70,18 +70,24 @@ def _trunk_classes(config: dict[str, Any]):
 def load_model(path: Path, model_id: str, context_length: int | None = None,
                dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
                speculation: dict[str, Any] | None = None,
-               sidecar: Path | None = None, span: StageSpan | None = None) -> LoadedModel:
+               sidecar: Path | None = None, span: StageSpan | None = None,
+               head_only: bool = False) -> LoadedModel:
     """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
     its MTP head beside it when the checkpoint or a sidecar has one.
 
     With `span`, only that stage's layers are kept (see stage.py): the model is loaded lazily and
-    cut before anything is evaluated; only the last stage loads the MTP head."""
+    cut before anything is evaluated; only the last stage loads the MTP head. `head_only`
+    keeps no layer at all, only the embedding, final norm, head and drafter: the member of a
+    tensor-parallel group that runs the decode loop (engine/tensor.py)."""
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
     from skulkp2p.engine.mtp import has_mtp_tensors, load_mtp_head
 
-    model, config = mlx_load_model(Path(path), lazy=span is not None,
+    if head_only:
+        from skulkp2p.engine.stage import drop_layers
+        span = None
+    model, config = mlx_load_model(Path(path), lazy=span is not None or head_only,
                                    get_model_classes=_trunk_classes)
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -91,6 +97,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         # The last stage runs the drafter: an MTP head embeds its draft tokens.
         keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
         slice_model(model, span, keep_embedding=keep)
+    if head_only:
+        drop_layers(model)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
