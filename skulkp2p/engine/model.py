@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.stage import StageSpan, slice_model
+from skulkp2p.engine.trunk import Trunk
 
 log = logging.getLogger("skulkp2p.engine")
 
@@ -97,7 +98,9 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         # The last stage runs the drafter: an MTP head embeds its draft tokens.
         keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
         slice_model(model, span, keep_embedding=keep)
-    if head_only:
+    template = None
+    if head_only:  # one unevaluated layer stays aside: an MTP head copies its class
+        template = list(Trunk(model).body.layers)[:1]
         drop_layers(model)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     if dtype not in DTYPES:
@@ -109,8 +112,14 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     speculation = dict(speculation or {})
     overrides = {k: v for k, v in speculation.items()
                  if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
-    head = None if span is not None and not span.last else load_mtp_head(
-        Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    if template:
+        Trunk(model).body.layers = template
+    try:
+        head = None if span is not None and not span.last else load_mtp_head(
+            Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    finally:
+        if template:
+            drop_layers(model)
     if head is not None:
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,
