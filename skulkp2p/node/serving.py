@@ -51,8 +51,8 @@ from skulkp2p.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model import LoadedModel
-    from skulkp2p.node.tensor_roles import TensorRole
     from skulkp2p.engine.stage import StageSpan
+    from skulkp2p.node.tensor_roles import TensorRole
 
 log = logging.getLogger("skulkp2p.node")
 
