@@ -141,6 +141,10 @@ class Placement:
     # "pipeline": layers split along the ring, the last member runs the decode loop;
     # "tensor": every member holds a slice of every layer, the first runs the decode loop.
     parallel: str = "pipeline"
+    # The leader's placement version when it made this placement (kept while the placement
+    # is): a tensor group formed for it is told apart from one formed for an earlier
+    # placement on the same nodes.
+    serial: int = 0
 
     @property
     def entry(self) -> str:
@@ -151,7 +155,8 @@ class Placement:
         d: dict[str, Any] = {"model": self.model, "ring": list(self.ring),
                              "layers": [list(r) for r in self.layers],
                              "needs": list(self.needs), "term": self.term,
-                             "explicit": self.explicit, "parallel": self.parallel}
+                             "explicit": self.explicit, "parallel": self.parallel,
+                             "serial": self.serial}
         if self.spec is not None:
             d["spec"] = self.spec.to_dict()
         return d
@@ -163,7 +168,8 @@ class Placement:
                    tuple((int(a), int(b)) for a, b in d["layers"]),
                    tuple(int(x) for x in d.get("needs", ())), spec,
                    bool(d.get("explicit")), int(d.get("term", 0)),
-                   "tensor" if d.get("parallel") == "tensor" else "pipeline")
+                   "tensor" if d.get("parallel") == "tensor" else "pipeline",
+                   int(d.get("serial", 0)))
 
 
 @dataclass(frozen=True)

@@ -126,8 +126,9 @@ class RankProcess:
                     raise TensorError(f"no answer from the group within {timeout:.0f} s "
                                       f"({what})") from None
                 continue
-            if msg is None:
-                raise TensorError(self.why_dead())
+            if msg is None:  # the process ended: say why the group broke, when it is known
+                broken = check() if check is not None else None
+                raise TensorError(broken or self.why_dead())
             if msg.get("op") == "error":
                 raise TensorError(f"{self.label}: {msg.get('error')}")
             return msg

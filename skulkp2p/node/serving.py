@@ -101,7 +101,7 @@ class ClusterServing:
         """Placements changed: start a worker for every model placed on this node alone, and a
         stage for every ring this node is a member of (the last stage runs the decode loop)."""
         for model, p in sorted(node.placements().items()):
-            sig = (p.ring, p.layers)
+            sig = (p.ring, p.layers) + ((p.term, p.serial) if p.parallel == "tensor" else ())
             if model in self._roles and self._roles[model] != sig:
                 self._retire(model)  # re-placed: what this node held for it is stale
             if p.ring == (self.name,):
@@ -204,7 +204,8 @@ class ClusterServing:
                                            "rank": rank, "pid": info.get("pid"),
                                            "param_bytes": info.get("param_bytes")})
 
-        role = TensorRole(self.node, model, p.ring, lambda: self.store.pull(spec),
+        role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
+                          lambda: self.store.pull(spec),
                           serving_dtype, on_ready=ready)
         self.tensor_roles[model] = role
         role.start()

@@ -2,8 +2,9 @@
 torn down by the control plane.
 
 Forming a group: each member picks a free port on its data-plane host and gossips it in its
-`tp` fact ({model: {"ring", "gen", "addr"}}); once every member of the placement shows an
-address for the same ring and generation, each starts its rank process
+`tp` fact ({model: {"ring", "key", "gen", "addr"}}; the key names the placement by its term
+and serial); once every member of the placement shows an address for the same placement and
+generation, each starts its rank process
 (engine/tensor_rank.py) with the same host file, and the ranks meet through `mx.distributed`'s
 ring backend. Supervision: a rank process that exits (its group broke: a peer died, or the
 member running the decode loop gave up on a frozen peer and killed its rank 0) makes its
@@ -37,12 +38,13 @@ def free_port(host: str) -> int:
 
 
 class TensorRole:
-    def __init__(self, node: Any, model: str, ring: tuple[str, ...],
+    def __init__(self, node: Any, model: str, ring: tuple[str, ...], key: str,
                  model_path: Callable[[], Path], dtype: Callable[[], str],
                  on_ready: Callable[[dict[str, Any]], None] | None = None):
         self.node = node
         self.model = model
         self.ring = ring
+        self.key = key  # which placement this group is for (its term and serial)
         self.rank = ring.index(node.config.name)
         self.model_path = model_path  # blocking (may pull): called off the loop
         self.dtype = dtype
@@ -64,17 +66,20 @@ class TensorRole:
     def _publish(self, remove: bool = False) -> None:
         tp = {k: v for k, v in (self.node.facts.get("tp") or {}).items() if k != self.model}
         if not remove:
-            tp[self.model] = {"ring": list(self.ring), "gen": self.gen, "addr": self.addr}
+            tp[self.model] = {"ring": list(self.ring), "key": self.key, "gen": self.gen,
+                              "addr": self.addr}
         self.node.update_facts(tp=tp)
 
     def _peer(self, name: str) -> dict[str, Any] | None:
         if name == self.node.config.name:
-            return {"ring": list(self.ring), "gen": self.gen, "addr": self.addr}
+            return {"ring": list(self.ring), "key": self.key, "gen": self.gen,
+                    "addr": self.addr}
         m = self.node.core.membership.get(name)
         if m is None or m.state not in (ALIVE, SUSPECT):
             return None
         got = (m.facts.get("tp") or {}).get(self.model)
-        if not isinstance(got, dict) or got.get("ring") != list(self.ring):
+        if (not isinstance(got, dict) or got.get("ring") != list(self.ring)
+                or got.get("key") != self.key):  # an earlier placement's group
             return None
         return got
 
