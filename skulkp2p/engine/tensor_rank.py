@@ -110,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     body = Trunk(model).body
     hidden = int(model.args.hidden_size) if hasattr(model, "args") else 0
     dtype = next(iter(v for _, v in _flat(model.parameters()))).dtype
+    mx.clear_cache()
+    # param_bytes: what the shards add up to; active_bytes: what MLX really keeps (a slice
+    # that still pinned its whole tensor would show here).
     write_frame(out, {"op": "ready", "rank": args.rank, "param_bytes": param_bytes(model),
-                      "pid": os.getpid()})
+                      "active_bytes": mx.get_active_memory(), "pid": os.getpid()})
     cache = make_prompt_cache(model)
     decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
     inp = sys.stdin.buffer

@@ -59,7 +59,13 @@ def even_split(n: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_shards(n_heads: int, n_kv_heads: int, intermediate: int, size: int) -> list[ShardPlan]:
+def plan_shards(n_heads: int, n_kv_heads: int, intermediate: int, size: int,
+                hidden: int = 0, head_dim: int = 0) -> list[ShardPlan]:
+    """Each member's KV-head group and MLP columns. The KV heads split as evenly as they go;
+    when they split unevenly (3 over 2), the MLP columns make up for it, so that every member
+    holds about the same number of parameters (and does about the same matmul work):
+    attention costs 2 x (query heads + KV heads) x head_dim x hidden per member, a column
+    3 x hidden. Without `hidden` the columns follow the heads."""
     if size < 1:
         raise ShardError("a tensor-parallel group needs at least one member")
     if n_kv_heads < size:
@@ -67,15 +73,30 @@ def plan_shards(n_heads: int, n_kv_heads: int, intermediate: int, size: int) -> 
                          f"tensor-parallel over {size} members (at most {n_kv_heads})")
     group = n_heads // n_kv_heads
     kv = even_split(n_kv_heads, size)
-    plans = []
-    start = 0
+    if hidden and head_dim:
+        attn = [2 * (b - a) * (group + 1) * head_dim * hidden for a, b in kv]
+        fair = (sum(attn) + 3 * hidden * intermediate) / size
+        weights = [max(0.0, fair - x) for x in attn]
+    else:
+        weights = [float(b - a) for a, b in kv]
+    columns = _proportional(intermediate, weights)
+    plans, start = [], 0
     for r, (a, b) in enumerate(kv):
-        # MLP columns in proportion to the heads, so members do about the same work.
-        end = intermediate if r == size - 1 else start + round(intermediate * (b - a)
-                                                                / n_kv_heads)
-        plans.append(ShardPlan(r, size, (a, b), (a * group, b * group), (start, end)))
-        start = end
+        plans.append(ShardPlan(r, size, (a, b), (a * group, b * group),
+                               (start, start + columns[r])))
+        start += columns[r]
     return plans
+
+
+def _proportional(n: int, weights: list[float]) -> list[int]:
+    """n split in proportion to weights (largest remainder; ties to the earlier member)."""
+    total = sum(weights) or float(len(weights))
+    quotas = [n * (w if sum(weights) else 1.0) / total for w in weights]
+    counts = [int(q) for q in quotas]
+    order = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in order[:n - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def model_family(model: nn.Module) -> str:
@@ -97,8 +118,10 @@ def layer_plan(model: nn.Module, rank: int, size: int) -> ShardPlan:
     check_shardable(model)
     layer = Trunk(model).body.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
+    hidden = attn.q_proj.weight.shape[1]
+    head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
     return plan_shards(attn.n_heads, attn.n_kv_heads, mlp.gate_proj.weight.shape[0],
-                       size)[rank]
+                       size, hidden, head_dim)[rank]
 
 
 class _AllSum(nn.Module):
