@@ -153,6 +153,11 @@ class RankProcess:
                 raise TensorError(f"{self.label}: {e}") from None
             return self._next(timeout, check, "a forward call")
 
+    def probe(self, width: int, count: int, timeout: float = 60.0) -> float:
+        """Seconds that `count` all-sums of `width` rows take in the group, alone (rank 0)."""
+        return float(self.call({"op": "probe", "width": width, "count": count}, timeout,
+                               None)["s"])
+
     def kill(self) -> None:
         """End the process by pid (idempotent)."""
         if self.proc.poll() is None:

@@ -14,7 +14,9 @@ rows), so the group needs no channel besides `mx.distributed`. The other ranks o
 each writes one "ready" frame on its stdout and exits when its stdin closes or the group breaks.
 
 Commands (rank 0's stdin): {"op": "run", "x": rows [w, H], "rollback": [keep, dropped] | None,
-"reset": bool} -> {"op": "out", "h": rows [w, H], "cs": seconds}; {"op": "stop"}.
+"reset": bool} -> {"op": "out", "h": rows [w, H], "cs": seconds}; {"op": "probe", "width": w,
+"count": n} -> {"op": "probe", "s": seconds} (n all-sums of w rows alone: what the collectives
+cost, for the bench's split of the time); {"op": "stop"}.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Any, BinaryIO
 from skulkp2p import wire
 
 FRAME = "tp"
-OP_RUN, OP_STOP = 1, 2
-HEADER_INTS = 4  # op, width, rollback dropped, reset
+OP_RUN, OP_STOP, OP_PROBE = 1, 2, 3
+HEADER_INTS = 4  # op, width, rollback dropped (a probe: its count), reset
 
 
 def write_frame(out: BinaryIO, msg: dict[str, Any]) -> None:
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             msg = read_frame(inp, decoder)
             if msg is None or msg.get("op") == "stop":
                 header = mx.array([OP_STOP, 0, 0, 0], dtype=mx.int32)
+            elif msg.get("op") == "probe":
+                header = mx.array([OP_PROBE, int(msg["width"]), int(msg["count"]), 0],
+                                  dtype=mx.int32)
             else:
                 rb = msg.get("rollback") or [0, 0]
                 x_in = wire.unpack_array(msg["x"], as_mlx=True).astype(dtype)
@@ -135,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         if op == OP_STOP:
             return 0
         t0 = time.perf_counter()
+        if op == OP_PROBE:
+            probe = mx.zeros((width, hidden), dtype=dtype)
+            for _ in range(dropped):
+                mx.eval(mx.distributed.all_sum(probe, group=group))
+            if args.rank == 0:
+                write_frame(out, {"op": "probe", "s": round(time.perf_counter() - t0, 6)})
+            continue
         if reset:
             cache = make_prompt_cache(model)
         elif dropped:
