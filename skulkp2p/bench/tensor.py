@@ -97,21 +97,14 @@ class TensorBench:
         real = [f"{ip}:{free_port(ip)}" for ip in ips]
         via = list(real)
         if self.delay_s > 0:  # without a delay the ranks connect directly (no proxy's hops)
-            self.proxy = FaultProxy()
-            for i, ip in enumerate(ips):
-                proxied = free_port(ip)
-                self.proxy.listen(ip, proxied, int(real[i].rsplit(":", 1)[1]))
-                via[i] = f"{ip}:{proxied}"
-            # The ranks' outgoing connections come from whatever source the kernel picks.
-            for src in {*ips, "127.0.0.1"}:
-                for dst in ips:
-                    if src != dst:
-                        self.proxy.delay(src, dst, self.delay_s)
+            via = [f"{ip}:{free_port(ip)}" for ip in ips]
         t0 = time.monotonic()
         for r in range(self.nodes):
             addrs = [real[j] if j == r else via[j] for j in range(self.nodes)]
             self.ranks.append(RankProcess(Path(path), r, addrs, self.dtype,
                                           label=f"bench rank {r}"))
+        if self.delay_s > 0:
+            self._open_proxy(ips, real, via)
         loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
         try:
             ready = [rank.wait_ready(READY_TIMEOUT_S) for rank in self.ranks]
@@ -132,6 +125,34 @@ class TensorBench:
                  "%.1f s", self.nodes, self.delay_s * 1e3, self.allsum_s * 1e6,
                  self.settings["setup_s"])
         return loaded
+
+    def _open_proxy(self, ips: list[str], real: list[str], via: list[str]) -> None:
+        """Each rank's proxy port opens once that rank listens: a rank that reached the proxy
+        before its peer listened would see a connection made and then dropped, which the ring
+        backend does not retry (a refused one it does, for ~15 s). The last rank connects
+        before it listens, the others listen first, so the ports open one by one."""
+        self.proxy = FaultProxy()
+        for src in {*ips, "127.0.0.1"}:  # outgoing connections come from any source on lo
+            for dst in ips:
+                if src != dst:
+                    self.proxy.delay(src, dst, self.delay_s)
+        waiting = set(range(len(ips)))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while waiting:
+            for i in sorted(waiting):
+                if _listening(real[i]):
+                    self.proxy.listen(ips[i], int(via[i].rsplit(":", 1)[1]),
+                                      int(real[i].rsplit(":", 1)[1]))
+                    waiting.discard(i)
+            dead = [r for r in self.ranks if not r.alive()]
+            if dead:
+                try:  # its last frame says why (an error), else its exit status does
+                    dead[0].wait_ready(1.0)
+                except Exception as e:
+                    raise TensorBenchError(f"tensor-parallel group: {e}") from None
+            if time.monotonic() > deadline:
+                raise TensorBenchError("tensor-parallel group: the ranks do not listen")
+            time.sleep(0.02)
 
     def _install(self, loaded: LoadedModel) -> None:
         from skulkp2p.engine.tensor import TensorForward
@@ -190,3 +211,18 @@ def _param_bytes(loaded: LoadedModel) -> int:
     from skulkp2p.engine.stage import param_bytes
 
     return param_bytes(loaded.model)
+
+
+def _listening(addr: str) -> bool:
+    """Whether a socket listens on addr (IPv4, from /proc/net/tcp: no connection is made,
+    which the rank would take for its peer)."""
+    import ipaddress
+
+    host, port = addr.rsplit(":", 1)
+    want = f"{int(ipaddress.IPv4Address(host)).to_bytes(4, 'little').hex().upper()}:" \
+           f"{int(port):04X}"
+    try:
+        rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return True  # not Linux: go on and let the ready timeout bound it
+    return any(len(f := row.split()) > 3 and f[1] == want and f[3] == "0A" for row in rows)
