@@ -261,3 +261,16 @@ def test_real_model_speculative_equals_plain_on_two_ranks(smollm2_path):
             assert got.tokens == plain.tokens, arm
     finally:
         group.close()
+
+
+def test_drafter_cost_is_relative_to_the_whole_model_on_the_loop_member(models):
+    """The loop's member holds no layers; the MTP head's cost per draft must still be weighed
+    against a step of the whole model (else the gate switches the head off at once)."""
+    from skulkp2p.engine.generate import _relative_cost
+
+    path = models["llama"]
+    head = load_model(path, "llama", dtype="float32", head_only=True)
+    whole = load_model(path, "llama", dtype="float32")
+    assert head.mtp is not None and not head.model.model.layers
+    assert head.whole_params == sum(v.size for _, v in _flat(whole.model))
+    assert _relative_cost(head.mtp, head) == pytest.approx(_relative_cost(whole.mtp, whole))

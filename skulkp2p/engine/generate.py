@@ -191,7 +191,7 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
             rows = getattr(loaded.mtp, "vocab_ids", None)
             weight = trunk.embed_tokens.weight
             own += weight.size if rows is None else len(rows) * weight.shape[-1]
-        cache[key] = own / max(_param_count(loaded.model), 1)
+        cache[key] = own / max(loaded.whole_params or _param_count(loaded.model), 1)
     return cache[key]
 
 

@@ -40,6 +40,9 @@ class LoadedModel:
     # Every layer's cache of the WHOLE model trims exactly (no recurrent state, no rotating
     # window); a ring stage, which holds only some layers, learns it at load time.
     caches_trim: bool = True
+    # Parameters of the whole model when only part of it is held here (a tensor-parallel
+    # group's loop member holds no layers): what a drafter's cost is relative to.
+    whole_params: int | None = None
 
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
@@ -99,7 +102,10 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
         slice_model(model, span, keep_embedding=keep)
     template = None
+    whole_params = None
     if head_only:  # one unevaluated layer stays aside: an MTP head copies its class
+        from mlx.utils import tree_flatten
+        whole_params = sum(v.size for _, v in tree_flatten(model.parameters()))  # shapes only
         template = list(Trunk(model).body.layers)[:1]
         drop_layers(model)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
@@ -126,4 +132,4 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
                  head.conventions.max_depth)
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,
-                       caches_trim=caches_trim)
+                       caches_trim=caches_trim, whole_params=whole_params)
