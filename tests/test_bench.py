@@ -171,6 +171,41 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
             os.kill(s["pid"], 0)
 
 
+def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path):
+    """`bench --nodes 2 --parallel tensor`: two rank processes through the delaying proxy and
+    the bench holding the head; speculative output equal to plain; no rank left behind."""
+    import os
+
+    out = tmp_path / "tensor.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--max-tokens", "12", "--runs", "1", "--workloads", "echo",
+                   "--arms", "lookup:2", "--nodes", "2", "--parallel", "tensor",
+                   "--link-delay-ms", "1", "--json", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    group = doc["settings"]["ring"]
+    assert group["parallel"] == "tensor" and group["nodes"] == 2
+    ranks = group["ranks"]
+    assert len(ranks) == 2 and ranks[0]["pid"] != ranks[1]["pid"]
+    assert all(r["param_bytes"] > 0 for r in ranks)
+    # every all-sum crosses the proxy's 1 ms hops: the probe saw it
+    assert group["allsum_us_one_row"] >= 1000
+    assert group["collectives_per_call"] == 2 * 4 + 2 and group["bytes"] > 0
+    cells = {r["arm"]: r for r in doc["results"]}
+    assert set(cells) == {"plain", "spec", "lookup:2"}
+    for r in doc["results"]:
+        assert r["identical_to_plain"] is True, r
+        x = r["ring"]
+        assert x["traversals"] > 0 and x["ranks_s"] >= x["collectives_est_s"] > 0, x
+        assert x["total_s"] >= x["ranks_s"]
+    if cells["lookup:2"]["accepted"]:  # a verify round is one call to the group
+        assert cells["lookup:2"]["ring"]["traversals"] < cells["plain"]["ring"]["traversals"]
+    assert "| head s | ranks s |" in proc.stdout
+    for r in ranks:  # the rank processes are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
+
+
 def test_bench_agent_turns_with_and_without_the_prefix_cache(tiny, tmp_path):
     """`bench --agent`: six turns of one conversation and the shared-prefix pair, four arms
     (plain, spec, each with the prefix cache off and on) in one run: per-turn TTFT, decode

@@ -155,6 +155,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=_positive, default=1,
                    help="run the model as a pipeline ring of N stages: N-1 stage processes "
                         "and this one, on loopback over TCP (default 1: no ring)")
+    p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
+                   help="with --nodes: split the model by layers along a ring (pipeline, the "
+                        "default) or every layer over a tensor-parallel group of N rank "
+                        "processes (tensor)")
     p.add_argument("--link-delay-ms", type=float, default=0.0,
                    help="with --nodes: latency added to every hop by a proxy, standing in "
                         "for a LAN (default 0)")
@@ -236,13 +240,21 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         raise BenchError("--widths measures the whole model in one process: run it without "
                          "--nodes")
     from skulkp2p.bench.ring import RingBench, RingBenchError
+    from skulkp2p.bench.tensor import TensorBench, TensorBenchError
 
-    ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0),
-                     prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
+    if getattr(args, "parallel", "pipeline") == "tensor":
+        if getattr(args, "agent", False):
+            raise BenchError("--agent measures the prefix cache, which tensor-parallel groups "
+                             "do not keep: run it with --parallel pipeline")
+        ring: Any = TensorBench(store, args.model, dtype, nodes,
+                                getattr(args, "link_delay_ms", 0.0))
+    else:
+        ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0),
+                         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
     try:  # the stage processes end with the bench, however it ends
         try:
             loaded = ring.open()
-        except RingBenchError as e:
+        except (RingBenchError, TensorBenchError) as e:
             raise BenchError(str(e)) from None
         return _run_loaded(args, store, engine, load_before, arms, skipped, loaded, ring)
     finally:

@@ -180,6 +180,8 @@ def ring_table(doc: dict[str, Any]) -> str:
     ring = doc["settings"].get("ring")
     if not ring:
         return ""
+    if ring.get("parallel") == "tensor":
+        return tensor_table(doc)
     lines = [f"\nring: {ring['nodes']} stages {ring.get('layers')}, "
              f"{ring['link_delay_ms']:g} ms per hop x {ring['hops_per_traversal']} hops per "
              "traversal; seconds per run (median):", "",
@@ -194,5 +196,26 @@ def ring_table(doc: dict[str, Any]) -> str:
             f"| {r['workload']} | {r['arm']} | {x.get('total_s', 0):.2f} | "
             f"{x['last_stage_compute_s']:.2f} | {x['other_stages_compute_s']:.2f} | "
             f"{x['link_s']:.2f} | {x.get('loop_s', 0):.2f} | {x['traversals']:.0f} | "
+            f"{x.get('link_ms_per_traversal', 0):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def tensor_table(doc: dict[str, Any]) -> str:
+    """bench --nodes N --parallel tensor: where the time of the group went (tensor.py)."""
+    g = doc["settings"]["ring"]
+    lines = [f"\ntensor-parallel group: {g['nodes']} ranks, {g['link_delay_ms']:g} ms per hop, "
+             f"one all-sum of one row {g.get('allsum_us_one_row', 0):g} us alone, "
+             f"{g.get('collectives_per_call')} collectives per call; seconds per run (median):",
+             "", "| workload | arm | total s | head s | ranks s | of which collectives (est.) s "
+             "| pipe s | loop s | calls | collectives ms / call |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["results"]:
+        x = r.get("ring")
+        if not x:
+            continue
+        lines.append(
+            f"| {r['workload']} | {r['arm']} | {x.get('total_s', 0):.2f} | "
+            f"{x['head_compute_s']:.2f} | {x['ranks_s']:.2f} | {x['collectives_est_s']:.2f} | "
+            f"{x['pipe_s']:.2f} | {x.get('loop_s', 0):.2f} | {x['traversals']:.0f} | "
             f"{x.get('link_ms_per_traversal', 0):.2f} |")
     return "\n".join(lines) + "\n"

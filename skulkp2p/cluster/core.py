@@ -9,6 +9,7 @@ the tests' simulated network both drive it the same way, with ``tick(now)`` and
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -306,8 +307,8 @@ class ClusterCore:
                 errors[model] = _error_dict(got)
             else:
                 if got.term == 0 or model not in previous:
-                    got = Placement(got.model, got.ring, got.layers, got.needs, got.spec,
-                                    got.explicit, self.term)
+                    got = dataclasses.replace(got, term=self.term,
+                                              serial=self.placement_version + 1)
                 placements[model] = got
         if placements != self._placements or errors != self._errors or self._plan_term != self.term:
             self.placement_version += 1

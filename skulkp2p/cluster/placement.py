@@ -18,12 +18,19 @@ For one model:
 - a model that fits nowhere gets a PlacementError that says how much it needs and what the
   cluster has.
 
+A model whose card or placement request says ``parallel = "tensor"`` is placed tensor-parallel
+instead: every member holds a slice of every layer (engine/tensor_shard.py), so each needs
+``1/N`` of the weights and of the KV cache; the group is the smallest one of at least two nodes
+that fits (at most one member per KV head), and its first member runs the decode loop.
+``"pipeline"`` and ``"auto"`` (the default) place rings as above.
+
 Several models are placed one after another (previous placements first, then new ones by id);
 each takes its share of memory before the next is placed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +40,7 @@ from typing import Any
 OVERHEAD = 1.3
 DTYPE_SCALE = {"bfloat16": 1.0, "float16": 1.0, "float32": 2.0}  # vs bf16 card sizes
 MAX_COMBINATIONS = 4096  # beyond this many rings of one size, only the largest nodes are tried
+PARALLEL = ("auto", "pipeline", "tensor")
 
 
 class PlacementError(Exception):
@@ -58,6 +66,7 @@ class ModelSpec:
     head_dim: int = 0  # 0: estimated from hidden_size
     source: str = ""  # what a node loads it by: a card id, or a folder path (default: id)
     engine: str = ""  # "llama_server": one node that offers that engine; "" / "mlx": any ring
+    parallel: str = ""  # "tensor": a tensor-parallel group; "" / "auto" / "pipeline": a ring
 
     def kv_bytes_per_layer(self) -> int:
         """bf16 K and V for the whole context of one layer."""
@@ -68,7 +77,8 @@ class ModelSpec:
         return {"id": self.id, "layers": self.layers, "size_bytes": self.size_bytes,
                 "context_length": self.context_length, "hidden_size": self.hidden_size,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source,
-                **({"engine": self.engine} if self.engine else {})}
+                **({"engine": self.engine} if self.engine else {}),
+                **({"parallel": self.parallel} if self.parallel else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
@@ -83,7 +93,11 @@ class ModelSpec:
         engine = d.get("engine", "")
         if not isinstance(engine, str):
             raise ValueError(f"bad model spec engine {engine!r}")
-        spec = cls(d["id"], **{k: d[k] for k in ints if k in d}, source=source, engine=engine)
+        parallel = d.get("parallel", "")
+        if parallel not in ("", *PARALLEL):
+            raise ValueError(f"bad model spec parallel {parallel!r}")
+        spec = cls(d["id"], **{k: d[k] for k in ints if k in d}, source=source, engine=engine,
+                   parallel=parallel)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
         return spec
@@ -92,7 +106,17 @@ class ModelSpec:
     def from_card(cls, card: Any) -> ModelSpec:
         return cls(card.id, card.layers, card.size_bytes, card.context_length,
                    card.hidden_size, card.kv_heads, source=card.id,
-                   engine="" if getattr(card, "engine", "mlx") == "mlx" else card.engine)
+                   engine="" if getattr(card, "engine", "mlx") == "mlx" else card.engine,
+                   parallel=_card_parallel(card))
+
+    @property
+    def tensor(self) -> bool:
+        return self.parallel == "tensor"
+
+
+def _card_parallel(card: Any) -> str:
+    value = (getattr(card, "placement", None) or {}).get("parallel", "auto")
+    return "" if value == "auto" else value
 
 
 @dataclass(frozen=True)
@@ -114,12 +138,25 @@ class Placement:
     spec: ModelSpec | None = field(default=None, compare=False)
     explicit: bool = False  # the ring was named by the request ("nodes")
     term: int = 0
+    # "pipeline": layers split along the ring, the last member runs the decode loop;
+    # "tensor": every member holds a slice of every layer, the first runs the decode loop.
+    parallel: str = "pipeline"
+    # The leader's placement version when it made this placement (kept while the placement
+    # is): a tensor group formed for it is told apart from one formed for an earlier
+    # placement on the same nodes.
+    serial: int = 0
+
+    @property
+    def entry(self) -> str:
+        """The member that runs the decode loop and serves the model's requests."""
+        return self.ring[0] if self.parallel == "tensor" else self.ring[-1]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"model": self.model, "ring": list(self.ring),
                              "layers": [list(r) for r in self.layers],
                              "needs": list(self.needs), "term": self.term,
-                             "explicit": self.explicit}
+                             "explicit": self.explicit, "parallel": self.parallel,
+                             "serial": self.serial}
         if self.spec is not None:
             d["spec"] = self.spec.to_dict()
         return d
@@ -130,7 +167,9 @@ class Placement:
         return cls(str(d["model"]), tuple(str(n) for n in d["ring"]),
                    tuple((int(a), int(b)) for a, b in d["layers"]),
                    tuple(int(x) for x in d.get("needs", ())), spec,
-                   bool(d.get("explicit")), int(d.get("term", 0)))
+                   bool(d.get("explicit")), int(d.get("term", 0)),
+                   "tensor" if d.get("parallel") == "tensor" else "pipeline",
+                   int(d.get("serial", 0)))
 
 
 @dataclass(frozen=True)
@@ -172,6 +211,29 @@ def member_need(spec: ModelSpec, n_layers: int, dtype: str = "bfloat16",
     return math.ceil((weights + n_layers * spec.kv_bytes_per_layer()) * scale)
 
 
+def tensor_need(spec: ModelSpec, members: int, dtype: str = "bfloat16",
+                overhead: float = OVERHEAD) -> int:
+    """A member of a tensor-parallel group of `members`: 1/N of every layer's weights and
+    of the KV cache (the member that runs the loop also holds the embedding and head once;
+    they are inside size_bytes, split evenly here)."""
+    scale = DTYPE_SCALE.get(dtype, 1.0)
+    weights = spec.size_bytes * overhead / members
+    kv = spec.layers * spec.kv_bytes_per_layer() / members
+    return math.ceil((weights + kv) * scale)
+
+
+def _try_tensor(spec: ModelSpec, group: Sequence[str], free: Mapping[str, int],
+                dtypes: Mapping[str, str], overhead: float) -> Placement | None:
+    if len(group) < 2 or (spec.kv_heads and len(group) > spec.kv_heads):
+        return None
+    needs = tuple(tensor_need(spec, len(group), dtypes.get(n, "bfloat16"), overhead)
+                  for n in group)
+    if any(need > free[n] for n, need in zip(group, needs, strict=True)):
+        return None
+    return Placement(spec.id, tuple(group), tuple((0, spec.layers) for _ in group), needs, spec,
+                     parallel="tensor")
+
+
 def _ring_order(names: Iterable[str], free: Mapping[str, int]) -> list[str]:
     return sorted(names, key=lambda n: (-free[n], n))
 
@@ -211,6 +273,16 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
             raise PlacementError(spec.id, f"model {spec.id}: node {lacking[0]} does not offer "
                                           f"engine {spec.engine}")
         nodes = able
+    if spec.tensor and spec.engine:
+        raise PlacementError(spec.id, f"model {spec.id} runs on engine {spec.engine}: it cannot "
+                                      "be placed tensor-parallel")
+    if spec.tensor and ring and len(ring) < 2:
+        raise PlacementError(spec.id, f"model {spec.id}: a tensor-parallel placement needs at "
+                                      "least 2 nodes")
+    if spec.tensor and ring and spec.kv_heads and len(ring) > spec.kv_heads:
+        raise PlacementError(spec.id, f"model {spec.id} has {spec.kv_heads} KV heads: a "
+                                      f"tensor-parallel group has at most {spec.kv_heads} members")
+    attempt = _try_tensor if spec.tensor else _try_ring
     offers = {n.name: n for n in nodes}
     free = {n.name: n.memory for n in nodes} if free is None else dict(free)
     dtypes = {n.name: n.dtype for n in nodes}
@@ -222,12 +294,15 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
                                           f"cluster (alive: {', '.join(sorted(offers)) or 'none'})")
         if len(set(ring)) != len(ring):
             raise PlacementError(spec.id, f"model {spec.id}: a node appears twice in the ring")
-        got = _try_ring(spec, ring, free, dtypes, overhead)
+        got = attempt(spec, ring, free, dtypes, overhead)
         if got is None:
             raise _no_fit(spec, [offers[n] for n in ring], free, overhead, named=True)
-        return Placement(got.model, got.ring, got.layers, got.needs, spec, explicit=True)
+        return dataclasses.replace(got, explicit=True)
     names = sorted((n for n in offers if free.get(n, 0) > 0), key=lambda n: (-free[n], n))
-    for size in range(1, (1 if spec.engine else min(len(names), spec.layers)) + 1):
+    smallest = 2 if spec.tensor else 1
+    largest = (min(len(names), spec.kv_heads or len(names)) if spec.tensor
+               else 1 if spec.engine else min(len(names), spec.layers))
+    for size in range(smallest, largest + 1):
         if math.comb(len(names), size) <= MAX_COMBINATIONS:
             combos: Iterable[tuple[str, ...]] = itertools.combinations(names, size)
         else:  # many nodes: the largest ones, then each single swap of the smallest
@@ -236,7 +311,7 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
         best: tuple[tuple[Any, ...], Placement] | None = None
         for combo in combos:
             order = _ring_order(combo, free)
-            got = _try_ring(spec, order, free, dtypes, overhead)
+            got = attempt(spec, order, free, dtypes, overhead)
             if got is None:
                 continue
             headroom = min(free[n] - need for n, need in zip(order, got.needs, strict=True))
@@ -245,6 +320,10 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
                 best = (key, got)
         if best is not None:
             return best[1]
+    if spec.tensor and len(offers) < 2:
+        raise PlacementError(spec.id, f"model {spec.id} asks for a tensor-parallel placement, "
+                                      "which needs at least 2 nodes; the cluster has "
+                                      f"{len(offers)}")
     raise _no_fit(spec, [offers[n] for n in offers], free, overhead, named=False)
 
 

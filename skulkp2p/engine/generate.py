@@ -100,7 +100,8 @@ def _costs(loaded: LoadedModel) -> dict[int, float]:
 def speculation_allowed(loaded: LoadedModel) -> bool:
     """The card's gate: `speculative_multi_node = false` (e.g. MoE models, where verifying k+1
     rows costs nearly k+1 expert reads) turns speculation off once the model spans nodes."""
-    multi_node = loaded.span is not None and not loaded.span.first
+    multi_node = (loaded.span is not None and not loaded.span.first) or (
+        loaded.make_forward is not None)  # a ring's last stage, or a tensor-parallel group
     return not multi_node or bool(loaded.speculation.get("speculative_multi_node", True))
 
 
@@ -204,7 +205,7 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
             rows = getattr(loaded.mtp, "vocab_ids", None)
             weight = trunk.embed_tokens.weight
             own += weight.size if rows is None else len(rows) * weight.shape[-1]
-        cache[key] = own / max(_param_count(loaded.model), 1)
+        cache[key] = own / max(loaded.whole_params or _param_count(loaded.model), 1)
     return cache[key]
 
 

@@ -28,7 +28,7 @@ def serving_dtype() -> str:
 
 
 def open_model(store: ModelStore, spec: str, dtype: str | None = None,
-               span: StageSpan | None = None) -> LoadedModel:
+               span: StageSpan | None = None, head_only: bool = False) -> LoadedModel:
     resolved = store.resolve(spec)
     path = store.pull(spec, progress=lambda label: ProgressBar(label, sys.stderr))
     card = resolved.card
@@ -41,7 +41,8 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
     loaded = load_model(path, resolved.id,
                         context_length=card.context_length if card and card.family else None,
                         dtype=dtype, runtime=card.runtime if card else None,
-                        speculation=speculation, sidecar=sidecar, span=span)
+                        speculation=speculation, sidecar=sidecar, span=span,
+                        head_only=head_only)
     if card and card.chat:
         from skulkp2p.engine.tool_calls import model_format
         loaded.chat = dict(card.chat)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.stage import StageSpan, slice_model
+from skulkp2p.engine.trunk import Trunk
 
 log = logging.getLogger("skulkp2p.engine")
 
@@ -40,6 +41,9 @@ class LoadedModel:
     # Every layer's cache of the WHOLE model trims exactly (no recurrent state, no rotating
     # window); a ring stage, which holds only some layers, learns it at load time.
     caches_trim: bool = True
+    # Parameters of the whole model when only part of it is held here (a tensor-parallel
+    # group's loop member holds no layers): what a drafter's cost is relative to.
+    whole_params: int | None = None
 
 
 def is_mtp_key(key: str, num_layers: int | None) -> bool:
@@ -73,18 +77,24 @@ def _trunk_classes(config: dict[str, Any]):
 def load_model(path: Path, model_id: str, context_length: int | None = None,
                dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
                speculation: dict[str, Any] | None = None,
-               sidecar: Path | None = None, span: StageSpan | None = None) -> LoadedModel:
+               sidecar: Path | None = None, span: StageSpan | None = None,
+               head_only: bool = False) -> LoadedModel:
     """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
     its MTP head beside it when the checkpoint or a sidecar has one.
 
     With `span`, only that stage's layers are kept (see stage.py): the model is loaded lazily and
-    cut before anything is evaluated; only the last stage loads the MTP head."""
+    cut before anything is evaluated; only the last stage loads the MTP head. `head_only`
+    keeps no layer at all, only the embedding, final norm, head and drafter: the member of a
+    tensor-parallel group that runs the decode loop (engine/tensor.py)."""
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
     from skulkp2p.engine.mtp import has_mtp_tensors, load_mtp_head
 
-    model, config = mlx_load_model(Path(path), lazy=span is not None,
+    if head_only:
+        from skulkp2p.engine.stage import drop_layers
+        span = None
+    model, config = mlx_load_model(Path(path), lazy=span is not None or head_only,
                                    get_model_classes=_trunk_classes)
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -94,6 +104,13 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         # The last stage runs the drafter: an MTP head embeds its draft tokens.
         keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
         slice_model(model, span, keep_embedding=keep)
+    template = None
+    whole_params = None
+    if head_only:  # one unevaluated layer stays aside: an MTP head copies its class
+        from mlx.utils import tree_flatten
+        whole_params = sum(v.size for _, v in tree_flatten(model.parameters()))  # shapes only
+        template = list(Trunk(model).body.layers)[:1]
+        drop_layers(model)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -104,12 +121,18 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     speculation = dict(speculation or {})
     overrides = {k: v for k, v in speculation.items()
                  if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
-    head = None if span is not None and not span.last else load_mtp_head(
-        Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    if template:
+        Trunk(model).body.layers = template
+    try:
+        head = None if span is not None and not span.last else load_mtp_head(
+            Path(path), model, config, overrides=overrides, sidecar=sidecar)
+    finally:
+        if template:
+            drop_layers(model)
     if head is not None:
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,
                  head.conventions.max_depth)
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,
-                       caches_trim=caches_trim)
+                       caches_trim=caches_trim, whole_params=whole_params)

@@ -82,6 +82,12 @@ def slice_model(model: nn.Module, span: StageSpan, keep_embedding: bool = False)
     return model
 
 
+def drop_layers(model: nn.Module) -> nn.Module:
+    """Keep no layer (before the weights are read): embedding, final norm and head only."""
+    Trunk(model).body.layers = []
+    return model
+
+
 def param_bytes(module: nn.Module) -> int:
     """Bytes of parameters this module holds (what a stage actually keeps in memory)."""
     return sum(v.nbytes for _, v in tree_flatten(module.parameters()))

@@ -171,7 +171,9 @@ PLACEMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "served_spec_draft": str,  # card id or GGUF path of the draft model (draft_simple)
     "served_context": int,  # llama-server -c (default: min(context_length, 4096))
     "served_args": list,  # extra llama-server flags, verbatim
+    "parallel": str,  # "auto" (a pipeline ring), "pipeline", "tensor" (cluster/placement.py)
 }
+PARALLEL = ("auto", "pipeline", "tensor")
 
 
 def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
@@ -184,6 +186,12 @@ def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
     if engine not in ENGINES:
         raise CardError(f"{file}: field 'placement.engine' must be one of {', '.join(ENGINES)}, "
                         f"got {engine!r}")
+    parallel = table.get("parallel", "auto")
+    if parallel not in PARALLEL:
+        raise CardError(f"{file}: field 'placement.parallel' must be one of "
+                        f"{', '.join(PARALLEL)}, got {parallel!r}")
+    if parallel == "tensor" and engine != "mlx":
+        raise CardError(f"{file}: field 'placement.parallel' \"tensor\" needs the mlx engine")
     served = [k for k in table if k.startswith("served_") or k == "gguf_file"]
     if served and engine != "llama_server":
         raise CardError(f"{file}: field 'placement.{served[0]}' needs placement.engine = "

@@ -44,7 +44,7 @@ from skulkp2p.api.worker import ModelWorker
 from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
-from skulkp2p.cluster.placement import ModelSpec, Placement
+from skulkp2p.cluster.placement import PARALLEL, ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 from skulkp2p.telemetry import Telemetry
@@ -52,6 +52,7 @@ from skulkp2p.telemetry import Telemetry
 if TYPE_CHECKING:
     from skulkp2p.engine.model import LoadedModel
     from skulkp2p.engine.stage import StageSpan
+    from skulkp2p.node.tensor_roles import TensorRole
 
 log = logging.getLogger("skulkp2p.node")
 
@@ -90,6 +91,7 @@ class ClusterServing:
         self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
         self.prefix_cache_mb = prefix_cache_mb  # each model's, and each ring stage's own
         self.max_batch = max_batch  # a ring's last stage's (None: the card's, else default)
+        self.tensor_roles: dict[str, TensorRole] = {}  # model -> this node's rank of its group
 
     @property
     def name(self) -> str:
@@ -101,7 +103,7 @@ class ClusterServing:
         """Placements changed: start a worker for every model placed on this node alone, and a
         stage for every ring this node is a member of (the last stage runs the decode loop)."""
         for model, p in sorted(node.placements().items()):
-            sig = (p.ring, p.layers)
+            sig = (p.ring, p.layers) + ((p.term, p.serial) if p.parallel == "tensor" else ())
             if model in self._roles and self._roles[model] != sig:
                 self._retire(model)  # re-placed: what this node held for it is stale
             if p.ring == (self.name,):
@@ -110,7 +112,10 @@ class ClusterServing:
             elif len(p.ring) > 1 and self.name in p.ring and p.spec is not None:
                 if model not in self._roles:
                     self._roles[model] = sig
-                    self._start_stage(model, p)
+                    if p.parallel == "tensor":
+                        self._start_tensor(model, p)
+                    else:
+                        self._start_stage(model, p)
                 stage = self.ring.stages.get(model)
                 if stage is not None:
                     stage[0].term = p.term
@@ -123,6 +128,9 @@ class ClusterServing:
     def _retire(self, model: str) -> None:
         self._roles.pop(model, None)
         self.ring.set_stage(model, None)
+        role = self.tensor_roles.pop(model, None)
+        if role is not None:
+            role.stop()  # its rank process, by pid: the new placement forms a new group
         self.apis.pop(model, None)
         worker = self.workers.pop(model, None)
         if worker is not None:
@@ -180,6 +188,76 @@ class ClusterServing:
                                        "param_bytes": param_bytes(loaded.model)})
 
         loop.run_in_executor(None, self.load_stage, spec, span).add_done_callback(loaded_stage)
+
+    def _start_tensor(self, model: str, p: Placement) -> None:
+        """This node's rank of a tensor-parallel group (node/tensor_roles.py); on the group's
+        first member also the worker that runs the decode loop over a TensorForward."""
+        from skulkp2p.engine.loader import serving_dtype
+        from skulkp2p.node.tensor_roles import TensorRole
+
+        spec = self._source(model, p.spec.source)
+        rank = p.ring.index(self.name)
+        log.info("cluster: model %s: this node is rank %d of a tensor-parallel group of %d "
+                 "(%s)", model, rank, len(p.ring), ", ".join(p.ring))
+
+        def ready(info: dict[str, Any]) -> None:
+            if self.tensor_roles.get(model) is role:
+                self._report_stage(model, {"layers": [0, p.spec.layers], "parallel": "tensor",
+                                           "rank": rank, "pid": info.get("pid"),
+                                           "param_bytes": info.get("param_bytes")})
+
+        role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
+                          lambda: self.store.pull(spec),
+                          serving_dtype, on_ready=ready)
+        self.tensor_roles[model] = role
+        role.start()
+        if p.entry != self.name:
+            return
+
+        def load() -> Engine:
+            from skulkp2p.engine.loader import open_model
+            from skulkp2p.engine.mlx_engine import MlxEngine
+
+            loaded = open_model(self.store, spec, head_only=True)
+            loaded.make_forward = self._tensor_forward_factory(model, p.ring, loaded, role)
+            return MlxEngine(loaded, 0)  # the caches live in the ranks: no prefix cache
+        self._ensure_worker(model, p.spec.source, load)
+
+    def _tensor_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel,
+                                role: Any):
+        from skulkp2p.engine.protocol import EngineUnavailable
+        from skulkp2p.engine.tensor import TensorError, TensorForward
+
+        others = [n for n in ring if n != self.name]
+        checks = [self._alive(n) for n in others]
+
+        def make(req: Any, hidden: str | None, interrupt: Any) -> TensorForward:
+            p = self.node.core.placements().get(model)
+            if p is None or p.ring != ring:
+                raise TensorError(f"model {model} was re-placed; retry")
+            proc, gen = role.proc, role.gen
+            if proc is None or not role.ready:
+                raise EngineUnavailable(f"model {model}: its tensor-parallel group "
+                                        f"({', '.join(ring)}) is forming; retry shortly")
+
+            def broken() -> str | None:
+                for name, check in zip(others, checks, strict=True):
+                    why = check()
+                    if why:
+                        return f"node {name} {why}"
+                now = self.node.core.placements().get(model)
+                if now is None or now.ring != ring:
+                    return f"model {model} was re-placed; retry"
+                if role.gen != gen or role.proc is not proc:
+                    return "the group re-formed; retry"
+                return None
+
+            return TensorForward(loaded.model, proc,
+                                 prefill_step=int(loaded.runtime.get("prefill_step", 2048)),
+                                 hidden=hidden, interrupt=interrupt, check=broken,
+                                 label=f"{model} ({', '.join(ring)})")
+
+        return make
 
     def _report_stage(self, model: str, report: dict[str, Any]) -> None:
         # What the stage really holds, from its parameters (not the card): /v1/cluster shows it.
@@ -257,6 +335,8 @@ class ClusterServing:
             self.own_failed.set_result(error)
 
     async def stop_workers(self, timeout: float = 10.0) -> bool:
+        for role in self.tensor_roles.values():
+            role.stop(publish=False)  # rank processes end by pid with the node
         loop = asyncio.get_running_loop()
         results = await asyncio.gather(*(loop.run_in_executor(None, w.stop, timeout)
                                          for w in self.workers.values()))
@@ -330,7 +410,7 @@ class ClusterServing:
             raise ApiError(404, f"model {model!r} is not placed in this cluster (placed: "
                                 f"{placed}); ask for it with POST /v1/cluster/place",
                            param="model", code="model_not_found")
-        entry = p.ring[-1]  # a ring's last stage runs the decode loop (engine/ring.py)
+        entry = p.entry  # a ring's last stage, a tensor group's first member: the loop runs there
         if entry == self.name:
             return "local", None
         m = core.membership.get(entry)
@@ -419,13 +499,18 @@ class ClusterServing:
     async def place(self, req: HttpRequest) -> Response:
         body = req.json()
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            raise ApiError(400, "send {\"model\": ID, \"nodes\": [NAME, ...]?}", param="model")
-        extra = set(body) - {"model", "nodes"}
+            raise ApiError(400, "send {\"model\": ID, \"nodes\": [NAME, ...]?, \"parallel\": "
+                                "\"auto\"|\"pipeline\"|\"tensor\"?}", param="model")
+        extra = set(body) - {"model", "nodes", "parallel"}
         if extra:
             raise ApiError(400, f"unknown field {sorted(extra)[0]!r}", param=sorted(extra)[0])
         nodes = body.get("nodes") or []
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
             raise ApiError(400, "'nodes' must be a list of node names", param="nodes")
+        parallel = body.get("parallel")
+        if parallel is not None and parallel not in PARALLEL:
+            raise ApiError(400, f"'parallel' must be one of {', '.join(PARALLEL)}",
+                           param="parallel")
         core = self._core()
         known = core.placements().get(body["model"])
         if known is not None and known.spec is not None:
@@ -438,6 +523,8 @@ class ClusterServing:
                 raise ApiError(404, str(e), param="model", code="model_not_found") from None
             if resolved.card is None and not nodes:
                 nodes = [self.name]  # a local folder: this node's disk
+        if parallel is not None:
+            spec = dataclasses.replace(spec, parallel="" if parallel == "auto" else parallel)
         if core.leader is None:
             raise _unavailable("the cluster has no leader right now; retry shortly",
                                "no_leader")
@@ -464,7 +551,8 @@ class ClusterServing:
     def _placement_of(self, spec: ModelSpec, nodes: list[str]) -> Response | None:
         core = self._core()
         p = core.placements().get(spec.id)
-        if p is not None and (not nodes or list(p.ring) == nodes):
+        if p is not None and (not nodes or list(p.ring) == nodes) and (
+                p.parallel == "tensor") == spec.tensor:
             d = p.to_dict()
             d.pop("spec", None)
             return Response.json(200, {"placement": d, "term": core.term,

@@ -1,0 +1,228 @@
+"""`bench --nodes N --parallel tensor`: the bench's model tensor-parallel over N rank processes.
+
+The N ranks are the processes a cluster starts per placement (`engine/tensor_rank.py`), each on
+its own loopback IP (127.0.0.x), holding its slice of every layer and forming an
+`mx.distributed` ring group over TCP; the bench process holds the embedding, final norm, head
+and drafter and runs the one decode loop over a `TensorForward`, as a group's first member does.
+With `--link-delay-ms D` every rank is reached by the others only through the fault-injecting
+proxy (`skulkp2p/netfault.py`): each rank gets its own host file in which its own entry is its
+real listener and the others' are their proxy ports, so D delays every collective's every hop;
+without it the ranks connect directly (the proxy's own hops cost ~1 ms per all-sum here).
+
+Where the time goes, per run: the bench's own compute (embedding, norm, head), rank 0's time per
+call (compute of its slice plus the collectives, as it measures it), the pipe between the bench
+and rank 0 (the rest of the wait), and the decode loop's own work. The collectives' share is an
+estimate: at start the bench has the group time all-sums of one row alone (`probe`), and counts
+(2 per layer + the broadcast of the rows + the command header) per call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model import LoadedModel
+    from skulkp2p.models.store import ModelStore
+
+log = logging.getLogger("skulkp2p.bench")
+
+READY_TIMEOUT_S = 600.0
+PROBE_COUNT = 200
+
+
+class TensorBenchError(RuntimeError):
+    """The group could not be set up (the bench turns it into its own error)."""
+
+
+class TensorBench:
+    """N rank processes on loopback, started by :meth:`open`, ended by :meth:`close`."""
+
+    def __init__(self, store: ModelStore, spec: str, dtype: str, nodes: int,
+                 link_delay_ms: float = 0.0, timeout_s: float | None = None):
+        if nodes < 2:
+            raise ValueError("a tensor-parallel group has at least 2 nodes")
+        self.store, self.spec, self.dtype, self.nodes = store, spec, dtype, nodes
+        self.delay_s = max(0.0, link_delay_ms) / 1e3
+        self.timeout_s = timeout_s
+        self.ranks: list[Any] = []
+        self.proxy: FaultProxy | None = None
+        self._forwards: list[Any] = []
+        self._bytes_seen = 0
+        self._closed = False
+        self.per_call_collectives = 0
+        self.allsum_s = 0.0  # one all-sum of one row, alone (probe)
+        self.settings: dict[str, Any] = {
+            "parallel": "tensor", "nodes": nodes, "link_delay_ms": link_delay_ms,
+            "hops_per_traversal": nodes,
+            "transport": "mx.distributed ring backend over TCP on loopback (through the "
+                         "fault-injecting proxy, netfault.py, when a link delay is set); the "
+                         "ranks are child processes, the decode loop and head are the bench's",
+            "traversals": 0, "bytes": 0, "head_compute_s": 0.0, "ranks_s": 0.0,
+            "collectives_est_s": 0.0, "ranks_compute_est_s": 0.0, "pipe_s": 0.0,
+            "loop_s": 0.0,
+        }
+
+    def open(self) -> LoadedModel:
+        atexit.register(self.close)
+        try:
+            return self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> LoadedModel:
+        from skulkp2p.cluster.node import model_spec
+        from skulkp2p.engine.loader import open_model
+        from skulkp2p.engine.tensor import RankProcess, TensorError
+        from skulkp2p.engine.tensor_shard import ShardError, plan_shards
+
+        path = self.store.pull(self.spec)
+        spec = model_spec(self.store, self.spec)
+        try:
+            plan_shards(max(spec.kv_heads, 1), max(spec.kv_heads, 1), 1, self.nodes)
+        except ShardError as e:
+            raise TensorBenchError(f"--nodes {self.nodes}: {e}") from None
+        if loopback_ips_usable():
+            base = random.Random().randrange(20, 220)
+            ips = [f"127.0.0.{base + i}" for i in range(self.nodes)]
+        else:
+            ips = ["127.0.0.1"] * self.nodes
+        real = [f"{ip}:{free_port(ip)}" for ip in ips]
+        via = list(real)
+        if self.delay_s > 0:  # without a delay the ranks connect directly (no proxy's hops)
+            via = [f"{ip}:{free_port(ip)}" for ip in ips]
+        t0 = time.monotonic()
+        for r in range(self.nodes):
+            addrs = [real[j] if j == r else via[j] for j in range(self.nodes)]
+            self.ranks.append(RankProcess(Path(path), r, addrs, self.dtype,
+                                          label=f"bench rank {r}"))
+        if self.delay_s > 0:
+            self._open_proxy(ips, real, via)
+        loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
+        try:
+            ready = [rank.wait_ready(READY_TIMEOUT_S) for rank in self.ranks]
+        except TensorError as e:
+            raise TensorBenchError(f"tensor-parallel group: {e}") from None
+        self.per_call_collectives = 2 * spec.layers + 2
+        self.allsum_s = self.ranks[0].probe(1, PROBE_COUNT) / PROBE_COUNT
+        self._install(loaded)
+        self.settings.update(
+            ranks=[{"rank": r, "addr": real[r], "pid": x.get("pid"),
+                    "param_bytes": x.get("param_bytes"), "active_bytes": x.get("active_bytes")}
+                   for r, x in enumerate(ready)],
+            head_param_bytes=_param_bytes(loaded),
+            allsum_us_one_row=round(self.allsum_s * 1e6, 1),
+            collectives_per_call=self.per_call_collectives,
+            setup_s=round(time.monotonic() - t0, 2))
+        log.info("tensor-parallel group of %d ready (%.1f ms per hop, one all-sum %.0f us) in "
+                 "%.1f s", self.nodes, self.delay_s * 1e3, self.allsum_s * 1e6,
+                 self.settings["setup_s"])
+        return loaded
+
+    def _open_proxy(self, ips: list[str], real: list[str], via: list[str]) -> None:
+        """Each rank's proxy port opens once that rank listens: a rank that reached the proxy
+        before its peer listened would see a connection made and then dropped, which the ring
+        backend does not retry (a refused one it does, for ~15 s). The last rank connects
+        before it listens, the others listen first, so the ports open one by one."""
+        self.proxy = FaultProxy()
+        for src in {*ips, "127.0.0.1"}:  # outgoing connections come from any source on lo
+            for dst in ips:
+                if src != dst:
+                    self.proxy.delay(src, dst, self.delay_s)
+        waiting = set(range(len(ips)))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while waiting:
+            for i in sorted(waiting):
+                if _listening(real[i]):
+                    self.proxy.listen(ips[i], int(via[i].rsplit(":", 1)[1]),
+                                      int(real[i].rsplit(":", 1)[1]))
+                    waiting.discard(i)
+            dead = [r for r in self.ranks if not r.alive()]
+            if dead:
+                try:  # its last frame says why (an error), else its exit status does
+                    dead[0].wait_ready(1.0)
+                except Exception as e:
+                    raise TensorBenchError(f"tensor-parallel group: {e}") from None
+            if time.monotonic() > deadline:
+                raise TensorBenchError("tensor-parallel group: the ranks do not listen")
+            time.sleep(0.02)
+
+    def _install(self, loaded: LoadedModel) -> None:
+        from skulkp2p.engine.tensor import TensorForward
+
+        def make(req: Any, hidden: str | None, interrupt: Any) -> TensorForward:
+            fwd = TensorForward(loaded.model, self.ranks[0],
+                                prefill_step=int(loaded.runtime.get("prefill_step", 2048)),
+                                hidden=hidden, interrupt=interrupt, check=self._broken,
+                                timeout=self.timeout_s, label="the bench's model")
+            self._forwards.append(fwd)
+            return fwd
+
+        loaded.make_forward = make
+
+    def _broken(self) -> str | None:
+        for rank in self.ranks:
+            if not rank.alive():
+                return rank.why_dead()
+        return None
+
+    def take_run(self, total_s: float | None) -> dict[str, Any]:
+        fwds, self._forwards = self._forwards, []
+        wait = sum(f.wait_s for f in fwds)
+        ranks = sum(f.ranks_s for f in fwds)
+        head = sum(f.compute_s for f in fwds)
+        calls = sum(f.calls for f in fwds)
+        coll = min(ranks, calls * self.per_call_collectives * self.allsum_s)
+        seen = sum(self.proxy.bytes.values()) if self.proxy else 0
+        run = {"traversals": calls, "head_compute_s": round(head, 4),
+               "ranks_s": round(ranks, 4), "collectives_est_s": round(coll, 4),
+               "ranks_compute_est_s": round(ranks - coll, 4),
+               "pipe_s": round(max(0.0, wait - ranks), 4), "link_s": round(coll, 4),
+               "bytes": seen - self._bytes_seen}
+        self._bytes_seen = seen
+        if total_s is not None:
+            run["loop_s"] = round(max(0.0, total_s - wait - head), 4)
+            run["total_s"] = round(total_s, 4)
+            s = self.settings
+            for key in ("traversals", "bytes", "head_compute_s", "ranks_s", "collectives_est_s",
+                        "ranks_compute_est_s", "pipe_s", "loop_s"):
+                s[key] = round(s[key] + run[key], 4)
+        return run
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rank in self.ranks:
+            rank.kill()
+        if self.proxy is not None:
+            self.proxy.close()
+        atexit.unregister(self.close)
+
+
+def _param_bytes(loaded: LoadedModel) -> int:
+    from skulkp2p.engine.stage import param_bytes
+
+    return param_bytes(loaded.model)
+
+
+def _listening(addr: str) -> bool:
+    """Whether a socket listens on addr (IPv4, from /proc/net/tcp: no connection is made,
+    which the rank would take for its peer)."""
+    import ipaddress
+
+    host, port = addr.rsplit(":", 1)
+    want = f"{int(ipaddress.IPv4Address(host)).to_bytes(4, 'little').hex().upper()}:" \
+           f"{int(port):04X}"
+    try:
+        rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return True  # not Linux: go on and let the ready timeout bound it
+    return any(len(f := row.split()) > 3 and f[1] == want and f[3] == "0A" for row in rows)

@@ -1,0 +1,276 @@
+"""Tensor-parallel placements: the decode loop's forward seam over a group of rank processes.
+
+Every member of the placement runs one rank process (tensor_rank.py) holding its slice of every
+layer (tensor_shard.py); the ranks form an `mx.distributed` group (the `ring` backend over TCP).
+The member that serves the model runs the decode loop and the drafter in its own process over a
+`TensorForward`: it embeds the tokens, sends the rows to its rank 0 (a pipe), gets the summed
+last hidden rows back, and applies the final norm and the output head, which live only there.
+A verify round of w tokens is one call: two all-reduces per layer whatever w is.
+
+Failures stay bounded: a collective blocked on a frozen peer cannot be interrupted in its
+process, so the waiting side never blocks on it. It polls its rank 0's answers and, while
+waiting, asks `check` (a member declared dead by the cluster, a re-placement) and a deadline
+(SKULKP2P_RING_TIMEOUT, as rings); on failure it kills its rank 0 by pid, which closes the
+group's sockets, so the other ranks fail at once ("connection to a peer was lost") and exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from skulkp2p import wire
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+log = logging.getLogger("skulkp2p.tensor")
+
+READY_TIMEOUT_S = 120.0  # load and group formation; a peer that never comes ends it
+_PR_SET_PDEATHSIG = 1
+
+
+class TensorError(RuntimeError):
+    """The tensor-parallel group could not complete a call (a member died, froze, or the
+    placement moved): the request ends with this message."""
+
+
+def tensor_timeout() -> float:
+    return float(os.environ.get("SKULKP2P_RING_TIMEOUT", "30"))
+
+
+def _die_with_parent() -> None:
+    # In the forked child before exec: SIGKILL when the agent goes, however it goes.
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.setpgrp()
+
+
+class RankProcess:
+    """One rank of a group: a child process started with its host file, watched through its
+    stdout (frames) and ended by pid."""
+
+    def __init__(self, model_path: Path | str, rank: int, addrs: list[str], dtype: str,
+                 label: str = ""):
+        from skulkp2p.engine.tensor_rank import write_hostfile
+
+        self.rank = rank
+        self.size = len(addrs)
+        self.label = label or f"rank {rank}"
+        self.dir = Path(tempfile.mkdtemp(prefix=f"skulkp2p-tp{rank}-"))
+        hostfile = self.dir / "hosts.json"
+        write_hostfile(hostfile, addrs)
+        self.stderr_path = self.dir / "stderr.log"
+        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 (closed in kill)
+        cmd = [sys.executable, "-m", "skulkp2p.engine.tensor_rank", "--model", str(model_path),
+               "--rank", str(rank), "--size", str(self.size), "--hostfile", str(hostfile),
+               "--dtype", dtype]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, preexec_fn=_die_with_parent)
+        self.pid = self.proc.pid
+        self.frames: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.ready: dict[str, Any] | None = None
+        self._lock = threading.Lock()  # one call at a time on rank 0's pipe
+        threading.Thread(target=self._read, name=f"tp-rank{rank}-out", daemon=True).start()
+
+    def _read(self) -> None:
+        decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
+        out = self.proc.stdout
+        try:
+            while True:
+                data = out.read1(1 << 20)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    self.frames.put(msg)
+        except (OSError, ValueError, wire.WireError) as e:
+            log.warning("tensor %s: output unreadable: %s", self.label, e)
+        finally:
+            self.frames.put(None)  # the process ended (or its pipe broke)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def why_dead(self) -> str:
+        code = self.proc.poll()
+        try:
+            tail = self.stderr_path.read_text(errors="replace").strip().splitlines()[-3:]
+        except OSError:
+            tail = []
+        detail = f" ({' | '.join(t.strip() for t in tail)})" if tail else ""
+        return f"its {self.label} process exited with status {code}{detail}"
+
+    def _next(self, timeout: float, check: Callable[[], str | None] | None,
+              what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.frames.get(timeout=0.1)
+            except queue.Empty:
+                broken = check() if check is not None else None
+                if broken:
+                    raise TensorError(broken) from None
+                if time.monotonic() > deadline:
+                    raise TensorError(f"no answer from the group within {timeout:.0f} s "
+                                      f"({what})") from None
+                continue
+            if msg is None:  # the process ended: say why the group broke, when it is known
+                broken = check() if check is not None else None
+                raise TensorError(broken or self.why_dead())
+            if msg.get("op") == "error":
+                raise TensorError(f"{self.label}: {msg.get('error')}")
+            return msg
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S,
+                   check: Callable[[], str | None] | None = None) -> dict[str, Any]:
+        self.ready = self._next(timeout, check, "loading and forming the group")
+        return self.ready
+
+    def call(self, msg: dict[str, Any], timeout: float,
+             check: Callable[[], str | None] | None) -> dict[str, Any]:
+        """One command to rank 0 and its answer; raises TensorError in bounded time."""
+        with self._lock:
+            if not self.alive():
+                raise TensorError(self.why_dead())
+            frame = wire.encode_frame({"t": "tp", **msg}, wire.frame_key(None),
+                                      wire.DATA_MAX_FRAME)
+            try:
+                self.proc.stdin.write(frame)
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError) as e:
+                raise TensorError(f"{self.label}: {e}") from None
+            return self._next(timeout, check, "a forward call")
+
+    def probe(self, width: int, count: int, timeout: float = 60.0) -> float:
+        """Seconds that `count` all-sums of `width` rows take in the group, alone (rank 0)."""
+        return float(self.call({"op": "probe", "width": width, "count": count}, timeout,
+                               None)["s"])
+
+    def kill(self) -> None:
+        """End the process by pid (idempotent)."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            log.error("tensor %s: pid %d did not end", self.label, self.pid)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        self._stderr.close()
+
+
+class TensorForward:
+    """The Forward seam over a tensor-parallel group, on the member that runs the decode loop.
+    `head` is this member's model with no layers (embedding, final norm, output head); `rank0`
+    the local rank process; `check` says why the group is broken (or None)."""
+
+    def __init__(self, head: Any, rank0: RankProcess, *, prefill_step: int = 2048,
+                 hidden: str | None = None, interrupt: Callable[[], None] | None = None,
+                 check: Callable[[], str | None] | None = None, timeout: float | None = None,
+                 label: str = "model"):
+        from skulkp2p.engine.trunk import Trunk
+
+        if hidden not in (None, "after", "before"):
+            raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
+        self.trunk = Trunk(head)
+        self.rank0 = rank0
+        self.prefill_step = prefill_step
+        self.hidden = hidden
+        self.interrupt = interrupt
+        self.check = check
+        self.timeout = timeout or tensor_timeout()
+        self.label = label
+        self.last_hidden: mx.array | None = None
+        self.cache: list[Any] = []  # the caches live in the ranks (no prefix cache here)
+        self._pending: tuple[int, int] | None = None  # rides on the next call
+        self._reset = True  # the first call of a request starts the ranks' caches afresh
+        # Where the time goes (for reports): waiting on the group, of which the ranks' own
+        # time (compute and collectives, as rank 0 measured it); this member's head.
+        self.calls = 0
+        self.wait_s = 0.0
+        self.ranks_s = 0.0
+        self.compute_s = 0.0
+        self.rows = 0
+
+    def _run(self, tokens: list[int]) -> mx.array:
+        import mlx.core as mx
+
+        t0 = time.perf_counter()
+        x = self.trunk.embed_tokens(mx.array(tokens)[None])[0]
+        mx.eval(x)
+        self.compute_s += time.perf_counter() - t0
+        msg = {"op": "run", "x": wire.pack_array(x), "reset": self._reset,
+               "rollback": list(self._pending) if self._pending else None}
+        t1 = time.perf_counter()
+        try:
+            out = self.rank0.call(msg, self.timeout, self.check)
+        except TensorError as e:
+            self.rank0.kill()  # its collective may be blocked for good: the group is over
+            raise TensorError(f"tensor-parallel group of {self.label} broke mid-request: "
+                              f"{e}") from None
+        self.wait_s += time.perf_counter() - t1
+        self.ranks_s += float(out.get("cs") or 0.0)
+        self.calls += 1
+        self.rows += len(tokens)
+        self._reset = False
+        self._pending = None
+        return wire.unpack_array(out["h"], as_mlx=True)
+
+    def _finish(self, h: mx.array, logits: bool) -> mx.array | None:
+        import mlx.core as mx
+
+        t0 = time.perf_counter()
+        normed = self.trunk.norm(h[None])
+        out = self.trunk.head(normed)[0] if logits else None
+        if self.hidden == "before":
+            self.last_hidden = h
+        elif self.hidden == "after":
+            self.last_hidden = normed[0]
+        mx.eval([a for a in (out, self.last_hidden) if a is not None])
+        self.compute_s += time.perf_counter() - t0
+        return out
+
+    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+        return 0  # no prefix cache on tensor placements: the prompt is prefilled whole
+
+    def prefill(self, tokens: list[int]) -> None:
+        import mlx.core as mx
+
+        rows = []
+        for start in range(0, len(tokens), self.prefill_step):
+            if self.interrupt is not None:
+                self.interrupt()
+            h = self._run(tokens[start:start + self.prefill_step])
+            if self.hidden:
+                self._finish(h, logits=False)
+                rows.append(self.last_hidden)
+        if rows:
+            self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+    def __call__(self, tokens: list[int]) -> mx.array:
+        return self._finish(self._run(tokens), logits=True)
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        if dropped > 0:
+            self._pending = (keep, dropped)
+
+    def close(self) -> None:
+        """Nothing to send: the next request's first call resets the ranks' caches."""

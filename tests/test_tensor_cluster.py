@@ -1,0 +1,184 @@
+"""Tensor-parallel placements in a cluster of real `join` processes on 127.0.0.x: placed with
+`POST /v1/cluster/place {"parallel": "tensor"}`, shown in `/v1/cluster`, each member's rank
+process started and ended by its node; speculative output equals plain output on the group;
+a member killed or frozen mid-request ends the request with a clear error in bounded time, the
+model is placed again and the next request succeeds (the ring failure tests, for groups)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.http_client import call, status_of
+from tests.helpers.procs import ProcCluster, loopback_ips_usable
+
+ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
+ARMS = {
+    "plain": {"speculation": "off"},
+    "lookup": {"speculation": {"drafter": "lookup", "depth": 4}},
+    "mtp": {"speculation": {"drafter": "mtp", "depth": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model) -> Path:
+    return tiny_model("llama", seed=0, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(llama, tmp_path_factory):
+    if not loopback_ips_usable():
+        pytest.skip("needs the 127.0.0.0/8 loopback range (Linux)")
+    c = ProcCluster(tmp_path_factory.mktemp("tensor"), env={"SKULKP2P_RING_TIMEOUT": "20"})
+    try:
+        for i in range(3):
+            c.start_join(i, str(llama), args=[
+                "--memory-limit", "2GB", "--timers", "probe=0.2,suspect=1,election=1"])
+        c.wait(lambda: (s := c.agreed([0, 1, 2])) and s["placements"], 90, "a placement")
+        c.wait(lambda: all(status_of(n.http) == 200 for n in c.nodes.values()), 90, "health")
+        yield c
+    finally:
+        c.close()
+
+
+def _pipe(addr: str, arm: str, max_tokens: int = 32, retries: int = 120) -> dict:
+    body = {"model": "llama", "prompt": ECHO, "max_tokens": max_tokens, **ARMS[arm]}
+    status, out = 0, None
+    for _ in range(retries):
+        try:
+            status, _, out = call(addr, "POST", "/v1/cluster/generate", body, timeout=60)
+        except OSError:
+            status, out = 0, None
+        if status == 200 and "error" not in out:
+            return out
+        time.sleep(0.5)  # 503 while a group forms; an error right after a re-placement
+    raise AssertionError(f"no answer from {addr}: {status} {out}")
+
+
+def _place_tensor(c, nodes: list[str]) -> dict:
+    status, _, out = call(c.nodes[0].http, "POST", "/v1/cluster/place",
+                          {"model": "llama", "nodes": nodes, "parallel": "tensor"})
+    assert status == 200, out
+    assert out["placement"]["ring"] == nodes and out["placement"]["parallel"] == "tensor"
+    return out["placement"]
+
+
+def _grouped(c, among: list[int], pred) -> None:
+    c.wait(lambda: all((s := c.status(i)) and any(
+        p["model"] == "llama" and p["parallel"] == "tensor" and pred(p["ring"])
+        for p in s["placements"]) for i in among), 30, "a tensor placement everyone sees")
+
+
+def _rank_pids(c, http: str) -> dict[str, int]:
+    st = call(http, "GET", "/v1/cluster")[2]
+    return {m["name"]: (m.get("stages") or {}).get("llama", {}).get("pid")
+            for m in st["members"]}
+
+
+@pytest.mark.slow
+def test_group_of_processes_speculative_equals_plain(cluster):
+    c = cluster
+    http = c.nodes[2].http  # not a member: forwarded to the group's first member
+    single = _pipe(http, "plain")
+    _place_tensor(c, ["n0", "n1"])
+    _grouped(c, [0, 1, 2], lambda ring: ring == ["n0", "n1"])
+    got = {arm: _pipe(http, arm) for arm in ARMS}
+    for arm in ARMS:
+        assert got[arm]["tokens"] == got["plain"]["tokens"], arm
+        assert got[arm]["text"] == got["plain"]["text"]
+    assert got["lookup"]["speculation"]["drafted"] > 0
+    assert got["mtp"]["speculation"]["drafted"] > 0
+    print(f"\ntensor group of 2 equals one node's greedy text: "
+          f"{got['plain']['tokens'] == single['tokens']}")
+    # /v1/cluster shows the kind, and each member's rank (its pid, what it holds).
+    st = call(http, "GET", "/v1/cluster")[2]
+    (p,) = [p for p in st["placements"] if p["model"] == "llama"]
+    assert p["parallel"] == "tensor" and p["layers"] == [[0, 4], [0, 4]]
+    c.wait(lambda: all(_rank_pids(c, http).get(n) for n in ("n0", "n1")), 10, "ranks reported")
+    stages = {m["name"]: m["stages"]["llama"] for m in st["members"] if "llama" in
+              (m.get("stages") or {})}
+    assert {s.get("rank") for n, s in stages.items() if n in ("n0", "n1")} <= {0, 1, None}
+
+
+def _long_request(c, i: int, result: dict) -> threading.Thread:
+    def run() -> None:
+        body = {"model": "llama", "prompt": ECHO, "max_tokens": 3000, "speculation": "off"}
+        try:
+            result["reply"] = call(c.nodes[i].http, "POST", "/v1/cluster/generate", body,
+                                   timeout=60)
+        except OSError as e:
+            result["reply"] = (0, None, {"error": {"message": f"client: {e}"}})
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _mid_request_on_a_group(c) -> tuple[dict, threading.Thread, dict, int]:
+    """llama tensor-parallel on n0 (runs the loop) + n1, a long request running for 1.5 s:
+    (reference output, the request's thread, its reply, n1's rank pid)."""
+    _place_tensor(c, ["n0", "n1"])
+    _grouped(c, [0, 1, 2], lambda ring: ring == ["n0", "n1"])
+    reference = _pipe(c.nodes[2].http, "plain")
+    c.wait(lambda: _rank_pids(c, c.nodes[0].http).get("n1"), 10, "n1's rank reported")
+    pid = _rank_pids(c, c.nodes[0].http)["n1"]
+    result: dict = {}
+    t = _long_request(c, 2, result)
+    time.sleep(1.5)
+    return reference, t, result, pid
+
+
+def _replaced_without_n1(c) -> None:
+    _grouped(c, [0, 2], lambda ring: "n1" not in ring)
+
+
+@pytest.mark.slow
+def test_member_frozen_mid_request(cluster):
+    """The member's agent and its rank process stop (SIGSTOP: a frozen machine): the request
+    ends with a clear error in bounded time, the group is placed again without it, the next
+    request succeeds; woken, the member rejoins."""
+    c = cluster
+    reference, t, result, pid = _mid_request_on_a_group(c)
+    c.signal(1, signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        t.join(30)
+        took = time.monotonic() - t0
+        assert not t.is_alive(), "the request hung on a frozen member"
+        _, _, out = result["reply"]
+        message = out["error"]["message"]
+        assert "tensor-parallel group" in message and "broke mid-request" in message, out
+        assert "n1" in message, out
+        assert took < 15, took  # the member declared dead: seconds, not the 20 s timeout
+        print(f"\nfrozen member: the request ended {took:.1f} s after SIGSTOP: {message}")
+        _replaced_without_n1(c)
+        assert _pipe(c.nodes[2].http, "plain")["tokens"] == reference["tokens"]
+    finally:
+        for p in (pid, c.nodes[1].pid):
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
+        m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
+
+
+@pytest.mark.slow
+def test_member_killed_mid_request(cluster):
+    c = cluster
+    reference, t, result, _pid = _mid_request_on_a_group(c)
+    c.signal(1, signal.SIGKILL)  # its rank process dies with it (PR_SET_PDEATHSIG)
+    t0 = time.monotonic()
+    t.join(30)
+    assert not t.is_alive(), "the request hung on a dead member"
+    _, _, out = result["reply"]
+    assert "tensor-parallel group" in out["error"]["message"], out
+    assert time.monotonic() - t0 < 15
+    _replaced_without_n1(c)
+    assert _pipe(c.nodes[2].http, "plain")["tokens"] == reference["tokens"]
