@@ -274,3 +274,18 @@ def test_drafter_cost_is_relative_to_the_whole_model_on_the_loop_member(models):
     assert head.mtp is not None and not head.model.model.layers
     assert head.whole_params == sum(v.size for _, v in _flat(whole.model))
     assert _relative_cost(head.mtp, head) == pytest.approx(_relative_cost(whole.mtp, whole))
+
+
+def test_drafter_cost_is_relative_to_the_whole_model_on_a_rings_last_stage(models):
+    """Likewise on a pipeline ring: the last stage holds a few layers, yet a draft saves a step
+    of every stage's layers."""
+    from skulkp2p.engine.generate import _relative_cost
+    from skulkp2p.engine.stage import StageSpan
+
+    path = models["llama"]
+    whole = load_model(path, "llama", dtype="float32")
+    total = len(whole.model.model.layers)
+    last = load_model(path, "llama", dtype="float32", span=StageSpan(total - 1, total, total))
+    assert last.mtp is not None and len(last.model.model.layers) == 1
+    assert last.whole_params == sum(v.size for _, v in _flat(whole.model))
+    assert _relative_cost(last.mtp, last) == pytest.approx(_relative_cost(whole.mtp, whole))

@@ -100,15 +100,18 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
 
     from skulkp2p.engine.caches import exactly_trimmable
     caches_trim = exactly_trimmable(make_prompt_cache(model))  # cache objects only, no weights
+    whole_params = None
+    if span is not None or head_only:
+        # A drafter's cost is weighed against a step of the whole model, not of the layers
+        # held here (a ring's last stage, a tensor group's loop member): counted before slicing.
+        from mlx.utils import tree_flatten
+        whole_params = sum(v.size for _, v in tree_flatten(model.parameters()))  # shapes only
     if span is not None:
         # The last stage runs the drafter: an MTP head embeds its draft tokens.
         keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
         slice_model(model, span, keep_embedding=keep)
     template = None
-    whole_params = None
     if head_only:  # one unevaluated layer stays aside: an MTP head copies its class
-        from mlx.utils import tree_flatten
-        whole_params = sum(v.size for _, v in tree_flatten(model.parameters()))  # shapes only
         template = list(Trunk(model).body.layers)[:1]
         drop_layers(model)
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
