@@ -31,6 +31,11 @@ def _error(req_id: Any, type_: str, message: str, param: str | None = None) -> d
     return out
 
 
+class ModelLoadFailed(Exception):
+    """The model resolved, but its engine could not be opened (missing weights, a card field
+    the loader refuses, a mismatched drafter pair): the request's fault only in naming it."""
+
+
 class PipeSession:
     def __init__(self, store: ModelStore, default_model: str, open_engine: OpenEngine):
         self.store = store
@@ -41,7 +46,15 @@ class PipeSession:
     def engine(self, spec: str) -> Engine:
         resolved = self.store.resolve(spec)  # raises ModelStoreError for an unknown model
         if resolved.id not in self.engines:
-            self.engines[resolved.id] = self.open_engine(self.store, spec)
+            try:
+                self.engines[resolved.id] = self.open_engine(self.store, spec)
+            except (ModelStoreError, RequestError):
+                raise
+            except Exception as e:  # tried again on the next line that names it
+                log.error("model %s could not be loaded: %s: %s", resolved.id,
+                          type(e).__name__, e)
+                raise ModelLoadFailed(f"model {resolved.id} could not be loaded: "
+                                      f"{type(e).__name__}: {e}") from e
         return self.engines[resolved.id]
 
     def close(self) -> None:
@@ -66,6 +79,8 @@ class PipeSession:
             return _error(req_id, e.type, e.message, e.param)
         except ModelStoreError as e:
             return _error(req_id, "model_not_found", str(e), "model")
+        except ModelLoadFailed as e:
+            return _error(req_id, "model_load_failed", str(e), "model")
         except (EngineUnavailable, EngineFailed) as e:
             return _error(req_id, "model_unavailable", e.message)
         except Exception as e:  # one request's failure must not end the stream

@@ -43,6 +43,22 @@ def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
         "message"]
 
 
+def test_a_model_that_fails_to_load_is_a_clear_error_per_line_and_the_pipe_goes_on(
+        tiny_models, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no weights
+    lines = [json.dumps({"id": "a", "prompt": "x", "model": str(broken)}),
+             json.dumps({"id": "b", "prompt": "hello", "max_tokens": 2})]
+    proc, out = pipe(tiny_models["llama"], lines)
+    assert proc.returncode == 0, proc.stderr
+    assert out[0]["id"] == "a" and out[0]["error"]["type"] == "model_load_failed"
+    assert out[0]["error"]["param"] == "model" and "broken could not be loaded" in out[0][
+        "error"]["message"]
+    assert out[1]["id"] == "b" and out[1]["usage"]["completion_tokens"] == 2
+    assert "Traceback" not in proc.stderr
+
+
 def test_pipe_empty_stdin(tiny_models):
     proc, out = pipe(tiny_models["llama"], [])
     assert proc.returncode == 0 and out == []
