@@ -244,6 +244,21 @@ def test_browser_shows_cluster_model_and_acceptance(duo, tmp_path):
         page.wait(f"document.querySelector('{card} .acceptance-total .v').textContent"
                   ".endsWith('%')", 5, "the model's acceptance")
         png = page.screenshot(tmp_path / "dashboard.png")
+
+        # Placed again as a tensor-parallel group: every member a slice of every layer, served
+        # by its first member (a ring's is its last).
+        status, _, out = call(n0.http, "POST", "/v1/cluster/place",
+                              {"model": "llama", "nodes": ["n0", "n1"], "parallel": "tensor"})
+        assert status == 200 and out["placement"]["parallel"] == "tensor", out
+        shown = page.wait("(p => p && p.textContent.includes('tensor group of 2') && "
+                          "[[...p.querySelectorAll('.span')].map(s => s.textContent), "
+                          "p.querySelector('[data-served-by]').dataset.servedBy])("
+                          "document.querySelector('[data-placement=\"llama\"]'))", 30,
+                          "the tensor group")
+        assert shown == [["n0 · 1/2", "n1 · 1/2"], "n0"], shown
+        holds = page.eval("document.querySelector('#members tr[data-member=\"n1\"] "
+                          "[data-holds=\"llama\"]').textContent")
+        assert holds.startswith("llama: rank 2/2, 1/2 of layers 0–"), holds
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width == 1400 and height >= 800, (width, height)

@@ -66,6 +66,11 @@ function renderHead(cluster, stats) {
   if (st.node || (stats && stats.node)) document.title = `skulkp2p · ${st.node || stats.node}`;
 }
 
+// A tensor-parallel group: every member holds a slice of every layer and the FIRST runs the
+// decode loop (a pipeline ring's last stage does).
+function tensor(p) { return p.parallel === "tensor"; }
+function entry(p) { return tensor(p) ? p.ring[0] : p.ring[p.ring.length - 1]; }
+
 function holdings(member, placements) {
   const tags = [];
   for (const p of placements) {
@@ -74,7 +79,8 @@ function holdings(member, placements) {
     const [a, b] = p.layers[i];
     const stage = (member.stages || {})[p.model];
     const size = stage && stage.param_bytes ? `, ${bytes(stage.param_bytes)}` : "";
-    const what = p.ring.length > 1 ? `stage ${i + 1}/${p.ring.length}, layers ${a}–${b - 1}`
+    const what = tensor(p) ? `rank ${i + 1}/${p.ring.length}, 1/${p.ring.length} of layers ${a}–${b - 1}`
+      : p.ring.length > 1 ? `stage ${i + 1}/${p.ring.length}, layers ${a}–${b - 1}`
       : `layers ${a}–${b - 1}`;
     tags.push(el("span", { class: "tag", "data-holds": p.model }, `${p.model}: ${what}${size}`));
   }
@@ -116,25 +122,28 @@ function renderPlacements(cluster) {
     replace(box, el("p", { class: "empty", text: "No model is placed yet." }));
   } else {
     replace(box, placements.map((p) => {
-      const total = p.layers.reduce((s, [a, b]) => s + (b - a), 0) || 1;
+      const total = tensor(p) ? p.ring.length
+        : p.layers.reduce((s, [a, b]) => s + (b - a), 0) || 1;
       const spans = p.ring.map((name, i) => {
         const [a, b] = p.layers[i];
         const need = Array.isArray(p.needs) && p.needs[i] ? `, needs ${bytes(p.needs[i])}` : "";
-        const span = el("div", { class: `span c${i % 6}`,
-          title: `${name}: layers ${a}–${b - 1}${need}` },
-          `${name} · ${a}–${b - 1}`);
-        span.style.flexGrow = String(b - a);
-        span.style.flexBasis = `${(100 * (b - a)) / total}%`;
+        const share = tensor(p) ? `1/${p.ring.length} of layers ${a}–${b - 1}`
+          : `layers ${a}–${b - 1}`;
+        const span = el("div", { class: `span c${i % 6}`, title: `${name}: ${share}${need}` },
+          tensor(p) ? `${name} · 1/${p.ring.length}` : `${name} · ${a}–${b - 1}`);
+        const width = tensor(p) ? 1 : b - a;
+        span.style.flexGrow = String(width);
+        span.style.flexBasis = `${(100 * width) / total}%`;
         return span;
       });
-      const kind = p.ring.length > 1 ? `ring of ${p.ring.length}` : "one node";
+      const kind = tensor(p) ? `tensor group of ${p.ring.length}`
+        : p.ring.length > 1 ? `ring of ${p.ring.length}` : "one node";
       const needs = Array.isArray(p.needs) ? p.needs.reduce((x, y) => x + y, 0) : p.needs;
       return el("div", { class: "placement", "data-placement": p.model },
         el("div", {}, el("b", { text: p.model }), el("div", { class: "muted", text: kind })),
         el("div", { class: "ring" }, spans),
         el("div", {},
-          "served by ", el("b", { "data-served-by": p.ring[p.ring.length - 1],
-            text: p.ring[p.ring.length - 1] }),
+          "served by ", el("b", { "data-served-by": entry(p), text: entry(p) }),
           el("div", { class: "muted",
             text: `term ${p.term}${p.explicit ? " · placed by request" : ""}` +
               (needs ? ` · needs ${bytes(needs)}` : "") })));
