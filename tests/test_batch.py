@@ -394,3 +394,43 @@ def test_drafting_backs_off_in_a_large_batch_without_switching_off():
     row.batch_size = 8
     fixed.begin([1, 2], row)
     assert fixed.propose([1, 2], 4)[0]
+
+
+def test_ticket_lock_hands_over_in_arrival_order():
+    """The model's lock goes to its waiters in the order they asked (a release hands it to the
+    oldest waiter), works under a Condition, and refuses a release by a thread not holding it."""
+    from skulkp2p.engine.scheduler import TicketLock
+    lock = TicketLock()
+    cond = threading.Condition(lock)
+    order: list[int] = []
+
+    def take(i: int) -> None:
+        with cond:
+            order.append(i)
+            cond.notify_all()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(6)]
+    with lock:
+        for n, thread in enumerate(threads, start=2):
+            thread.start()
+            assert lock.wait_queued(n, timeout=30)
+        assert lock.queued == 7
+        errors: list[BaseException] = []
+        other = threading.Thread(target=_record, args=(errors, lock.release))
+        other.start()
+        other.join(30)
+        assert len(errors) == 1 and "does not hold" in str(errors[0])
+    with cond:
+        assert cond.wait_for(lambda: len(order) == 6, timeout=30)
+    for thread in threads:
+        thread.join(30)
+    assert order == list(range(6)) and lock.queued == 0
+    assert lock.acquire(blocking=False) and lock.queued == 1
+    lock.release()
+
+
+def _record(errors: list[BaseException], call) -> None:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        errors.append(e)
