@@ -219,16 +219,20 @@ class BatchScheduler:
         modes: dict[str | None, list[PrefillChunk]] = {}
         for c in chunks:  # one forward per kind of hidden rows asked for (usually one)
             modes.setdefault(c.row.hidden, []).append(c)
-        for hidden, group in modes.items():
-            try:
-                self._prefill_together(group, hidden)
-            except BaseException as e:  # every row of the forward fails with it
-                for c in group:
-                    c.error = e
+        for hidden, chunks_of_mode in modes.items():
+            for group in _packed(chunks_of_mode):
+                self._run_prefill_group(group, hidden)
+
+    def _run_prefill_group(self, group: list[PrefillChunk], hidden: str | None) -> None:
+        try:
+            self._prefill_together(group, hidden)
+        except BaseException as e:  # every row of the forward fails with it
             for c in group:
-                c.done = True
-            self.prefills += 1
-            self.prefill_peak = max(self.prefill_peak, len(group))
+                c.error = e
+        for c in group:
+            c.done = True
+        self.prefills += 1
+        self.prefill_peak = max(self.prefill_peak, len(group))
 
     def _prefill_together(self, group: list[PrefillChunk], hidden: str | None) -> None:
         if len(group) == 1:  # alone: straight on the row's own caches, no copies
@@ -290,6 +294,30 @@ class BatchScheduler:
         self.peak = max(self.peak, len(rows))
         self.ragged += len(set(widths)) > 1
         self.cond.notify_all()
+
+
+# Chunks prefill in one forward only while padding them to the widest costs at most this much
+# more than their own tokens (on a CPU a forward over many token rows is compute-bound: padding
+# a short prompt to a long one's chunk would cost what it saves).
+PREFILL_PADDING_BOUND = 1.5
+
+
+def _packed(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """The chunks in forwards: narrowest first (the short prompts' first tokens come soonest),
+    each forward's padded size (rows x widest) within PREFILL_PADDING_BOUND of its tokens."""
+    groups: list[list[PrefillChunk]] = []
+    group: list[PrefillChunk] = []
+    tokens = 0
+    for c in sorted(chunks, key=lambda c: len(c.tokens)):
+        w = len(c.tokens)
+        if group and (len(group) + 1) * w > PREFILL_PADDING_BOUND * (tokens + w):
+            groups.append(group)
+            group, tokens = [], 0
+        group.append(c)
+        tokens += w
+    if group:
+        groups.append(group)
+    return groups
 
 
 class RowForward:
