@@ -355,6 +355,7 @@ def test_real_model_batch_matches_solo(spec):
     for a, b in zip(alone, batched, strict=True):
         assert b.tokens == a.tokens and b.text == a.text
     assert engine.scheduler.peak == 4
+    assert engine.scheduler.prefill_peak == 4  # the four chat prompts shared a prefill forward
 
 
 def test_drafting_backs_off_in_a_large_batch_without_switching_off():
