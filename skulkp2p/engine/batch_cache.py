@@ -6,7 +6,7 @@ by its own count (a row keeps 1 + accepted of its w tokens), so here every row k
 length instead: a step writes row i's w tokens at its length, RoPE takes the per-row lengths as
 an array offset (as with BatchKVCache), and the mask lets query j of row i see keys up to
 length_i + j. A rollback is a length going down; nothing moves. Rows join from an ordinary
-per-request cache (after their prompt was prefilled alone) and leave by a gather of the others.
+per-request cache (after their prompt was prefilled) and leave by a gather of the others.
 
 All layers share one `RowLengths`: the model reads `offset` in every layer before the step's
 write, so lengths advance only after the whole forward (`RowLengths.advance`).
