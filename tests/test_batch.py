@@ -129,6 +129,37 @@ def test_batched_mtp_rows_match_solo(mtp_llama, sampling):
             a.speculation.drafted, a.speculation.accepted)
     assert sum(r.speculation.drafted for r in batched) > 0
     assert engine.scheduler.peak == 4
+    assert engine.scheduler.prefill_peak >= 2  # hidden rows of prompts prefilled together
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_prompts_prefilled_together_match_solo(tiny_models, sampling):
+    """Requests that arrive together prefill in ONE forward per chunk round (ragged prompts,
+    right padding; one of them resumes from a prefix-cache hit, so rows start at different
+    lengths) and each decodes exactly what it decodes alone."""
+    base = _loaded(tiny_models["llama"])
+    lm = dataclasses.replace(base, runtime={**base.runtime, "prefill_step": 8})
+    prompts = [PROMPTS[0] + " four five six seven eight", " ".join(PROMPTS),
+               PROMPTS[2] + " " + PROMPTS[3], PROMPTS[1]]
+    reqs = [parse_request({"prompt": p, "max_tokens": 12, **SAMPLINGS[sampling],
+                           **({"seed": 3 + i} if SAMPLINGS[sampling] else {})})
+            for i, p in enumerate(prompts)]
+    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
+    engine = MlxEngine(lm, 64, memory_tokens=0, max_batch=4)
+    # The prefix cache keeps the start of the first prompt: that request restores it first.
+    solo(engine, [parse_request({"prompt": PROMPTS[0], "max_tokens": 2})])
+    chunks = [-(-(len(lm.tokenizer.encode(p)) - 1) // 8) for p in prompts]
+    sched = engine.scheduler
+    before = sched.prefills
+    batched = together(engine, reqs)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.tokens == a.tokens
+        assert b.text == a.text
+    assert batched[0].usage.cached_tokens > 0  # the hit: its row joined the forward at its length
+    assert sched.prefill_peak == 4  # the four prompts' first chunks ran as one forward
+    # Fewer prefill forwards than the chunks the prompts hold (each alone runs one forward per
+    # chunk).
+    assert sched.prefills - before < sum(chunks)
 
 
 def test_batch_logits_close_to_solo_not_bitwise(tiny_models):
@@ -280,7 +311,9 @@ def test_worker_cancel_frees_the_row_within_one_step(tiny_models):
 
 def test_long_prompt_prefills_between_decode_steps(tiny_models):
     """A prompt of several chunks joins while another request decodes: that request takes a
-    step between every two chunks, and both decode what they decode alone."""
+    step between every two chunks, and both decode what they decode alone. (The two prompts'
+    first chunks prefill together; the short one has then not joined the batch yet, so the
+    long one's second chunk may go without a step before it.)"""
     lm = dataclasses.replace(_loaded(tiny_models["llama"]),
                              runtime={**_loaded(tiny_models["llama"]).runtime,
                                       "prefill_step": 8})
@@ -295,7 +328,8 @@ def test_long_prompt_prefills_between_decode_steps(tiny_models):
     for a, b in zip(alone, batched, strict=True):
         assert b.tokens == a.tokens
     chunks = -(-len(lm.tokenizer.encode(" ".join(PROMPTS))) // 8)
-    assert chunks >= 4 and rows[1].prefill_waits == chunks - 1
+    assert chunks >= 4 and chunks - 2 <= rows[1].prefill_waits <= chunks - 1
+    assert rows[0].prefill_shared == rows[1].prefill_shared == 2
 
 
 @pytest.mark.slow
@@ -321,6 +355,7 @@ def test_real_model_batch_matches_solo(spec):
     for a, b in zip(alone, batched, strict=True):
         assert b.tokens == a.tokens and b.text == a.text
     assert engine.scheduler.peak == 4
+    assert engine.scheduler.prefill_peak == 4  # the four chat prompts shared a prefill forward
 
 
 def test_drafting_backs_off_in_a_large_batch_without_switching_off():
@@ -360,3 +395,52 @@ def test_drafting_backs_off_in_a_large_batch_without_switching_off():
     row.batch_size = 8
     fixed.begin([1, 2], row)
     assert fixed.propose([1, 2], 4)[0]
+
+
+def test_ticket_lock_hands_over_in_arrival_order():
+    """The model's lock goes to its waiters in the order they asked (a release hands it to the
+    oldest waiter), works under a Condition, and refuses a release by a thread not holding it."""
+    from skulkp2p.engine.scheduler import TicketLock
+    lock = TicketLock()
+    cond = threading.Condition(lock)
+    order: list[int] = []
+
+    def take(i: int) -> None:
+        with cond:
+            order.append(i)
+            cond.notify_all()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(6)]
+    with lock:
+        for n, thread in enumerate(threads, start=2):
+            thread.start()
+            assert lock.wait_queued(n, timeout=30)
+        assert lock.queued == 7
+        errors: list[BaseException] = []
+        other = threading.Thread(target=_record, args=(errors, lock.release))
+        other.start()
+        other.join(30)
+        assert len(errors) == 1 and "does not hold" in str(errors[0])
+    with cond:
+        assert cond.wait_for(lambda: len(order) == 6, timeout=30)
+    for thread in threads:
+        thread.join(30)
+    assert order == list(range(6)) and lock.queued == 0
+    assert lock.acquire(blocking=False) and lock.queued == 1
+    lock.release()
+
+
+def _record(errors: list[BaseException], call) -> None:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        errors.append(e)
+
+
+def test_prefill_chunks_pack_by_width():
+    """Chunks that arrive together share a forward only while padding them to the widest costs
+    at most PREFILL_PADDING_BOUND of their tokens; the narrowest go first."""
+    from skulkp2p.engine.scheduler import PrefillChunk, _packed
+    chunks = [PrefillChunk(None, [0] * w) for w in (8, 2, 8, 3, 8, 512)]  # type: ignore[arg-type]
+    assert [[len(c.tokens) for c in g] for g in _packed(chunks)] == [[2, 3], [8, 8, 8], [512]]
+    assert _packed([]) == []

@@ -6,7 +6,7 @@ by its own count (a row keeps 1 + accepted of its w tokens), so here every row k
 length instead: a step writes row i's w tokens at its length, RoPE takes the per-row lengths as
 an array offset (as with BatchKVCache), and the mask lets query j of row i see keys up to
 length_i + j. A rollback is a length going down; nothing moves. Rows join from an ordinary
-per-request cache (after their prompt was prefilled alone) and leave by a gather of the others.
+per-request cache (after their prompt was prefilled) and leave by a gather of the others.
 
 All layers share one `RowLengths`: the model reads `offset` in every layer before the step's
 write, so lengths advance only after the whole forward (`RowLengths.advance`).
@@ -113,6 +113,32 @@ class RowsKVCache:
         else:
             self.keys = mx.concatenate([self.keys, k], axis=0)
             self.values = mx.concatenate([self.values, v], axis=0)
+
+    @classmethod
+    def of_singles(cls, rows: RowLengths, singles: list[KVCache],
+                   lengths: list[int]) -> RowsKVCache:
+        """One layer of a batch whose row i holds the first lengths[i] positions of singles[i]
+        (requests prefilling together). Empty rows get zeros, never read (the mask)."""
+        layer = cls(rows)
+        like = next((c for c, n in zip(singles, lengths, strict=True)
+                     if c.keys is not None and n > 0), None)
+        if like is None:
+            return layer  # nothing held yet: the first write allocates every row's buffer
+        assert like.keys is not None and like.values is not None
+        cap = ((max(lengths) + STEP - 1) // STEP) * STEP
+        keys, values = [], []
+        for c, n in zip(singles, lengths, strict=True):
+            if c.keys is None or n == 0:
+                _, h, _, dk = like.keys.shape
+                keys.append(mx.zeros((1, h, cap, dk), like.keys.dtype))
+                values.append(mx.zeros((1, h, cap, like.values.shape[3]), like.values.dtype))
+                continue
+            pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
+            keys.append(mx.pad(c.keys[..., :n, :], pad))
+            values.append(mx.pad(c.values[..., :n, :], pad))  # type: ignore[index]
+        layer.keys = mx.concatenate(keys, axis=0)
+        layer.values = mx.concatenate(values, axis=0)
+        return layer
 
     def keep_rows(self, kept: list[int]) -> None:
         if self.keys is None:

@@ -15,10 +15,13 @@ stop handling) and lets go only while it waits for a step. The forward runs in t
 row whose hand-in completed the batch (or of a row whose leaving did): there is no scheduler
 thread to start, stop or wake, and no hand-off between the last row and the forward.
 
-Joining and leaving: a request prefills its prompt alone, on an ordinary per-request cache (a
+Joining and leaving: a request prefills its prompt on an ordinary per-request cache (a
 prefix-cache hit restores into that cache first), in chunks; between chunks it waits for one
-step of the rows already decoding, so a long prompt does not stall them. Its first verify call
-copies that cache into a new row. It leaves at its end (EOS, stop, max_tokens, cancellation:
+step of the rows already decoding, so a long prompt does not stall them. Requests that join
+together prefill together: a chunk handed in goes to the back of the model's queue once, every
+thread queued meanwhile hands its own chunk in, and the first to come back runs them all as one
+forward (rows padded on the right, each at its own length), so a burst of N arrivals costs one
+forward per chunk rather than N. Its first verify call copies that cache into a new row. It leaves at its end (EOS, stop, max_tokens, cancellation:
 the decode loop's caller closes the forward), and the other rows are gathered at once.
 
 Only models whose every layer holds a plain KV cache batch (llama, qwen2/3 and most dense
@@ -28,6 +31,7 @@ families); recurrent or sliding-window layers are served one request at a time (
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -45,46 +49,72 @@ from skulkp2p.engine.forward import StageCache, whole_model_stage
 BATCH_PREFILL_CHUNK = 512
 
 
+@dataclasses.dataclass
+class PrefillChunk:
+    """A chunk of a joining prompt, handed in to be prefilled with the others waiting."""
+    row: RowForward
+    tokens: list[int]
+    done: bool = False
+    hidden: mx.array | None = None
+    error: BaseException | None = None
+
+
 class TicketLock:
     """A lock granted in the order it was asked for. Python's own lock lets the thread that
     releases it take it straight back, so a request decoding alone could keep the model from
     one that waits to join; here whoever asked first goes first (admission stays first come
-    first served). Works under threading.Condition (it says who owns it)."""
+    first served). Works under threading.Condition (it says who owns it).
+
+    A release hands the lock straight to the oldest waiter by opening that waiter's own gate:
+    only the thread whose turn it is wakes. (Waking every waiter on every release to check
+    its ticket cost a context switch per waiting row per hand-off, several per row per step:
+    with 16 rows, hundreds of wake-ups a step.)"""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._next = 0
-        self._serving = 0
+        self._mutex = threading.Lock()
+        self._changed = threading.Condition(self._mutex)  # queued changed (wait_queued)
+        self._held = False
         self._owner: int | None = None
+        self._gates: collections.deque[threading.Lock] = collections.deque()  # the waiters'
 
     @property
     def queued(self) -> int:
         """Threads holding or waiting for the lock."""
-        return self._next - self._serving
+        return len(self._gates) + self._held
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        with self._cond:
-            self._cond.notify_all()  # (wait_queued)
-            if not blocking and self._next != self._serving:
+        me = threading.get_ident()
+        with self._mutex:
+            if not self._held:  # (nobody waits while the lock is free: releases hand over)
+                self._held, self._owner = True, me
+                self._changed.notify_all()
+                return True
+            if not blocking:
                 return False
-            ticket = self._next
-            self._next += 1
-            self._cond.wait_for(lambda: self._serving == ticket)
-            self._owner = threading.get_ident()
-            return True
+            gate = threading.Lock()
+            gate.acquire()
+            self._gates.append(gate)
+            self._changed.notify_all()
+        gate.acquire()  # opened by the release that hands the lock to this thread
+        with self._mutex:
+            self._owner = me
+        return True
 
     def release(self) -> None:
-        with self._cond:
+        with self._mutex:
             if self._owner != threading.get_ident():
                 raise RuntimeError("release of a TicketLock this thread does not hold")
             self._owner = None
-            self._serving += 1
-            self._cond.notify_all()
+            if self._gates:
+                self._gates.popleft().release()  # still held: now by the oldest waiter
+            else:
+                self._held = False
+            self._changed.notify_all()
 
     def wait_queued(self, n: int, timeout: float) -> bool:
         """Wait until `n` threads hold or wait for the lock (False when `timeout` passed)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.queued >= n, timeout)
+        with self._changed:
+            return self._changed.wait_for(lambda: self.queued >= n, timeout)
 
     def _is_owned(self) -> bool:
         return self._owner == threading.get_ident()
@@ -120,6 +150,9 @@ class BatchScheduler:
         self.peak = 0  # the most rows one step has run
         self.ragged = 0  # steps whose rows had different widths (drafts of different depths)
         self.leaves: collections.deque[int] = collections.deque(maxlen=64)  # steps at each leave
+        self.joining: list[PrefillChunk] = []  # prompt chunks handed in, not prefilled yet
+        self.prefills = 0  # prefill forwards run so far (one per chunk round, however many rows)
+        self.prefill_peak = 0  # the most prompts one prefill forward has run
 
     @property
     def batch_size(self) -> int:
@@ -165,6 +198,69 @@ class BatchScheduler:
         if self._ready():
             self._step()
 
+    def _prefill(self, row: RowForward, tokens: list[int]) -> mx.array | None:
+        """Prefill one chunk of `row`'s prompt together with the chunks of every other request
+        that hands one in meanwhile; the chunk's hidden rows (when the row asked for them)."""
+        chunk = PrefillChunk(row, tokens)
+        self.joining.append(chunk)
+        if self.lock.queued > 1:
+            # Go to the back of the model's queue: every thread queued now (requests that
+            # arrived together) hands its chunk in first, and one forward runs them all.
+            self.lock.release()
+            self.lock.acquire()
+        if not chunk.done:  # (else a thread queued before this one ran it)
+            self._run_prefills()
+        if chunk.error is not None:
+            raise RuntimeError(f"the batched prefill failed: {chunk.error}") from chunk.error
+        return chunk.hidden
+
+    def _run_prefills(self) -> None:
+        chunks, self.joining = self.joining, []
+        modes: dict[str | None, list[PrefillChunk]] = {}
+        for c in chunks:  # one forward per kind of hidden rows asked for (usually one)
+            modes.setdefault(c.row.hidden, []).append(c)
+        for hidden, chunks_of_mode in modes.items():
+            for group in _packed(chunks_of_mode):
+                self._run_prefill_group(group, hidden)
+
+    def _run_prefill_group(self, group: list[PrefillChunk], hidden: str | None) -> None:
+        try:
+            self._prefill_together(group, hidden)
+        except BaseException as e:  # every row of the forward fails with it
+            for c in group:
+                c.error = e
+        for c in group:
+            c.done = True
+        self.prefills += 1
+        self.prefill_peak = max(self.prefill_peak, len(group))
+
+    def _prefill_together(self, group: list[PrefillChunk], hidden: str | None) -> None:
+        if len(group) == 1:  # alone: straight on the row's own caches, no copies
+            c = group[0]
+            _, c.hidden = c.row.local.run(c.tokens, verify=False, hidden=hidden)
+            c.row.prefill_shared = max(c.row.prefill_shared, 1)
+            return
+        # Rows of different lengths (a prefix-cache hit, a later chunk) and widths, padded on
+        # the right with the row's last token: padded positions sit past the row's length and
+        # are cut off when the row's caches are taken back out.
+        lengths = [c.row.local.cache[0].offset for c in group]
+        widths = [len(c.tokens) for c in group]
+        width = max(widths)
+        rows = RowLengths()
+        rows.set(lengths)
+        layers = [RowsKVCache.of_singles(rows, [c.row.local.cache[j] for c in group], lengths)
+                  for j in range(len(self.layers))]
+        tokens = [c.tokens + [c.tokens[-1]] * (width - len(c.tokens)) for c in group]
+        _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden)
+        out = []
+        for i, (c, n, w) in enumerate(zip(group, lengths, widths, strict=True)):
+            c.row.local.adopt([layer.extract(i, n + w) for layer in layers])
+            c.hidden = h[i, :w] if h is not None else None
+            c.row.prefill_shared = max(c.row.prefill_shared, len(group))
+            out += [a for single in c.row.local.cache for a in single.state]
+            out += [] if c.hidden is None else [c.hidden]
+        mx.eval(out)  # here: other rows' threads read these (see _step)
+
     def _step(self) -> None:
         rows = self.active
         widths = [len(r.submitted) for r in rows]  # type: ignore[arg-type]
@@ -200,6 +296,30 @@ class BatchScheduler:
         self.cond.notify_all()
 
 
+# Chunks prefill in one forward only while padding them to the widest costs at most this much
+# more than their own tokens (on a CPU a forward over many token rows is compute-bound: padding
+# a short prompt to a long one's chunk would cost what it saves).
+PREFILL_PADDING_BOUND = 1.5
+
+
+def _packed(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """The chunks in forwards: narrowest first (the short prompts' first tokens come soonest),
+    each forward's padded size (rows x widest) within PREFILL_PADDING_BOUND of its tokens."""
+    groups: list[list[PrefillChunk]] = []
+    group: list[PrefillChunk] = []
+    tokens = 0
+    for c in sorted(chunks, key=lambda c: len(c.tokens)):
+        w = len(c.tokens)
+        if group and (len(group) + 1) * w > PREFILL_PADDING_BOUND * (tokens + w):
+            groups.append(group)
+            group, tokens = [], 0
+        group.append(c)
+        tokens += w
+    if group:
+        groups.append(group)
+    return groups
+
+
 class RowForward:
     """One request's forward in a batch (the decode loop's `Forward`). Its methods are called
     with the scheduler's lock held (MlxEngine holds it while the request's code runs)."""
@@ -218,6 +338,7 @@ class RowForward:
         self.result_hidden: mx.array | None = None
         self.error: BaseException | None = None
         self.prefill_waits = 0  # steps of the decoding rows run between this prompt's chunks
+        self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
         self.closed = False
 
@@ -256,8 +377,7 @@ class RowForward:
                 self.prefill_waits += 1
             if self.interrupt is not None:
                 self.interrupt()
-            _, h = self.local.run(tokens[start:start + sched.prefill_chunk], verify=False,
-                                  hidden=self.hidden)
+            h = sched._prefill(self, tokens[start:start + sched.prefill_chunk])
             if h is not None:
                 rows.append(h)
         if rows:
