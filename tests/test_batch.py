@@ -115,6 +115,28 @@ def test_batched_requests_match_solo(tiny_models, family, sampling, spec):
             r.speculation.drafted for r in alone]
 
 
+def test_a_row_with_nothing_prefilled_joining_first_keeps_the_rows_aligned():
+    """A one-token prompt prefills nothing: its row joins before any buffer exists. A row
+    joining after it, before a step writes, must be row 1 of the buffer, not row 0."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
+
+    rows = RowLengths()
+    layer = RowsKVCache(rows)
+    layer.append_row(KVCache(), 0)
+    rows.set([0])
+    single = KVCache()
+    keys = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(1, 2, 5, 4)
+    single.update_and_fetch(keys, keys + 1)
+    layer.append_row(single, 5)
+    rows.set([0, 5])
+    assert layer.keys.shape[0] == 2
+    assert mx.array_equal(layer.keys[1:, :, :5], keys).item()
+    assert mx.array_equal(layer.values[1:, :, :5], keys + 1).item()
+
+
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_batched_mtp_rows_match_solo(mtp_llama, sampling):
     """Each row drafts with its own MTP head, which reads its row's hidden states."""

@@ -93,7 +93,8 @@ class RowsKVCache:
     # -- rows joining and leaving --
 
     def append_row(self, single: KVCache, length: int) -> None:
-        """Add a row holding the first `length` positions of a one-request cache."""
+        """Add a row holding the first `length` positions of a one-request cache (called before
+        the row's length is added to `rows`)."""
         if single.keys is None or length == 0:  # a one-token prompt: nothing prefilled
             if self.keys is not None:
                 self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])], axis=0)
@@ -109,6 +110,13 @@ class RowsKVCache:
         pad = [(0, 0), (0, 0), (0, cap - length), (0, 0)]
         k, v = mx.pad(k, pad), mx.pad(v, pad)
         if self.keys is None:
+            # Rows that joined before with nothing prefilled (one-token prompts) have no place
+            # in a buffer yet: zeros for them, never read (their length is 0), so that row i
+            # of the buffer stays row i of the batch.
+            empty = len(self.rows.lengths)
+            if empty:
+                k = mx.concatenate([mx.zeros((empty, *k.shape[1:]), k.dtype), k], axis=0)
+                v = mx.concatenate([mx.zeros((empty, *v.shape[1:]), v.dtype), v], axis=0)
             self.keys, self.values = k, v
         else:
             self.keys = mx.concatenate([self.keys, k], axis=0)
