@@ -412,7 +412,7 @@ def test_feature_noise_jitters_only_the_training_features():
     clean = train_sidecar.Batches([shard], vocab_ids, vocab, n_seq, seed=1).sample()
     noisy = train_sidecar.Batches([shard], vocab_ids, vocab, n_seq, seed=1,
                                   feature_noise=0.1).sample()
-    for a, b in zip(clean[1:], noisy[1:]):  # tokens, targets, weights: untouched
+    for a, b in zip(clean[1:], noisy[1:], strict=True):  # tokens, targets, weights: untouched
         np.testing.assert_array_equal(np.array(a), np.array(b))
     h, hn = np.array(clean[0]), np.array(noisy[0])
     rms = np.sqrt((h * h).mean(-1, keepdims=True))
