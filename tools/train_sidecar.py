@@ -830,7 +830,7 @@ def train(args: argparse.Namespace) -> Path:
         "training": {
             "steps": step, "runs": runs + [this_run()],
             "batch_sequences": args.train_batch, "lr": args.lr,
-            "feat_weight": args.feat_weight,
+            "feat_weight": args.feat_weight, "feature_noise": args.feature_noise,
             "init_from": (f"{args.init_from.name} (sha256 {sha256_file(args.init_from)})"
                           if args.init_from else "ridge fit"),
             "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
