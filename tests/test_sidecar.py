@@ -379,8 +379,16 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
         np.testing.assert_allclose(_logits(lw.mtp, hidden, tokens), logits, rtol=1e-5,
                                    atol=1e-5)
 
-    # Resumable: the checkpoint carries the step; a resumed run goes on from it.
-    assert train_sidecar.main([*common, "--steps", "5", "--resume"]) == 0
+    # The shards record the temperature each was answered at, and the provenance says it.
+    temps = sorted(round(float(np.load(f)["temperature"]), 3)
+                   for f in (out / ".train").glob("train-*"))
+    assert temps == [0.0, 0.8]
+    assert "temperature 0.8)" in prov["training"]["data"]
+
+    # Resumable: the checkpoint carries the step; a resumed run goes on from it (here with
+    # noisy training features).
+    assert train_sidecar.main([*common, "--steps", "5", "--resume",
+                               "--feature-noise", "0.1"]) == 0
     state = json.loads((out / ".train" / "state.json").read_text())
     assert state["step"] == 5 and len(state["runs"]) == 2
     runs = tomllib.loads((out / "mtp.provenance.toml").read_text())["training"]["runs"]
@@ -390,3 +398,23 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     lq = load_model(q4, "q4", dtype="float32", sidecar=out / "mtp.safetensors")
     assert isinstance(lq.mtp.vocab_head, nn.QuantizedLinear)
     assert _decode(lq, lq.mtp, 2) == _decode(lq)
+
+
+def test_feature_noise_jitters_only_the_training_features():
+    rng = np.random.default_rng(0)
+    n_seq, n, dim, vocab = 4, 9, 16, 50
+    shard = {"tokens": rng.integers(0, vocab, (n_seq, n)).astype(np.int32),
+             "hidden": rng.normal(size=(n_seq, n, dim)).astype(np.float16),
+             "top_ids": rng.integers(0, vocab, (n_seq, n, 8)).astype(np.int32),
+             "top_vals": rng.normal(size=(n_seq, n, 8)).astype(np.float16),
+             "prompt_len": np.array(3, np.int32), "ends": np.full(n_seq, n, np.int32)}
+    vocab_ids = np.arange(0, vocab, 2)
+    clean = train_sidecar.Batches([shard], vocab_ids, vocab, n_seq, seed=1).sample()
+    noisy = train_sidecar.Batches([shard], vocab_ids, vocab, n_seq, seed=1,
+                                  feature_noise=0.1).sample()
+    for a, b in zip(clean[1:], noisy[1:], strict=True):  # tokens, targets, weights: untouched
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    h, hn = np.array(clean[0]), np.array(noisy[0])
+    rms = np.sqrt((h * h).mean(-1, keepdims=True))
+    delta = np.abs(hn - h) / rms
+    assert delta.max() <= 0.1 + 1e-5 and delta.mean() > 0.02  # jittered, within ±10% of RMS

@@ -95,11 +95,11 @@ EVAL_SHARE = 0.15  # kept back for the held-out replay and writing
 CHECKPOINT_EVERY_S = 60.0
 DATA_NOTES = {  # the provenance's word on where the training text came from
     "broad": "float32 generations of the base, greedy and sampled ({share:.0%} of batches, "
-             "temperature {t:g}), answering the broad chat prompt list of "
+             "temperature {t}), answering the broad chat prompt list of "
              "tools/sidecar_prompts.py; held out: its separate hand-written prompts of another "
              "style, answered greedily",
     "stdlib": "float32 generations of the base, greedy and sampled ({share:.0%} of batches, "
-              "temperature {t:g}), from prompts built from Python stdlib docstrings/source and "
+              "temperature {t}), from prompts built from Python stdlib docstrings/source and "
               "/usr/share/doc texts; 1 in 10 source files held out",
 }
 
@@ -313,7 +313,8 @@ def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
     return {"tokens": toks, "hidden": np.concatenate(hidden, axis=1),
             "top_ids": np.concatenate(top_ids, axis=1),
             "top_vals": np.concatenate(top_vals, axis=1),
-            "prompt_len": np.array(plen, np.int32), "ends": ends}
+            "prompt_len": np.array(plen, np.int32), "ends": ends,
+            "temperature": np.array(temperature, np.float32)}
 
 
 # --- the head -----------------------------------------------------------------------------------
@@ -443,9 +444,10 @@ class Batches:
     """Training batches from generated shards: B sequences of one shard (equal lengths)."""
 
     def __init__(self, shards: list[dict[str, np.ndarray]], vocab_ids: np.ndarray,
-                 vocab_size: int, batch: int, seed: int):
+                 vocab_size: int, batch: int, seed: int, feature_noise: float = 0.0):
         self.shards = shards
         self.batch = batch
+        self.feature_noise = feature_noise
         self.rng = np.random.default_rng(seed)
         self.local = np.full(vocab_size, -1, np.int64)
         self.local[vocab_ids] = np.arange(len(vocab_ids))
@@ -454,7 +456,16 @@ class Batches:
         s = self.shards[int(self.rng.integers(len(self.shards)))]
         n_seq = s["tokens"].shape[0]
         pick = self.rng.choice(n_seq, size=min(self.batch, n_seq), replace=False)
-        return self.rows(s, pick)
+        rows = self.rows(s, pick)
+        if self.feature_noise <= 0:
+            return rows
+        # EAGLE's trick against exposure bias: at depth > 1 and on novel text the head reads
+        # features that are not exactly the trunk's, so training sees them jittered (uniform,
+        # relative to each row's RMS). Only training batches; evaluation reads them clean.
+        hidden = rows[0]
+        rms = mx.sqrt(mx.mean(hidden * hidden, axis=-1, keepdims=True))
+        noise = mx.random.uniform(-self.feature_noise, self.feature_noise, hidden.shape)
+        return (hidden + noise * rms,) + rows[1:]
 
     def rows(self, s: dict[str, np.ndarray], pick: np.ndarray) -> tuple[mx.array, ...]:
         """Row t pairs (h_t, x_{t+1}); its targets are the trunk's top-k and h at t+1."""
@@ -619,6 +630,14 @@ def _load_shards(work: Path, kind: str) -> list[dict[str, np.ndarray]]:
     return [dict(np.load(p)) for p in sorted(work.glob(f"{kind}-*.npz"))]
 
 
+def _temperatures(shards: list[dict[str, np.ndarray]], default: float) -> str:
+    """The sampling temperatures the shards were generated at (a resumed generation may use
+    another one), e.g. "0.6 and 0.8"; shards that do not record theirs count as `default`."""
+    temps = sorted({float(s["temperature"]) if "temperature" in s else default
+                    for s in shards} - {0.0})
+    return " and ".join(f"{t:g}" for t in temps) or f"{default:g}"
+
+
 def _log(msg: str) -> None:
     print(f"train_sidecar: {msg}", file=sys.stderr, flush=True)
 
@@ -713,7 +732,8 @@ def train(args: argparse.Namespace) -> Path:
         mx.save_safetensors(str(head_file), start)
     head = load_mtp_head(model_path, lm.model, config, sidecar=head_file)
     head.set_dtype(mx.float32)
-    batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state))
+    batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state),
+                      args.feature_noise)
     acc0 = top1_accuracy(head, batches, held)
     _log(f"draft vocabulary {len(vocab_ids)} tokens ({coverage:.1%} of training targets); "
          f"held-out teacher-forced depth-1 accuracy at start {acc0:.1%}")
@@ -810,7 +830,7 @@ def train(args: argparse.Namespace) -> Path:
         "training": {
             "steps": step, "runs": runs + [this_run()],
             "batch_sequences": args.train_batch, "lr": args.lr,
-            "feat_weight": args.feat_weight,
+            "feat_weight": args.feat_weight, "feature_noise": args.feature_noise,
             "init_from": (f"{args.init_from.name} (sha256 {sha256_file(args.init_from)})"
                           if args.init_from else "ridge fit"),
             "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
@@ -821,7 +841,8 @@ def train(args: argparse.Namespace) -> Path:
             "gen_tokens": args.gen_tokens, "train_shards": len(shards),
             "heldout_shards": len(held), "train_rows": gen_rows,
             "draft_vocab_coverage": round(coverage, 4),
-            "data": DATA_NOTES[args.data].format(share=args.sample_share, t=args.temperature),
+            "data": DATA_NOTES[args.data].format(share=args.sample_share,
+                                                 t=_temperatures(shards, args.temperature)),
             **counts,
         },
         "source": {f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
@@ -877,6 +898,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-files", type=int, default=None, help="cap on source files read")
     p.add_argument("--train-batch", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--feature-noise", type=float, default=0.0,
+                   help="uniform noise on the training features, relative to their RMS "
+                        "(EAGLE's 0.1-ish; default off)")
     p.add_argument("--feat-weight", type=float, default=0.5)
     p.add_argument("--coverage", type=float, default=0.98,
                    help="share of training targets the draft vocabulary covers")
