@@ -215,19 +215,16 @@ def _mtp_drafter(loaded: LoadedModel):
 
 
 def _assistant_usable(loaded: LoadedModel) -> bool:
-    # The assistant reads the target's caches of two mid-stack layers: it runs where every
-    # layer is local (a ring's last stage does not hold them yet; README, Gemma 4 assistant).
-    return loaded.assistant is not None and loaded.make_forward is None
+    # The assistant reads the target's caches of two mid-stack layers: it runs where they are,
+    # on one node or on a ring's last stage (placement keeps them there: last_stage_from;
+    # load_assistant refuses a stage that lacks them, so a loaded one can run).
+    return loaded.assistant is not None
 
 
 def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bool = False):
     from skulkp2p.engine.assistant import AssistantDrafter, explicit_unavailable
     if explicit and not _assistant_usable(loaded):
-        if loaded.assistant is None:
-            raise explicit_unavailable(loaded.id)
-        raise RequestError(f"model {loaded.id}: the assistant drafter runs only where the whole "
-                           "target is on one node (this model is split over a ring)",
-                           "speculation")
+        raise explicit_unavailable(loaded.id)
     return AssistantDrafter(loaded.assistant, req.sampling, make_rng(
         None if req.sampling.seed is None else req.sampling.seed + 1))
 

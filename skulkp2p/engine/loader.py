@@ -76,7 +76,8 @@ def open_assistant(store: ModelStore, speculation: dict, card_file: Path | None,
     try:
         return load_assistant(path, target.model, DTYPES[target.dtype],
                               int(speculation.get("assistant_block_size", 4)),
-                              speculation.get("assistant_query_position", "last"))
+                              speculation.get("assistant_query_position", "last"),
+                              target.span.start if target.span is not None else 0)
     except AssistantError as e:
         raise ValueError(f"card field speculation.assistant_model: {e}") from None
 
