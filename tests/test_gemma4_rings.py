@@ -208,3 +208,89 @@ def test_card_field_last_stage_from(tmp_path):
     for bad in (0, LAYERS):
         with pytest.raises(CardError, match="placement.last_stage_from"):
             parse_card(_card(last_stage_from=bad), tmp_path / "g.toml")
+
+
+# ------------------------------------------------------------------------------------------
+# Real processes: two `join` nodes on 127.0.0.x serving a card that pairs the tiny target with
+# its assistant; the ring is placed with POST /v1/cluster/place.
+
+CARD = '''id = "gemma-tiny"
+family = "gemma4"
+format = "mlx"
+layers = 6
+hidden_size = 64
+kv_heads = 2
+context_length = 4096
+size_bytes = 1_000_000
+
+[source]
+kind = "local"
+path = "{target}"
+
+[speculation]
+drafter = "assistant"
+assistant_model = "{assistant}"
+assistant_block_size = 3
+
+[placement]
+last_stage_from = 2
+'''
+ARMS = {"plain": {"speculation": "off"},
+        "assistant": {"speculation": {"drafter": "assistant"}},
+        "sampled": {"temperature": 0.8, "seed": 5, "speculation": {"drafter": "assistant"}}}
+
+
+def _ask(c, http: str, arm: str) -> dict:
+    from tests.helpers.http_client import call
+    body = {"model": "gemma-tiny", "prompt": PROMPT, "max_tokens": 40, **ARMS[arm]}
+    got: dict = {}
+
+    def answered() -> bool:
+        try:
+            status, _, out = call(http, "POST", "/v1/cluster/generate", body, timeout=60)
+        except OSError:
+            return False
+        if status == 200 and "re-placed" not in str(out.get("error")):
+            got.update(out)
+            return True
+        return False  # 503 while a placement loads
+    c.wait(answered, 60, f"an answer to {arm}")
+    return got
+
+
+@pytest.mark.slow
+def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
+    from tests.helpers.http_client import call, status_of
+    from tests.helpers.procs import ProcCluster, loopback_ips_usable
+    if not loopback_ips_usable():
+        pytest.skip("needs the 127.0.0.0/8 loopback range (Linux)")
+    cards = tmp_path / "cards"
+    cards.mkdir()
+    (cards / "gemma-tiny.toml").write_text(CARD.format(target=gemma["target"],
+                                                       assistant=gemma["ordered"]))
+    c = ProcCluster(tmp_path, env={"SKULKP2P_CARDS_DIR": str(cards),
+                                   "SKULKP2P_RING_TIMEOUT": "20"})
+    try:
+        for i in range(2):
+            c.start_join(i, "gemma-tiny", args=["--memory-limit", "2GB",
+                                                "--timers", "probe=0.2,suspect=1,election=1"])
+        c.wait(lambda: (s := c.agreed([0, 1])) and s["placements"], 90, "a placement")
+        c.wait(lambda: all(status_of(n.http) == 200 for n in c.nodes.values()), 90, "health")
+        http = c.nodes[0].http
+        single = {arm: _ask(c, http, arm) for arm in ARMS}
+        assert single["assistant"]["tokens"] == single["plain"]["tokens"]
+        status, _, out = call(http, "POST", "/v1/cluster/place",
+                              {"model": "gemma-tiny", "nodes": ["n0", "n1"]})
+        assert status == 200, out
+        # The tail [2, 6) stays on the last stage (a plain split would cut at 3).
+        assert out["placement"]["layers"] == [[0, 2], [2, 6]]
+        c.wait(lambda: (s := c.agreed([0, 1])) and any(
+            p["ring"] == ["n0", "n1"] for p in s["placements"]), 30, "the ring")
+        for arm in ARMS:
+            got = _ask(c, http, arm)
+            assert got["tokens"] == single[arm]["tokens"], (arm, got)
+            if arm != "plain":
+                assert got["speculation"]["drafter"] == "assistant"
+                assert got["speculation"]["drafted"] > 0
+    finally:
+        c.close()
