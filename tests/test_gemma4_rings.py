@@ -28,7 +28,7 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel, StageSpan, kv_tail_start
+from skulkp2p.engine.stage import StageModel, StageSpan
 from skulkp2p.models.cards import CardError, parse_card
 from tools import tiny_gemma4
 
@@ -169,7 +169,6 @@ def test_later_stages_hold_no_per_layer_tables(gemma):
 def test_tail_start_from_config_and_model(gemma):
     config = json.loads((gemma["target"] / "config.json").read_text())
     assert tail_start_of(config) == TAIL
-    assert kv_tail_start(whole(gemma["target"]).model.args) == TAIL
     assert tail_start_of({"model_type": "llama", "num_hidden_layers": 4}) == 0
     # Without shared layers the assistant's two layers still pin the tail.
     no_shared = {**config, "num_kv_shared_layers": 0}

@@ -12,10 +12,10 @@ the slice, the indices it uses to pick a cache for building masks (`fa_idx`, `ss
 
 Gemma 4 (`gemma4_text`) needs two more things (`_Gemma4Slice`): its KV-shared layers read the K/V
 that a cache-owning layer computed in the same call, so a stage boundary may never fall between
-them (`kv_tail_start`: placement keeps that tail on the last stage); and its per-layer inputs are
-computed from the token ids and the embedding, which only the first stage has, so the first stage
-computes them for every layer and they travel beside the hidden rows (one row each:
-hidden | per-layer inputs of the layers still ahead, flattened).
+them (placement keeps that tail on the last stage: `placement.tail_start_of`); and its per-layer
+inputs are computed from the token ids and the embedding, which only the first stage has, so
+the first stage computes them for every layer and they travel beside the hidden rows (one row
+each: hidden | per-layer inputs of the layers still ahead, flattened).
 """
 
 from __future__ import annotations
@@ -60,19 +60,6 @@ class _NoEmbedding(nn.Module):
 
 def _kind(layer: Any) -> tuple[Any, ...]:
     return (getattr(layer, "is_linear", None), getattr(layer, "use_sliding", None))
-
-
-def kv_tail_start(args: Any) -> int:
-    """The first layer of the tail a pipeline stage boundary must not cut (0: no constraint) for
-    a Gemma 4 text model: its KV-shared layers read, in the same call, the K/V of the last
-    cache-owning layer of their type, and the assistant drafter reads those same two layers'
-    caches; both hold only when that tail sits on the last (deciding) stage."""
-    types = list(getattr(args, "layer_types", None) or [])
-    if getattr(args, "model_type", None) != "gemma4_text" or not types:
-        return 0
-    owners = len(types) - int(getattr(args, "num_kv_shared_layers", 0) or 0)
-    last = {t: i for i, t in enumerate(types[:owners])}
-    return min(last.values()) if last else 0
 
 
 class _Gemma4Slice:
@@ -178,9 +165,10 @@ class StageModel:
     def _run_gemma4(self, gemma: Any, x: mx.array | list[int], cache: list[Any], *,
                     logits: bool, hidden: str | None) -> tuple[mx.array | None, mx.array | None]:
         """A Gemma 4 slice. Per-layer inputs (where the model has them): the first stage
-        computes them as the model's own call does (from the token ids and the scaled embedding); a later stage takes the
-        hidden rows and its layers' inputs from the row it was sent, and feeds the hidden rows
-        in unscaled (the model scales `input_embeddings` as if they were token embeddings)."""
+        computes them as the model's own call does (from the token ids and the scaled
+        embedding); a later stage takes the hidden rows and its layers' inputs from the row it
+        was sent, and feeds the hidden rows in unscaled (the model scales `input_embeddings` as
+        if they were token embeddings)."""
         body = self.trunk.body
         here = self.span.end - self.span.start
         per_layer = None
