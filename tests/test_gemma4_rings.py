@@ -294,3 +294,22 @@ def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
                 assert got["speculation"]["drafted"] > 0
     finally:
         c.close()
+
+
+def test_a_tensor_groups_loop_member_loads_no_assistant_and_says_why(gemma, tmp_path):
+    from skulkp2p.engine.generate import _choose_drafter
+    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.request import RequestError, parse_request
+    from skulkp2p.models.store import ModelStore
+    card = parse_card({**_card(), "placement": {},
+                       "source": {"kind": "local", "path": str(gemma["target"])},
+                       "speculation": {"drafter": "assistant",
+                                       "assistant_model": str(gemma["ordered"])}},
+                      tmp_path / "g.toml")
+    store = ModelStore(tmp_path / "data", cards={"g": card})
+    assert open_model(store, "g", "float32").assistant is not None
+    head = open_model(store, "g", "float32", head_only=True)  # holds none of the layers
+    assert head.assistant is None
+    req = parse_request({"prompt": PROMPT, "speculation": {"drafter": "assistant"}})
+    with pytest.raises(RequestError, match="not on a tensor-parallel group"):
+        _choose_drafter(head, req, [1, 2])

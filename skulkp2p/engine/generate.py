@@ -224,6 +224,10 @@ def _assistant_usable(loaded: LoadedModel) -> bool:
 def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bool = False):
     from skulkp2p.engine.assistant import AssistantDrafter, explicit_unavailable
     if explicit and not _assistant_usable(loaded):
+        if loaded.speculation.get("drafter") == "assistant":  # paired, but not loaded here
+            raise RequestError(f"model {loaded.id}: the assistant drafter runs on one node or "
+                               "a pipeline ring's last stage, not on a tensor-parallel group",
+                               "speculation")
         raise explicit_unavailable(loaded.id)
     return AssistantDrafter(loaded.assistant, req.sampling, make_rng(
         None if req.sampling.seed is None else req.sampling.seed + 1))
