@@ -153,7 +153,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
         model_depth = loaded.assistant.depth
         model_drafter = GatedDrafter(
             _assistant_drafter(loaded, req), costs, model_depth, request_id=req.id,
-            draft_cost=loaded.assistant.weights_per_pass() / max(_param_count(loaded.model), 1))
+            # against a step of the whole target (a ring's last stage holds only its layers)
+            draft_cost=loaded.assistant.weights_per_pass() / max(
+                loaded.whole_params or _param_count(loaded.model), 1))
         hidden = "after"
     elif loaded.draft is not None:
         model_depth = int(loaded.speculation.get("draft_max_depth", 4))
