@@ -120,17 +120,22 @@ class RingBench:
     def _open(self) -> LoadedModel:
         from skulkp2p import wire
         from skulkp2p.cluster.node import model_spec
-        from skulkp2p.cluster.placement import split_layers
+        from skulkp2p.cluster.placement import split_with_tail
         from skulkp2p.cluster.ring_link import RingData
         from skulkp2p.engine.loader import open_model
         from skulkp2p.engine.stage import StageSpan
 
         self.store.pull(self.spec)  # once, before N processes would each try
-        total = model_spec(self.store, self.spec).layers
-        try:
-            ranges = split_layers(total, [1.0] * self.nodes)
+        spec = model_spec(self.store, self.spec)
+        total = spec.layers
+        try:  # as placement splits it: a Gemma 4 model's tail stays on the last stage
+            ranges = split_with_tail(total, [1.0] * self.nodes, spec.tail_start)
         except ValueError as e:
             raise RingBenchError(f"--nodes {self.nodes}: {e}") from None
+        if ranges is None:
+            raise RingBenchError(f"--nodes {self.nodes}: {self.spec} keeps layers "
+                                 f"[{spec.tail_start}, {total}) on its last stage: at most "
+                                 f"{spec.tail_start + 1} nodes")
         self.settings["layers"] = [list(r) for r in ranges]
         if loopback_ips_usable():
             base = random.Random().randrange(20, 220)  # other runs may use some of the range

@@ -37,7 +37,7 @@ from typing import Any
 
 from skulkp2p import wire
 from skulkp2p.cluster.core import ClusterCore
-from skulkp2p.cluster.placement import ModelSpec, Placement
+from skulkp2p.cluster.placement import ModelSpec, Placement, tail_start_of
 from skulkp2p.cluster.timers import Timers, timers_from_env
 
 log = logging.getLogger("skulkp2p.cluster")
@@ -222,7 +222,7 @@ def model_spec(store: Any, model: str) -> ModelSpec:
                      int(cfg.get("max_position_embeddings") or 4096), hidden,
                      int(cfg.get("num_key_value_heads") or heads),
                      int(cfg.get("head_dim") or (hidden // heads if hidden else 0)),
-                     source=str(path))
+                     source=str(path), tail_start=tail_start_of(cfg))
 
 
 # --------------------------------------------------------------------------------------------

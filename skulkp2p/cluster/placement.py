@@ -15,6 +15,10 @@ For one model:
   wins, then the larger smallest headroom, then names (for determinism);
 - layers are split contiguously in proportion to each member's free memory, at least one each
   (largest remainder rounding);
+- a model whose tail of layers must stay together on the deciding (last) stage (``tail_start``:
+  Gemma 4, whose KV-shared layers read their source layer's K/V within one call and whose
+  assistant drafter reads those layers' caches) gets that tail on its last member, the member
+  with the most free memory, and the layers before it split over the others;
 - a model that fits nowhere gets a PlacementError that says how much it needs and what the
   cluster has.
 
@@ -67,6 +71,7 @@ class ModelSpec:
     source: str = ""  # what a node loads it by: a card id, or a folder path (default: id)
     engine: str = ""  # "llama_server": one node that offers that engine; "" / "mlx": any ring
     parallel: str = ""  # "tensor": a tensor-parallel group; "" / "auto" / "pipeline": a ring
+    tail_start: int = 0  # the last stage starts at or before this layer (0: anywhere)
 
     def kv_bytes_per_layer(self) -> int:
         """bf16 K and V for the whole context of one layer."""
@@ -78,11 +83,13 @@ class ModelSpec:
                 "context_length": self.context_length, "hidden_size": self.hidden_size,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source,
                 **({"engine": self.engine} if self.engine else {}),
-                **({"parallel": self.parallel} if self.parallel else {})}
+                **({"parallel": self.parallel} if self.parallel else {}),
+                **({"tail_start": self.tail_start} if self.tail_start else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
-        ints = ("layers", "size_bytes", "context_length", "hidden_size", "kv_heads", "head_dim")
+        ints = ("layers", "size_bytes", "context_length", "hidden_size", "kv_heads", "head_dim",
+                "tail_start")
         if not isinstance(d.get("id"), str) or not all(
                 isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool)
                 for k in ints):
@@ -100,6 +107,8 @@ class ModelSpec:
                    parallel=parallel)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
+        if not 0 <= spec.tail_start < spec.layers:
+            raise ValueError(f"model spec {spec.id}: tail_start must be in [0, layers)")
         return spec
 
     @classmethod
@@ -107,7 +116,8 @@ class ModelSpec:
         return cls(card.id, card.layers, card.size_bytes, card.context_length,
                    card.hidden_size, card.kv_heads, source=card.id,
                    engine="" if getattr(card, "engine", "mlx") == "mlx" else card.engine,
-                   parallel=_card_parallel(card))
+                   parallel=_card_parallel(card),
+                   tail_start=int(getattr(card, "tail_start", 0)))
 
     @property
     def tensor(self) -> bool:
@@ -204,6 +214,33 @@ def split_layers(layers: int, weights: Sequence[float]) -> list[tuple[int, int]]
     return out
 
 
+def split_with_tail(layers: int, weights: Sequence[float], tail_start: int
+                    ) -> list[tuple[int, int]] | None:
+    """Like split_layers, but the last member starts at or before ``tail_start`` (when it is
+    > 0): the tail [tail_start, layers) stays whole on the deciding stage. None when the
+    layers before it cannot give every other member one."""
+    plain = split_layers(layers, weights)
+    if tail_start <= 0 or plain[-1][0] <= tail_start:
+        return plain
+    if len(weights) - 1 > tail_start:
+        return None
+    head = split_layers(tail_start, weights[:-1])
+    return head + [(tail_start, layers)]
+
+
+def tail_start_of(config: Mapping[str, Any]) -> int:
+    """The `tail_start` of a model from its config.json (text config merged in): for Gemma 4
+    (gemma4_text), the first of the last cache-owning full-attention and sliding-window layers:
+    the KV-shared layers after them read them within a call, and the assistant drafter reads
+    their caches, so they and everything after stay on the last stage. 0 for other families."""
+    types = list(config.get("layer_types") or [])
+    if config.get("model_type") not in ("gemma4_text", "gemma4") or not types:
+        return 0
+    owners = len(types) - int(config.get("num_kv_shared_layers") or 0)
+    last = {t: i for i, t in enumerate(types[:owners])}
+    return min(last.values()) if last else 0
+
+
 def member_need(spec: ModelSpec, n_layers: int, dtype: str = "bfloat16",
                 overhead: float = OVERHEAD) -> int:
     scale = DTYPE_SCALE.get(dtype, 1.0)
@@ -234,15 +271,19 @@ def _try_tensor(spec: ModelSpec, group: Sequence[str], free: Mapping[str, int],
                      parallel="tensor")
 
 
-def _ring_order(names: Iterable[str], free: Mapping[str, int]) -> list[str]:
-    return sorted(names, key=lambda n: (-free[n], n))
+def _ring_order(names: Iterable[str], free: Mapping[str, int], tail: bool = False) -> list[str]:
+    order = sorted(names, key=lambda n: (-free[n], n))
+    # A model with a pinned tail: the member with the most room holds it, last.
+    return order[1:] + order[:1] if tail else order
 
 
 def _try_ring(spec: ModelSpec, ring: Sequence[str], free: Mapping[str, int],
               dtypes: Mapping[str, str], overhead: float) -> Placement | None:
     if len(ring) > spec.layers or any(free[n] <= 0 for n in ring):
         return None
-    ranges = split_layers(spec.layers, [free[n] for n in ring])
+    ranges = split_with_tail(spec.layers, [free[n] for n in ring], spec.tail_start)
+    if ranges is None:
+        return None
     needs = tuple(member_need(spec, b - a, dtypes.get(n, "bfloat16"), overhead)
                   for n, (a, b) in zip(ring, ranges, strict=True))
     if any(need > free[n] for n, need in zip(ring, needs, strict=True)):
@@ -294,6 +335,11 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
                                           f"cluster (alive: {', '.join(sorted(offers)) or 'none'})")
         if len(set(ring)) != len(ring):
             raise PlacementError(spec.id, f"model {spec.id}: a node appears twice in the ring")
+        if spec.tail_start and not spec.tensor and len(ring) - 1 > spec.tail_start:
+            raise PlacementError(spec.id, f"model {spec.id} keeps layers [{spec.tail_start}, "
+                                          f"{spec.layers}) together on its last stage: a ring "
+                                          f"of at most {spec.tail_start + 1} nodes, got "
+                                          f"{len(ring)}")
         got = attempt(spec, ring, free, dtypes, overhead)
         if got is None:
             raise _no_fit(spec, [offers[n] for n in ring], free, overhead, named=True)
@@ -310,7 +356,7 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
             combos = [tuple(top)] + [tuple(top[:-1] + [n]) for n in names[size:]]
         best: tuple[tuple[Any, ...], Placement] | None = None
         for combo in combos:
-            order = _ring_order(combo, free)
+            order = _ring_order(combo, free, spec.tail_start > 0 and not spec.tensor)
             got = attempt(spec, order, free, dtypes, overhead)
             if got is None:
                 continue

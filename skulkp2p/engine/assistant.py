@@ -248,7 +248,9 @@ class TargetView:
     embed_scale: float
 
 
-def target_view(model: nn.Module, window: int | None = None) -> TargetView:
+def target_view(model: nn.Module, window: int | None = None, first_layer: int = 0) -> TargetView:
+    """`first_layer`: where the target's layers start here (a ring's last stage holds layers
+    from there on, and its cache list starts there)."""
     trunk = Trunk(model)
     args = getattr(trunk.text, "args", None)
     types = list(getattr(args, "layer_types", None) or [])
@@ -261,7 +263,11 @@ def target_view(model: nn.Module, window: int | None = None) -> TargetView:
     if FULL not in last or SLIDING not in last:
         raise AssistantError("target: the assistant needs a cache-owning full-attention and a "
                              f"sliding-window layer; its owners are {types[:owners]}")
-    return TargetView(last[FULL], last[SLIDING], int(window or args.sliding_window),
+    if min(last[FULL], last[SLIDING]) < first_layer:
+        raise AssistantError(f"target: this stage holds layers from {first_layer} on, but the "
+                             f"assistant reads layers {last[FULL]} and {last[SLIDING]}")
+    return TargetView(last[FULL] - first_layer, last[SLIDING] - first_layer,
+                      int(window or args.sliding_window),
                       trunk.embed_tokens, float(trunk.body.embed_scale))
 
 
@@ -330,14 +336,16 @@ class LoadedAssistant:
 
 
 def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
-                   block_size: int = 4, query_position: str = "last") -> LoadedAssistant:
-    """Load the assistant at `path` for `target` (checked to fit), in the target's dtype."""
+                   block_size: int = 4, query_position: str = "last", first_layer: int = 0
+                   ) -> LoadedAssistant:
+    """Load the assistant at `path` for `target` (checked to fit), in the target's dtype;
+    `first_layer`: the target's first layer here (a ring's last stage)."""
     path = Path(path)
     if query_position not in QUERY_POSITIONS:
         raise AssistantError(f"query position must be one of {', '.join(QUERY_POSITIONS)}, got "
                              f"{query_position!r}")
     config = read_config(path)
-    view = target_view(target, config.text.sliding_window)
+    view = target_view(target, config.text.sliding_window, first_layer)
     check_pair(config, Trunk(target).text.args, f"assistant {path}")
     model = AssistantModel(config)
     weights: dict[str, mx.array] = {}

@@ -153,7 +153,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
         model_depth = loaded.assistant.depth
         model_drafter = GatedDrafter(
             _assistant_drafter(loaded, req), costs, model_depth, request_id=req.id,
-            draft_cost=loaded.assistant.weights_per_pass() / max(_param_count(loaded.model), 1))
+            # against a step of the whole target (a ring's last stage holds only its layers)
+            draft_cost=loaded.assistant.weights_per_pass() / max(
+                loaded.whole_params or _param_count(loaded.model), 1))
         hidden = "after"
     elif loaded.draft is not None:
         model_depth = int(loaded.speculation.get("draft_max_depth", 4))
@@ -215,19 +217,20 @@ def _mtp_drafter(loaded: LoadedModel):
 
 
 def _assistant_usable(loaded: LoadedModel) -> bool:
-    # The assistant reads the target's caches of two mid-stack layers: it runs where every
-    # layer is local (a ring's last stage does not hold them yet; README, Gemma 4 assistant).
-    return loaded.assistant is not None and loaded.make_forward is None
+    # The assistant reads the target's caches of two mid-stack layers: it runs where they are,
+    # on one node or on a ring's last stage (placement keeps them there: last_stage_from;
+    # load_assistant refuses a stage that lacks them, so a loaded one can run).
+    return loaded.assistant is not None
 
 
 def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bool = False):
     from skulkp2p.engine.assistant import AssistantDrafter, explicit_unavailable
     if explicit and not _assistant_usable(loaded):
-        if loaded.assistant is None:
-            raise explicit_unavailable(loaded.id)
-        raise RequestError(f"model {loaded.id}: the assistant drafter runs only where the whole "
-                           "target is on one node (this model is split over a ring)",
-                           "speculation")
+        if loaded.speculation.get("drafter") == "assistant":  # paired, but not loaded here
+            raise RequestError(f"model {loaded.id}: the assistant drafter runs on one node or "
+                               "a pipeline ring's last stage, not on a tensor-parallel group",
+                               "speculation")
+        raise explicit_unavailable(loaded.id)
     return AssistantDrafter(loaded.assistant, req.sampling, make_rng(
         None if req.sampling.seed is None else req.sampling.seed + 1))
 

@@ -55,7 +55,10 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
         from skulkp2p.engine.draft_model import check_compatible
         check_compatible(loaded.tokenizer, loaded.draft.tokenizer,
                          _vocab_size(loaded), _vocab_size(loaded.draft))
-    if speculation.get("drafter") == "assistant" and (span is None or span.last):
+    # Not on a tensor group's loop member (head_only): it holds none of the layers whose
+    # caches the assistant reads.
+    if speculation.get("drafter") == "assistant" and (span is None or span.last) \
+            and not head_only:
         loaded.assistant = open_assistant(store, speculation, card.file if card else None,
                                           loaded)
     from skulkp2p.engine.width_costs import load_width_costs  # `bench --widths` wrote it here
@@ -76,7 +79,8 @@ def open_assistant(store: ModelStore, speculation: dict, card_file: Path | None,
     try:
         return load_assistant(path, target.model, DTYPES[target.dtype],
                               int(speculation.get("assistant_block_size", 4)),
-                              speculation.get("assistant_query_position", "last"))
+                              speculation.get("assistant_query_position", "last"),
+                              target.span.start if target.span is not None else 0)
     except AssistantError as e:
         raise ValueError(f"card field speculation.assistant_model: {e}") from None
 

@@ -107,8 +107,10 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         from mlx.utils import tree_flatten
         whole_params = sum(v.size for _, v in tree_flatten(model.parameters()))  # shapes only
     if span is not None:
-        # The last stage runs the drafter: an MTP head embeds its draft tokens.
-        keep = span.last and has_mtp_tensors(Path(path), config, sidecar)
+        # The last stage runs the drafter: an MTP head embeds its draft tokens, the Gemma 4
+        # assistant the target's embedding of its own.
+        keep = span.last and (has_mtp_tensors(Path(path), config, sidecar)
+                              or (speculation or {}).get("drafter") == "assistant")
         slice_model(model, span, keep_embedding=keep)
     template = None
     if head_only:  # one unevaluated layer stays aside: an MTP head copies its class

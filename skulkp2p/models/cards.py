@@ -53,6 +53,10 @@ class Card:
     def engine(self) -> str:
         return self.placement.get("engine", "mlx")
 
+    @property
+    def tail_start(self) -> int:
+        return int(self.placement.get("last_stage_from", 0))
+
     def summary(self) -> dict[str, Any]:
         src = self.source
         where = {
@@ -172,6 +176,10 @@ PLACEMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "served_context": int,  # llama-server -c (default: min(context_length, 4096))
     "served_args": list,  # extra llama-server flags, verbatim
     "parallel": str,  # "auto" (a pipeline ring), "pipeline", "tensor" (cluster/placement.py)
+    # MLX rings: the last (deciding) stage holds layers from this one on. Gemma 4: the first of
+    # its last cache-owning full-attention and sliding-window layers (the KV-shared layers read
+    # them within a call; the assistant drafter reads their caches).
+    "last_stage_from": int,
 }
 PARALLEL = ("auto", "pipeline", "tensor")
 
@@ -299,6 +307,11 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         raise CardError(f"{file}: field 'speculation.drafter' \"assistant\" runs on the MLX "
                         "engine; a llama_server card pairs its Gemma 4 assistant GGUF with "
                         "placement.served_spec_type = \"draft_mtp\" and served_spec_draft")
+    tail = placement.get("last_stage_from")
+    layers = data.get("layers")
+    if tail is not None and (tail < 1 or (isinstance(layers, int) and tail >= layers)):
+        raise CardError(f"{file}: field 'placement.last_stage_from' must be 1..layers-1, got "
+                        f"{tail}")
     if placement.get("engine") == "llama_server" and fmt != "gguf":
         raise CardError(f"{file}: field 'placement.engine' \"llama_server\" needs format = "
                         f"\"gguf\", got {fmt!r}")
