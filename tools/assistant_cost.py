@@ -1,9 +1,11 @@
 """Measure a Gemma 4 assistant round's drafting cost beside one plain target step.
 
-    python tools/assistant_cost.py [--target DIR --assistant DIR] [--depth 3] [--reps 200]
+    python tools/assistant_cost.py [--target DIR --assistant DIR] [--deep] [--depth 3] [--reps 200]
 
 Without folders it builds the tiny gemma4_text target and its two tiny assistants
-(tools/tiny_gemma4.py) in a temporary folder. For each assistant it times, interleaved, the
+(tools/tiny_gemma4.py) in a temporary folder; `--deep` makes that target shaped like the
+published ones beside the same 4-layer assistant (30 layers of width 256, the last 10 KV-shared:
+the assistant a small part of the target, as on E2B/E4B, instead of 4 layers beside 6). For each assistant it times, interleaved, the
 median of: one plain step of the target (one token through every layer),
 one draft round (`propose` of `depth` tokens: depth assistant passes over the live cache) and a
 verify of depth + 1 tokens (rolled back to its first token, as a round whose drafts were all
@@ -82,11 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--deep", action="store_true",
+                        help="a deep target (30 layers, width 256) beside the tiny assistant")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         target, assistants = args.target, args.assistant
         if target is None:
             from tools import tiny_gemma4
+            if args.deep:  # the generator reads its shape from these module constants
+                tiny_gemma4.HIDDEN, tiny_gemma4.INTERMEDIATE = 256, 1024
+                tiny_gemma4.NUM_LAYERS, tiny_gemma4.NUM_KV_SHARED = 30, 10
+                tiny_gemma4.LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 5
             target = tiny_gemma4.make_target(Path(tmp) / "target")
             assistants = [tiny_gemma4.make_assistant(Path(tmp) / kind, kind)
                           for kind in tiny_gemma4.ASSISTANT_KINDS]
