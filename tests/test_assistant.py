@@ -37,6 +37,7 @@ from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import RequestError, parse_request
 from skulkp2p.engine.sampling import SamplingParams
 from skulkp2p.models.cards import CardError, parse_card
+from tests.helpers.gemma_cards import write_gemma_card
 from tools import tiny_gemma4
 
 KINDS = ("ordered", "dense")
@@ -341,25 +342,7 @@ def test_pipe_runs_a_card_that_pairs_the_assistant(gemma, tmp_path):
     from tests.helpers.procs import run_cli
 
     cards = tmp_path / "cards"
-    cards.mkdir()
-    (cards / "gemma-tiny.toml").write_text(f'''id = "gemma-tiny"
-family = "gemma4"
-format = "mlx"
-layers = 6
-hidden_size = 64
-kv_heads = 2
-context_length = 4096
-size_bytes = 1_000_000
-
-[source]
-kind = "local"
-path = "{gemma['target']}"
-
-[speculation]
-drafter = "assistant"
-assistant_model = "{gemma['ordered']}"
-assistant_block_size = 3
-''')
+    write_gemma_card(cards, "gemma-tiny", gemma["target"], gemma["ordered"], block_size=3)
     lines = [json.dumps({"id": i, "prompt": PROMPT, "max_tokens": 20, "speculation": spec})
              for i, spec in enumerate(["off", {"drafter": "assistant"}, "auto"])]
     proc = run_cli("pipe", "--model", "gemma-tiny", "--data-dir", str(tmp_path / "data"),
@@ -379,24 +362,7 @@ def test_pipe_names_the_field_of_a_mismatched_pair(gemma, tmp_path):
     bad = _copy_with(gemma["ordered"], tmp_path / "bad",
                      lambda c: c["text_config"].update(head_dim=8))
     cards = tmp_path / "cards"
-    cards.mkdir()
-    (cards / "g.toml").write_text(f'''id = "g"
-family = "gemma4"
-format = "mlx"
-layers = 6
-hidden_size = 64
-kv_heads = 2
-context_length = 4096
-size_bytes = 1_000_000
-
-[source]
-kind = "local"
-path = "{gemma['target']}"
-
-[speculation]
-drafter = "assistant"
-assistant_model = "{bad}"
-''')
+    write_gemma_card(cards, "g", gemma["target"], bad)
     proc = run_cli("pipe", "--model", "g", "--data-dir", str(tmp_path / "data"),
                    input=json.dumps({"prompt": "x", "max_tokens": 2}) + "\n",
                    env={"SKULKP2P_CARDS_DIR": str(cards)})

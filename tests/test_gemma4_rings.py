@@ -30,6 +30,7 @@ from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.stage import StageModel, StageSpan
 from skulkp2p.models.cards import CardError, parse_card
+from tests.helpers.gemma_cards import write_gemma_card
 from tools import tiny_gemma4
 
 PROMPT = "The river was high after the rain, and the"
@@ -213,27 +214,6 @@ def test_card_field_last_stage_from(tmp_path):
 # Real processes: two `join` nodes on 127.0.0.x serving a card that pairs the tiny target with
 # its assistant; the ring is placed with POST /v1/cluster/place.
 
-CARD = '''id = "gemma-tiny"
-family = "gemma4"
-format = "mlx"
-layers = 6
-hidden_size = 64
-kv_heads = 2
-context_length = 4096
-size_bytes = 1_000_000
-
-[source]
-kind = "local"
-path = "{target}"
-
-[speculation]
-drafter = "assistant"
-assistant_model = "{assistant}"
-assistant_block_size = 3
-
-[placement]
-last_stage_from = 2
-'''
 ARMS = {"plain": {"speculation": "off"},
         "assistant": {"speculation": {"drafter": "assistant"}},
         "sampled": {"temperature": 0.8, "seed": 5, "speculation": {"drafter": "assistant"}},
@@ -265,9 +245,8 @@ def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
     if not loopback_ips_usable():
         pytest.skip("needs the 127.0.0.0/8 loopback range (Linux)")
     cards = tmp_path / "cards"
-    cards.mkdir()
-    (cards / "gemma-tiny.toml").write_text(CARD.format(target=gemma["target"],
-                                                       assistant=gemma["ordered"]))
+    write_gemma_card(cards, "gemma-tiny", gemma["target"], gemma["ordered"], block_size=3,
+                     last_stage_from=2)
     c = ProcCluster(tmp_path, env={"SKULKP2P_CARDS_DIR": str(cards),
                                    "SKULKP2P_RING_TIMEOUT": "20"})
     try:
