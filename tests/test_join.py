@@ -17,7 +17,7 @@ import pytest
 from skulkp2p.cluster.node import DEFAULT_PORT
 from tests.helpers import ROOT
 from tests.helpers.http_client import Reply, parse_responses, raw_exchange
-from tests.helpers.procs import JoinNode, running_join
+from tests.helpers.procs import JoinNode, free_port, running_join
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 
@@ -95,7 +95,7 @@ def test_health_is_503_or_200_from_the_first_connection(tiny_models, tmp_path):
     node being up, which makes a request in between likely to meet the node half-built."""
     with port_held("127.0.0.1", DEFAULT_PORT):
         node = JoinNode(str(tiny_models["llama"]), tmp_path, "--data-dir", str(tmp_path),
-                        wait_ready=False)
+                        wait_ready=False, http_port=free_port())
         replies: list[Reply] = []
         try:
             deadline = time.monotonic() + 120

@@ -4,8 +4,10 @@ a cluster of nodes on 127.0.0.x loopback addresses (``ProcCluster``); free ports
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -29,10 +31,28 @@ SECRET = "test-cluster-secret"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on ``host`` a moment ago."""
+    """A port that was free on ``host`` a moment ago (another process may take it before we
+    bind it again: for agents, prefer ``--http-port 0`` and `listening_port`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_LISTENING = re.compile(rb"http: OpenAI/Anthropic API on http://[^\s]*:(\d+)/v1")
+_join_logs = itertools.count()
+
+
+def listening_port(log: Path, proc: subprocess.Popen, timeout: float = 60) -> int:
+    """The HTTP port an agent started with ``--http-port 0`` bound, read from its log line
+    (so no other process can take the port between choosing and binding it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _LISTENING.search(log.read_bytes())
+        if m:
+            return int(m.group(1))
+        assert proc.poll() is None, log.read_text(errors="replace")
+        assert time.monotonic() < deadline, "the agent never said where it listens"
+        time.sleep(0.02)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -57,22 +77,31 @@ def run_cli(*args: str, input: str | None = None, env: dict | None = None,
 
 
 class JoinNode:
-    """`python -m skulkp2p join` on a free port; stopped with SIGTERM (status 0 expected).
+    """`python -m skulkp2p join` on a port it binds itself (``--http-port 0``, read back from
+    its log) unless ``http_port`` names one; stopped with SIGTERM (status 0 expected).
 
     With ``wait_ready`` (the default) the constructor returns once the model is loaded, having
-    recorded what /health said while it loaded; without it, at once after the process started."""
+    recorded what /health said while it loaded; without it, once it listens (at once after
+    the process started when ``http_port`` is given)."""
 
     def __init__(self, model: str, tmp: Path, *extra: str, ready_timeout: float = 120,
-                 wait_ready: bool = True):
-        self.port = free_port()
-        self.log = tmp / f"join-{self.port}.log"
-        self.base = f"http://127.0.0.1:{self.port}"
+                 wait_ready: bool = True, http_port: int | None = None):
+        self.log = tmp / f"join-{os.getpid()}-{next(_join_logs)}.log"
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "skulkp2p", "join", "--model", model,
-                 "--http-port", str(self.port), *extra],
+                 "--http-port", str(http_port or 0), *extra],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         self.health_while_loading: list[tuple[int, dict]] = []
+        if http_port:
+            self.port = http_port
+        else:
+            try:
+                self.port = listening_port(self.log, self.proc, ready_timeout)
+            except BaseException:
+                self.kill()
+                raise
+        self.base = f"http://127.0.0.1:{self.port}"
         if not wait_ready:
             return
         try:
@@ -121,7 +150,7 @@ def running_join(model, data_dir: Path, wait_for: bytes) -> Iterator[tuple[subpr
     log = data_dir / "join.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "skulkp2p", "join", "--model", str(model),
-                                 "--data-dir", str(data_dir), "--http-port", str(free_port())],
+                                 "--data-dir", str(data_dir), "--http-port", "0"],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 60
@@ -150,7 +179,20 @@ class ProcNode:
     addr: str  # advertised (through the proxy when there is one)
     proc: subprocess.Popen
     log: Path
-    http: str | None = None  # HOST:PORT of a join's HTTP API
+    http_log_from: int | None = None  # a join: where in its log this start's lines begin
+    _http: str | None = None
+
+    @property
+    def http(self) -> str | None:
+        """HOST:PORT of a join's HTTP API, the port it bound itself (read from its log)."""
+        if self._http is None and self.http_log_from is not None:
+            deadline = time.monotonic() + 60
+            while (m := _LISTENING.search(self.log.read_bytes()[self.http_log_from:])) is None:
+                assert self.proc.poll() is None, self.log.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, f"{self.name} never said where it listens"
+                time.sleep(0.02)
+            self._http = f"{self.ip}:{int(m.group(1))}"
+        return self._http
 
     @property
     def pid(self) -> int:
@@ -174,11 +216,12 @@ class ProcCluster:
     def start_join(self, i: int, model: str, peers: list[int] | None = None,
                    args: list[str] = ()) -> ProcNode:
         """`python -m skulkp2p join` with its cluster listener and HTTP API on 127.0.0.x."""
-        http_port = free_port(self.ip(i))
+        log = self.tmp / f"n{i}.log"
+        log_from = log.stat().st_size if log.exists() else 0
         node = self.start(i, peers, ["--model", model, "--http-host", self.ip(i),
-                                     "--http-port", str(http_port), *args],
+                                     "--http-port", "0", *args],
                           command=["-m", "skulkp2p", "join"])
-        node.http = f"{self.ip(i)}:{http_port}"
+        node.http_log_from = log_from
         return node
 
     def start(self, i: int, peers: list[int] | None = None, args: list[str] = (),
