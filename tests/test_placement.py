@@ -147,3 +147,27 @@ def test_many_nodes_stay_fast():
     offers = [NodeOffer(f"n{i:02d}", (50 + i) * MB) for i in range(40)]
     got = place_model(SPEC, offers)
     assert 2 <= len(got.ring) <= 10
+
+
+def test_served_card_needs_kv_for_every_parallel_slot():
+    """A llama-server child allocates -c = slots x slot context up front: placement counts all
+    of it (the card's [runtime] max_batch slots, else the default 4), not one context."""
+    import dataclasses
+
+    from skulkp2p.models.cards import SERVED_DEFAULT_SLOTS, load_card
+    from tests.helpers import ROOT
+
+    card = load_card(ROOT / "cards" / "smollm2-135m-gguf.toml")
+    assert card.engine == "llama_server"
+    spec = ModelSpec.from_card(card)
+    assert spec.kv_tokens == SERVED_DEFAULT_SLOTS * card.served_slot_context
+    one = dataclasses.replace(spec, kv_tokens=card.served_slot_context)
+    assert spec.kv_bytes_per_layer() == SERVED_DEFAULT_SLOTS * one.kv_bytes_per_layer()
+    assert member_need(spec, spec.layers) > member_need(one, spec.layers)
+    two = ModelSpec.from_card(dataclasses.replace(card, runtime={**card.runtime, "max_batch": 2}))
+    assert two.kv_tokens == 2 * card.served_slot_context
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    # An MLX card's KV is its context (rows grow as they decode): no slot count.
+    assert ModelSpec.from_card(load_card(ROOT / "cards" / "smollm2-135m.toml")).kv_tokens == 0
+    with pytest.raises(ValueError, match="kv_tokens"):
+        ModelSpec.from_dict({**SPEC.to_dict(), "kv_tokens": -1})

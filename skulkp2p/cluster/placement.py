@@ -72,11 +72,14 @@ class ModelSpec:
     engine: str = ""  # "llama_server": one node that offers that engine; "" / "mlx": any ring
     parallel: str = ""  # "tensor": a tensor-parallel group; "" / "auto" / "pipeline": a ring
     tail_start: int = 0  # the last stage starts at or before this layer (0: anywhere)
+    # KV tokens the engine allocates up front, when not the context length: a llama-server
+    # child with N parallel slots holds N slots' contexts (-c is N x the slot context).
+    kv_tokens: int = 0
 
     def kv_bytes_per_layer(self) -> int:
-        """bf16 K and V for the whole context of one layer."""
+        """bf16 K and V of one layer for the whole context (every slot's, when served)."""
         head_dim = self.head_dim or (64 if self.hidden_size < 1536 else 128)
-        return 2 * self.kv_heads * head_dim * self.context_length * 2
+        return 2 * self.kv_heads * head_dim * (self.kv_tokens or self.context_length) * 2
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "layers": self.layers, "size_bytes": self.size_bytes,
@@ -84,12 +87,13 @@ class ModelSpec:
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source,
                 **({"engine": self.engine} if self.engine else {}),
                 **({"parallel": self.parallel} if self.parallel else {}),
-                **({"tail_start": self.tail_start} if self.tail_start else {})}
+                **({"tail_start": self.tail_start} if self.tail_start else {}),
+                **({"kv_tokens": self.kv_tokens} if self.kv_tokens else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
         ints = ("layers", "size_bytes", "context_length", "hidden_size", "kv_heads", "head_dim",
-                "tail_start")
+                "tail_start", "kv_tokens")
         if not isinstance(d.get("id"), str) or not all(
                 isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool)
                 for k in ints):
@@ -107,17 +111,21 @@ class ModelSpec:
                    parallel=parallel)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
+        if spec.kv_tokens < 0:
+            raise ValueError(f"model spec {spec.id}: kv_tokens must not be negative")
         if not 0 <= spec.tail_start < spec.layers:
             raise ValueError(f"model spec {spec.id}: tail_start must be in [0, layers)")
         return spec
 
     @classmethod
     def from_card(cls, card: Any) -> ModelSpec:
+        engine = "" if getattr(card, "engine", "mlx") == "mlx" else card.engine
         return cls(card.id, card.layers, card.size_bytes, card.context_length,
-                   card.hidden_size, card.kv_heads, source=card.id,
-                   engine="" if getattr(card, "engine", "mlx") == "mlx" else card.engine,
+                   card.hidden_size, card.kv_heads, source=card.id, engine=engine,
                    parallel=_card_parallel(card),
-                   tail_start=int(getattr(card, "tail_start", 0)))
+                   tail_start=int(getattr(card, "tail_start", 0)),
+                   kv_tokens=(card.served_slots() * card.served_slot_context
+                              if engine == "llama_server" else 0))
 
     @property
     def tensor(self) -> bool:

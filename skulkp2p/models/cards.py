@@ -31,6 +31,13 @@ class Source:
     sha256: str | None = None  # of the fetched weights file, when known
 
 
+# A llama-server child: parallel slots when neither --max-batch nor the card's [runtime]
+# max_batch says (the household/team case of 4 clients at once), and the context of one slot
+# when the card's served_context does not say (llama-server allocates all of it up front).
+SERVED_DEFAULT_SLOTS = 4
+SERVED_DEFAULT_CONTEXT = 4096
+
+
 @dataclass(frozen=True)
 class Card:
     id: str
@@ -56,6 +63,17 @@ class Card:
     @property
     def tail_start(self) -> int:
         return int(self.placement.get("last_stage_from", 0))
+
+    def served_slots(self, max_batch: int | None = None) -> int:
+        """Parallel slots of a llama-server child: `max_batch` (--max-batch), else the card's
+        `[runtime] max_batch`, else SERVED_DEFAULT_SLOTS."""
+        return int(max_batch or self.runtime.get("max_batch") or SERVED_DEFAULT_SLOTS)
+
+    @property
+    def served_slot_context(self) -> int:
+        """Context of one slot: served_context, else min(context_length, the default)."""
+        return int(self.placement.get("served_context")
+                   or min(self.context_length, SERVED_DEFAULT_CONTEXT))
 
     def summary(self) -> dict[str, Any]:
         src = self.source

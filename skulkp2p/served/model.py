@@ -39,17 +39,15 @@ from skulkp2p.engine.results import (
     Usage,
 )
 from skulkp2p.engine.tool_calls import call_opening, json_tools_template
-from skulkp2p.models.cards import Card
+from skulkp2p.models.cards import SERVED_DEFAULT_CONTEXT, SERVED_DEFAULT_SLOTS, Card
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
 
 log = logging.getLogger("skulkp2p.served")
 
 FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
-DEFAULT_CONTEXT = 4096  # llama-server allocates KV for the whole -c up front
-# Parallel slots when neither --max-batch nor the card's [runtime] max_batch says: the issue's
-# household/team case (4 clients at once); each slot gets the card's whole context.
-DEFAULT_MAX_BATCH = 4
+DEFAULT_CONTEXT = SERVED_DEFAULT_CONTEXT  # llama-server allocates KV for the whole -c up front
+DEFAULT_MAX_BATCH = SERVED_DEFAULT_SLOTS  # each slot gets the card's whole context
 CHILD_TIMEOUT_S = 600  # no byte from the child for this long: it is lost
 
 
@@ -71,14 +69,13 @@ def resolve_gguf(store: Any, card: Card, progress: Any = None) -> Path:
 
 
 def served_slots(card: Card, max_batch: int | None = None) -> int:
-    """Parallel slots for the card's child: `max_batch` (--max-batch), else the card's
-    `[runtime] max_batch`, else DEFAULT_MAX_BATCH."""
-    return int(max_batch or card.runtime.get("max_batch") or DEFAULT_MAX_BATCH)
+    """Parallel slots for the card's child (see Card.served_slots)."""
+    return card.served_slots(max_batch)
 
 
 def slot_context(card: Card) -> int:
-    """Context of one slot: the card's served_context, else min(context_length, 4096)."""
-    return int(card.placement.get("served_context") or min(card.context_length, DEFAULT_CONTEXT))
+    """Context of one slot (see Card.served_slot_context)."""
+    return card.served_slot_context
 
 
 def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = None,
