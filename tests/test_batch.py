@@ -217,14 +217,15 @@ def test_batch_logits_close_to_solo_not_bitwise(tiny_models):
         assert np.abs(a - b).max() < 1e-4
 
 
-def test_recurrent_family_and_rings_serve_one_at_a_time(tiny_models):
+def test_recurrent_family_and_tensor_groups_serve_one_at_a_time(tiny_models):
     lm = _loaded(tiny_models["qwen3_5"])
     engine = MlxEngine(lm, 0, max_batch=8)
     assert engine.max_concurrent == 1 and engine.scheduler is None
-    # A ring's last stage (its forward reaches the other stages) is not batched either.
-    ring = dataclasses.replace(_loaded(tiny_models["llama"]),
-                               make_forward=lambda req, hidden, interrupt: None)
-    assert MlxEngine(ring, 0, max_batch=8).max_concurrent == 1
+    # A tensor-parallel group's loop member (its forward reaches the ranks; it holds no
+    # span of layers) is not batched either. (A ring's last stage is: test_ring_batch.py.)
+    group = dataclasses.replace(_loaded(tiny_models["llama"]),
+                                make_forward=lambda req, hidden, interrupt: None)
+    assert MlxEngine(group, 0, max_batch=8).max_concurrent == 1
 
 
 def test_card_max_batch_and_bad_values(tiny_models):

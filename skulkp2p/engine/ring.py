@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this mod
     import mlx.core as mx
 
     from skulkp2p.engine.forward import StageCache
+    from skulkp2p.engine.ring_batch import StageRows
     from skulkp2p.engine.stage import StageModel
 
 log = logging.getLogger("skulkp2p.ring")
@@ -65,6 +66,13 @@ class StageWorker:
         # This stage's own entries (engine/prefix_cache.py), under the keys the last stage
         # names: a "restore" frame asks for a cached prefix, a "store" field keeps one.
         self.prefix_cache = prefix_cache
+        self.rows: StageRows | None = None  # the batch, once a batch frame came
+
+    def _batch(self) -> StageRows:
+        if self.rows is None:
+            from skulkp2p.engine.ring_batch import StageRows
+            self.rows = StageRows(self)
+        return self.rows
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -84,7 +92,12 @@ class StageWorker:
             self.dropped += 1
             return None
         request, instance, step, op = msg["request"], msg["instance"], msg["step"], msg["op"]
+        if op == "batch":  # several requests' rows in one frame (engine/ring_batch.py)
+            return self._batch().handle(msg)
         known = self.sessions.get(request)
+        if op == "end" and self.rows is not None and self.rows.holds(request):
+            self.rows.end(msg)  # a row of the batch: freed now, not at the next batch frame
+            return {**msg, "at": self.stage.span.end}
         if op == "end":
             if known is not None and known[0] == instance:
                 session = known[2]
@@ -244,14 +257,26 @@ class RingForward:
         for start in range(0, len(tokens), self.prefill_step):
             if self.interrupt is not None:
                 self.interrupt()
-            x = self._traverse("prefill", tokens[start:start + self.prefill_step])
-            t0 = time.perf_counter()
-            _, h = self.local.run(x, verify=False, hidden=self.hidden)
-            self.compute_s += time.perf_counter() - t0
+            h = self.prefill_chunk(tokens[start:start + self.prefill_step])
             if h is not None:
                 rows.append(h)
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+    def prefill_chunk(self, tokens: list[int]) -> mx.array | None:
+        """One chunk of the prompt through the ring into this request's caches; its trunk rows
+        when `hidden` asks for them."""
+        x = self._traverse("prefill", tokens)
+        t0 = time.perf_counter()
+        _, h = self.local.run(x, verify=False, hidden=self.hidden)
+        self.compute_s += time.perf_counter() - t0
+        return h
+
+    def note_rollback(self, keep: int, dropped: int) -> None:
+        """A batched row's rollback (its caches here are the batch's): only the decision, for
+        the other stages, on the next frame."""
+        if dropped > 0:
+            self._pending = (keep, dropped)
 
     def __call__(self, tokens: list[int]) -> mx.array:
         x = self._traverse("verify", tokens)
