@@ -22,22 +22,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skulkp2p import wire
+from skulkp2p.engine.ring_frames import FRAME, RingError, header, seconds_list
 
 if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
     import mlx.core as mx
 
     from skulkp2p.engine.forward import StageCache
-    from skulkp2p.engine.ring_batch import StageRows
     from skulkp2p.engine.stage import StageModel
 
 log = logging.getLogger("skulkp2p.ring")
-
-FRAME = "ring"
-
-
-class RingError(RuntimeError):
-    """The ring could not complete a traversal (a stage died, froze, or dropped the frame)."""
-
 
 class RingLink(Protocol):
     def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -48,11 +41,6 @@ class RingLink(Protocol):
     def send(self, msg: dict[str, Any]) -> None:
         """Best effort, no answer awaited (the end of a request)."""
         ...
-
-
-def header(term: int, instance: str, request: str, step: int, op: str) -> dict[str, Any]:
-    return {"t": FRAME, "v": wire.PROTOCOL_VERSION, "term": term, "instance": instance,
-            "request": request, "step": step, "op": op}
 
 
 class StageWorker:
@@ -66,9 +54,9 @@ class StageWorker:
         # This stage's own entries (engine/prefix_cache.py), under the keys the last stage
         # names: a "restore" frame asks for a cached prefix, a "store" field keeps one.
         self.prefix_cache = prefix_cache
-        self.rows: StageRows | None = None  # the batch, once a batch frame came
+        self.rows: Any = None  # the batch (ring_batch.StageRows), once a batch frame came
 
-    def _batch(self) -> StageRows:
+    def _batch(self) -> Any:
         if self.rows is None:
             from skulkp2p.engine.ring_batch import StageRows
             self.rows = StageRows(self)
@@ -124,7 +112,7 @@ class StageWorker:
             return {**header(self.term, instance, request, step, op), "x": None,
                     "at": self.stage.span.end,
                     "prefix": msg["prefix"], "missed": missed,
-                    "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+                    "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
         if msg.get("rollback"):
             keep, dropped = msg["rollback"]
             session.rollback(int(keep), int(dropped))
@@ -142,7 +130,7 @@ class StageWorker:
         return {**header(self.term, instance, request, step, op), "x": packed,
                 "at": self.stage.span.end,
                 "rollback": msg.get("rollback"), "store": msg.get("store"),
-                "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+                "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
     def _restore(self, session: StageCache, length: int, key: list[int]) -> bool:
         """Put the session's caches at exactly `length` cached positions (0: empty)."""
@@ -160,12 +148,6 @@ class StageWorker:
     def _store(self, session: StageCache, key: Any) -> None:
         if self.prefix_cache is not None and isinstance(key, list):
             self.prefix_cache.store(key, session.cache)
-
-
-def _seconds_list(value: Any) -> list[float]:
-    if not isinstance(value, list):
-        return []
-    return [float(v) for v in value if isinstance(v, int | float)][:64]
 
 
 class RingForward:
@@ -211,7 +193,7 @@ class RingForward:
         out = self.link.traverse(msg)
         self.wait_s += time.perf_counter() - t0
         self.traversals += 1
-        self.stages_compute_s += sum(_seconds_list(out.get("cs")))
+        self.stages_compute_s += sum(seconds_list(out.get("cs")))
         if out.get("step") != self.step or out.get("request") != self.request:
             raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
                             f"expected step {self.step} of {self.request}")

@@ -32,11 +32,13 @@ import mlx.core as mx
 
 from skulkp2p import wire
 from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
-from skulkp2p.engine.ring import RingError, _seconds_list, header
+from skulkp2p.engine.ring_frames import RingError, header, seconds_list
 
 if TYPE_CHECKING:
     from skulkp2p.engine.forward import StageCache
-    from skulkp2p.engine.ring import RingForward, StageWorker
+
+# (ring.py's RingForward and StageWorker are not imported here: ring.py imports this module
+# for a stage's batch. They are `Any` below.)
 
 OP = "batch"
 
@@ -50,8 +52,9 @@ class RingRows:
         self.traversals = 0  # batched traversals run (tests, reports)
         self.peak = 0  # the most rows one traversal carried
 
-    def traverse(self, rings: list[RingForward], tokens: list[list[int]]) -> mx.array:
-        """Hidden rows [B, W, H] (W the widest row's tokens) of the layers before this stage."""
+    def traverse(self, rings: list[Any], tokens: list[list[int]]) -> mx.array:
+        """Hidden rows [B, W, H] (W the widest row's tokens) of the layers before this stage, for
+        the rows of `rings` (each a RingForward) with `tokens` each."""
         if not rings:
             raise ValueError("a batched traversal needs at least one row")
         first = rings[0]
@@ -82,7 +85,7 @@ class RingRows:
             self.batch, self.step = uuid.uuid4().hex, 0  # the stages' batch is unknown now
             raise
         wait = time.perf_counter() - t0
-        others = sum(_seconds_list(out.get("cs")))
+        others = sum(seconds_list(out.get("cs")))
         for r, t in zip(rings, tokens, strict=True):
             r.step += 1
             r._pending = r._store = None
@@ -99,7 +102,8 @@ class RingRows:
 class StageRows:
     """A stage's batch (not the last stage): the rows of the requests in the last batch frame."""
 
-    def __init__(self, worker: StageWorker):
+    def __init__(self, worker: Any):
+        """`worker`: the StageWorker whose batch this is (its stage, sessions, prefix cache)."""
         self.worker = worker
         self.batch: str | None = None
         self.step = -1
@@ -162,7 +166,7 @@ class StageRows:
         return {**header(msg["term"], msg["instance"], batch, step, OP),
                 "x": wire.pack_array(out), "at": span.end,
                 "rows": rows,  # (the decisions and keys travel on, for the stages after)
-                "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+                "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
     def _check(self, rows: list[dict[str, Any]], meta: dict[str, tuple[str, int]]
                ) -> dict[str, StageCache | None] | None:
