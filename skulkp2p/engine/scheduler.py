@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -300,10 +301,15 @@ class BatchScheduler:
             if self.through is not None:  # the layers before this stage: one traversal
                 x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
                                           [r.submitted for r in rows])  # type: ignore[misc]
+                t0 = time.perf_counter()
                 logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x)
             else:
                 logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
             mx.eval([a for a in (logits, h) if a is not None])
+            if self.through is not None:  # this stage's compute, for the rings' reports
+                own = time.perf_counter() - t0
+                for r in rows:
+                    r.ring.compute_s += own  # type: ignore[union-attr]
         except BaseException as e:  # every waiting row fails with it, not only this one
             for r in rows:
                 r.submitted, r.error = None, e
