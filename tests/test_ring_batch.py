@@ -200,6 +200,27 @@ def test_a_stage_dropping_the_frame_ends_every_row_with_a_clear_error(llama):
     _same(together(engine, reqs), node)
 
 
+def test_hybrid_models_stay_one_request_at_a_time_on_rings(tiny_model):
+    """qwen3_5 cut so that the last stage holds only attention layers: its engine still serves
+    one request at a time (the first stage's layers hold recurrent state), and a batch frame
+    sent to that first stage anyway is dropped."""
+    from skulkp2p.engine.ring import header
+
+    path = tiny_model("qwen3_5", seed=0)
+    parts = stages(path, 3)
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    assert all(type(c) is KVCache for c in make_prompt_cache(parts[-1].model))
+    ring = Ring(parts)
+    engine = ring.engine(4)
+    assert engine.max_concurrent == 1 and engine.scheduler is None
+    first = ring.workers[0]
+    row = {"request": "a", "instance": "i", "step": 0, "w": 1, "rollback": None,
+           "store": None}
+    assert first.handle({**header(3, "i", "b", 0, "batch"), "at": 0, "rows": [row],
+                         "x": [[1]]}) is None
+    assert first.dropped == 1
+
+
 def test_bad_batch_frames_are_dropped(llama):
     from skulkp2p.engine.ring import header
 
@@ -261,6 +282,7 @@ def _generate(addr: str, i: int) -> dict:
 
 @pytest.mark.slow
 def test_ring_of_processes_batches_requests_exactly(llama, tmp_path):
+    from tests.helpers.batching import PROMPTS
     from tests.helpers.http_client import call, status_of
     from tests.helpers.procs import ProcCluster, loopback_ips_usable
 
@@ -302,5 +324,44 @@ def test_ring_of_processes_batches_requests_exactly(llama, tmp_path):
         for i, (a, b) in enumerate(zip(alone, got, strict=True)):
             assert b["tokens"] == a["tokens"], (i, b)
             assert b["text"] == a["text"]
+        # The first stage dies under three long requests streaming together from the last
+        # stage: every one of them ends with the ring's error, none hangs.
+        import http.client
+        import json
+        import signal
+
+        host, port = c.nodes[1].http.rsplit(":", 1)
+        started = [threading.Event() for _ in range(3)]
+        ended: list = [None] * 3
+
+        def long(i: int) -> None:
+            body = {"model": "llama", "prompt": PROMPTS[i], "max_tokens": 3000,
+                    "speculation": "off", "stream": True}
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
+            try:
+                conn.request("POST", "/v1/completions", json.dumps(body),
+                             {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                first = resp.readline()  # the first event: the request is decoding
+                started[i].set()
+                ended[i] = first + resp.read()
+            except OSError as e:
+                ended[i] = f"client: {e}".encode()
+            finally:
+                started[i].set()
+                conn.close()
+
+        threads = [threading.Thread(target=long, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        c.wait(lambda: all(e.is_set() for e in started), 60, "three requests streaming")
+        assert not any(ended), ended  # all three were still decoding
+        c.signal(0, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a request hung on a dead stage"
+        for out in ended:
+            assert b'"error"' in out and b"ring of llama" in out, out[-500:]
     finally:
         c.close()
+

@@ -55,6 +55,10 @@ class MlxEngine:
             and not loaded.span.first
         if (loaded.make_forward is not None and not self.ring) or not batchable(loaded.model):
             max_batch = 1
+        if self.ring and not loaded.caches_trim:
+            # The other stages' layers may hold recurrent or sliding-window state even when
+            # this stage's do not (a hybrid model cut so that only attention layers are here).
+            max_batch = 1
         self.max_concurrent = max_batch
         self.scheduler: BatchScheduler | None = None
         if max_batch > 1:

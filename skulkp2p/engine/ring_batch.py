@@ -113,8 +113,12 @@ class StageRows:
         self.layers = self._fresh()
 
     def _fresh(self) -> list[RowsKVCache]:
-        from mlx_lm.models.cache import make_prompt_cache
-        return [RowsKVCache(self.rows) for _ in make_prompt_cache(self.worker.stage.model)]
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        caches = make_prompt_cache(self.worker.stage.model)
+        if any(type(c) is not KVCache for c in caches):  # (a last stage never sends these)
+            raise ValueError("this stage's layers hold recurrent or sliding-window state: "
+                             "they are not batched")
+        return [RowsKVCache(self.rows) for _ in caches]
 
     def holds(self, request: str) -> bool:
         return request in self.meta
