@@ -326,8 +326,32 @@ def test_bench_concurrency_batched_against_fifo_equal_to_solo(tiny, tmp_path):
     assert "| arm | mode | aggregate tok/s |" in proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_concurrency_on_rings_of_agents(tiny, tmp_path):
+    """`bench --concurrency 2 --nodes 2`: each mode a ring of two `join` agents in a cluster of
+    its own, the clients on its last stage; every output equal to the same request alone."""
+    out = tmp_path / "conc-ring.json"
+    proc = run_cli("bench", "--concurrency", "2", "--nodes", "2", "--model", str(tiny),
+                   "--data-dir", str(tmp_path / "data"), "--max-tokens", "8", "--runs", "1",
+                   "--workloads", "echo,qa", "--json", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rings"] == {"batched": ["batched0", "batched1"],
+                                        "fifo": ["fifo0", "fifo1"]}
+    assert {name: args[args.index("--max-batch") + 1] for name, args in
+            doc["settings"]["agents"].items()} == {"batched0": "2", "batched1": "2",
+                                                   "fifo0": "1", "fifo1": "1"}
+    rows = {(r["arm"], r["mode"]): r for r in doc["results"]}
+    assert set(rows) == {(a, m) for a in ("plain", "spec") for m in ("fifo", "batched")}
+    assert all(r["aggregate_tok_s"] > 0 for r in rows.values())
+    assert doc["outputs_equal_solo"] is True and doc["mismatches"] == []
+    assert "rings of 2 agents" in proc.stdout
+
+
 @pytest.mark.parametrize("bad,message", [
     (("--concurrency", "0"), "--concurrency: must be a positive integer"),
+    (("--concurrency", "2", "--nodes", "2", "--url", "http://127.0.0.1:1"),
+     "--concurrency with --nodes runs MLX rings"),
     (("--url", "http://127.0.0.1:1"), "--url needs --concurrency N"),
     (("--concurrency", "2", "--agent"), "--agent does not apply to --concurrency"),
     (("--concurrency", "2", "--url", "ftp://x"), "--url must be http://HOST:PORT"),

@@ -25,6 +25,11 @@ the command fails after writing its document (MLX cards; on a llama-server card 
 gets a system line of its own, so that no slot serves a prompt it kept from an earlier round,
 and llama.cpp's text is not compared: it is not batch-invariant). Rounds are interleaved (round r of every arm and
 mode before round r+1).
+
+With `--nodes K` (MLX cards) each mode is a pipeline ring instead of one agent: K `join` agents
+on 127.0.0.1 form a cluster of their own (its own secret), the model is placed on a ring of all
+K (POST /v1/cluster/place), and the clients ask the ring's last stage, where its requests decode
+(batched: the rows of every request in one traversal, engine/ring_batch.py).
 """
 
 from __future__ import annotations
@@ -166,6 +171,64 @@ def _url_node(url: str) -> Node:
     return Node("url", "url", parts.hostname, parts.port or 80)
 
 
+def _http_json(node: Node, method: str, path: str, body: dict[str, Any] | None = None
+               ) -> tuple[int, Any]:
+    import json
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{node.host}:{node.port}{path}", data=data,
+                                 method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None
+
+
+def _start_ring(mode: str, k: int, model: str, data_dir: str | None, extra: list[str],
+                tmp: Path) -> list[Node]:
+    """K agents of one cluster of their own (a secret of its own: the other mode's ring never
+    joins it), the first the others' peer."""
+    secret = os.urandom(16).hex()
+    port = free_port()
+    agents = []
+    for i in range(k):
+        cluster = ["--host", "127.0.0.1", "--port", str(port if i == 0 else 0),
+                   "--name", f"{mode}{i}"]
+        if i:
+            cluster += ["--peer", f"127.0.0.1:{port}"]
+        agents.append(_start_node(f"{mode}{i}", mode, model, data_dir, extra + cluster,
+                                  {"SKULKP2P_SECRET": secret}, tmp))
+    return agents
+
+
+def _place_ring(agents: list[Node], model: str, deadline: float) -> Node:
+    """Place `model` on a ring of every agent; the last stage, once it serves (the clients'
+    node)."""
+    names = [a.name for a in agents]
+    last = agents[-1]
+    placed = False
+    while time.monotonic() < deadline:
+        for a in agents:
+            if a.proc is not None and a.proc.poll() is not None:
+                raise BenchError(f"agent {a.name} exited with status {a.proc.returncode}: "
+                                 f"{a.log_tail()}")
+        if not placed:  # 503 while the cluster has no leader or has not seen every member
+            status, _ = _http_json(agents[0], "POST", "/v1/cluster/place",
+                                   {"model": model, "nodes": names})
+            placed = status == 200
+        else:
+            status, out = _http_json(last, "GET", "/v1/models")
+            if status == 200 and any(m.get("id") == model and m.get("ring") == names
+                                     and m.get("ready") for m in out.get("data", [])):
+                return last
+        time.sleep(0.3)
+    raise BenchError(f"{model} not served on the ring {' -> '.join(names)} after "
+                     f"{READY_TIMEOUT_S:.0f} s: {last.log_tail()}")
+
+
 # --------------------------------------------------------------------------------------------
 # One round: N clients released together
 
@@ -265,7 +328,8 @@ def summarize_cell(rounds: list[Round], solo_ttft: float | None) -> dict[str, An
 
 def markdown_table(doc: dict[str, Any]) -> str:
     s = doc["settings"]
-    lines = [f"\nbench --concurrency {s['concurrency']}: {doc['model']['id']} "
+    ring = f", rings of {len(next(iter(s['rings'].values())))} agents" if s.get("rings") else ""
+    lines = [f"\nbench --concurrency {s['concurrency']}{ring}: {doc['model']['id']} "
              f"({doc['engine']}), {s['max_tokens']} tokens, {s['runs']} rounds, clients: "
              f"{', '.join(s['client_workloads'])}\n",
              "| arm | mode | aggregate tok/s | x fifo | per-request tok/s | TTFT p50 | TTFT p99 "
@@ -287,10 +351,14 @@ def markdown_table(doc: dict[str, Any]) -> str:
 
 def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
     n = args.concurrency
+    ring_nodes = getattr(args, "nodes", 1)
     url = getattr(args, "url", None)
     url_node = _url_node(url) if url else None  # a bad --url fails before anything starts
     resolved = store.resolve(args.model) if not url else None
     served = bool(resolved is not None and wants_served(resolved.card))
+    if ring_nodes > 1 and (served or url):
+        raise BenchError("--concurrency with --nodes runs MLX rings of agents started here "
+                         "(not a llama-server card, not --url)")
     workloads = list(args.workloads)
     client_workloads = [workloads[i % len(workloads)] for i in range(n)]
     settings: dict[str, Any] = {
@@ -315,6 +383,7 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
             raise BenchError(str(e)) from None
     tmp = Path(tempfile.mkdtemp(prefix="skulkp2p-concurrency-bench-"))
     nodes: dict[tuple[str, str], Node] = {}  # (arm, mode) -> node
+    rings: dict[str, list[Node]] = {}  # mode -> its ring's agents (--nodes)
     started: list[Node] = []
     skipped: list[dict[str, str]] = []
     load_before = loadavg()
@@ -342,6 +411,12 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                                            batch + queue, env, tmp)
                         started.append(node)
                         nodes[(arm, mode)] = node
+                elif ring_nodes > 1:  # a ring of agents per mode, serving both arms
+                    ring = _start_ring(mode, ring_nodes, args.model, data_dir,
+                                       batch + queue + ["--prefix-cache-mb", "0",
+                                                        "--draft-memory-tokens", "0"], tmp)
+                    started += ring
+                    rings[mode] = ring
                 else:  # the request's speculation: one agent serves both arms
                     node = _start_node(mode, mode, args.model, data_dir,
                                        batch + queue + ["--prefix-cache-mb", "0",
@@ -350,13 +425,19 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                     for arm in ARMS:
                         nodes[(arm, mode)] = node
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for node in dict.fromkeys(nodes.values()):
+        for node in dict.fromkeys([*nodes.values(), *(a for r in rings.values() for a in r)]):
             _await_ready(node, deadline)
+        for mode, ring in rings.items():
+            last = _place_ring(ring, resolved.id, deadline)
+            for arm in ARMS:
+                nodes[(arm, mode)] = last
+            settings.setdefault("rings", {})[mode] = [a.name for a in ring]
         if served:  # and each agent's child directly, beside it
             for (arm, mode), node in list(nodes.items()):
                 nodes[(arm, f"{mode}-direct")] = _direct(node)
             modes += [f"{mode}-direct" for mode in modes]
-        settings["agents"] = {node.name: node.args for node in dict.fromkeys(nodes.values())}
+        settings["agents"] = {node.name: node.args for node in dict.fromkeys(
+            [*nodes.values(), *(a for r in rings.values() for a in r)])}
         ref_mode = "url" if url else "fifo"
 
         def body_for(arm: str, mode: str, max_tokens: int = args.max_tokens) -> MakeBody:
@@ -460,7 +541,8 @@ def refuse_other_modes(args: argparse.Namespace) -> None:
     """--concurrency measures agents over HTTP: the in-process options do not apply."""
     for flag, given in (("--agent", getattr(args, "agent", False)),
                         ("--widths", getattr(args, "widths", False)),
-                        ("--nodes", getattr(args, "nodes", 1) != 1),
+                        ("--parallel tensor", getattr(args, "parallel", "") == "tensor"),
+                        ("--link-delay-ms", bool(getattr(args, "link_delay_ms", 0))),
                         ("--arms", bool(getattr(args, "arms", None))),
                         ("--plot", bool(getattr(args, "plot", None))),
                         ("--draft-model", bool(getattr(args, "draft_model", None))),

@@ -43,17 +43,32 @@ class MlxEngine:
         draft memory of earlier requests (0 = off); None takes the card's
         `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS. `max_batch`: requests
         decoded together; None takes the card's `[runtime] max_batch`, else DEFAULT_MAX_BATCH.
-        A ring's last stage and a model with recurrent or sliding-window layers serve one
+        A ring's last stage batches its requests' rows through the ring (engine/ring_batch.py);
+        a tensor-parallel group and a model with recurrent or sliding-window layers serve one
         request at a time whatever it says (engine/scheduler.py: batchable)."""
         if max_batch is None:
             max_batch = int(loaded.runtime.get("max_batch", DEFAULT_MAX_BATCH))
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if loaded.make_forward is not None or not batchable(loaded.model):
+        # A ring's last stage (a span past the first layer, its forward a RingForward).
+        self.ring = loaded.make_forward is not None and loaded.span is not None \
+            and not loaded.span.first
+        if (loaded.make_forward is not None and not self.ring) or not batchable(loaded.model):
+            max_batch = 1
+        if self.ring and not loaded.caches_trim:
+            # The other stages' layers may hold recurrent or sliding-window state even when
+            # this stage's do not (a hybrid model cut so that only attention layers are here).
             max_batch = 1
         self.max_concurrent = max_batch
-        self.scheduler = BatchScheduler(loaded.model, max_batch, int(loaded.runtime.get(
-            "prefill_step", 2048))) if max_batch > 1 else None
+        self.scheduler: BatchScheduler | None = None
+        if max_batch > 1:
+            stage, through = None, None
+            if self.ring:
+                from skulkp2p.engine.ring_batch import RingRows
+                from skulkp2p.engine.stage import StageModel
+                stage, through = StageModel(loaded.model, loaded.span), RingRows()
+            self.scheduler = BatchScheduler(loaded.model, max_batch, int(loaded.runtime.get(
+                "prefill_step", 2048)), stage=stage, through=through)
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
@@ -112,7 +127,15 @@ class MlxEngine:
         while it waits for a batched step and while its chunks go out."""
         assert self.scheduler is not None
         lock = self.scheduler.cond
-        steps = self._remembered(req, interrupt, self.scheduler.forward)
+        make = self.scheduler.forward
+        if self.ring:  # each row over its own RingForward (its prefill, its frames' ids)
+            ring_forward = self.loaded.make_forward
+            sched = self.scheduler
+            assert ring_forward is not None
+
+            def make(hidden: str | None, interrupt: Callable[[], None] | None) -> Any:
+                return sched.forward(hidden, interrupt, ring_forward(req, hidden, interrupt))
+        steps = self._remembered(req, interrupt, make)
         try:
             while True:
                 with lock:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skulkp2p import wire
+from skulkp2p.engine.ring_frames import FRAME, RingError, header, seconds_list
 
 if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
     import mlx.core as mx
@@ -30,13 +31,6 @@ if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this mod
     from skulkp2p.engine.stage import StageModel
 
 log = logging.getLogger("skulkp2p.ring")
-
-FRAME = "ring"
-
-
-class RingError(RuntimeError):
-    """The ring could not complete a traversal (a stage died, froze, or dropped the frame)."""
-
 
 class RingLink(Protocol):
     def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -47,11 +41,6 @@ class RingLink(Protocol):
     def send(self, msg: dict[str, Any]) -> None:
         """Best effort, no answer awaited (the end of a request)."""
         ...
-
-
-def header(term: int, instance: str, request: str, step: int, op: str) -> dict[str, Any]:
-    return {"t": FRAME, "v": wire.PROTOCOL_VERSION, "term": term, "instance": instance,
-            "request": request, "step": step, "op": op}
 
 
 class StageWorker:
@@ -65,6 +54,13 @@ class StageWorker:
         # This stage's own entries (engine/prefix_cache.py), under the keys the last stage
         # names: a "restore" frame asks for a cached prefix, a "store" field keeps one.
         self.prefix_cache = prefix_cache
+        self.rows: Any = None  # the batch (ring_batch.StageRows), once a batch frame came
+
+    def _batch(self) -> Any:
+        if self.rows is None:
+            from skulkp2p.engine.ring_batch import StageRows
+            self.rows = StageRows(self)
+        return self.rows
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -84,7 +80,12 @@ class StageWorker:
             self.dropped += 1
             return None
         request, instance, step, op = msg["request"], msg["instance"], msg["step"], msg["op"]
+        if op == "batch":  # several requests' rows in one frame (engine/ring_batch.py)
+            return self._batch().handle(msg)
         known = self.sessions.get(request)
+        if op == "end" and self.rows is not None and self.rows.holds(request):
+            self.rows.end(msg)  # a row of the batch: freed now, not at the next batch frame
+            return {**msg, "at": self.stage.span.end}
         if op == "end":
             if known is not None and known[0] == instance:
                 session = known[2]
@@ -111,7 +112,7 @@ class StageWorker:
             return {**header(self.term, instance, request, step, op), "x": None,
                     "at": self.stage.span.end,
                     "prefix": msg["prefix"], "missed": missed,
-                    "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+                    "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
         if msg.get("rollback"):
             keep, dropped = msg["rollback"]
             session.rollback(int(keep), int(dropped))
@@ -129,7 +130,7 @@ class StageWorker:
         return {**header(self.term, instance, request, step, op), "x": packed,
                 "at": self.stage.span.end,
                 "rollback": msg.get("rollback"), "store": msg.get("store"),
-                "cs": [*_seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+                "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
     def _restore(self, session: StageCache, length: int, key: list[int]) -> bool:
         """Put the session's caches at exactly `length` cached positions (0: empty)."""
@@ -147,12 +148,6 @@ class StageWorker:
     def _store(self, session: StageCache, key: Any) -> None:
         if self.prefix_cache is not None and isinstance(key, list):
             self.prefix_cache.store(key, session.cache)
-
-
-def _seconds_list(value: Any) -> list[float]:
-    if not isinstance(value, list):
-        return []
-    return [float(v) for v in value if isinstance(v, int | float)][:64]
 
 
 class RingForward:
@@ -198,7 +193,7 @@ class RingForward:
         out = self.link.traverse(msg)
         self.wait_s += time.perf_counter() - t0
         self.traversals += 1
-        self.stages_compute_s += sum(_seconds_list(out.get("cs")))
+        self.stages_compute_s += sum(seconds_list(out.get("cs")))
         if out.get("step") != self.step or out.get("request") != self.request:
             raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
                             f"expected step {self.step} of {self.request}")
@@ -244,14 +239,26 @@ class RingForward:
         for start in range(0, len(tokens), self.prefill_step):
             if self.interrupt is not None:
                 self.interrupt()
-            x = self._traverse("prefill", tokens[start:start + self.prefill_step])
-            t0 = time.perf_counter()
-            _, h = self.local.run(x, verify=False, hidden=self.hidden)
-            self.compute_s += time.perf_counter() - t0
+            h = self.prefill_chunk(tokens[start:start + self.prefill_step])
             if h is not None:
                 rows.append(h)
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+    def prefill_chunk(self, tokens: list[int]) -> mx.array | None:
+        """One chunk of the prompt through the ring into this request's caches; its trunk rows
+        when `hidden` asks for them."""
+        x = self._traverse("prefill", tokens)
+        t0 = time.perf_counter()
+        _, h = self.local.run(x, verify=False, hidden=self.hidden)
+        self.compute_s += time.perf_counter() - t0
+        return h
+
+    def note_rollback(self, keep: int, dropped: int) -> None:
+        """A batched row's rollback (its caches here are the batch's): only the decision, for
+        the other stages, on the next frame."""
+        if dropped > 0:
+            self._pending = (keep, dropped)
 
     def __call__(self, tokens: list[int]) -> mx.array:
         x = self._traverse("verify", tokens)

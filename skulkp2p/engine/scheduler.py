@@ -26,6 +26,13 @@ the decode loop's caller closes the forward), and the other rows are gathered at
 
 Only models whose every layer holds a plain KV cache batch (llama, qwen2/3 and most dense
 families); recurrent or sliding-window layers are served one request at a time (`batchable`).
+
+On the last stage of a pipeline ring the same scheduler runs the batch, with `through` (a
+`RingRows`, ring_batch.py) for the layers before this stage: a step is one traversal carrying
+every row, then this stage's layers over the rows' caches here. Each row has its own
+`RingForward`, which prefills (one chunk, one traversal, not batched with other prompts),
+restores the prefix cache, and carries the row's rollback and prefix-cache key on the next
+frame; closing the row sends its end, which frees its row on every stage.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,6 +50,11 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
+from skulkp2p.engine.stage import StageModel
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.ring import RingForward
+    from skulkp2p.engine.ring_batch import RingRows
 
 # A joining prompt prefills in chunks of at most this many tokens, one step of the decoding rows
 # between chunks. The same chunks whether alone or not, so a request's caches do not depend on
@@ -134,10 +147,16 @@ def batchable(model: nn.Module) -> bool:
 class BatchScheduler:
     """The batch of one model: its rows' caches, and the step that runs them together."""
 
-    def __init__(self, model: nn.Module, max_batch: int, prefill_step: int = 2048):
+    def __init__(self, model: nn.Module, max_batch: int, prefill_step: int = 2048,
+                 stage: StageModel | None = None, through: RingRows | None = None):
+        """`stage`: the layers held here (default all of `model`'s); `through`: the ring's
+        other stages, when `stage` is a ring's last (see the module's docstring)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        self.stage = whole_model_stage(model)
+        if (through is None) != (stage is None or stage.span.first):
+            raise ValueError("a stage past the first needs the ring's other stages (through)")
+        self.stage = stage or whole_model_stage(model)
+        self.through = through
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
         self.lock = TicketLock()  # the model's, for every MLX call
@@ -159,8 +178,12 @@ class BatchScheduler:
         return len(self.active)
 
     def forward(self, hidden: str | None = None,
-                interrupt: Callable[[], None] | None = None) -> RowForward:
-        return RowForward(self, hidden, interrupt)
+                interrupt: Callable[[], None] | None = None,
+                ring: RingForward | None = None) -> RowForward:
+        """A new request's row; on a ring's last stage, over its own RingForward `ring`."""
+        if (ring is None) != (self.through is None):
+            raise ValueError("a ring's rows need their RingForward, and only they")
+        return RowForward(self, hidden, interrupt, ring)
 
     # -- called with the lock held --
 
@@ -201,6 +224,10 @@ class BatchScheduler:
     def _prefill(self, row: RowForward, tokens: list[int]) -> mx.array | None:
         """Prefill one chunk of `row`'s prompt together with the chunks of every other request
         that hands one in meanwhile; the chunk's hidden rows (when the row asked for them)."""
+        if row.ring is not None:  # alone through the ring, into the row's own caches here
+            h = row.ring.prefill_chunk(tokens)
+            row.prefill_shared = max(row.prefill_shared, 1)
+            return h
         chunk = PrefillChunk(row, tokens)
         self.joining.append(chunk)
         if self.lock.queued > 1:
@@ -271,8 +298,18 @@ class BatchScheduler:
                   for r in rows]
         hidden = next((r.hidden for r in rows if r.hidden is not None), None)
         try:
-            logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
+            if self.through is not None:  # the layers before this stage: one traversal
+                x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
+                                          [r.submitted for r in rows])  # type: ignore[misc]
+                t0 = time.perf_counter()
+                logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x)
+            else:
+                logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
             mx.eval([a for a in (logits, h) if a is not None])
+            if self.through is not None:  # this stage's compute, for the rings' reports
+                own = time.perf_counter() - t0
+                for r in rows:
+                    r.ring.compute_s += own  # type: ignore[union-attr]
         except BaseException as e:  # every waiting row fails with it, not only this one
             for r in rows:
                 r.submitted, r.error = None, e
@@ -325,13 +362,15 @@ class RowForward:
     with the scheduler's lock held (MlxEngine holds it while the request's code runs)."""
 
     def __init__(self, scheduler: BatchScheduler, hidden: str | None,
-                 interrupt: Callable[[], None] | None):
+                 interrupt: Callable[[], None] | None, ring: RingForward | None = None):
         if hidden not in (None, "after", "before"):
             raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
         self.scheduler = scheduler
         self.hidden = hidden
         self.interrupt = interrupt
-        self.local = StageCache(scheduler.stage)  # the prompt's caches until the row joins
+        self.ring = ring  # the request's own link to the ring's other stages, on a ring
+        # The prompt's caches until the row joins (on a ring, its RingForward's: it prefills).
+        self.local = ring.local if ring is not None else StageCache(scheduler.stage)
         self.last_hidden: mx.array | None = None
         self.submitted: list[int] | None = None
         self.result: mx.array | None = None
@@ -363,9 +402,17 @@ class RowForward:
         return [layer.extract(i, length) for layer in self.scheduler.layers]
 
     def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
-        """Go on from a prefix-cache hit (before the prefill)."""
+        """Go on from a prefix-cache hit (before the prefill); on a ring, only if every other
+        stage restores its own entry too (RingForward.restore)."""
+        if self.ring is not None:
+            return self.ring.restore(cache, tokens, key)
         self.local.adopt(cache)
         return len(tokens)
+
+    def share_store(self, key: list[int]) -> None:
+        """On a ring, the other stages keep their caches under `key` too (the next frame)."""
+        if self.ring is not None:
+            self.ring.share_store(key)
 
     def prefill(self, tokens: list[int]) -> None:
         sched = self.scheduler
@@ -409,11 +456,17 @@ class RowForward:
         lengths = list(rows.lengths)
         lengths[self.index] -= dropped
         rows.set(lengths)
+        if self.ring is not None:  # the other stages roll back with the next frame
+            self.ring.note_rollback(keep, dropped)
 
     def close(self) -> None:
         """Leave the batch (the request ended, however): the other rows go on without it."""
         if self.closed:
             return
         self.closed = True
+        if self.ring is not None:
+            # The end first: it frees the row on the other stages (keeping its caches when
+            # asked) before a step of the remaining rows, sent after it, could drop the row.
+            self.ring.close()
         if self.joined:
             self.scheduler._leave(self)

@@ -162,6 +162,17 @@ class StageModel:
         out, h = self.run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=emb)
         return (None if out is None else out[0]), (None if h is None else h[0])
 
+    def run_batch(self, x: mx.array, cache: list[Any]) -> mx.array:
+        """A stage that is not the last on a batch (engine/ring_batch.py): token rows [B, W]
+        (first stage) or hidden rows [B, W, H] in, hidden rows [B, W, H] out."""
+        if self.span.last:
+            raise ValueError("the last stage runs its batch with run_rows")
+        if getattr(self.trunk.body, "stage_slice", None) is not None:
+            raise ValueError("Gemma 4 stages are not batched (sliding-window layers)")
+        if self.span.first:
+            return self.trunk.body(x, cache)
+        return self.trunk.body(None, cache, input_embeddings=x)
+
     def _run_gemma4(self, gemma: Any, x: mx.array | list[int], cache: list[Any], *,
                     logits: bool, hidden: str | None) -> tuple[mx.array | None, mx.array | None]:
         """A Gemma 4 slice. Per-layer inputs (where the model has them): the first stage
