@@ -24,8 +24,12 @@ forward (rows padded on the right, each at its own length), so a burst of N arri
 forward per chunk rather than N. Its first verify call copies that cache into a new row. It leaves at its end (EOS, stop, max_tokens, cancellation:
 the decode loop's caller closes the forward), and the other rows are gathered at once.
 
-Only models whose every layer holds a plain KV cache batch (llama, qwen2/3 and most dense
-families); recurrent or sliding-window layers are served one request at a time (`batchable`).
+Layers batch per kind (`batchable`): plain KV caches and sliding windows (Gemma) as rows at
+their own lengths, the recurrent state of qwen3_5's gated-delta layers as one state per row. A
+recurrent state cannot be cut back, so a row whose verify was partly rejected takes its state
+from before the step back (batch_cache.py: `restore_row`) and runs the tokens it kept again at
+the front of its next step (`RowForward.replay`): the step it takes anyway, a few tokens wider,
+instead of a forward of its own (a request alone replays them at once: caches.py).
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
+from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
 
 # A joining prompt prefills in chunks of at most this many tokens, one step of the decoding rows
@@ -126,9 +130,46 @@ class TicketLock:
         self.release()
 
 
+# Families whose recurrent layers take mlx-lm's per-row `lengths` (padded positions leave the
+# state alone, the convolution window ends at each row's last real token): their ArraysCache
+# state batches as rows. Other recurrent families (mamba and the like) are not checked here.
+ROW_STATE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def _model_type(model: nn.Module) -> str | None:
+    args = getattr(model, "args", None)
+    return getattr(model, "model_type", None) or getattr(args, "model_type", None)
+
+
 def batchable(model: nn.Module) -> bool:
-    """Every layer's cache is a plain KV cache: rows can sit side by side at their own lengths."""
-    return all(type(c) is KVCache for c in make_prompt_cache(model))
+    """Every layer's cache has a batched kind here: plain KV caches and sliding windows (rows
+    side by side at their own lengths), and the recurrent state of the families that mask it per
+    row (ROW_STATE_FAMILIES)."""
+    def fits(c: Any) -> bool:
+        if type(c) is KVCache:
+            return True
+        if type(c) is RotatingKVCache:
+            return c.keep == 0  # (a kept prefix would stay visible past the window)
+        return type(c) is ArraysCache and _model_type(model) in ROW_STATE_FAMILIES
+    return all(fits(c) for c in make_prompt_cache(model))
+
+
+def held_length(cache: list[Any]) -> int:
+    """Tokens a one-request cache list holds (read from a layer that counts them)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+def _rows_layer(rows: RowLengths, template: Any) -> RowsKVCache | RowsArraysCache:
+    if type(template) is ArraysCache:
+        return RowsArraysCache(len(template.cache))
+    return RowsKVCache.like(rows, template)
+
+
+def _rows_of_singles(rows: RowLengths, singles: list[Any], lengths: list[int]
+                     ) -> RowsKVCache | RowsArraysCache:
+    if type(singles[0]) is ArraysCache:
+        return RowsArraysCache.of_singles(rows, singles, lengths)
+    return RowsKVCache.of_singles(rows, singles, lengths)
 
 
 class BatchScheduler:
@@ -143,7 +184,9 @@ class BatchScheduler:
         self.lock = TicketLock()  # the model's, for every MLX call
         self.cond = threading.Condition(self.lock)
         self.rows = RowLengths()
-        self.layers = [RowsKVCache(self.rows) for _ in make_prompt_cache(model)]
+        self.layers = [_rows_layer(self.rows, c) for c in make_prompt_cache(model)]
+        self.recurrent = [c for c in self.layers if isinstance(c, RowsArraysCache)]
+        self.replays = 0  # tokens rows ran again after a rollback of recurrent state
         self.active: list[RowForward] = []
         self.steps = 0  # batched forwards run so far
         self.widths: list[int] = []  # the last step's row widths (tests, the cost model)
@@ -167,7 +210,7 @@ class BatchScheduler:
     def _join(self, row: RowForward) -> None:
         if len(self.active) >= self.max_batch:
             raise RuntimeError(f"batch is full ({self.max_batch} rows)")
-        length = row.local.cache[0].offset if row.local.cache else 0
+        length = held_length(row.local.cache)
         for layer, single in zip(self.layers, row.local.cache, strict=True):
             layer.append_row(single, length)
         self._settle()  # (built on this thread: see _step)
@@ -189,7 +232,7 @@ class BatchScheduler:
 
     def _settle(self) -> None:
         """Evaluate the rows' buffers now, on this thread (see _step)."""
-        mx.eval([a for c in self.layers for a in c.state if a is not None])
+        mx.eval([a for c in self.layers for a in c.arrays()])
 
     def _ready(self) -> bool:
         return bool(self.active) and all(r.submitted is not None for r in self.active)
@@ -243,13 +286,16 @@ class BatchScheduler:
         # Rows of different lengths (a prefix-cache hit, a later chunk) and widths, padded on
         # the right with the row's last token: padded positions sit past the row's length and
         # are cut off when the row's caches are taken back out.
-        lengths = [c.row.local.cache[0].offset for c in group]
+        lengths = [held_length(c.row.local.cache) for c in group]
         widths = [len(c.tokens) for c in group]
         width = max(widths)
         rows = RowLengths()
         rows.set(lengths)
-        layers = [RowsKVCache.of_singles(rows, [c.row.local.cache[j] for c in group], lengths)
+        layers = [_rows_of_singles(rows, [c.row.local.cache[j] for c in group], lengths)
                   for j in range(len(self.layers))]
+        for layer in layers:
+            if isinstance(layer, RowsArraysCache):
+                layer.begin_step(widths)  # the padding must not reach a row's state
         tokens = [c.tokens + [c.tokens[-1]] * (width - len(c.tokens)) for c in group]
         _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden)
         out = []
@@ -270,6 +316,8 @@ class BatchScheduler:
         tokens = [r.submitted + [r.submitted[-1]] * (width - len(r.submitted))  # type: ignore
                   for r in rows]
         hidden = next((r.hidden for r in rows if r.hidden is not None), None)
+        for layer in self.recurrent:
+            layer.begin_step(widths)
         try:
             logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
             mx.eval([a for a in (logits, h) if a is not None])
@@ -278,6 +326,9 @@ class BatchScheduler:
                 r.submitted, r.error = None, e
             self.cond.notify_all()
             raise
+        finally:
+            for layer in self.recurrent:
+                layer.end_step()
         self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
         out = []
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
@@ -337,6 +388,10 @@ class RowForward:
         self.result: mx.array | None = None
         self.result_hidden: mx.array | None = None
         self.error: BaseException | None = None
+        # Tokens this row's last step ran (replay included), and the ones its next step runs
+        # first: kept tokens of a partly rejected verify, whose recurrent state was restored.
+        self.last_step: list[int] = []
+        self.replay: list[int] = []
         self.prefill_waits = 0  # steps of the decoding rows run between this prompt's chunks
         self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
@@ -360,7 +415,14 @@ class RowForward:
             return self.local.cache
         i = self.index
         length = self.scheduler.rows.lengths[i]
-        return [layer.extract(i, length) for layer in self.scheduler.layers]
+        singles = [layer.extract(i, length) for layer in self.scheduler.layers]
+        if not self.replay:
+            return singles
+        # Tokens waiting to run again at the front of the next step: run them on the copies.
+        held = StageCache(self.scheduler.stage)
+        held.adopt(singles)
+        held.run(self.replay, verify=False)
+        return held.cache
 
     def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
         """Go on from a prefix-cache hit (before the prefill)."""
@@ -391,24 +453,37 @@ class RowForward:
             sched._join(self)
             self.joined = True
         self.result = self.error = None
-        self.submitted = list(tokens)
+        skip = len(self.replay)
+        self.submitted = self.last_step = self.replay + list(tokens)
+        self.replay = []
+        sched.replays += skip
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
             raise RuntimeError(f"the batched forward failed: {self.error}") from self.error
-        logits, self.result = self.result, None
+        logits, self.result = self.result[skip:], None
         if self.result_hidden is not None:
-            self.last_hidden, self.result_hidden = self.result_hidden, None
+            self.last_hidden, self.result_hidden = self.result_hidden[skip:], None
         return logits
 
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
         if dropped <= 0:
             return
-        rows = self.scheduler.rows
-        lengths = list(rows.lengths)
-        lengths[self.index] -= dropped
-        rows.set(lengths)
+        sched = self.scheduler
+        i = self.index
+        lengths = list(sched.rows.lengths)
+        if sched.recurrent:
+            # A recurrent state cannot be cut back: the row's state goes back to before the
+            # step, and the tokens it kept run again at the front of its next step.
+            lengths[i] -= len(self.last_step)
+            self.replay = self.last_step[:len(self.last_step) - dropped]
+            for layer in sched.recurrent:
+                layer.restore_row(i)
+            sched._settle()  # built here: the next step may run on another row's thread
+        else:
+            lengths[i] -= dropped
+        sched.rows.set(lengths)
 
     def close(self) -> None:
         """Leave the batch (the request ended, however): the other rows go on without it."""
