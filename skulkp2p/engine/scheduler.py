@@ -281,6 +281,8 @@ class BatchScheduler:
         if len(group) == 1:  # alone: straight on the row's own caches, no copies
             c = group[0]
             _, c.hidden = c.row.local.run(c.tokens, verify=False, hidden=hidden)
+            # Evaluated here, as below: a recurrent state is not part of the hidden rows' graph.
+            mx.eval([single.state for single in c.row.local.cache])
             c.row.prefill_shared = max(c.row.prefill_shared, 1)
             return
         # Rows of different lengths (a prefix-cache hit, a later chunk) and widths, padded on
@@ -452,19 +454,32 @@ class RowForward:
             sched.cond.wait_for(lambda: len(sched.active) < sched.max_batch)
             sched._join(self)
             self.joined = True
-        self.result = self.error = None
-        skip = len(self.replay)
-        self.submitted = self.last_step = self.replay + list(tokens)
+        if self.replay and len(tokens) > 1:
+            # The kept tokens of a rejected verify run in a step of their own first: a step that
+            # also verified drafts could be rejected in turn, and the state to restore would
+            # then be the one before these tokens (the replay would grow round after round).
+            self._step_with(self.replay)
+            self.replay = []
+        skip = len(self.replay)  # (with one token, nothing to reject: they go first in its step)
+        logits, hidden = self._step_with(self.replay + list(tokens))
         self.replay = []
-        sched.replays += skip
+        if hidden is not None:
+            self.last_hidden = hidden[skip:]
+        return logits[skip:]
+
+    def _step_with(self, tokens: list[int]) -> tuple[mx.array, mx.array | None]:
+        """Hand `tokens` in for the next batched step and wait for their logits (and hidden
+        rows when asked for)."""
+        sched = self.scheduler
+        self.result = self.result_hidden = self.error = None
+        self.submitted = self.last_step = tokens
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
             raise RuntimeError(f"the batched forward failed: {self.error}") from self.error
-        logits, self.result = self.result[skip:], None
-        if self.result_hidden is not None:
-            self.last_hidden, self.result_hidden = self.result_hidden[skip:], None
-        return logits
+        logits, hidden = self.result, self.result_hidden
+        self.result = self.result_hidden = None
+        return logits, hidden
 
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
@@ -478,6 +493,7 @@ class RowForward:
             # step, and the tokens it kept run again at the front of its next step.
             lengths[i] -= len(self.last_step)
             self.replay = self.last_step[:len(self.last_step) - dropped]
+            sched.replays += len(self.replay)
             for layer in sched.recurrent:
                 layer.restore_row(i)
             sched._settle()  # built here: the next step may run on another row's thread
