@@ -24,12 +24,8 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
+from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, requests, solo, together
 from tools.make_tiny_model import make_tiny_model
-
-PROMPTS = ["one two three one two three one two", "the river the river the bird",
-           "def f(x):\n    return x\n\ndef g(x):\n    return", "a b c d e f g h a b c d"]
-SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
-SPECULATION = {"off": "off", "lookup": {"drafter": "lookup", "depth": 3}}
 
 _models: dict[Path, object] = {}
 
@@ -38,51 +34,6 @@ def _loaded(path: Path):
     if path not in _models:
         _models[path] = load_model(path, path.name, dtype="float32")
     return _models[path]
-
-
-def requests(sampling: dict, speculation, n: int = 4) -> list:
-    """n requests of different prompts and lengths (rows leave at different steps)."""
-    return [parse_request({"id": i, "prompt": PROMPTS[i % len(PROMPTS)],
-                           "max_tokens": 10 + 6 * i, "speculation": speculation,
-                           **sampling, **({"seed": 5 + i} if sampling else {})})
-            for i in range(n)]
-
-
-def solo(engine: MlxEngine, reqs: list) -> list:
-    out = []
-    for req in reqs:
-        gen = engine.generate(req)
-        list(gen)
-        out.append(gen.result)
-    return out
-
-
-def together(engine: MlxEngine, reqs: list) -> list:
-    """Run `reqs` at once, each on its own thread, every one queued for the model before any
-    starts (see the module's docstring)."""
-    sched = engine.scheduler
-    assert sched is not None
-    results: list = [None] * len(reqs)
-    errors: list[BaseException] = []
-
-    def go(i: int) -> None:
-        try:
-            gen = engine.generate(reqs[i])
-            list(gen)
-            results[i] = gen.result
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
-    with sched.lock:
-        for n, thread in enumerate(threads, start=2):
-            thread.start()
-            assert sched.lock.wait_queued(n, timeout=30), "a request never queued"
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), "a batched request hung"
-    assert not errors, errors
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +168,8 @@ def test_batch_logits_close_to_solo_not_bitwise(tiny_models):
         assert np.abs(a - b).max() < 1e-4
 
 
-def test_recurrent_family_and_rings_serve_one_at_a_time(tiny_models):
-    lm = _loaded(tiny_models["qwen3_5"])
-    engine = MlxEngine(lm, 0, max_batch=8)
-    assert engine.max_concurrent == 1 and engine.scheduler is None
-    # A ring's last stage (its forward reaches the other stages) is not batched either.
+def test_rings_serve_one_at_a_time(tiny_models):
+    # A ring's last stage (its forward reaches the other stages) is not batched.
     ring = dataclasses.replace(_loaded(tiny_models["llama"]),
                                make_forward=lambda req, hidden, interrupt: None)
     assert MlxEngine(ring, 0, max_batch=8).max_concurrent == 1

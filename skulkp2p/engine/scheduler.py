@@ -187,6 +187,7 @@ class BatchScheduler:
         self.layers = [_rows_layer(self.rows, c) for c in make_prompt_cache(model)]
         self.recurrent = [c for c in self.layers if isinstance(c, RowsArraysCache)]
         self.replays = 0  # tokens rows ran again after a rollback of recurrent state
+        self.replay_peak = 0  # the most tokens one row ran again at once (at most depth + 1)
         self.active: list[RowForward] = []
         self.steps = 0  # batched forwards run so far
         self.widths: list[int] = []  # the last step's row widths (tests, the cost model)
@@ -494,6 +495,7 @@ class RowForward:
             lengths[i] -= len(self.last_step)
             self.replay = self.last_step[:len(self.last_step) - dropped]
             sched.replays += len(self.replay)
+            sched.replay_peak = max(sched.replay_peak, len(self.replay))
             for layer in sched.recurrent:
                 layer.restore_row(i)
             sched._settle()  # built here: the next step may run on another row's thread

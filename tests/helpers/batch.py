@@ -1,0 +1,63 @@
+"""Requests for the batching tests (tests/test_batch*.py): prompts of different lengths, the
+same requests served one after another (solo) and all at once (together).
+
+To make requests overlap deterministically, `together` holds the model's lock (a FIFO ticket
+lock) while every request queues for it: then they take turns in order and each joins the batch
+while the others still decode."""
+
+from __future__ import annotations
+
+import threading
+
+from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.request import parse_request
+
+PROMPTS = ["one two three one two three one two", "the river the river the bird",
+           "def f(x):\n    return x\n\ndef g(x):\n    return", "a b c d e f g h a b c d"]
+SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
+SPECULATION = {"off": "off", "lookup": {"drafter": "lookup", "depth": 3}}
+
+
+def requests(sampling: dict, speculation, n: int = 4) -> list:
+    """n requests of different prompts and lengths (rows leave at different steps)."""
+    return [parse_request({"id": i, "prompt": PROMPTS[i % len(PROMPTS)],
+                           "max_tokens": 10 + 6 * i, "speculation": speculation,
+                           **sampling, **({"seed": 5 + i} if sampling else {})})
+            for i in range(n)]
+
+
+def solo(engine: MlxEngine, reqs: list) -> list:
+    out = []
+    for req in reqs:
+        gen = engine.generate(req)
+        list(gen)
+        out.append(gen.result)
+    return out
+
+
+def together(engine: MlxEngine, reqs: list) -> list:
+    """Run `reqs` at once, each on its own thread, every one queued for the model before any
+    starts (see the module's docstring)."""
+    sched = engine.scheduler
+    assert sched is not None
+    results: list = [None] * len(reqs)
+    errors: list[BaseException] = []
+
+    def go(i: int) -> None:
+        try:
+            gen = engine.generate(reqs[i])
+            list(gen)
+            results[i] = gen.result
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
+    with sched.lock:
+        for n, thread in enumerate(threads, start=2):
+            thread.start()
+            assert sched.lock.wait_queued(n, timeout=30), "a request never queued"
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a batched request hung"
+    assert not errors, errors
+    return results
