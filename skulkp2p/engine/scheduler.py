@@ -46,6 +46,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
+from skulkp2p.engine.gates import BatchView
 
 # A joining prompt prefills in chunks of at most this many tokens, one step of the decoding rows
 # between chunks. The same chunks whether alone or not, so a request's caches do not depend on
@@ -395,16 +396,19 @@ class RowForward:
         # first: kept tokens of a partly rejected verify, whose recurrent state was restored.
         self.last_step: list[int] = []
         self.replay: list[int] = []
+        self.width = 1  # tokens the decode loop verified in its last call (drafts + 1)
+        self.drafts = False  # a drafter decodes on this row (set by its gate: gates.py)
         self.prefill_waits = 0  # steps of the decoding rows run between this prompt's chunks
         self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
         self.closed = False
 
-    @property
-    def batch_size(self) -> int:
-        """Rows in this row's forwards (itself included, once it joins): the gates weigh it."""
-        active = len(self.scheduler.active)
-        return active if self.joined else min(active + 1, self.scheduler.max_batch)
+    def batch_view(self) -> BatchView:
+        """The other rows of this row's next forward, for its gate: the widths they handed in
+        for it, else the widths of their last verify."""
+        others = [r for r in self.scheduler.active if r is not self]
+        return BatchView(tuple(r.width if r.submitted is None else len(r.submitted)
+                               for r in others), sum(r.drafts for r in others))
 
     @property
     def index(self) -> int:
@@ -455,6 +459,7 @@ class RowForward:
             sched.cond.wait_for(lambda: len(sched.active) < sched.max_batch)
             sched._join(self)
             self.joined = True
+        self.width = len(tokens)
         if self.replay and len(tokens) > 1:
             # The kept tokens of a rejected verify run in a step of their own first: a step that
             # also verified drafts could be rejected in turn, and the state to restore would
