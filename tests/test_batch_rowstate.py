@@ -164,3 +164,14 @@ def test_sliding_window_mask_shows_each_row_its_own_window():
     assert mask[0, 0].tolist() == [[i <= 3 for i in range(8)], [1 <= i <= 4 for i in range(8)]]
     assert mask[1, 0].tolist() == [[3 <= i <= 6 for i in range(8)],
                                    [4 <= i <= 7 for i in range(8)]]
+    # Once every row is past the window, the keys handed out (and masked) start where the
+    # earliest window does: position 3 here, column 0 of the mask.
+    rows.set([6, 9])
+    layer = RowsKVCache(rows, window=4)
+    mask = layer.make_mask(2, window_size=4)
+    assert mask.shape == (2, 1, 2, 11 - 3)
+    assert mask[0, 0].tolist() == [[3 <= i <= 6 for i in range(3, 11)],
+                                   [4 <= i <= 7 for i in range(3, 11)]]
+    keys = mx.zeros((2, 1, 2, 8))
+    fetched, _ = layer.update_and_fetch(keys, keys)
+    assert fetched.shape[2] == 11 - 3

@@ -92,15 +92,22 @@ class RowsKVCache:
         for i, n in enumerate(lengths):
             self.keys[i:i + 1, :, n:n + w, :] = keys[i:i + 1]
             self.values[i:i + 1, :, n:n + w, :] = values[i:i + 1]
-        return self.keys[:, :, :end, :], self.values[:, :, :end, :]
+        start = first_visible(lengths, self.window)
+        return self.keys[:, :, start:end, :], self.values[:, :, start:end, :]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None,
                   **_: Any) -> mx.array:
         """[B, 1, n, max length + n]: query j of row i sees keys [0, length_i + j], only the
         last `window_size` of them in a sliding-window layer (the model passes its window)."""
+        if window_size is not None and self.window is not None and window_size != self.window:
+            raise ValueError(f"a mask for a window of {window_size} asked of a cache whose "
+                             f"window is {self.window}")
         lengths = self.rows.offset[:, None, None, None]
         end = max(self.rows.lengths) + n
-        keys = mx.arange(end)[None, None, None, :]
+        # A window layer's keys start where the earliest query's window does (update_and_fetch
+        # hands out the same span): attention runs over the windows, not the whole history.
+        start = first_visible(self.rows.lengths, window_size)
+        keys = mx.arange(start, end)[None, None, None, :]
         queries = lengths + mx.arange(n)[None, None, :, None]
         mask = keys <= queries
         if window_size is not None:
@@ -211,6 +218,13 @@ class RowsKVCache:
     @property
     def state(self) -> tuple[Any, Any]:
         return self.keys, self.values
+
+
+def first_visible(lengths: list[int], window: int | None) -> int:
+    """The first position any row's next query can see through a window (0 without one)."""
+    if window is None or not lengths:
+        return 0
+    return max(0, min(lengths) - window + 1)
 
 
 def held_keys(single: Any, length: int) -> tuple[mx.array, mx.array]:
