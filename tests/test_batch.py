@@ -352,6 +352,11 @@ def test_drafting_backs_off_among_plain_rows_and_drafts_with_drafting_rows():
     # One plain row already verifies 3 tokens: widening to 3 costs nothing more.
     depth, gain = controller.best_depth(4, BatchView((3,) + (1,) * 6, drafting=0))
     assert depth >= 2 and gain > 1.0
+    # A drafter with a cost of its own (a head: a quarter of a trunk step per draft) pays
+    # alone, but not in a batch of 4: the batch shares the trunk's forward, not the drafters.
+    head = DepthController(costs, 4, prior_accept=0.45, prior_weight=1e6, draft_cost=0.25)
+    assert head.best_depth(4, SOLO)[0] > 0
+    assert head.best_depth(4, BatchView((1,) * 3, drafting=3))[0] == 0
     # A low acceptance does not pay even when free: nothing gained, the drafting costs.
     poor = DepthController(costs, 4, prior_accept=0.05, draft_cost=0.2)
     assert poor.best_depth(4, BatchView((3,) * 7, drafting=7))[0] == 0

@@ -97,16 +97,18 @@ class DepthController:
         widest, costing c(B W) for width W (the table prices a forward by the token rows it
         multiplies). A draft of k is priced by what it adds to THIS step's forward, given the
         other rows' widths (`batch`): widening it from their widest W_o to k + 1 costs
-        c(B max(W_o, k + 1)) against c(B W_o), nothing when the others already verify as wide.
+        c(B max(W_o, k + 1)) against c(B W_o), nothing when the others already verify as wide,
+        plus its drafter's own cost d k (a drafter runs per row: a batch does not share it).
         The gain is the batch's tokens per unit of time against this row plain, counting one
-        token for each other row: ((B - 1) + E(k)) c(B W_o) / (B c(B max(W_o, k + 1))).
+        token for each other row: ((B - 1) + E(k)) c(B W_o) / (B (c(B max(W_o, k + 1)) + d k)).
 
         Priced only that way, rows that all went plain would each find drafting alone too dear
-        and stay plain for good, although drafting together pays (each widening costs the same
-        c(B (k + 1)) for every drafting row's E(k)). So a draft is also priced as one of the
-        drafting rows all drafting k: ((B - D) + D E(k)) c(B) / (B c(B (k + 1))) for D drafting
-        rows (this one included); the others then follow for free up to its width. The better
-        of the two decides. For B = 1 both are E(k) / c(k + 1)."""
+        and stay plain for good, although drafting together may pay (each widening costs the
+        same c(B (k + 1)) for every drafting row's E(k)). So a draft is also priced as one of
+        the D drafting rows (this one included) all drafting k:
+        ((B - D) + D E(k)) c(B) / (B (c(B (k + 1)) + D d k)); the others then follow for free
+        up to its width. The better of the two decides. For B = 1 both are
+        E(k) / (c(k + 1) + d k)."""
         view = batch if batch is not None else self.batch() if self.batch is not None else SOLO
         rows = len(view.widths) + 1
         widest = max(view.widths, default=1)
@@ -118,9 +120,9 @@ class DepthController:
         for k, a in enumerate(self.rates()[:limit], start=1):
             reach *= a
             expected += reach
-            drafting_cost = self.draft_cost * k
+            drafting_cost = self.draft_cost * k  # one row's drafter, run per row (not batched)
             alone = width_cost(self.costs, rows * max(widest, k + 1)) + drafting_cost
-            all_of_us = width_cost(self.costs, rows * (k + 1)) + drafting_cost
+            all_of_us = width_cost(self.costs, rows * (k + 1)) + drafting * drafting_cost
             gain = max((rows - 1 + expected) * base / (rows * alone),
                        (rows - drafting + drafting * expected) * together / (rows * all_of_us))
             if gain > best_gain:
