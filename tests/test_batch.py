@@ -24,11 +24,8 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
-from tests.helpers.batching import PROMPTS, requests, solo, together
+from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, requests, solo, together
 from tools.make_tiny_model import make_tiny_model
-
-SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
-SPECULATION = {"off": "off", "lookup": {"drafter": "lookup", "depth": 3}}
 
 _models: dict[Path, object] = {}
 
@@ -171,12 +168,9 @@ def test_batch_logits_close_to_solo_not_bitwise(tiny_models):
         assert np.abs(a - b).max() < 1e-4
 
 
-def test_recurrent_family_and_tensor_groups_serve_one_at_a_time(tiny_models):
-    lm = _loaded(tiny_models["qwen3_5"])
-    engine = MlxEngine(lm, 0, max_batch=8)
-    assert engine.max_concurrent == 1 and engine.scheduler is None
-    # A tensor-parallel group's loop member (its forward reaches the ranks; it holds no
-    # span of layers) is not batched either. (A ring's last stage is: test_ring_batch.py.)
+def test_tensor_groups_serve_one_at_a_time(tiny_models):
+    # A tensor-parallel group's loop member (its forward reaches the ranks; it holds no span
+    # of layers) is not batched. (A ring's last stage is: test_ring_batch.py.)
     group = dataclasses.replace(_loaded(tiny_models["llama"]),
                                 make_forward=lambda req, hidden, interrupt: None)
     assert MlxEngine(group, 0, max_batch=8).max_concurrent == 1
@@ -335,17 +329,38 @@ def test_real_model_batch_matches_solo(spec):
     assert engine.scheduler.prefill_peak == 4  # the four chat prompts shared a prefill forward
 
 
-def test_drafting_backs_off_in_a_large_batch_without_switching_off():
+def test_drafting_backs_off_among_plain_rows_and_drafts_with_drafting_rows():
     """The measured cost table makes a draft that pays alone (acceptance 0.6) not pay in a
-    batch of 8 (each row's extra width widens every row's forward); the gate backs off for the
-    round and drafts again once the batch is small, and a seeded sampled request's gate ignores
-    the batch."""
-    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, DepthController, GatedDrafter
+    batch of 8 plain rows (its extra width widens every row's forward for its own gain); it
+    pays when the other rows draft too (all widening together), and for free up to the width
+    the others already verify. The gate backs off for the round, drafts again once the batch
+    says so, and a seeded sampled request's gate ignores the batch."""
+    from skulkp2p.engine.gates import (
+        DEFAULT_WIDTH_COSTS,
+        SOLO,
+        BatchView,
+        DepthController,
+        GatedDrafter,
+    )
 
     costs = DEFAULT_WIDTH_COSTS["float32"]
     controller = DepthController(costs, 4, prior_accept=0.6)
-    assert controller.best_depth(4, rows=1)[0] > 0
-    assert controller.best_depth(4, rows=8)[0] == 0
+    plain_rows = BatchView((1,) * 7, drafting=0)
+    assert controller.best_depth(4, SOLO)[0] > 0
+    assert controller.best_depth(4, plain_rows)[0] == 0
+    # The same 7 rows at width 1 but drafting rows (they backed off this round): together.
+    assert controller.best_depth(4, BatchView((1,) * 7, drafting=7))[0] > 0
+    # One plain row already verifies 3 tokens: widening to 3 costs nothing more.
+    depth, gain = controller.best_depth(4, BatchView((3,) + (1,) * 6, drafting=0))
+    assert depth >= 2 and gain > 1.0
+    # A drafter with a cost of its own (a head: a quarter of a trunk step per draft) pays
+    # alone, but not in a batch of 4: the batch shares the trunk's forward, not the drafters.
+    head = DepthController(costs, 4, prior_accept=0.45, prior_weight=1e6, draft_cost=0.25)
+    assert head.best_depth(4, SOLO)[0] > 0
+    assert head.best_depth(4, BatchView((1,) * 3, drafting=3))[0] == 0
+    # A low acceptance does not pay even when free: nothing gained, the drafting costs.
+    poor = DepthController(costs, 4, prior_accept=0.05, draft_cost=0.2)
+    assert poor.best_depth(4, BatchView((3,) * 7, drafting=7))[0] == 0
 
     class Lookup:
         name = "lookup"
@@ -359,17 +374,22 @@ def test_drafting_backs_off_in_a_large_batch_without_switching_off():
         def observe(self, drafted, accepted, emitted, forward):
             pass
 
-    class Row:  # what a batch row tells a drafter: its batch's size
-        batch_size = 8
+    class Row:  # what a batch row shows a drafter: the other rows of its forward
+        view = plain_rows
+        drafts = False
+
+        def batch_view(self):
+            return self.view
 
     row = Row()
     gated = GatedDrafter(Lookup(), costs, 4, prior_accept=0.6)
     gated.begin([1, 2], row)
+    assert row.drafts  # the gate told the row it drafts (the other rows' gates count it)
     assert gated.propose([1, 2], 4) == ([], None) and gated.on and not gated.events
-    row.batch_size = 1
+    row.view = SOLO
     assert gated.propose([1, 2], 4)[0]
     fixed = GatedDrafter(Lookup(), costs, 4, prior_accept=0.6, weigh_batch=False)
-    row.batch_size = 8
+    row.view = plain_rows
     fixed.begin([1, 2], row)
     assert fixed.propose([1, 2], 4)[0]
 

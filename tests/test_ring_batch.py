@@ -23,7 +23,7 @@ from skulkp2p.engine.protocol import Cancelled
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
 from skulkp2p.engine.stage import StageModel, StageSpan
-from tests.helpers.batching import requests, solo, together
+from tests.helpers.batch import requests, solo, together
 
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
@@ -265,7 +265,7 @@ def _generate(addr: str, i: int) -> dict:
     """Request i (prompt i, arm i) on the model "llama"; retried while a placement loads."""
     import time
 
-    from tests.helpers.batching import PROMPTS
+    from tests.helpers.batch import PROMPTS
     from tests.helpers.http_client import call
 
     body = {"model": "llama", "prompt": PROMPTS[i], "max_tokens": 24 + 4 * i, **ARMS[i]}
@@ -282,7 +282,7 @@ def _generate(addr: str, i: int) -> dict:
 
 @pytest.mark.slow
 def test_ring_of_processes_batches_requests_exactly(llama, tmp_path):
-    from tests.helpers.batching import PROMPTS
+    from tests.helpers.batch import PROMPTS
     from tests.helpers.http_client import call, status_of
     from tests.helpers.procs import ProcCluster, loopback_ips_usable
 

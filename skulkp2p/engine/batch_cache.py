@@ -10,6 +10,13 @@ per-request cache (after their prompt was prefilled) and leave by a gather of th
 
 All layers share one `RowLengths`: the model reads `offset` in every layer before the step's
 write, so lengths advance only after the whole forward (`RowLengths.advance`).
+
+Sliding-window layers (Gemma's `RotatingKVCache`) keep every row's whole history here at
+absolute positions, and the mask shows query j of row i only the keys in
+(length_i + j - window, length_i + j]: the keys a rotating cache would still hold, so a rollback
+is a length going down for them too. Recurrent layers (qwen3_5's gated-delta state,
+`RowsArraysCache`) hold one state per row, stacked; a step keeps the states from before it, so
+that a row whose verify was partly rejected gets its own state back (`restore_row`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 # Buffers grow by this many positions (as mlx-lm's KVCache does).
 STEP = 256
@@ -44,11 +51,19 @@ class RowLengths:
 class RowsKVCache:
     """One layer's keys and values for the rows of a batch, [B, H, capacity, D] each."""
 
-    def __init__(self, rows: RowLengths):
+    def __init__(self, rows: RowLengths, window: int | None = None):
         self.rows = rows
+        self.window = window  # a sliding-window layer's window (its rotating cache's max_size)
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.width = 0  # tokens per row in the current step (set before the forward)
+
+    @classmethod
+    def like(cls, rows: RowLengths, template: Any) -> RowsKVCache:
+        """The rows' layer for a layer whose one-request cache is `template`."""
+        if type(template) is RotatingKVCache:
+            return cls(rows, template.max_size)
+        return cls(rows)
 
     @property
     def offset(self) -> mx.array:
@@ -77,18 +92,27 @@ class RowsKVCache:
         for i, n in enumerate(lengths):
             self.keys[i:i + 1, :, n:n + w, :] = keys[i:i + 1]
             self.values[i:i + 1, :, n:n + w, :] = values[i:i + 1]
-        return self.keys[:, :, :end, :], self.values[:, :, :end, :]
+        start = first_visible(lengths, self.window)
+        return self.keys[:, :, start:end, :], self.values[:, :, start:end, :]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None,
                   **_: Any) -> mx.array:
-        """[B, 1, n, max length + n]: query j of row i sees keys [0, length_i + j]."""
-        if window_size is not None:
-            raise ValueError("sliding-window layers are not batched")
+        """[B, 1, n, max length + n]: query j of row i sees keys [0, length_i + j], only the
+        last `window_size` of them in a sliding-window layer (the model passes its window)."""
+        if window_size is not None and self.window is not None and window_size != self.window:
+            raise ValueError(f"a mask for a window of {window_size} asked of a cache whose "
+                             f"window is {self.window}")
         lengths = self.rows.offset[:, None, None, None]
         end = max(self.rows.lengths) + n
-        keys = mx.arange(end)[None, None, None, :]
-        queries = mx.arange(n)[None, None, :, None]
-        return keys <= lengths + queries
+        # A window layer's keys start where the earliest query's window does (update_and_fetch
+        # hands out the same span): attention runs over the windows, not the whole history.
+        start = first_visible(self.rows.lengths, window_size)
+        keys = mx.arange(start, end)[None, None, None, :]
+        queries = lengths + mx.arange(n)[None, None, :, None]
+        mask = keys <= queries
+        if window_size is not None:
+            mask = mask & (keys > queries - window_size)
+        return mask
 
     # -- rows joining and leaving --
 
@@ -101,8 +125,7 @@ class RowsKVCache:
                 self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])],
                                              axis=0)
             return  # (no buffer yet: the first write allocates one for every row)
-        k = single.keys[..., :length, :]
-        v = single.values[..., :length, :]
+        k, v = held_keys(single, length)
         have = 0 if self.keys is None else self.keys.shape[2]
         cap = max(have, ((length + STEP - 1) // STEP) * STEP or STEP)
         if self.keys is not None and cap > have:
@@ -123,11 +146,11 @@ class RowsKVCache:
             self.values = mx.concatenate([self.values, v], axis=0)
 
     @classmethod
-    def of_singles(cls, rows: RowLengths, singles: list[KVCache],
+    def of_singles(cls, rows: RowLengths, singles: list[Any],
                    lengths: list[int]) -> RowsKVCache:
         """One layer of a batch whose row i holds the first lengths[i] positions of singles[i]
         (requests prefilling together). Empty rows get zeros, never read (the mask)."""
-        layer = cls(rows)
+        layer = cls.like(rows, singles[0])
         like = next((c for c, n in zip(singles, lengths, strict=True)
                      if c.keys is not None and n > 0), None)
         if like is None:
@@ -142,8 +165,9 @@ class RowsKVCache:
                 values.append(mx.zeros((1, h, cap, like.values.shape[3]), like.values.dtype))
                 continue
             pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
-            keys.append(mx.pad(c.keys[..., :n, :], pad))
-            values.append(mx.pad(c.values[..., :n, :], pad))  # type: ignore[index]
+            k, v = held_keys(c, n)
+            keys.append(mx.pad(k, pad))
+            values.append(mx.pad(v, pad))
         layer.keys = mx.concatenate(keys, axis=0)
         layer.values = mx.concatenate(values, axis=0)
         return layer
@@ -158,14 +182,34 @@ class RowsKVCache:
         self.keys = self.keys[index]
         self.values = self.values[index]
 
-    def extract(self, row: int, length: int) -> KVCache:
-        """Row `row`'s first `length` positions as a one-request cache of its own (copies)."""
-        assert self.keys is not None and self.values is not None
+    def extract(self, row: int, length: int) -> KVCache | RotatingKVCache:
+        """Row `row`'s first `length` positions as a one-request cache of its own (copies); a
+        sliding-window layer's as a rotating cache holding the last window of them in time
+        order (what mlx-lm's updates and caches.py's cuts expect of one)."""
+        if self.window is not None:
+            rotating = RotatingKVCache(self.window)
+            if self.keys is None or length == 0:
+                return rotating
+            start = max(0, length - self.window)
+            rotating.keys = mx.array(self.keys[row:row + 1, :, start:length, :])
+            rotating.values = mx.array(self.values[row:row + 1, :, start:length, :])
+            rotating.offset = length
+            rotating._idx = length - start  # noqa: SLF001 - the buffer is full, in time order
+            return rotating
         single = KVCache()
+        if self.keys is None or length == 0:
+            return single
+        assert self.values is not None
         single.keys = mx.array(self.keys[row:row + 1, :, :length, :])
         single.values = mx.array(self.values[row:row + 1, :, :length, :])
         single.offset = length
         return single
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    def restore_row(self, row: int) -> None:
+        """Nothing to do: the row's length going down forgets its keys."""
 
     # What generic cache code asks of a cache (checkpoint rules, byte counts).
     def is_trimmable(self) -> bool:
@@ -174,3 +218,106 @@ class RowsKVCache:
     @property
     def state(self) -> tuple[Any, Any]:
         return self.keys, self.values
+
+
+def first_visible(lengths: list[int], window: int | None) -> int:
+    """The first position any row's next query can see through a window (0 without one)."""
+    if window is None or not lengths:
+        return 0
+    return max(0, min(lengths) - window + 1)
+
+
+def held_keys(single: Any, length: int) -> tuple[mx.array, mx.array]:
+    """The first `length` positions of a one-request cache, [1, H, length, D] each, at their
+    absolute positions: a rotating cache holds only the last window of them (in its own order):
+    the positions before are zeros, which the window's mask never shows."""
+    if type(single) is not RotatingKVCache:
+        return single.keys[..., :length, :], single.values[..., :length, :]
+    if length != single.offset:
+        raise ValueError(f"a rotating cache at {single.offset} read at {length}")
+    keys = single._temporal_order(single.keys)  # noqa: SLF001
+    values = single._temporal_order(single.values)  # noqa: SLF001
+    held = min(keys.shape[2], length)  # positions [length - held, length)
+    keys, values = keys[..., keys.shape[2] - held:, :], values[..., values.shape[2] - held:, :]
+    if held < length:
+        pad = [(0, 0), (0, 0), (length - held, 0), (0, 0)]
+        keys, values = mx.pad(keys, pad), mx.pad(values, pad)
+    return keys, values
+
+
+
+class RowsArraysCache(ArraysCache):
+    """One recurrent layer's state for the rows of a batch: each of its arrays stacked over
+    rows ([B, ...]), as mlx-lm's `ArraysCache` holds a batch. A step whose rows have different
+    widths sets `lengths` (mlx-lm's own: the layer masks the padded positions out of the state,
+    and keeps its convolution window at each row's last real token). The arrays from before the
+    step are kept: the layer replaces its arrays rather than writing into them, so keeping them
+    is a reference, not a copy, and a row's rollback takes its own slice back from them."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.before: list[mx.array | None] = [None] * size
+        self.count = 0  # rows (a state stays None until a row has run a token)
+
+    def begin_step(self, widths: list[int]) -> None:
+        self.before = list(self.cache)
+        w = max(widths)
+        self.lengths = None if all(x == w for x in widths) else mx.array(widths)
+
+    def end_step(self) -> None:
+        self.lengths = None
+
+    def restore_row(self, row: int) -> None:
+        """Row `row`'s state back to what it was before the last step."""
+        for e, (now, then) in enumerate(zip(self.cache, self.before, strict=True)):
+            if now is None:
+                continue
+            if then is None:  # the row had no state yet: zeros, as a fresh cache starts
+                then = mx.zeros_like(now)
+            pick = (mx.arange(now.shape[0]) == row).reshape(-1, *([1] * (now.ndim - 1)))
+            self.cache[e] = mx.where(pick, then, now)
+
+    def _stack(self, rows: list[list[mx.array | None]]) -> list[mx.array | None]:
+        out: list[mx.array | None] = []
+        for e in range(len(self.cache)):
+            like = next((r[e] for r in rows if r[e] is not None), None)
+            if like is None:
+                out.append(None)
+                continue
+            out.append(mx.concatenate([r[e] if r[e] is not None else mx.zeros_like(like)
+                                       for r in rows], axis=0))
+        return out
+
+    def _rows(self, which: list[mx.array | None], n: int) -> list[list[mx.array | None]]:
+        return [[None if a is None else a[i:i + 1] for a in which] for i in range(n)]
+
+    def append_row(self, single: ArraysCache, length: int = 0) -> None:
+        """Add a row holding a one-request cache's state (called before the row's length is
+        added to the batch's lengths)."""
+        new = list(single.cache)
+        self.cache = self._stack(self._rows(self.cache, self.count) + [new])
+        self.before = self._stack(self._rows(self.before, self.count) + [new])
+        self.count += 1
+
+    @classmethod
+    def of_singles(cls, rows: RowLengths, singles: list[ArraysCache],
+                   lengths: list[int]) -> RowsArraysCache:
+        layer = cls(len(singles[0].cache))
+        layer.cache = layer._stack([list(c.cache) for c in singles])
+        layer.count = len(singles)
+        return layer
+
+    def keep_rows(self, kept: list[int]) -> None:
+        index = mx.array(kept) if kept else None
+        self.cache = [None if a is None or index is None else a[index] for a in self.cache]
+        self.before = [None if a is None or index is None else a[index] for a in self.before]
+        self.count = len(kept)
+
+    def extract(self, row: int, length: int = 0) -> ArraysCache:
+        """Row `row`'s state as a one-request cache of its own (copies)."""
+        single = ArraysCache(len(self.cache))
+        single.cache = [None if a is None else mx.array(a[row:row + 1]) for a in self.cache]
+        return single
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (*self.cache, *self.before) if a is not None]

@@ -51,6 +51,16 @@ def repetition_score(tokens: list[int], n: int = 3) -> float:
     return repeated / total
 
 
+@dataclass(frozen=True)
+class BatchView:
+    """The other rows of the batched forward a row runs in, as the row decides its draft."""
+    widths: tuple[int, ...] = ()  # their widths this step (the last step's, if not handed in)
+    drafting: int = 0  # how many of them draft (and so may widen the forward too)
+
+
+SOLO = BatchView()
+
+
 @dataclass
 class DepthController:
     """Per-position acceptance estimates (Beta prior + counts) and the best depth given costs."""
@@ -59,7 +69,7 @@ class DepthController:
     prior_accept: float = 0.5
     prior_weight: float = 2.0
     draft_cost: float = 0.0  # cost of drafting one token, relative to one trunk step
-    batch: Callable[[], int] | None = None  # rows in the forward this request runs in
+    batch: Callable[[], BatchView] | None = None  # the other rows of this request's forward
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
@@ -80,26 +90,41 @@ class DepthController:
             self.tried[i] += 1
             self.accepted[i] += int(i < accepted)
 
-    def best_depth(self, limit: int, rows: int | None = None) -> tuple[int, float]:
+    def best_depth(self, limit: int, batch: BatchView | None = None) -> tuple[int, float]:
         """(k, expected speed-up over plain) for k in 0..limit.
 
-        In a batch of B rows (engine/scheduler.py) a forward runs B rows at the widest row's
-        width, so a row that verifies k + 1 tokens makes the step cost c(B (k + 1)) instead of
-        c(B) (the cost of a forward follows the rows it multiplies: the same table), and the
-        other B - 1 rows pay that too for their one token each. The gain is then the batch's
-        tokens per unit of time against plain: ((B - 1) + E(k)) c(B) / (B c(B (k + 1))), which
-        is E(k) / c(k + 1) for B = 1 and falls as B grows, once the forward is compute-bound:
-        drafting backs off in a large batch (README: measured point)."""
-        if rows is None:
-            rows = max(1, self.batch()) if self.batch is not None else 1
-        base = width_cost(self.costs, rows)
+        In a batch of B rows (engine/scheduler.py) one forward runs every row padded to the
+        widest, costing c(B W) for width W (the table prices a forward by the token rows it
+        multiplies). A draft of k is priced by what it adds to THIS step's forward, given the
+        other rows' widths (`batch`): widening it from their widest W_o to k + 1 costs
+        c(B max(W_o, k + 1)) against c(B W_o), nothing when the others already verify as wide,
+        plus its drafter's own cost d k (a drafter runs per row: a batch does not share it).
+        The gain is the batch's tokens per unit of time against this row plain, counting one
+        token for each other row: ((B - 1) + E(k)) c(B W_o) / (B (c(B max(W_o, k + 1)) + d k)).
+
+        Priced only that way, rows that all went plain would each find drafting alone too dear
+        and stay plain for good, although drafting together may pay (each widening costs the
+        same c(B (k + 1)) for every drafting row's E(k)). So a draft is also priced as one of
+        the D drafting rows (this one included) all drafting k:
+        ((B - D) + D E(k)) c(B) / (B (c(B (k + 1)) + D d k)); the others then follow for free
+        up to its width. The better of the two decides. For B = 1 both are
+        E(k) / (c(k + 1) + d k)."""
+        view = batch if batch is not None else self.batch() if self.batch is not None else SOLO
+        rows = len(view.widths) + 1
+        widest = max(view.widths, default=1)
+        drafting = min(view.drafting, rows - 1) + 1
+        base = width_cost(self.costs, rows * widest)
+        together = width_cost(self.costs, rows)
         best_k, best_gain = 0, 1.0
         expected, reach = 1.0, 1.0
         for k, a in enumerate(self.rates()[:limit], start=1):
             reach *= a
             expected += reach
-            step = width_cost(self.costs, rows * (k + 1)) + self.draft_cost * k
-            gain = (rows - 1 + expected) * base / (rows * step)
+            drafting_cost = self.draft_cost * k  # one row's drafter, run per row (not batched)
+            alone = width_cost(self.costs, rows * max(widest, k + 1)) + drafting_cost
+            all_of_us = width_cost(self.costs, rows * (k + 1)) + drafting * drafting_cost
+            gain = max((rows - 1 + expected) * base / (rows * alone),
+                       (rows - drafting + drafting * expected) * together / (rows * all_of_us))
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k, best_gain
@@ -137,16 +162,18 @@ class GatedDrafter:
         self._recent: list[int] = []
 
     def begin(self, prompt: list[int], forward) -> None:
-        # A row of a batch says how many rows its forwards run (1 for a forward of its own).
-        if self.weigh_batch and hasattr(forward, "batch_size"):
-            self.controller.batch = lambda: forward.batch_size
+        # A row of a batch shows the other rows of its forwards (a forward of its own: none).
+        if hasattr(forward, "batch_view"):
+            forward.drafts = True  # (the other rows' gates count it among the drafting rows)
+            if self.weigh_batch:
+                self.controller.batch = forward.batch_view
         self.inner.begin(prompt, forward)
 
     def propose(self, history: list[int], k: int):
         if not self.on:
             return [], None
         depth, _ = self.controller.best_depth(k)
-        if depth == 0 and self.controller.best_depth(k, rows=1)[0] > 0:
+        if depth == 0 and self.controller.best_depth(k, SOLO)[0] > 0:
             return [], None  # pays alone but not in this batch: back off for this round only
         if depth == 0:
             # Once the estimate says no depth pays, it cannot change without drafting: the

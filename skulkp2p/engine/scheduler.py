@@ -24,11 +24,16 @@ forward (rows padded on the right, each at its own length), so a burst of N arri
 forward per chunk rather than N. Its first verify call copies that cache into a new row. It leaves at its end (EOS, stop, max_tokens, cancellation:
 the decode loop's caller closes the forward), and the other rows are gathered at once.
 
-Only models whose every layer holds a plain KV cache batch (llama, qwen2/3 and most dense
-families); recurrent or sliding-window layers are served one request at a time (`batchable`).
+Layers batch per kind (`batchable`): plain KV caches and sliding windows (Gemma) as rows at
+their own lengths, the recurrent state of qwen3_5's gated-delta layers as one state per row. A
+recurrent state cannot be cut back, so a row whose verify was partly rejected takes its state
+from before the step back (batch_cache.py: `restore_row`) and runs the tokens it kept again at
+the front of its next step (`RowForward.replay`): the step it takes anyway, a few tokens wider,
+instead of a forward of its own (a request alone replays them at once: caches.py).
 
-On the last stage of a pipeline ring the same scheduler runs the batch, with `through` (a
-`RingRows`, ring_batch.py) for the layers before this stage: a step is one traversal carrying
+On the last stage of a pipeline ring (models whose every layer holds a plain KV cache) the
+same scheduler runs the batch, with `through` (a `RingRows`, ring_batch.py) for the layers
+before this stage: a step is one traversal carrying
 every row, then this stage's layers over the rows' caches here. Each row has its own
 `RingForward`, which prefills (one chunk, one traversal, not batched with other prompts),
 restores the prefix cache, and carries the row's rollback and prefix-cache key on the next
@@ -46,11 +51,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
+from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
+from skulkp2p.engine.gates import BatchView
 from skulkp2p.engine.stage import StageModel
+from skulkp2p.engine.ticket_lock import TicketLock
 
 if TYPE_CHECKING:
     from skulkp2p.engine.ring import RingForward
@@ -72,76 +79,46 @@ class PrefillChunk:
     error: BaseException | None = None
 
 
-class TicketLock:
-    """A lock granted in the order it was asked for. Python's own lock lets the thread that
-    releases it take it straight back, so a request decoding alone could keep the model from
-    one that waits to join; here whoever asked first goes first (admission stays first come
-    first served). Works under threading.Condition (it says who owns it).
+# Families whose recurrent layers take mlx-lm's per-row `lengths` (padded positions leave the
+# state alone, the convolution window ends at each row's last real token): their ArraysCache
+# state batches as rows. Other recurrent families (mamba and the like) are not checked here.
+ROW_STATE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
-    A release hands the lock straight to the oldest waiter by opening that waiter's own gate:
-    only the thread whose turn it is wakes. (Waking every waiter on every release to check
-    its ticket cost a context switch per waiting row per hand-off, several per row per step:
-    with 16 rows, hundreds of wake-ups a step.)"""
 
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._changed = threading.Condition(self._mutex)  # queued changed (wait_queued)
-        self._held = False
-        self._owner: int | None = None
-        self._gates: collections.deque[threading.Lock] = collections.deque()  # the waiters'
-
-    @property
-    def queued(self) -> int:
-        """Threads holding or waiting for the lock."""
-        return len(self._gates) + self._held
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = threading.get_ident()
-        with self._mutex:
-            if not self._held:  # (nobody waits while the lock is free: releases hand over)
-                self._held, self._owner = True, me
-                self._changed.notify_all()
-                return True
-            if not blocking:
-                return False
-            gate = threading.Lock()
-            gate.acquire()
-            self._gates.append(gate)
-            self._changed.notify_all()
-        gate.acquire()  # opened by the release that hands the lock to this thread
-        with self._mutex:
-            self._owner = me
-        return True
-
-    def release(self) -> None:
-        with self._mutex:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("release of a TicketLock this thread does not hold")
-            self._owner = None
-            if self._gates:
-                self._gates.popleft().release()  # still held: now by the oldest waiter
-            else:
-                self._held = False
-            self._changed.notify_all()
-
-    def wait_queued(self, n: int, timeout: float) -> bool:
-        """Wait until `n` threads hold or wait for the lock (False when `timeout` passed)."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self.queued >= n, timeout)
-
-    def _is_owned(self) -> bool:
-        return self._owner == threading.get_ident()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+def _model_type(model: nn.Module) -> str | None:
+    args = getattr(model, "args", None)
+    return getattr(model, "model_type", None) or getattr(args, "model_type", None)
 
 
 def batchable(model: nn.Module) -> bool:
-    """Every layer's cache is a plain KV cache: rows can sit side by side at their own lengths."""
-    return all(type(c) is KVCache for c in make_prompt_cache(model))
+    """Every layer's cache has a batched kind here: plain KV caches and sliding windows (rows
+    side by side at their own lengths), and the recurrent state of the families that mask it per
+    row (ROW_STATE_FAMILIES)."""
+    def fits(c: Any) -> bool:
+        if type(c) is KVCache:
+            return True
+        if type(c) is RotatingKVCache:
+            return c.keep == 0  # (a kept prefix would stay visible past the window)
+        return type(c) is ArraysCache and _model_type(model) in ROW_STATE_FAMILIES
+    return all(fits(c) for c in make_prompt_cache(model))
+
+
+def held_length(cache: list[Any]) -> int:
+    """Tokens a one-request cache list holds (read from a layer that counts them)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+def _rows_layer(rows: RowLengths, template: Any) -> RowsKVCache | RowsArraysCache:
+    if type(template) is ArraysCache:
+        return RowsArraysCache(len(template.cache))
+    return RowsKVCache.like(rows, template)
+
+
+def _rows_of_singles(rows: RowLengths, singles: list[Any], lengths: list[int]
+                     ) -> RowsKVCache | RowsArraysCache:
+    if type(singles[0]) is ArraysCache:
+        return RowsArraysCache.of_singles(rows, singles, lengths)
+    return RowsKVCache.of_singles(rows, singles, lengths)
 
 
 class BatchScheduler:
@@ -162,7 +139,10 @@ class BatchScheduler:
         self.lock = TicketLock()  # the model's, for every MLX call
         self.cond = threading.Condition(self.lock)
         self.rows = RowLengths()
-        self.layers = [RowsKVCache(self.rows) for _ in make_prompt_cache(model)]
+        self.layers = [_rows_layer(self.rows, c) for c in make_prompt_cache(model)]
+        self.recurrent = [c for c in self.layers if isinstance(c, RowsArraysCache)]
+        self.replays = 0  # tokens rows ran again after a rollback of recurrent state
+        self.replay_peak = 0  # the most tokens one row ran again at once (at most depth + 1)
         self.active: list[RowForward] = []
         self.steps = 0  # batched forwards run so far
         self.widths: list[int] = []  # the last step's row widths (tests, the cost model)
@@ -190,7 +170,7 @@ class BatchScheduler:
     def _join(self, row: RowForward) -> None:
         if len(self.active) >= self.max_batch:
             raise RuntimeError(f"batch is full ({self.max_batch} rows)")
-        length = row.local.cache[0].offset if row.local.cache else 0
+        length = held_length(row.local.cache)
         for layer, single in zip(self.layers, row.local.cache, strict=True):
             layer.append_row(single, length)
         self._settle()  # (built on this thread: see _step)
@@ -212,7 +192,7 @@ class BatchScheduler:
 
     def _settle(self) -> None:
         """Evaluate the rows' buffers now, on this thread (see _step)."""
-        mx.eval([a for c in self.layers for a in c.state if a is not None])
+        mx.eval([a for c in self.layers for a in c.arrays()])
 
     def _ready(self) -> bool:
         return bool(self.active) and all(r.submitted is not None for r in self.active)
@@ -265,18 +245,23 @@ class BatchScheduler:
         if len(group) == 1:  # alone: straight on the row's own caches, no copies
             c = group[0]
             _, c.hidden = c.row.local.run(c.tokens, verify=False, hidden=hidden)
+            # Evaluated here, as below: a recurrent state is not part of the hidden rows' graph.
+            mx.eval([single.state for single in c.row.local.cache])
             c.row.prefill_shared = max(c.row.prefill_shared, 1)
             return
         # Rows of different lengths (a prefix-cache hit, a later chunk) and widths, padded on
         # the right with the row's last token: padded positions sit past the row's length and
         # are cut off when the row's caches are taken back out.
-        lengths = [c.row.local.cache[0].offset for c in group]
+        lengths = [held_length(c.row.local.cache) for c in group]
         widths = [len(c.tokens) for c in group]
         width = max(widths)
         rows = RowLengths()
         rows.set(lengths)
-        layers = [RowsKVCache.of_singles(rows, [c.row.local.cache[j] for c in group], lengths)
+        layers = [_rows_of_singles(rows, [c.row.local.cache[j] for c in group], lengths)
                   for j in range(len(self.layers))]
+        for layer in layers:
+            if isinstance(layer, RowsArraysCache):
+                layer.begin_step(widths)  # the padding must not reach a row's state
         tokens = [c.tokens + [c.tokens[-1]] * (width - len(c.tokens)) for c in group]
         _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden)
         out = []
@@ -297,6 +282,8 @@ class BatchScheduler:
         tokens = [r.submitted + [r.submitted[-1]] * (width - len(r.submitted))  # type: ignore
                   for r in rows]
         hidden = next((r.hidden for r in rows if r.hidden is not None), None)
+        for layer in self.recurrent:
+            layer.begin_step(widths)
         try:
             if self.through is not None:  # the layers before this stage: one traversal
                 x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
@@ -315,6 +302,9 @@ class BatchScheduler:
                 r.submitted, r.error = None, e
             self.cond.notify_all()
             raise
+        finally:
+            for layer in self.recurrent:
+                layer.end_step()
         self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
         out = []
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
@@ -376,16 +366,23 @@ class RowForward:
         self.result: mx.array | None = None
         self.result_hidden: mx.array | None = None
         self.error: BaseException | None = None
+        # Tokens this row's last step ran (replay included), and the ones its next step runs
+        # first: kept tokens of a partly rejected verify, whose recurrent state was restored.
+        self.last_step: list[int] = []
+        self.replay: list[int] = []
+        self.width = 1  # tokens the decode loop verified in its last call (drafts + 1)
+        self.drafts = False  # a drafter decodes on this row (set by its gate: gates.py)
         self.prefill_waits = 0  # steps of the decoding rows run between this prompt's chunks
         self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
         self.closed = False
 
-    @property
-    def batch_size(self) -> int:
-        """Rows in this row's forwards (itself included, once it joins): the gates weigh it."""
-        active = len(self.scheduler.active)
-        return active if self.joined else min(active + 1, self.scheduler.max_batch)
+    def batch_view(self) -> BatchView:
+        """The other rows of this row's next forward, for its gate: the widths they handed in
+        for it, else the widths of their last verify."""
+        others = [r for r in self.scheduler.active if r is not self]
+        return BatchView(tuple(r.width if r.submitted is None else len(r.submitted)
+                               for r in others), sum(r.drafts for r in others))
 
     @property
     def index(self) -> int:
@@ -399,7 +396,14 @@ class RowForward:
             return self.local.cache
         i = self.index
         length = self.scheduler.rows.lengths[i]
-        return [layer.extract(i, length) for layer in self.scheduler.layers]
+        singles = [layer.extract(i, length) for layer in self.scheduler.layers]
+        if not self.replay:
+            return singles
+        # Tokens waiting to run again at the front of the next step: run them on the copies.
+        held = StageCache(self.scheduler.stage)
+        held.adopt(singles)
+        held.run(self.replay, verify=False)
+        return held.cache
 
     def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
         """Go on from a prefix-cache hit (before the prefill); on a ring, only if every other
@@ -437,25 +441,54 @@ class RowForward:
             sched.cond.wait_for(lambda: len(sched.active) < sched.max_batch)
             sched._join(self)
             self.joined = True
-        self.result = self.error = None
-        self.submitted = list(tokens)
+        self.width = len(tokens)
+        if self.replay and len(tokens) > 1:
+            # The kept tokens of a rejected verify run in a step of their own first: a step that
+            # also verified drafts could be rejected in turn, and the state to restore would
+            # then be the one before these tokens (the replay would grow round after round).
+            self._step_with(self.replay)
+            self.replay = []
+        skip = len(self.replay)  # (with one token, nothing to reject: they go first in its step)
+        logits, hidden = self._step_with(self.replay + list(tokens))
+        self.replay = []
+        if hidden is not None:
+            self.last_hidden = hidden[skip:]
+        return logits[skip:]
+
+    def _step_with(self, tokens: list[int]) -> tuple[mx.array, mx.array | None]:
+        """Hand `tokens` in for the next batched step and wait for their logits (and hidden
+        rows when asked for)."""
+        sched = self.scheduler
+        self.result = self.result_hidden = self.error = None
+        self.submitted = self.last_step = tokens
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
             raise RuntimeError(f"the batched forward failed: {self.error}") from self.error
-        logits, self.result = self.result, None
-        if self.result_hidden is not None:
-            self.last_hidden, self.result_hidden = self.result_hidden, None
-        return logits
+        logits, hidden = self.result, self.result_hidden
+        self.result = self.result_hidden = None
+        return logits, hidden
 
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
         if dropped <= 0:
             return
-        rows = self.scheduler.rows
-        lengths = list(rows.lengths)
-        lengths[self.index] -= dropped
-        rows.set(lengths)
+        sched = self.scheduler
+        i = self.index
+        lengths = list(sched.rows.lengths)
+        if sched.recurrent:
+            # A recurrent state cannot be cut back: the row's state goes back to before the
+            # step, and the tokens it kept run again at the front of its next step.
+            lengths[i] -= len(self.last_step)
+            self.replay = self.last_step[:len(self.last_step) - dropped]
+            sched.replays += len(self.replay)
+            sched.replay_peak = max(sched.replay_peak, len(self.replay))
+            for layer in sched.recurrent:
+                layer.restore_row(i)
+            sched._settle()  # built here: the next step may run on another row's thread
+        else:
+            lengths[i] -= dropped
+        sched.rows.set(lengths)
         if self.ring is not None:  # the other stages roll back with the next frame
             self.ring.note_rollback(keep, dropped)
 

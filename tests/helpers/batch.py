@@ -1,7 +1,9 @@
-"""Requests decoded together against the same requests served alone (test_batch.py,
-test_ring_batch.py). To make requests overlap deterministically, `together` holds the model's
-lock (a FIFO ticket lock) while every request queues for it: then they take turns in order and
-each joins the batch while the others still decode."""
+"""Requests for the batching tests (tests/test_batch*.py): prompts of different lengths, the
+same requests served one after another (solo) and all at once (together).
+
+To make requests overlap deterministically, `together` holds the model's lock (a FIFO ticket
+lock) while every request queues for it: then they take turns in order and each joins the batch
+while the others still decode."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from skulkp2p.engine.request import parse_request
 
 PROMPTS = ["one two three one two three one two", "the river the river the bird",
            "def f(x):\n    return x\n\ndef g(x):\n    return", "a b c d e f g h a b c d"]
+SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
+SPECULATION = {"off": "off", "lookup": {"drafter": "lookup", "depth": 3}}
 
 
 def requests(sampling: dict, speculation, n: int = 4) -> list:
@@ -33,7 +37,7 @@ def solo(engine: MlxEngine, reqs: list) -> list:
 
 def together(engine: MlxEngine, reqs: list) -> list:
     """Run `reqs` at once, each on its own thread, every one queued for the model before any
-    starts (see this module's docstring)."""
+    starts (see the module's docstring)."""
     sched = engine.scheduler
     assert sched is not None
     results: list = [None] * len(reqs)
