@@ -110,10 +110,14 @@ class MlxEngine:
                   ) -> Generator[Chunk, None, GenerationResult]:
         """The stream as a row of the batch: its code runs with the model's lock held, let go
         while it waits for a batched step and while its chunks go out."""
-        assert self.scheduler is not None
-        lock = self.scheduler.cond
-        steps = self._remembered(req, interrupt, self.scheduler.forward)
+        sched = self.scheduler
+        assert sched is not None
+        lock = sched.cond
+        sched.arrive()  # (before the lock: a lone row sees it at its next step)
+        steps = self._remembered(req, interrupt, sched.forward)
         try:
+            with lock:
+                sched.wait_settled()  # a lone row running ahead stops first
             while True:
                 with lock:
                     try:
@@ -124,6 +128,7 @@ class MlxEngine:
         finally:
             with lock:
                 steps.close()  # a consumer that stopped early: the row leaves the batch
+            sched.depart()
 
     def close(self) -> None:
         """MLX frees the weights with the last reference; nothing runs in the background."""
