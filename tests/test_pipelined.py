@@ -144,14 +144,17 @@ def test_engine_next_turn_after_a_stopped_pipelined_request(tiny_models, max_bat
         assert sched.lazy_steps > 0 and sched.peak == 0  # alone: never in the batch
 
 
-def test_a_lone_pipelined_row_joins_the_batch_when_another_arrives(tiny_models):
-    """A runs alone (pipelined, a step in flight between tokens); B arrives while A is paused
-    between two tokens: B waits until A stops running ahead, A joins the batch, and both
-    decode exactly what they decode alone."""
+@pytest.mark.parametrize("speculation", ["off", "lookup"])
+def test_a_lone_row_joins_the_batch_when_another_arrives(tiny_models, speculation):
+    """A runs alone on its own caches (plain: pipelined, a step in flight between tokens;
+    lookup: verify rounds as on a LocalForward); B arrives while A is paused between two
+    tokens: B waits until A has no step in flight, A joins the batch at its next forward, and
+    both decode exactly what they decode alone."""
     lm = _loaded(tiny_models["llama"])
-    reqs = [parse_request({"prompt": ECHO, "max_tokens": 40, "speculation": "off"}),
+    spec = "off" if speculation == "off" else {"drafter": "lookup", "depth": 3}
+    reqs = [parse_request({"prompt": ECHO, "max_tokens": 40, "speculation": spec}),
             parse_request({"prompt": "the river the river the bird", "max_tokens": 12,
-                          "speculation": "off"})]
+                           "speculation": spec})]
     alone = []
     for req in reqs:
         gen = MlxEngine(lm, 0, memory_tokens=0, max_batch=1).generate(req)
@@ -185,7 +188,10 @@ def test_a_lone_pipelined_row_joins_the_batch_when_another_arrives(tiny_models):
     a = threading.Thread(target=run_a)
     a.start()
     assert paused.wait(60)
-    assert sched.ahead is not None and sched.lazy_steps >= 3 and not sched.active
+    if speculation == "off":
+        assert sched.ahead is not None and sched.lazy_steps >= 3 and not sched.active
+    else:
+        assert sched.ahead is None and sched.solo_steps >= 1 and not sched.active
     b = threading.Thread(target=run_b)
     with sched.lock:  # B queues for the model while A is paused between tokens
         b.start()
@@ -197,5 +203,9 @@ def test_a_lone_pipelined_row_joins_the_batch_when_another_arrives(tiny_models):
     assert not errors, errors
     for got, want in zip(results, alone, strict=True):
         assert (got.tokens, got.text) == (want.tokens, want.text)
+        if speculation != "off":
+            assert got.speculation.drafted == want.speculation.drafted
+    if speculation != "off":
+        assert results[0].speculation.drafted > 0
     assert sched.peak == 2  # A left its own caches for the batch, beside B
     assert sched.ahead is None and not sched.active and sched.requests == 0
