@@ -154,11 +154,34 @@ def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> di
     spec = result.speculation
     return {"window_s": window, "rounds": timers.rounds, "tokens": len(result.tokens),
             "drafted": spec.drafted if spec else 0, "accepted": spec.accepted if spec else 0,
-            "lazy_steps": engine.scheduler.lazy_steps,
+            "lazy_steps": getattr(engine.scheduler, "lazy_steps", None),
             "spent_s": {p: round(spent.get(p, 0.0), 6) for p in PARTS}}
 
 
 _TIMERS = Timers()
+
+
+def versus_mlx_lm(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
+    from skulkp2p.bench.mlx_arms import run_engine, run_mlx_lm
+    from skulkp2p.bench.workloads import WORKLOADS
+
+    messages = WORKLOADS[workload]
+    run_engine(loaded, WORKLOADS["qa"], 16, "off")  # warm-up
+    run_mlx_lm(loaded, WORKLOADS["qa"], 16)
+    ratios = []
+    for i in range(pairs):
+        # alternate which goes first, so that neither always follows the other
+        order = ("plain", "mlx_lm") if i % 2 == 0 else ("mlx_lm", "plain")
+        got = {}
+        for arm in order:
+            got[arm] = run_engine(loaded, messages, max_tokens, "off") if arm == "plain" \
+                else run_mlx_lm(loaded, messages, max_tokens)
+        same = got["plain"].tokens == got["mlx_lm"].tokens
+        ratios.append(got["plain"].tok_s / got["mlx_lm"].tok_s)
+        print(f"pair {i + 1}: plain {got['plain'].tok_s:.2f} tok/s, mlx_lm "
+              f"{got['mlx_lm'].tok_s:.2f} tok/s, ratio {ratios[-1]:.3f}, identical {same}")
+    print(f"{workload}, {max_tokens} tokens: plain / mlx_lm median of {pairs} pairs "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
 
 
 def main() -> None:
@@ -170,6 +193,11 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a card id from the default store "
                    "(default: SmolLM2-135M from the test model store)")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--pairs", type=int, default=0, metavar="N",
+                   help="instead: N back-to-back pairs of plain (speculation off, a fresh "
+                        "engine) and mlx_lm.stream_generate on the workload; each pair's "
+                        "decode tok/s ratio and their median (a busy machine moves both alike "
+                        "within a pair more than across a whole bench run)")
     args = p.parse_args()
 
     from skulkp2p.engine import blas
@@ -185,6 +213,9 @@ def main() -> None:
         loaded = open_model(ModelStore(test_data_dir()), "smollm2-135m", dtype="float32")
     else:
         loaded = open_model(ModelStore(), args.model)
+    if args.pairs:
+        versus_mlx_lm(loaded, args.workload, args.max_tokens, args.pairs)
+        return
     _instrument(_TIMERS)
     measure(loaded, "qa", args.speculation, 16)  # warm-up
     runs = [measure(loaded, args.workload, args.speculation, args.max_tokens)
