@@ -168,20 +168,27 @@ def versus_mlx_lm(loaded: Any, workload: str, max_tokens: int, pairs: int) -> No
     messages = WORKLOADS[workload]
     run_engine(loaded, WORKLOADS["qa"], 16, "off")  # warm-up
     run_mlx_lm(loaded, WORKLOADS["qa"], 16)
-    ratios = []
+    ratios: list[float] = []
+    cpu_ratios: list[float] = []
     for i in range(pairs):
         # alternate which goes first, so that neither always follows the other
         order = ("plain", "mlx_lm") if i % 2 == 0 else ("mlx_lm", "plain")
-        got = {}
+        got, cpu = {}, {}
         for arm in order:
+            c0 = time.process_time()  # all of this process's threads: work, not waiting
             got[arm] = run_engine(loaded, messages, max_tokens, "off") if arm == "plain" \
                 else run_mlx_lm(loaded, messages, max_tokens)
+            cpu[arm] = (time.process_time() - c0) / max(len(got[arm].tokens), 1)
         same = got["plain"].tokens == got["mlx_lm"].tokens
         ratios.append(got["plain"].tok_s / got["mlx_lm"].tok_s)
+        cpu_ratios.append(cpu["plain"] / cpu["mlx_lm"])
         print(f"pair {i + 1}: plain {got['plain'].tok_s:.2f} tok/s, mlx_lm "
-              f"{got['mlx_lm'].tok_s:.2f} tok/s, ratio {ratios[-1]:.3f}, identical {same}")
-    print(f"{workload}, {max_tokens} tokens: plain / mlx_lm median of {pairs} pairs "
-          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+              f"{got['mlx_lm'].tok_s:.2f} tok/s, ratio {ratios[-1]:.3f}; CPU ms per token "
+              f"plain {cpu['plain'] * 1000:.1f}, mlx_lm {cpu['mlx_lm'] * 1000:.1f}; "
+              f"identical {same}")
+    print(f"{workload}, {max_tokens} tokens: plain / mlx_lm tok/s, median of {pairs} pairs "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
+          f"CPU time per token plain / mlx_lm {statistics.median(cpu_ratios):.3f}")
 
 
 def main() -> None:
