@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
@@ -21,9 +22,10 @@ from skulkp2p.engine.model import load_model
 from skulkp2p.engine.prefix_cache import MB, PrefixCache
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from tests.test_decode import ECHO, mlx_lm_tokens
 
 TRIMMABLE = ("llama", "qwen3")
+# Repetitive text (as tests/test_decode.py's): a stop string is found halfway.
+ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 _models: dict[Path, object] = {}
 
 
@@ -31,6 +33,15 @@ def _loaded(path: Path):
     if path not in _models:
         _models[path] = load_model(path, path.name, dtype="float32")
     return _models[path]
+
+
+def mlx_lm_tokens(lm, prompt, max_tokens):
+    out = []
+    for resp in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        if resp.finish_reason == "stop" and resp.token in lm.tokenizer.eos_token_ids:
+            break
+        out.append(resp.token)
+    return out
 
 
 class RoundLoopForward(LocalForward):
