@@ -161,6 +161,43 @@ def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> di
 _TIMERS = Timers()
 
 
+def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
+    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.workloads import WORKLOADS
+    from skulkp2p.engine.decode import decode
+    from skulkp2p.engine.forward import LocalForward
+    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.engine.sampling import SamplingParams, make_rng
+
+    class RoundLoop(LocalForward):  # no lazy steps: decode() runs its round loop
+        def __getattribute__(self, name: str) -> Any:
+            if name == "lazy_logits":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    prompt = prompt_tokens(loaded, engine_request(WORKLOADS[workload], 1, "off"))
+
+    def tok_s(cls: type, n: int) -> tuple[float, list[int]]:
+        stamps, tokens = [], []
+        for token in decode(cls(loaded.model), prompt, SamplingParams(), n, make_rng(0)):
+            stamps.append(time.perf_counter())
+            tokens.append(token)
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), tokens
+
+    tok_s(LocalForward, 8)  # warm-up
+    tok_s(RoundLoop, 8)
+    ratios = []
+    for i in range(pairs):
+        arms = (LocalForward, RoundLoop) if i % 2 == 0 else (RoundLoop, LocalForward)
+        got = {cls: tok_s(cls, max_tokens) for cls in arms}
+        ratios.append(got[LocalForward][0] / got[RoundLoop][0])
+        print(f"pair {i + 1}: pipelined {got[LocalForward][0]:.2f} tok/s, round loop "
+              f"{got[RoundLoop][0]:.2f} tok/s, ratio {ratios[-1]:.3f}, identical "
+              f"{got[LocalForward][1] == got[RoundLoop][1]}")
+    print(f"{workload}, {max_tokens} tokens: pipelined / round loop, median of {pairs} pairs "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+
+
 def versus_mlx_lm(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
     from skulkp2p.bench.mlx_arms import run_engine, run_mlx_lm
     from skulkp2p.bench.workloads import WORKLOADS
@@ -200,6 +237,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a card id from the default store "
                    "(default: SmolLM2-135M from the test model store)")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--loop-pairs", type=int, default=0, metavar="N",
+                   help="instead: N back-to-back pairs of plain greedy on one LocalForward, "
+                        "pipelined and in the round loop (decode() directly); tok/s ratio")
     p.add_argument("--pairs", type=int, default=0, metavar="N",
                    help="instead: N back-to-back pairs of plain (speculation off, a fresh "
                         "engine) and mlx_lm.stream_generate on the workload; each pair's "
@@ -222,6 +262,9 @@ def main() -> None:
         loaded = open_model(ModelStore(), args.model)
     if args.pairs:
         versus_mlx_lm(loaded, args.workload, args.max_tokens, args.pairs)
+        return
+    if args.loop_pairs:
+        pipelined_versus_rounds(loaded, args.workload, args.max_tokens, args.loop_pairs)
         return
     _instrument(_TIMERS)
     measure(loaded, "qa", args.speculation, 16)  # warm-up
