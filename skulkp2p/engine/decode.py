@@ -7,12 +7,13 @@ layers run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from skulkp2p.engine import caches
 from skulkp2p.engine.forward import Forward
 from skulkp2p.engine.sampling import (
     SamplingParams,
@@ -54,6 +55,7 @@ class DecodeStats:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     drafted_at: list[int] = field(default_factory=list)
+    pipelined: int = 0  # tokens plain greedy emitted pipelined (step n+1 built during step n)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -121,8 +123,10 @@ def decode(
 
     `cached`: the forward's caches already hold prompt[:cached] (a prefix-cache hit), so only
     the rest of the prompt is prefilled. `history`, when given, is kept equal to the prompt and
-    every token emitted so far; between rounds the caches hold all of it but its last token
-    (the pending one). `on_prefill` is called once the prompt is prefilled and the drafter has
+    every token emitted so far; between rounds, and once this generator is closed, the caches
+    hold all of it but its last token (the pending one). (Pipelined plain greedy holds one step
+    more while it runs and takes it back on close: the caller closes before it keeps them.)
+    `on_prefill` is called once the prompt is prefilled and the drafter has
     begun, before the first round (the caches then hold prompt[:-1])."""
     if not prompt:
         raise ValueError("empty prompt")
@@ -138,16 +142,14 @@ def decode(
     # Greedy with no logits processor: every row's token is the argmax of its own log-probs,
     # computed for all rows of a round at once (one evaluation, no per-row copies).
     plain_rows = params.greedy and (params.repetition_penalty in (None, 1.0))
-    # Pipelined plain greedy runs one step ahead of what it hands out, so its caches do not end
-    # where `history` says: only where nobody keeps them afterwards (no prefix cache in use).
-    if (drafter is None and plain_rows and history is None and on_prefill is None
-            and hasattr(forward, "lazy_logits")):
-        yield from _pipelined_greedy(forward, pending, max_tokens)
-        return
+    keeps = history is not None  # the caller keeps the caches afterwards (the prefix cache)
     if history is None:
         history = []
     history[:] = prompt
     produced = 0
+    if drafter is None and plain_rows and max_tokens > 0 and _may_pipeline(forward, keeps):
+        produced, pending = yield from _pipelined_greedy(forward, pending, max_tokens, history,
+                                                         keeps, stats)
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
         draft, q = drafter.propose(history, k) if k > 0 else ([], None)
@@ -183,24 +185,58 @@ def decode(
             yield token
 
 
-def _pipelined_greedy(forward, pending: int, max_tokens: int) -> Iterator[int]:
+def _may_pipeline(forward: Forward, keeps: bool) -> bool:
+    """Whether plain greedy may run pipelined on `forward`: it has lazy one-token steps, says it
+    may run ahead now (a batch row only while it decodes alone), and, when the caller keeps the
+    caches afterwards, they trim exactly (closing early takes back the step built ahead)."""
+    if not hasattr(forward, "lazy_logits"):
+        return False
+    if keeps and not caches.exactly_trimmable(forward.cache):
+        return False
+    may_run_ahead = getattr(forward, "may_run_ahead", None)
+    return may_run_ahead is None or may_run_ahead()
+
+
+def _pipelined_greedy(forward: Any, pending: int, max_tokens: int, history: list[int],
+                      keeps: bool, stats: DecodeStats) -> Generator[int, None, tuple[int, int]]:
     """Plain greedy decoding the way mlx-lm's generate_step runs it: the next step's graph is
     built on the current token as an unevaluated array and evaluated asynchronously while the
     current token goes out, so Python's per-token work overlaps the model's. Same ops, same
-    tokens as the loop above (tests/test_decode.py checks against mlx-lm)."""
+    tokens as the round loop (tests/test_decode.py checks against mlx-lm and the loop).
+
+    At every yield `history` holds the tokens handed out; the caches hold one more position
+    (the step built ahead) until this generator is closed, which takes that step back when the
+    caller keeps the caches, so they end where the round loop's would: all of `history` but
+    its last token. It stops running ahead when the forward says so (another request came to
+    the batch) and returns (tokens produced, the pending token) for the round loop to go on."""
     import mlx.core as mx
 
     def step(token: mx.array) -> mx.array:
         return mx.argmax(log_probs(forward.lazy_logits(token)), axis=-1)
 
+    may_run_ahead = getattr(forward, "may_run_ahead", None)
     y = step(mx.array([pending]))
     mx.async_eval(y)
     produced = 0
+    token = pending
     while produced < max_tokens:
         produced += 1
         nxt = None
-        if produced < max_tokens:
+        if produced < max_tokens and (may_run_ahead is None or may_run_ahead()):
             nxt = step(y)
             mx.async_eval(nxt)
-        yield int(y.item())
+        token = int(y.item())
+        history.append(token)
+        stats.pipelined += 1
+        try:
+            yield token
+        except GeneratorExit:
+            if nxt is not None:
+                mx.eval(nxt)  # nothing left running once the caller moves on
+                if keeps:
+                    forward.rollback(keep=0, dropped=1)
+            raise
+        if nxt is None:
+            break
         y = nxt
+    return produced, token

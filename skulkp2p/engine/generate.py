@@ -332,7 +332,8 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     cached = prefix.restore(prompt) if prefix is not None else 0
     if cached:
         log.debug("prefix cache: %d of %d prompt tokens restored", cached, len(prompt))
-    history: list[int] = []
+    # The prompt and every token emitted, when the prefix cache keeps the caches at the end.
+    history: list[int] | None = None if prefix is None else []
     generated: list[int] = []
     finish = "length"
     t_first = None
@@ -356,9 +357,11 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
             if text.stopped or (calls is not None and calls.done):
                 finish = "stop"
                 break
-        if prefix is not None:
-            # Between rounds the caches hold all of history but its pending last token: the
-            # next turn of a conversation (this prompt, this answer, more) starts there.
+        if prefix is not None and history is not None:
+            # Once the loop is closed (pipelined plain greedy takes back its step ahead), the
+            # caches hold all of history but its pending last token: the next turn of a
+            # conversation (this prompt, this answer, more) starts there.
+            steps.close()
             try:
                 prefix.keep(history)
             except Exception:  # the answer is complete: a cache that failed must not fail it

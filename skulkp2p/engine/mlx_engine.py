@@ -125,18 +125,21 @@ class MlxEngine:
                   ) -> Generator[Chunk, None, GenerationResult]:
         """The stream as a row of the batch: its code runs with the model's lock held, let go
         while it waits for a batched step and while its chunks go out."""
-        assert self.scheduler is not None
-        lock = self.scheduler.cond
-        make = self.scheduler.forward
+        sched = self.scheduler
+        assert sched is not None
+        lock = sched.cond
+        sched.arrive()  # (before the lock: a lone row sees it at its next step)
+        make = sched.forward
         if self.ring:  # each row over its own RingForward (its prefill, its frames' ids)
             ring_forward = self.loaded.make_forward
-            sched = self.scheduler
             assert ring_forward is not None
 
             def make(hidden: str | None, interrupt: Callable[[], None] | None) -> Any:
                 return sched.forward(hidden, interrupt, ring_forward(req, hidden, interrupt))
         steps = self._remembered(req, interrupt, make)
         try:
+            with lock:
+                sched.wait_settled()  # a lone row running ahead stops first
             while True:
                 with lock:
                     try:
@@ -147,6 +150,7 @@ class MlxEngine:
         finally:
             with lock:
                 steps.close()  # a consumer that stopped early: the row leaves the batch
+            sched.depart()
 
     def close(self) -> None:
         """MLX frees the weights with the last reference; nothing runs in the background."""

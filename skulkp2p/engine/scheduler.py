@@ -33,11 +33,18 @@ instead of a forward of its own (a request alone replays them at once: caches.py
 
 On the last stage of a pipeline ring (models whose every layer holds a plain KV cache) the
 same scheduler runs the batch, with `through` (a `RingRows`, ring_batch.py) for the layers
-before this stage: a step is one traversal carrying
-every row, then this stage's layers over the rows' caches here. Each row has its own
-`RingForward`, which prefills (one chunk, one traversal, not batched with other prompts),
+before this stage: a step is one traversal carrying every row, then this stage's layers over
+the rows' caches here. Each row has its own `RingForward`, which prefills (one chunk, one traversal, not batched with other prompts),
 restores the prefix cache, and carries the row's rollback and prefix-cache key on the next
 frame; closing the row sends its end, which frees its row on every stage.
+
+A request alone on one node's model never enters the batch: its forward runs on its own
+per-request caches exactly as a `LocalForward` does (no batch buffers, array masks, hand-offs or per-step
+settling), and plain greedy runs pipelined there (decode.py: the next step built while the
+current one evaluates). A request that arrives counts itself first (`arrive`, before the lock),
+then waits until the lone row has no step in flight (`wait_settled`); the lone row sees the
+arrival at its next step, stops running ahead and joins the batch at its next forward.
+A ring's rows always run through the batch (their forward is the traversal).
 """
 
 from __future__ import annotations
@@ -152,6 +159,28 @@ class BatchScheduler:
         self.joining: list[PrefillChunk] = []  # prompt chunks handed in, not prefilled yet
         self.prefills = 0  # prefill forwards run so far (one per chunk round, however many rows)
         self.prefill_peak = 0  # the most prompts one prefill forward has run
+        # A request alone on the model decodes on its own caches, as a LocalForward does (no
+        # batch buffers, masks or hand-offs), and plain greedy runs pipelined there; it joins
+        # the batch at its next forward once another request arrives (RowForward.alone).
+        self._count = threading.Lock()
+        self.requests = 0  # requests started and not finished (MlxEngine: arrive / depart)
+        self.ahead: RowForward | None = None  # a lone row with a step in flight (pipelined)
+        self.solo_steps = 0  # forwards (rounds of the loop) rows ran alone on their own caches
+        self.lazy_steps = 0  # pipelined plain greedy steps rows ran alone
+
+    def arrive(self) -> None:
+        """A request starts (before it first takes the lock): no row may run alone from now."""
+        with self._count:
+            self.requests += 1
+
+    def depart(self) -> None:
+        with self._count:
+            self.requests -= 1
+
+    def wait_settled(self) -> None:
+        """Wait (lock held) until no lone row has a step in flight: MLX work of two threads must
+        not overlap. The row stops running ahead at its next step once it sees this arrival."""
+        self.cond.wait_for(lambda: self.ahead is None)
 
     @property
     def batch_size(self) -> int:
@@ -418,6 +447,30 @@ class RowForward:
         if self.ring is not None:
             self.ring.share_store(key)
 
+    def alone(self) -> bool:
+        """Whether this row may decode on its own caches: it has not joined the batch, no row
+        has, and no other request is on the model."""
+        sched = self.scheduler
+        return (self.ring is None and not self.joined and not sched.active
+                and sched.requests <= 1)
+
+    def may_run_ahead(self) -> bool:
+        """Whether plain greedy may build this row's next step before the current one is
+        handed out (decode's pipelined path): only while the row is alone. A row that stops
+        running ahead lets an arriving request go on (BatchScheduler.wait_settled)."""
+        ok = self.alone()
+        if not ok and self.scheduler.ahead is self:
+            self.scheduler.ahead = None
+            self.scheduler.cond.notify_all()
+        return ok
+
+    def lazy_logits(self, token: mx.array) -> mx.array:
+        """One lazy step on the row's own caches (see LocalForward.lazy_logits), while alone."""
+        sched = self.scheduler
+        sched.ahead = self
+        sched.lazy_steps += 1
+        return self.local.stage.run(token, self.local.cache, logits=True)[0]
+
     def prefill(self, tokens: list[int]) -> None:
         sched = self.scheduler
         rows = []
@@ -436,6 +489,12 @@ class RowForward:
 
     def __call__(self, tokens: list[int]) -> mx.array:
         sched = self.scheduler
+        if self.alone():  # as a LocalForward: the same forward, no batch around it
+            logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden)
+            sched.solo_steps += 1
+            if h is not None:
+                self.last_hidden = h
+            return logits
         if not self.joined:
             # Wait for a free row (a batch at max_batch admits the next row when one leaves).
             sched.cond.wait_for(lambda: len(sched.active) < sched.max_batch)
@@ -473,6 +532,13 @@ class RowForward:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
         if dropped <= 0:
             return
+        if not self.joined:  # the last call ran alone, on the row's own caches
+            self.local.rollback(keep, dropped)
+            return
+        rows = self.scheduler.rows
+        lengths = list(rows.lengths)
+        lengths[self.index] -= dropped
+        rows.set(lengths)
         sched = self.scheduler
         i = self.index
         lengths = list(sched.rows.lengths)
@@ -497,9 +563,15 @@ class RowForward:
         if self.closed:
             return
         self.closed = True
+        sched = self.scheduler
+        if sched.ahead is self:
+            sched.ahead = None
+            sched.cond.notify_all()
         if self.ring is not None:
             # The end first: it frees the row on the other stages (keeping its caches when
             # asked) before a step of the remaining rows, sent after it, could drop the row.
             self.ring.close()
         if self.joined:
-            self.scheduler._leave(self)
+            sched._leave(self)
+        else:
+            sched.leaves.append(sched.steps)
