@@ -535,10 +535,6 @@ class RowForward:
         if not self.joined:  # the last call ran alone, on the row's own caches
             self.local.rollback(keep, dropped)
             return
-        rows = self.scheduler.rows
-        lengths = list(rows.lengths)
-        lengths[self.index] -= dropped
-        rows.set(lengths)
         sched = self.scheduler
         i = self.index
         lengths = list(sched.rows.lengths)
