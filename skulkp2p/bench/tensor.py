@@ -113,6 +113,7 @@ class TensorBench:
         self.per_call_collectives = 2 * spec.layers + 2
         self.allsum_s = self.ranks[0].probe(1, PROBE_COUNT) / PROBE_COUNT
         self._install(loaded)
+        self._measure_widths(loaded)
         self.settings.update(
             ranks=[{"rank": r, "addr": real[r], "pid": x.get("pid"),
                     "param_bytes": x.get("param_bytes"), "active_bytes": x.get("active_bytes")}
@@ -125,6 +126,27 @@ class TensorBench:
                  "%.1f s", self.nodes, self.delay_s * 1e3, self.allsum_s * 1e6,
                  self.settings["setup_s"])
         return loaded
+
+    def _measure_widths(self, loaded: LoadedModel) -> None:
+        """The group's own verify-width costs, for the depth controller (as a cluster's group
+        measures them when it forms, node/serving.py); the table one process measured (or the
+        default) is recorded beside them."""
+        from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS
+        from skulkp2p.engine.tensor import TensorError, measure_group_widths
+        from skulkp2p.engine.width_costs import relative_costs
+
+        before = loaded.width_costs or DEFAULT_WIDTH_COSTS.get(loaded.dtype)
+        try:
+            seconds = measure_group_widths(loaded.model, loaded.tokenizer, self.ranks[0],
+                                           check=self._broken, timeout=self.timeout_s)
+        except TensorError as e:
+            raise TensorBenchError(f"tensor-parallel group: measuring its widths: {e}") from None
+        loaded.width_costs = relative_costs(seconds)
+        self.settings.update(
+            group_width_seconds={str(w): round(s, 5) for w, s in seconds.items()},
+            group_width_costs={str(w): c for w, c in loaded.width_costs.items()},
+            single_process_width_costs=None if before is None else {
+                str(w): c for w, c in sorted(before.items())})
 
     def _open_proxy(self, ips: list[str], real: list[str], via: list[str]) -> None:
         """Each rank's proxy port opens once that rank listens: a rank that reached the proxy
