@@ -336,3 +336,34 @@ def test_prefix_cache_on_a_group_decodes_what_a_cold_group_does(models):
                                          prompt=other[:12] + prompt).tokens
     finally:
         group.close()
+
+
+def test_width_times_never_fall_with_width():
+    from skulkp2p.engine.width_costs import non_decreasing
+
+    assert non_decreasing({1: 2.0, 2: 5.0, 4: 3.0, 8: 4.0}) == {1: 2.0, 2: 3.0, 4: 3.0, 8: 4.0}
+
+
+def test_group_measures_its_own_verify_width_costs(models):
+    """The group's width table is measured through the TensorForward (what the decode loop
+    pays per call), every width the controller interpolates between; the requests after the
+    measurement decode as before it (its calls leave nothing behind in the ranks' caches)."""
+    from skulkp2p.engine.tensor import measure_group_widths
+    from skulkp2p.engine.width_costs import GROUP_WIDTHS, relative_costs
+
+    group = Group(models["llama"], 2)
+    try:
+        before = generate(group.head, ARMS["lookup"], max_tokens=24)
+        seconds = measure_group_widths(group.head.model, group.head.tokenizer, group.ranks[0])
+        assert sorted(seconds) == list(GROUP_WIDTHS)
+        assert all(s > 0 for s in seconds.values())
+        costs = relative_costs(seconds)
+        assert costs[1] == 1.0
+        widths = sorted(costs)  # noise capped: a wider verify never costs less
+        assert all(costs[a] <= costs[b] for a, b in zip(widths, widths[1:], strict=False))
+        print(f"\ngroup width costs (tiny llama, 2 ranks): {costs}")
+        group.head.width_costs = costs
+        after = generate(group.head, ARMS["lookup"], max_tokens=24)
+        assert after.tokens == before.tokens
+    finally:
+        group.close()

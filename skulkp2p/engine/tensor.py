@@ -307,7 +307,8 @@ def measure_group_widths(head: Any, tokenizer: Any, rank0: RankProcess,
                          timeout: float | None = None) -> dict[int, float]:
     """Seconds of one verify call of w rows on this group, as the decode loop pays it (embedding,
     the pipe, the ranks' slices and collectives, norm and head), for the widths the depth
-    controller interpolates between: the fastest of a few reps after a short prefill. Run when
+    controller interpolates between: the fastest of a few reps after a short prefill, each
+    capped by the wider widths' (`non_decreasing`: a shared CPU's noise). Run when
     a group forms, before any request may use it (the calls reset the ranks' caches).
 
     Why the group's own table: one process's table (`bench --widths`) grows with w as its
@@ -319,6 +320,7 @@ def measure_group_widths(head: Any, tokenizer: Any, rank0: RankProcess,
         WIDTH_PREFILL,
         WIDTH_TEXT,
         measure_forward_seconds,
+        non_decreasing,
     )
 
     ids = list(tokenizer.encode(WIDTH_TEXT))
@@ -326,4 +328,5 @@ def measure_group_widths(head: Any, tokenizer: Any, rank0: RankProcess,
     while len(ids) < need:
         ids += ids
     fwd = TensorForward(head, rank0, check=check, timeout=timeout, label="the width probe")
-    return measure_forward_seconds(fwd, ids[:need], GROUP_WIDTHS, WIDTH_PREFILL, GROUP_REPS)
+    return non_decreasing(measure_forward_seconds(fwd, ids[:need], GROUP_WIDTHS, WIDTH_PREFILL,
+                                                  GROUP_REPS))

@@ -97,6 +97,17 @@ def measure_forward_seconds(forward: Any, tokens: list[int], widths: Sequence[in
     return {w: min(ts) for w, ts in times.items()}
 
 
+def non_decreasing(seconds: dict[int, float]) -> dict[int, float]:
+    """Each width's time capped by every wider one's: a verify of more rows never costs less,
+    so a time above a wider width's is noise (another process on a shared CPU), not cost."""
+    out: dict[int, float] = {}
+    cap = float("inf")
+    for w in sorted(seconds, reverse=True):
+        cap = min(cap, seconds[w])
+        out[w] = cap
+    return dict(sorted(out.items()))
+
+
 def relative_costs(seconds: dict[int, float]) -> dict[int, float]:
     base = seconds[min(seconds)]
     return {w: 1.0 if w == min(seconds) else round(s / base, 4) for w, s in seconds.items()}
