@@ -45,12 +45,14 @@ class TensorBench:
     """N rank processes on loopback, started by :meth:`open`, ended by :meth:`close`."""
 
     def __init__(self, store: ModelStore, spec: str, dtype: str, nodes: int,
-                 link_delay_ms: float = 0.0, timeout_s: float | None = None):
+                 link_delay_ms: float = 0.0, timeout_s: float | None = None,
+                 prefix_cache_mb: float = 0.0):
         if nodes < 2:
             raise ValueError("a tensor-parallel group has at least 2 nodes")
         self.store, self.spec, self.dtype, self.nodes = store, spec, dtype, nodes
         self.delay_s = max(0.0, link_delay_ms) / 1e3
         self.timeout_s = timeout_s
+        self.prefix_cache_mb = prefix_cache_mb  # each rank's slice (used by --agent's arms)
         self.ranks: list[Any] = []
         self.proxy: FaultProxy | None = None
         self._forwards: list[Any] = []
@@ -102,7 +104,8 @@ class TensorBench:
         for r in range(self.nodes):
             addrs = [real[j] if j == r else via[j] for j in range(self.nodes)]
             self.ranks.append(RankProcess(Path(path), r, addrs, self.dtype,
-                                          label=f"bench rank {r}"))
+                                          label=f"bench rank {r}",
+                                          prefix_cache_mb=self.prefix_cache_mb))
         if self.delay_s > 0:
             self._open_proxy(ips, real, via)
         loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
