@@ -11,7 +11,9 @@ per-turn time to first token and decode speed, prefix cache on and off, plain an
 `--widths` measures the verify-width cost table (the fastest of 7 forwards of w tokens after a
 64-token prefill, relative to w=1) with the engine's `width_costs` module and saves it under
 `<data-dir>/widths/`, where the loader reads it for the depth controller. `--nodes N` runs the
-model as a ring of stage processes (`ring.py`); `--engine served` is the served bench
+model as a ring of stage processes (`ring.py`), or with `--parallel tensor` as a tensor-parallel
+group (`tensor.py`); `--one-node` adds plain and spec on the whole model in this process, in the
+same run, for the single-node gain beside the ring's; `--engine served` is the served bench
 (`served.py`).
 
 Nothing here imports mlx at module level: the CLI must arrange the BLAS preload (a re-exec)

@@ -14,6 +14,11 @@ call (compute of its slice plus the collectives, as it measures it), the pipe be
 and rank 0 (the rest of the wait), and the decode loop's own work. The collectives' share is an
 estimate: at start the bench has the group time all-sums of one row alone (`probe`), and counts
 (2 per layer + the broadcast of the rows + the command header) per call.
+
+The depth controller uses the group's own verify-width table, measured when the group is open
+(`engine/tensor.measure_group_widths`, as a cluster's group does when it forms); the table one
+process would have used is recorded beside it. With `--one-node` the bench also runs plain and
+spec on the whole model in its own process, in the same run (bench/cli.py).
 """
 
 from __future__ import annotations
