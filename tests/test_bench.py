@@ -191,6 +191,7 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     # every all-sum crosses the proxy's 1 ms hops: the probe saw it
     assert group["allsum_us_one_row"] >= 1000
     assert group["collectives_per_call"] == 2 * 4 + 2 and group["bytes"] > 0
+    assert group["rank_compute_ms_one_row"] > 0  # a rank's slice timed with no collective
     # The depth controller used the group's own width table, measured at start.
     assert set(group["group_width_seconds"]) == {"1", "2", "3", "4", "6", "8", "12", "16"}
     assert doc["settings"]["width_costs_used"] == group["group_width_costs"]

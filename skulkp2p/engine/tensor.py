@@ -158,6 +158,13 @@ class RankProcess:
         return float(self.call({"op": "probe", "width": width, "count": count}, timeout,
                                None)["s"])
 
+    def compute(self, width: int, count: int, timeout: float = 120.0) -> float:
+        """Seconds of `count` forwards of `width` rows through rank 0's slice with no
+        collective (every rank runs its own at once): the ranks' compute apart from the
+        collectives, for the bench's split of the time."""
+        return float(self.call({"op": "compute", "width": width, "count": count}, timeout,
+                               None)["s"])
+
     def kill(self) -> None:
         """End the process by pid (idempotent)."""
         if self.proc.poll() is None:

@@ -18,7 +18,10 @@ Commands (rank 0's stdin): {"op": "run", "x": rows [w, H], "rollback": [keep, dr
 "count": n} -> {"op": "probe", "s": seconds} (n all-sums of w rows alone: what the collectives
 cost, for the bench's split of the time); {"op": "restore", "length": n, "key": [ids]} ->
 {"op": "restored", "held": n | 0}; {"op": "store", "key": [ids], "rollback": [keep, dropped] |
-None} -> {"op": "stored", "ok": bool, "bytes": the largest rank's entry}; {"op": "stop"}.
+None} -> {"op": "stored", "ok": bool, "bytes": the largest rank's entry}; {"op": "compute",
+"width": w, "count": n} -> {"op": "compute", "s": seconds} (n forwards of w rows through this
+rank's slice with no collective, after a 64-row prefill: a rank's own compute, for the bench's
+split of the time; every rank runs it at once, as in a call); {"op": "stop"}.
 
 The prefix cache (`--prefix-cache-mb`): every rank keeps its own slice of every entry in its own
 `PrefixCache`, under the keys the loop's member names (it keeps the index and decides hits).
@@ -41,7 +44,8 @@ from typing import Any, BinaryIO
 from skulkp2p import wire
 
 FRAME = "tp"
-OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE = 1, 2, 3, 4, 5
+OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE, OP_COMPUTE = 1, 2, 3, 4, 5, 6
+COMPUTE_PREFILL = 64
 # op, width (restore/store: the key's length), rollback dropped (a probe: its count; a
 # restore: the positions to restore), reset
 HEADER_INTS = 4
@@ -144,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             elif msg.get("op") == "probe":
                 header = mx.array([OP_PROBE, int(msg["width"]), int(msg["count"]), 0],
                                   dtype=mx.int32)
+            elif msg.get("op") == "compute":
+                header = mx.array([OP_COMPUTE, int(msg["width"]), int(msg["count"]), 0],
+                                  dtype=mx.int32)
             elif msg.get("op") == "restore":
                 key_in = [int(t) for t in msg["key"]]
                 header = mx.array([OP_RESTORE, len(key_in), int(msg["length"]), 0],
@@ -169,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.rank == 0:
                 write_frame(out, {"op": "probe", "s": round(time.perf_counter() - t0, 6)})
             continue
+        if op == OP_COMPUTE:
+            took = _compute_alone(model, body, width, dropped, hidden, dtype)
+            mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))  # everyone done
+            if args.rank == 0:
+                write_frame(out, {"op": "compute", "s": round(took, 6)})
+            continue
         if op in (OP_RESTORE, OP_STORE):
             key = _share_key(key_in if args.rank == 0 else None, width, group)
             if op == OP_RESTORE:
@@ -193,6 +206,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             write_frame(out, {"op": "out", "h": wire.pack_array(h),
                               "cs": round(time.perf_counter() - t0, 6)})
+
+
+def _compute_alone(model: Any, body: Any, width: int, count: int, hidden: int,
+                   dtype: Any) -> float:
+    """Seconds of `count` forwards of `width` rows through this rank's slice alone (no
+    collective), each rolled back, after a COMPUTE_PREFILL-row prefill; a scratch cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from skulkp2p.engine.caches import trim
+    from skulkp2p.engine.tensor_shard import without_collectives
+
+    scratch = make_prompt_cache(model)
+    with without_collectives():
+        mx.eval(body(None, scratch, input_embeddings=mx.zeros((1, COMPUTE_PREFILL, hidden),
+                                                               dtype=dtype)))
+        rows = mx.zeros((1, width, hidden), dtype=dtype)
+        mx.eval(body(None, scratch, input_embeddings=rows))  # warm this width
+        trim(scratch, width)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            mx.eval(body(None, scratch, input_embeddings=rows))
+            trim(scratch, width)
+        return time.perf_counter() - t0
 
 
 def _share_key(key: list[int] | None, n: int, group: Any) -> list[int]:
