@@ -180,7 +180,7 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
                    "--max-tokens", "12", "--runs", "1", "--workloads", "echo",
                    "--arms", "lookup:2", "--nodes", "2", "--parallel", "tensor",
-                   "--link-delay-ms", "1", "--json", str(out), timeout=180)
+                   "--link-delay-ms", "1", "--one-node", "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     group = doc["settings"]["ring"]
@@ -191,10 +191,24 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     # every all-sum crosses the proxy's 1 ms hops: the probe saw it
     assert group["allsum_us_one_row"] >= 1000
     assert group["collectives_per_call"] == 2 * 4 + 2 and group["bytes"] > 0
+    assert group["rank_compute_ms_one_row"] > 0  # a rank's slice timed with no collective
+    # The depth controller used the group's own width table, measured at start.
+    assert set(group["group_width_seconds"]) == {"1", "2", "3", "4", "6", "8", "12", "16"}
+    assert doc["settings"]["width_costs_used"] == group["group_width_costs"]
     cells = {r["arm"]: r for r in doc["results"]}
-    assert set(cells) == {"plain", "spec", "lookup:2"}
+    assert set(cells) == {"plain", "spec", "lookup:2", "one_node_plain", "one_node_spec"}
+    # The single-node arms ran in the same run, their gain against their own plain.
+    assert cells["one_node_spec"]["plain_is"] == "one_node_plain"
+    assert cells["one_node_spec"]["identical_to_plain"] is True
+    assert "identical_to_group_plain" in cells["one_node_plain"]
+    (row,) = doc["summary"]
+    assert row["one_node_spec_x_plain"] == cells["one_node_spec"]["speedup_vs_plain"]
+    assert row["gain_at_least_one_node"] == (row["spec_x_plain"] >= row["one_node_spec_x_plain"])
     for r in doc["results"]:
         assert r["identical_to_plain"] is True, r
+        if r["arm"].startswith("one_node"):
+            assert "ring" not in r  # nothing of the group's time is charged to them
+            continue
         x = r["ring"]
         assert x["traversals"] > 0 and x["ranks_s"] >= x["collectives_est_s"] > 0, x
         assert x["total_s"] >= x["ranks_s"]
@@ -204,6 +218,25 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     for r in ranks:  # the rank processes are gone
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
+
+
+def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):
+    """`bench --agent --nodes 2 --parallel tensor`: the ranks keep their slices of the prefix
+    cache; from turn 2 on, the conversation so far is restored on the group, exactly."""
+    out = tmp_path / "agent-tensor.json"
+    proc = run_cli("bench", "--agent", "--model", str(tiny), "--data-dir", str(tmp_path),
+                   "--max-tokens", "6", "--runs", "1", "--prefix-cache-mb", "64",
+                   "--nodes", "2", "--parallel", "tensor", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["mismatched"] == []
+    assert doc["settings"]["ring"]["parallel"] == "tensor"
+    turns = doc["turns"]
+    for i, t in enumerate(turns):
+        assert all(r["identical_to_plain"] for r in t["arms"].values())
+        if i > 0:
+            assert t["arms"]["plain+prefix"]["cached_tokens"] > turns[i - 1]["prompt_tokens"] / 2
+            assert t["arms"]["spec+prefix"]["cached_tokens"] > turns[i - 1]["prompt_tokens"] / 2
 
 
 def test_bench_agent_turns_with_and_without_the_prefix_cache(tiny, tmp_path):

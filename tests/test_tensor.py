@@ -121,9 +121,10 @@ class Group:
     """N rank processes on 127.0.0.1 and the head model (embedding, norm, head, drafter) that
     runs the decode loop over them, as a group's first member does."""
 
-    def __init__(self, path: Path, n: int, timeout: float = 20.0):
+    def __init__(self, path: Path, n: int, timeout: float = 20.0, prefix_cache_mb: float = 0.0):
         addrs = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.ranks = [RankProcess(path, r, addrs, "float32") for r in range(n)]
+        self.ranks = [RankProcess(path, r, addrs, "float32", prefix_cache_mb=prefix_cache_mb)
+                      for r in range(n)]
         try:
             self.ready = [r.wait_ready(60) for r in self.ranks]
         except BaseException:
@@ -146,10 +147,11 @@ class Group:
             r.kill()
 
 
-def generate(loaded, speculation, max_tokens: int = 40, **fields):
+def generate(loaded, speculation, max_tokens: int = 40, prefix_cache=None, prompt=None,
+             **fields):
     req = parse_request({"prompt": ECHO, "max_tokens": max_tokens, "speculation": speculation,
                          **fields})
-    g = stream(loaded, req)
+    g = stream(loaded, req, prefix_cache=prefix_cache, prompt=prompt)
     while True:
         try:
             next(g)
@@ -289,3 +291,79 @@ def test_drafter_cost_is_relative_to_the_whole_model_on_a_rings_last_stage(model
     assert last.mtp is not None and len(last.model.model.layers) == 1
     assert last.whole_params == sum(v.size for _, v in _flat(whole.model))
     assert _relative_cost(last.mtp, last) == pytest.approx(_relative_cost(whole.mtp, whole))
+
+
+def test_prefix_cache_on_a_group_decodes_what_a_cold_group_does(models):
+    """Each rank keeps its own slice of every entry; the loop's member keeps the index, decides
+    the hit and tells the ranks which entry to adopt. A hit decodes exactly what a cold group
+    decodes (plain, lookup and the MTP head), a follow-up turn hits the entry stored at the
+    end of the turn before, and an entry the ranks lack falls back to a whole prefill."""
+    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.engine.prefix_cache import MB, PrefixCache
+
+    group = Group(models["llama"], 2, prefix_cache_mb=64)
+    try:
+        head = group.head
+        prompt = prompt_tokens(head, parse_request({"prompt": ECHO}))
+        arms = {**ARMS, "mtp": {"drafter": "mtp", "depth": 2}}
+        cold = {arm: generate(head, spec, max_tokens=24) for arm, spec in arms.items()}
+        cold_rows = group.forwards[-1].rows
+        for arm, spec in arms.items():
+            index = PrefixCache(64 * MB)
+            first = generate(head, spec, max_tokens=24, prefix_cache=index)
+            assert first.tokens == cold[arm].tokens, arm
+            assert len(index) == 1 and index.nbytes > 0  # the ranks' slices, counted here
+            again = generate(head, spec, max_tokens=24, prefix_cache=index)
+            assert index.hits == 1 and index.reused_tokens >= len(prompt) - 2, arm
+            assert again.tokens == cold[arm].tokens, arm
+            assert again.text == cold[arm].text
+            assert group.forwards[-1].rows < cold_rows - len(prompt) // 2  # no whole prefill
+            # The next turn: this prompt, the answer, and more; against a cold group.
+            turn = prompt + list(first.tokens) + prompt[1:9]
+            follow = generate(head, spec, max_tokens=16, prefix_cache=index, prompt=turn)
+            assert index.hits == 2 and index.reused_tokens >= 2 * len(prompt), arm
+            assert follow.tokens == generate(head, spec, max_tokens=16, prompt=turn).tokens, arm
+        # An entry in the index that the ranks do not hold: they all start empty, and the
+        # prompt is prefilled whole.
+        index = PrefixCache(64 * MB)
+        other = list(reversed(prompt))
+        assert index.store(other[:12], [], elsewhere_bytes=1)
+        missed = generate(head, "off", max_tokens=24, prefix_cache=index,
+                          prompt=other[:12] + prompt)
+        assert index.hits == 1
+        assert group.forwards[-1].rows >= len(prompt) + 11
+        assert missed.tokens == generate(head, "off", max_tokens=24,
+                                         prompt=other[:12] + prompt).tokens
+    finally:
+        group.close()
+
+
+def test_width_times_never_fall_with_width():
+    from skulkp2p.engine.width_costs import non_decreasing
+
+    assert non_decreasing({1: 2.0, 2: 5.0, 4: 3.0, 8: 4.0}) == {1: 2.0, 2: 3.0, 4: 3.0, 8: 4.0}
+
+
+def test_group_measures_its_own_verify_width_costs(models):
+    """The group's width table is measured through the TensorForward (what the decode loop
+    pays per call), every width the controller interpolates between; the requests after the
+    measurement decode as before it (its calls leave nothing behind in the ranks' caches)."""
+    from skulkp2p.engine.tensor import measure_group_widths
+    from skulkp2p.engine.width_costs import GROUP_WIDTHS, relative_costs
+
+    group = Group(models["llama"], 2)
+    try:
+        before = generate(group.head, ARMS["lookup"], max_tokens=24)
+        seconds = measure_group_widths(group.head.model, group.head.tokenizer, group.ranks[0])
+        assert sorted(seconds) == list(GROUP_WIDTHS)
+        assert all(s > 0 for s in seconds.values())
+        costs = relative_costs(seconds)
+        assert costs[1] == 1.0
+        widths = sorted(costs)  # noise capped: a wider verify never costs less
+        assert all(costs[a] <= costs[b] for a, b in zip(widths, widths[1:], strict=False))
+        print(f"\ngroup width costs (tiny llama, 2 ranks): {costs}")
+        group.head.width_costs = costs
+        after = generate(group.head, ARMS["lookup"], max_tokens=24)
+        assert after.tokens == before.tokens
+    finally:
+        group.close()

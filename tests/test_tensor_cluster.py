@@ -93,6 +93,12 @@ def test_group_of_processes_speculative_equals_plain(cluster):
         assert got[arm]["text"] == got["plain"]["text"]
     assert got["lookup"]["speculation"]["drafted"] > 0
     assert got["mtp"]["speculation"]["drafted"] > 0
+    # The prefix cache: the same prompt again restores its caches on every rank.
+    again = _pipe(http, "plain")
+    assert again["tokens"] == got["plain"]["tokens"]
+    assert again["usage"]["cached_tokens"] > 0, again["usage"]
+    # The group measured its own verify costs when it formed, for the depth controller.
+    assert "the group's verify costs" in c.nodes[0].log.read_text(errors="replace")
     print(f"\ntensor group of 2 equals one node's greedy text: "
           f"{got['plain']['tokens'] == single['tokens']}")
     # /v1/cluster shows the kind, and each member's rank (its pid, what it holds).

@@ -11,7 +11,9 @@ per-turn time to first token and decode speed, prefix cache on and off, plain an
 `--widths` measures the verify-width cost table (the fastest of 7 forwards of w tokens after a
 64-token prefill, relative to w=1) with the engine's `width_costs` module and saves it under
 `<data-dir>/widths/`, where the loader reads it for the depth controller. `--nodes N` runs the
-model as a ring of stage processes (`ring.py`); `--engine served` is the served bench
+model as a ring of stage processes (`ring.py`), or with `--parallel tensor` as a tensor-parallel
+group (`tensor.py`); `--one-node` adds plain and spec on the whole model in this process, in the
+same run, for the single-node gain beside the ring's; `--engine served` is the served bench
 (`served.py`).
 
 Nothing here imports mlx at module level: the CLI must arrange the BLAS preload (a re-exec)
@@ -33,6 +35,8 @@ from skulkp2p.bench.agent import DEFAULT_AGENT_MAX_TOKENS
 from skulkp2p.bench.errors import BenchError
 from skulkp2p.bench.mlx_arms import (
     MLX_LM_DRAFT_TOKENS,
+    ONE_NODE_PLAIN,
+    ONE_NODE_SPEC,
     PLAIN,
     Arm,
     Cell,
@@ -162,6 +166,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-delay-ms", type=float, default=0.0,
                    help="with --nodes: latency added to every hop by a proxy, standing in "
                         "for a LAN (default 0)")
+    p.add_argument("--one-node", action="store_true",
+                   help="with --nodes: also run plain and spec on the whole model in this "
+                        "process (arms one_node_plain, one_node_spec), interleaved with the "
+                        "ring's or group's arms in the same run, so their gains compare side "
+                        "by side")
     p.add_argument("--widths", action="store_true",
                    help="also measure the verify-width cost table (w = 1..16) and save it under "
                         "<data-dir>/widths/")
@@ -243,11 +252,9 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     from skulkp2p.bench.tensor import TensorBench, TensorBenchError
 
     if getattr(args, "parallel", "pipeline") == "tensor":
-        if getattr(args, "agent", False):
-            raise BenchError("--agent measures the prefix cache, which tensor-parallel groups "
-                             "do not keep: run it with --parallel pipeline")
         ring: Any = TensorBench(store, args.model, dtype, nodes,
-                                getattr(args, "link_delay_ms", 0.0))
+                                getattr(args, "link_delay_ms", 0.0),
+                                prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
     else:
         ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0),
                          prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
@@ -265,6 +272,18 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                 load_before: list[float] | None, arms: list[Arm], skipped: list[dict[str, str]],
                 loaded: LoadedModel, ring: Any) -> int:
     draft = open_draft(store, args.draft_model, loaded) if args.draft_model else None
+    # The single-node reference beside a ring or group: the whole model in this process.
+    single = None
+    if ring is not None and getattr(args, "one_node", False) and not getattr(args, "agent",
+                                                                             False):
+        from skulkp2p.engine.loader import open_model
+
+        single = open_model(store, args.model, loaded.dtype)
+        arms = [*arms, ONE_NODE_PLAIN, ONE_NODE_SPEC]
+
+    def model_of(arm: Arm) -> LoadedModel:
+        return single if arm.one_node and single is not None else loaded
+
     if getattr(args, "agent", False):
         from skulkp2p.bench.agent import run_agent
 
@@ -281,8 +300,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         if arm.kind == "llama":
             continue  # a fresh server per measured request: nothing to warm
         try:
-            execute(arm, loaded, draft, WARMUP_MESSAGES, min(WARMUP_TOKENS, args.max_tokens),
-                    args.draft_tokens)
+            execute(arm, model_of(arm), draft, WARMUP_MESSAGES,
+                    min(WARMUP_TOKENS, args.max_tokens), args.draft_tokens)
         except SkipArm as e:
             log.warning("arm %s skipped: %s", arm.name, e)
             skipped.append({"arm": arm.name, "reason": str(e)})
@@ -310,6 +329,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         "engine_draft_model": getattr(getattr(loaded, "draft", None), "id", None),
         # what the engine's depth controller read from <data-dir>/widths (spec arm)
         "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
+        "one_node_width_costs_used": None if single is None else _str_keys(
+            getattr(single, "width_costs", None)),
         "prompt_tokens": {wl: prompt_len(loaded, wl) for wl in workloads},
     }
     if ring is not None:
@@ -337,14 +358,14 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                 if cell.skip:
                     continue
                 try:
-                    run = execute(arm, loaded, draft, WORKLOADS[wl], args.max_tokens,
+                    run = execute(arm, model_of(arm), draft, WORKLOADS[wl], args.max_tokens,
                                   args.draft_tokens, SESSIONS.get(wl, ()),
                                   getattr(args, "draft_memory_tokens", None),
                                   getattr(args, "peer", None))
                 except SkipArm as e:
                     cell.skip = str(e)
                     continue
-                if ring is not None:
+                if ring is not None and not arm.one_node:
                     run.ring = ring.take_run(run.ttft_s + run.decode_s)
                 cell.runs.append(run)
                 log.info("run %d/%d %-10s %-14s %s tok/s, ttft %.2fs%s", r + 1, args.runs, wl,
@@ -401,6 +422,12 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
         # None when plain could not run this workload (e.g. the prompt exceeds the context)
         reference = plain_runs[0].tokens if plain_runs else None
         base = None
+        # The one-node arms' own plain: their gains and exactness are against it.
+        one = cells.get((wl, ONE_NODE_PLAIN.name))
+        one_runs = one.runs if one is not None else []
+        one_reference = one_runs[0].tokens if one_runs else None
+        one_base = statistics.median(x.tok_s for x in one_runs if x.tok_s) \
+            if any(x.tok_s for x in one_runs) else None
         llama = cells.get((wl, "llama_plain"))
         llama_runs = llama.runs if llama is not None else []
         llama_base = statistics.median(x.tok_s for x in llama_runs if x.tok_s) \
@@ -418,11 +445,13 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 base = med
             if arm.kind == "llama":
                 med_base = llama_base
+            elif arm.one_node:
+                med_base = one_base
             else:
                 med_base = base
             first = cell.runs[0]
-            identical = None if reference is None else all(x.tokens == reference
-                                                           for x in cell.runs)
+            ref = one_reference if arm.one_node else reference
+            identical = None if ref is None else all(x.tokens == ref for x in cell.runs)
             if arm.kind == "llama":  # against the peer's own plain, by text
                 identical = all(x.text == llama_runs[0].text for x in cell.runs) \
                     if llama_runs else None
@@ -434,7 +463,8 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 "ttft_s": round(statistics.median(x.ttft_s for x in cell.runs), 4),
                 "runs": [x.summary() for x in cell.runs],
                 "speedup_vs_plain": round(med / med_base, 3) if med and med_base else None,
-                "plain_is": "llama_plain" if arm.kind == "llama" else "plain",
+                "plain_is": "llama_plain" if arm.kind == "llama" else (
+                    ONE_NODE_PLAIN.name if arm.one_node else "plain"),
                 # per generation (greedy: every run drafts the same)
                 "drafted": first.drafted, "accepted": first.accepted,
                 "acceptance": round(first.accepted / first.drafted, 4)
@@ -443,6 +473,9 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 "tokens_generated": len(first.tokens),
                 "identical_to_plain": identical,
             })
+            if arm is ONE_NODE_PLAIN and reference is not None:
+                # One node sums in another order than a group: recorded, not required.
+                results[-1]["identical_to_group_plain"] = first.tokens == reference
             if all(x.ring for x in cell.runs):
                 results[-1]["ring"] = ring_summary([x.ring for x in cell.runs])
     return results, skipped, mismatched
@@ -461,7 +494,12 @@ def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
                                                                  "llama_ngram_mod")
                  if by.get((wl, a), {}).get("speedup_vs_plain") is not None]
         best = max(peers) if peers else (None, None)
-        out.append({"workload": wl, "spec_x_plain": spec,
+        one_node = by.get((wl, ONE_NODE_SPEC.name), {}).get("speedup_vs_plain")
+        extra = {} if one_node is None else {
+            "one_node_spec_x_plain": one_node,
+            # the aim of a ring or group: its own gain at least one node's
+            "gain_at_least_one_node": None if spec is None else spec >= one_node}
+        out.append({"workload": wl, "spec_x_plain": spec, **extra,
                     "plain_x_mlx_lm": round(plain / mlx_lm, 3) if plain and mlx_lm else None,
                     "llama_best_ngram": best[1], "llama_best_x_plain": best[0],
                     "ahead_of_llama": None if spec is None or best[0] is None
@@ -472,6 +510,16 @@ def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
+    if any("one_node_spec_x_plain" in r for r in rows):  # a ring or group beside one node
+        lines = ["", "| workload | spec × plain | one node: spec × plain | at least one node's "
+                 "| ours exact |", "|---|---:|---:|---|---|"]
+        for r in rows:
+            aim = r.get("gain_at_least_one_node")
+            lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
+                         f"{fmt(r.get('one_node_spec_x_plain'), '.2f')} | "
+                         f"{'—' if aim is None else ('yes' if aim else 'no')} | "
+                         f"{'yes' if r['exact'] else 'NO'} |")
+        return "\n".join(lines) + "\n"
     lines = ["", "| workload | spec × plain | plain × mlx_lm | llama best n-gram × its plain "
              "| ahead | ours exact |", "|---|---:|---:|---|---|---|"]
     for r in rows:

@@ -43,6 +43,9 @@ class Arm:
     speculation: Any = None  # the request's `speculation` field, for engine arms
     memory: bool = True  # engine arms: the draft memory of earlier requests (else off)
     lookup: str | None = None  # engine arms: card's speculation.lookup.drafter for this arm
+    # With --nodes N --one-node: the arm runs on the whole model loaded in the bench's own
+    # process, beside the ring's or group's arms in the same run (the single-node reference).
+    one_node: bool = False
 
     @property
     def peer(self) -> bool:
@@ -51,6 +54,8 @@ class Arm:
 
 PLAIN = Arm("plain", "engine", "off")
 SPEC = Arm("spec", "engine", "auto")
+ONE_NODE_PLAIN = Arm("one_node_plain", "engine", "off", one_node=True)
+ONE_NODE_SPEC = Arm("one_node_spec", "engine", "auto", one_node=True)
 # The ablation of the model-free drafter, in "auto" mode beside the MTP head: the older n-gram
 # scan without memory, the suffix drafter without memory (spec is suffix + memory).
 ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, lookup="scan"),

@@ -205,7 +205,10 @@ def tensor_table(doc: dict[str, Any]) -> str:
     g = doc["settings"]["ring"]
     lines = [f"\ntensor-parallel group: {g['nodes']} ranks, {g['link_delay_ms']:g} ms per hop, "
              f"one all-sum of one row {g.get('allsum_us_one_row', 0):g} us alone, "
-             f"{g.get('collectives_per_call')} collectives per call; seconds per run (median):",
+             f"{g.get('collectives_per_call')} collectives per call, a rank's slice alone "
+             f"{g.get('rank_compute_ms_one_row', 0):g} ms a call + "
+             f"{g.get('rank_compute_ms_per_more_row', 0):g} ms a row more; seconds per run "
+             "(median; collectives = ranks less their compute alone):",
              "", "| workload | arm | total s | head s | ranks s | of which collectives (est.) s "
              "| pipe s | loop s | calls | collectives ms / call |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -11,9 +11,18 @@ without it the ranks connect directly (the proxy's own hops cost ~1 ms per all-s
 
 Where the time goes, per run: the bench's own compute (embedding, norm, head), rank 0's time per
 call (compute of its slice plus the collectives, as it measures it), the pipe between the bench
-and rank 0 (the rest of the wait), and the decode loop's own work. The collectives' share is an
-estimate: at start the bench has the group time all-sums of one row alone (`probe`), and counts
-(2 per layer + the broadcast of the rows + the command header) per call.
+and rank 0 (the rest of the wait), and the decode loop's own work. The ranks' compute is an
+estimate: at start every rank times its slice with no collective (`compute`: calls of 1 and of
+16 rows), so a run's compute is calls x the one-row time + the rows past the first x the time
+per row more; the rest of the ranks' time is the collectives and the ranks waiting on each
+other (on a loaded CPU, for a peer to be scheduled). The older estimate, calls x (2 per layer +
+2) x one all-sum of one row timed alone (`probe`), is kept as `allsum_probe_est_s`: alone, an
+all-sum is as cheap as the CPU is idle, so it says little when the machine is shared.
+
+The depth controller uses the group's own verify-width table, measured when the group is open
+(`engine/tensor.measure_group_widths`, as a cluster's group does when it forms); the table one
+process would have used is recorded beside it. With `--one-node` the bench also runs plain and
+spec on the whole model in its own process, in the same run (bench/cli.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ log = logging.getLogger("skulkp2p.bench")
 
 READY_TIMEOUT_S = 600.0
 PROBE_COUNT = 200
+COMPUTE_COUNT = 20
 
 
 class TensorBenchError(RuntimeError):
@@ -45,12 +55,14 @@ class TensorBench:
     """N rank processes on loopback, started by :meth:`open`, ended by :meth:`close`."""
 
     def __init__(self, store: ModelStore, spec: str, dtype: str, nodes: int,
-                 link_delay_ms: float = 0.0, timeout_s: float | None = None):
+                 link_delay_ms: float = 0.0, timeout_s: float | None = None,
+                 prefix_cache_mb: float = 0.0):
         if nodes < 2:
             raise ValueError("a tensor-parallel group has at least 2 nodes")
         self.store, self.spec, self.dtype, self.nodes = store, spec, dtype, nodes
         self.delay_s = max(0.0, link_delay_ms) / 1e3
         self.timeout_s = timeout_s
+        self.prefix_cache_mb = prefix_cache_mb  # each rank's slice (used by --agent's arms)
         self.ranks: list[Any] = []
         self.proxy: FaultProxy | None = None
         self._forwards: list[Any] = []
@@ -58,6 +70,8 @@ class TensorBench:
         self._closed = False
         self.per_call_collectives = 0
         self.allsum_s = 0.0  # one all-sum of one row, alone (probe)
+        self.compute_one_s = 0.0  # a rank's slice over one row with no collective
+        self.compute_row_s = 0.0  # each row more
         self.settings: dict[str, Any] = {
             "parallel": "tensor", "nodes": nodes, "link_delay_ms": link_delay_ms,
             "hops_per_traversal": nodes,
@@ -102,7 +116,8 @@ class TensorBench:
         for r in range(self.nodes):
             addrs = [real[j] if j == r else via[j] for j in range(self.nodes)]
             self.ranks.append(RankProcess(Path(path), r, addrs, self.dtype,
-                                          label=f"bench rank {r}"))
+                                          label=f"bench rank {r}",
+                                          prefix_cache_mb=self.prefix_cache_mb))
         if self.delay_s > 0:
             self._open_proxy(ips, real, via)
         loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
@@ -112,19 +127,48 @@ class TensorBench:
             raise TensorBenchError(f"tensor-parallel group: {e}") from None
         self.per_call_collectives = 2 * spec.layers + 2
         self.allsum_s = self.ranks[0].probe(1, PROBE_COUNT) / PROBE_COUNT
+        # The ranks' own compute, timed with no collective: per call of one row, and per row
+        # past the first (from calls of 16 rows).
+        self.compute_one_s = self.ranks[0].compute(1, COMPUTE_COUNT) / COMPUTE_COUNT
+        wide = self.ranks[0].compute(16, COMPUTE_COUNT // 2) / (COMPUTE_COUNT // 2)
+        self.compute_row_s = max(0.0, (wide - self.compute_one_s) / 15)
         self._install(loaded)
+        self._measure_widths(loaded)
         self.settings.update(
             ranks=[{"rank": r, "addr": real[r], "pid": x.get("pid"),
                     "param_bytes": x.get("param_bytes"), "active_bytes": x.get("active_bytes")}
                    for r, x in enumerate(ready)],
             head_param_bytes=_param_bytes(loaded),
             allsum_us_one_row=round(self.allsum_s * 1e6, 1),
+            rank_compute_ms_one_row=round(self.compute_one_s * 1e3, 3),
+            rank_compute_ms_per_more_row=round(self.compute_row_s * 1e3, 3),
             collectives_per_call=self.per_call_collectives,
             setup_s=round(time.monotonic() - t0, 2))
         log.info("tensor-parallel group of %d ready (%.1f ms per hop, one all-sum %.0f us) in "
                  "%.1f s", self.nodes, self.delay_s * 1e3, self.allsum_s * 1e6,
                  self.settings["setup_s"])
         return loaded
+
+    def _measure_widths(self, loaded: LoadedModel) -> None:
+        """The group's own verify-width costs, for the depth controller (as a cluster's group
+        measures them when it forms, node/serving.py); the table one process measured (or the
+        default) is recorded beside them."""
+        from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS
+        from skulkp2p.engine.tensor import TensorError, measure_group_widths
+        from skulkp2p.engine.width_costs import relative_costs
+
+        before = loaded.width_costs or DEFAULT_WIDTH_COSTS.get(loaded.dtype)
+        try:
+            seconds = measure_group_widths(loaded.model, loaded.tokenizer, self.ranks[0],
+                                           check=self._broken, timeout=self.timeout_s)
+        except TensorError as e:
+            raise TensorBenchError(f"tensor-parallel group: measuring its widths: {e}") from None
+        loaded.width_costs = relative_costs(seconds)
+        self.settings.update(
+            group_width_seconds={str(w): round(s, 5) for w, s in seconds.items()},
+            group_width_costs={str(w): c for w, c in loaded.width_costs.items()},
+            single_process_width_costs=None if before is None else {
+                str(w): c for w, c in sorted(before.items())})
 
     def _open_proxy(self, ips: list[str], real: list[str], via: list[str]) -> None:
         """Each rank's proxy port opens once that rank listens: a rank that reached the proxy
@@ -179,11 +223,18 @@ class TensorBench:
         ranks = sum(f.ranks_s for f in fwds)
         head = sum(f.compute_s for f in fwds)
         calls = sum(f.calls for f in fwds)
-        coll = min(ranks, calls * self.per_call_collectives * self.allsum_s)
+        rows = sum(f.rows for f in fwds)
+        # The ranks' time less their compute timed alone: the collectives and the waiting on
+        # each other (scheduling on a shared CPU included), and with a delay the link.
+        compute = min(ranks, calls * self.compute_one_s + max(0, rows - calls)
+                      * self.compute_row_s)
+        coll = ranks - compute
         seen = sum(self.proxy.bytes.values()) if self.proxy else 0
         run = {"traversals": calls, "head_compute_s": round(head, 4),
                "ranks_s": round(ranks, 4), "collectives_est_s": round(coll, 4),
-               "ranks_compute_est_s": round(ranks - coll, 4),
+               "ranks_compute_est_s": round(compute, 4), "rows": rows,
+               "allsum_probe_est_s": round(calls * self.per_call_collectives * self.allsum_s,
+                                           4),
                "pipe_s": round(max(0.0, wait - ranks), 4), "link_s": round(coll, 4),
                "bytes": seen - self._bytes_seen}
         self._bytes_seen = seen

@@ -285,8 +285,16 @@ class _PrefixUse:
         mtp = self.mtp
         if mtp is not None:
             mtp.catch_up()  # the rows it skipped while switched off, in one call
+        elsewhere = 0
+        keep_in_group = getattr(self.forward, "keep_in_group", None)
+        if keep_in_group is not None:  # a tensor group: its ranks keep their slices now
+            held = keep_in_group(key)
+            if held is None:
+                return  # some rank could not keep its slice: no entry (a hit would miss there)
+            elsewhere = held
         self.cache.store(key, self.forward.cache, None if mtp is None else mtp.cache,
-                         None if mtp is None else mtp.last_hidden_row, trim=self.trim)
+                         None if mtp is None else mtp.last_hidden_row, trim=self.trim,
+                         elsewhere_bytes=elsewhere)
         share = getattr(self.forward, "share_store", None)  # a ring: the other stages too
         if share is not None:
             share(key)

@@ -235,14 +235,22 @@ class PrefixCache:
 
     # ---------------------------------------------------------------------------- storing
 
+    def entry_bytes(self, key: list[int]) -> int | None:
+        """The bytes the entry stored under exactly `key` counts against the bound, or None."""
+        entry = self._lru.get(tuple(int(t) for t in key))
+        return None if entry is None else entry.nbytes
+
     def store(self, key: list[int], stage_caches: list[Any], mtp: Any | None = None,
-              mtp_hidden: Any | None = None, *, trim: bool = True) -> bool:
+              mtp_hidden: Any | None = None, *, trim: bool = True,
+              elsewhere_bytes: int = 0) -> bool:
         """Keep `stage_caches` (and the MTP head's cache, with the trunk's hidden row paired in
         its last row) as the state after every token of `key` but the last. They are detached
         here, so the caller may go on using its caches. `trim=False`: serve the entry at its
         own length only, even if these caches could trim (the last stage of a ring whose other
-        stages hold recurrent state). False when nothing was stored (caches not at that length,
-        or too big for the cache)."""
+        stages hold recurrent state). `elsewhere_bytes`: what the entry holds in other processes
+        (a tensor group's ranks keep the caches, this cache only the index: the largest rank's
+        slice), counted against the bound so that the index evicts as the ranks do. False when
+        nothing was stored (caches not at that length, or too big for the cache)."""
         key = tuple(int(t) for t in key)
         length = len(key) - 1
         if length < 1:
@@ -266,7 +274,7 @@ class PrefixCache:
         mx.eval(_arrays(detached + [mtp]) + ([mtp_hidden] if mtp_hidden is not None else []))
         nbytes = sum(_held_bytes(c) for c in stage_caches) + (
             _held_bytes(mtp) if mtp is not None else 0) + (
-            mtp_hidden.nbytes if mtp_hidden is not None else 0)
+            mtp_hidden.nbytes if mtp_hidden is not None else 0) + max(0, int(elsewhere_bytes))
         if nbytes > self.max_bytes:
             log.debug("prefix cache: an entry of %d tokens (%.1f MB) exceeds the cache's %.1f MB",
                       length, nbytes / MB, self.max_bytes / MB)

@@ -63,7 +63,7 @@ class RankProcess:
     stdout (frames) and ended by pid."""
 
     def __init__(self, model_path: Path | str, rank: int, addrs: list[str], dtype: str,
-                 label: str = ""):
+                 label: str = "", prefix_cache_mb: float = 0.0):
         from skulkp2p.engine.tensor_rank import write_hostfile
 
         self.rank = rank
@@ -76,7 +76,7 @@ class RankProcess:
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 (closed in kill)
         cmd = [sys.executable, "-m", "skulkp2p.engine.tensor_rank", "--model", str(model_path),
                "--rank", str(rank), "--size", str(self.size), "--hostfile", str(hostfile),
-               "--dtype", dtype]
+               "--dtype", dtype, "--prefix-cache-mb", str(max(0.0, prefix_cache_mb))]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, preexec_fn=_die_with_parent)
         self.pid = self.proc.pid
@@ -158,6 +158,13 @@ class RankProcess:
         return float(self.call({"op": "probe", "width": width, "count": count}, timeout,
                                None)["s"])
 
+    def compute(self, width: int, count: int, timeout: float = 120.0) -> float:
+        """Seconds of `count` forwards of `width` rows through rank 0's slice with no
+        collective (every rank runs its own at once): the ranks' compute apart from the
+        collectives, for the bench's split of the time."""
+        return float(self.call({"op": "compute", "width": width, "count": count}, timeout,
+                               None)["s"])
+
     def kill(self) -> None:
         """End the process by pid (idempotent)."""
         if self.proc.poll() is None:
@@ -199,7 +206,9 @@ class TensorForward:
         self.timeout = timeout or tensor_timeout()
         self.label = label
         self.last_hidden: mx.array | None = None
-        self.cache: list[Any] = []  # the caches live in the ranks (no prefix cache here)
+        # The caches live in the ranks; a prefix-cache entry here is only the index (its
+        # slices are kept by the ranks, `keep_in_group`).
+        self.cache: list[Any] = []
         self._pending: tuple[int, int] | None = None  # rides on the next call
         self._reset = True  # the first call of a request starts the ranks' caches afresh
         # Where the time goes (for reports): waiting on the group, of which the ranks' own
@@ -209,6 +218,14 @@ class TensorForward:
         self.ranks_s = 0.0
         self.compute_s = 0.0
         self.rows = 0
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self.rank0.call(msg, self.timeout, self.check)
+        except TensorError as e:
+            self.rank0.kill()  # its collective may be blocked for good: the group is over
+            raise TensorError(f"tensor-parallel group of {self.label} broke mid-request: "
+                              f"{e}") from None
 
     def _run(self, tokens: list[int]) -> mx.array:
         import mlx.core as mx
@@ -220,12 +237,7 @@ class TensorForward:
         msg = {"op": "run", "x": wire.pack_array(x), "reset": self._reset,
                "rollback": list(self._pending) if self._pending else None}
         t1 = time.perf_counter()
-        try:
-            out = self.rank0.call(msg, self.timeout, self.check)
-        except TensorError as e:
-            self.rank0.kill()  # its collective may be blocked for good: the group is over
-            raise TensorError(f"tensor-parallel group of {self.label} broke mid-request: "
-                              f"{e}") from None
+        out = self._call(msg)
         self.wait_s += time.perf_counter() - t1
         self.ranks_s += float(out.get("cs") or 0.0)
         self.calls += 1
@@ -249,7 +261,28 @@ class TensorForward:
         return out
 
     def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
-        return 0  # no prefix cache on tensor placements: the prompt is prefilled whole
+        """A prefix-cache hit in this member's index: every rank adopts its own slice of the
+        entry under `key` (tokens and the next one) at exactly len(tokens) positions. Returns
+        the positions now held: len(tokens), or 0 when some rank missed (then every rank
+        starts empty and the prompt is prefilled whole: never a wrong answer)."""
+        out = self._call({"op": "restore", "length": len(tokens),
+                          "key": [int(t) for t in key]})
+        self._reset = False  # the ranks' caches are set: the entry's, or empty
+        self._pending = None
+        held = int(out.get("held") or 0)
+        if held != len(tokens):
+            log.info("tensor: prefix of %d tokens missing on some rank: full prefill",
+                     len(tokens))
+            return 0
+        return held
+
+    def keep_in_group(self, key: list[int]) -> int | None:
+        """Have every rank keep its caches (after the pending rollback) under `key`, now; the
+        bytes of the largest rank's slice, or None when some rank did not keep it."""
+        out = self._call({"op": "store", "key": [int(t) for t in key],
+                          "rollback": list(self._pending) if self._pending else None})
+        self._pending = None
+        return int(out.get("bytes") or 0) if out.get("ok") else None
 
     def prefill(self, tokens: list[int]) -> None:
         import mlx.core as mx
@@ -274,3 +307,33 @@ class TensorForward:
 
     def close(self) -> None:
         """Nothing to send: the next request's first call resets the ranks' caches."""
+
+
+def measure_group_widths(head: Any, tokenizer: Any, rank0: RankProcess,
+                         check: Callable[[], str | None] | None = None,
+                         timeout: float | None = None) -> dict[int, float]:
+    """Seconds of one verify call of w rows on this group, as the decode loop pays it (embedding,
+    the pipe, the ranks' slices and collectives, norm and head), for the widths the depth
+    controller interpolates between: the fastest of a few reps after a short prefill, each
+    capped by the wider widths' (`non_decreasing`: a shared CPU's noise). Run when
+    a group forms, before any request may use it (the calls reset the ranks' caches).
+
+    Why the group's own table: one process's table (`bench --widths`) grows with w as its
+    matmuls do, while a group's call is dominated by its collectives and the pipe, which cost
+    the same at any w; with the wrong table the controller drafts too shallow."""
+    from skulkp2p.engine.width_costs import (
+        GROUP_REPS,
+        GROUP_WIDTHS,
+        WIDTH_PREFILL,
+        WIDTH_TEXT,
+        measure_forward_seconds,
+        non_decreasing,
+    )
+
+    ids = list(tokenizer.encode(WIDTH_TEXT))
+    need = WIDTH_PREFILL + max(GROUP_WIDTHS)
+    while len(ids) < need:
+        ids += ids
+    fwd = TensorForward(head, rank0, check=check, timeout=timeout, label="the width probe")
+    return non_decreasing(measure_forward_seconds(fwd, ids[:need], GROUP_WIDTHS, WIDTH_PREFILL,
+                                                  GROUP_REPS))

@@ -16,7 +16,19 @@ each writes one "ready" frame on its stdout and exits when its stdin closes or t
 Commands (rank 0's stdin): {"op": "run", "x": rows [w, H], "rollback": [keep, dropped] | None,
 "reset": bool} -> {"op": "out", "h": rows [w, H], "cs": seconds}; {"op": "probe", "width": w,
 "count": n} -> {"op": "probe", "s": seconds} (n all-sums of w rows alone: what the collectives
-cost, for the bench's split of the time); {"op": "stop"}.
+cost, for the bench's split of the time); {"op": "restore", "length": n, "key": [ids]} ->
+{"op": "restored", "held": n | 0}; {"op": "store", "key": [ids], "rollback": [keep, dropped] |
+None} -> {"op": "stored", "ok": bool, "bytes": the largest rank's entry}; {"op": "compute",
+"width": w, "count": n} -> {"op": "compute", "s": seconds} (n forwards of w rows through this
+rank's slice with no collective, after a 64-row prefill: a rank's own compute, for the bench's
+split of the time; every rank runs it at once, as in a call); {"op": "stop"}.
+
+The prefix cache (`--prefix-cache-mb`): every rank keeps its own slice of every entry in its own
+`PrefixCache`, under the keys the loop's member names (it keeps the index and decides hits).
+"restore" has every rank fetch the entry for `key` at exactly `length` positions; one all-sum
+of the ranks' misses tells all of them whether anyone missed, and then every rank starts from
+empty caches (the prompt is prefilled whole: never a wrong answer). "store" applies the
+pending rollback and keeps the caches under `key` on every rank.
 """
 
 from __future__ import annotations
@@ -32,8 +44,11 @@ from typing import Any, BinaryIO
 from skulkp2p import wire
 
 FRAME = "tp"
-OP_RUN, OP_STOP, OP_PROBE = 1, 2, 3
-HEADER_INTS = 4  # op, width, rollback dropped (a probe: its count), reset
+OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE, OP_COMPUTE = 1, 2, 3, 4, 5, 6
+COMPUTE_PREFILL = 64
+# op, width (restore/store: the key's length), rollback dropped (a probe: its count; a
+# restore: the positions to restore), reset
+HEADER_INTS = 4
 
 
 def write_frame(out: BinaryIO, msg: dict[str, Any]) -> None:
@@ -86,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--hostfile", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prefix-cache-mb", type=float, default=0.0)
     args = ap.parse_args(argv)
     os.environ["MLX_RANK"] = str(args.rank)
     os.environ["MLX_HOSTFILE"] = args.hostfile
@@ -95,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from skulkp2p.engine.caches import trim
+    from skulkp2p.engine.prefix_cache import MB, PrefixCache
     from skulkp2p.engine.stage import param_bytes
     from skulkp2p.engine.trunk import Trunk
 
@@ -118,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     write_frame(out, {"op": "ready", "rank": args.rank, "param_bytes": param_bytes(model),
                       "active_bytes": mx.get_active_memory(), "pid": os.getpid()})
     cache = make_prompt_cache(model)
+    prefix = PrefixCache(int(args.prefix_cache_mb * MB)) if args.prefix_cache_mb > 0 else None
     decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
     inp = sys.stdin.buffer
     while True:
@@ -130,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
             elif msg.get("op") == "probe":
                 header = mx.array([OP_PROBE, int(msg["width"]), int(msg["count"]), 0],
                                   dtype=mx.int32)
+            elif msg.get("op") == "compute":
+                header = mx.array([OP_COMPUTE, int(msg["width"]), int(msg["count"]), 0],
+                                  dtype=mx.int32)
+            elif msg.get("op") == "restore":
+                key_in = [int(t) for t in msg["key"]]
+                header = mx.array([OP_RESTORE, len(key_in), int(msg["length"]), 0],
+                                  dtype=mx.int32)
+            elif msg.get("op") == "store":
+                key_in = [int(t) for t in msg["key"]]
+                rb = msg.get("rollback") or [0, 0]
+                header = mx.array([OP_STORE, len(key_in), int(rb[1]), 0], dtype=mx.int32)
             else:
                 rb = msg.get("rollback") or [0, 0]
                 x_in = wire.unpack_array(msg["x"], as_mlx=True).astype(dtype)
@@ -147,6 +176,25 @@ def main(argv: list[str] | None = None) -> int:
             if args.rank == 0:
                 write_frame(out, {"op": "probe", "s": round(time.perf_counter() - t0, 6)})
             continue
+        if op == OP_COMPUTE:
+            took = _compute_alone(model, body, width, dropped, hidden, dtype)
+            mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))  # everyone done
+            if args.rank == 0:
+                write_frame(out, {"op": "compute", "s": round(took, 6)})
+            continue
+        if op in (OP_RESTORE, OP_STORE):
+            key = _share_key(key_in if args.rank == 0 else None, width, group)
+            if op == OP_RESTORE:
+                cache, held = _restore(prefix, model, key, dropped, group)
+                if args.rank == 0:
+                    write_frame(out, {"op": "restored", "held": held})
+            else:
+                if dropped:
+                    trim(cache, dropped)
+                ok, nbytes = _store(prefix, cache, key, args.rank, args.size, group)
+                if args.rank == 0:
+                    write_frame(out, {"op": "stored", "ok": ok, "bytes": nbytes})
+            continue
         if reset:
             cache = make_prompt_cache(model)
         elif dropped:
@@ -158,6 +206,74 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             write_frame(out, {"op": "out", "h": wire.pack_array(h),
                               "cs": round(time.perf_counter() - t0, 6)})
+
+
+def _compute_alone(model: Any, body: Any, width: int, count: int, hidden: int,
+                   dtype: Any) -> float:
+    """Seconds of `count` forwards of `width` rows through this rank's slice alone (no
+    collective), each rolled back, after a COMPUTE_PREFILL-row prefill; a scratch cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from skulkp2p.engine.caches import trim
+    from skulkp2p.engine.tensor_shard import without_collectives
+
+    scratch = make_prompt_cache(model)
+    with without_collectives():
+        mx.eval(body(None, scratch, input_embeddings=mx.zeros((1, COMPUTE_PREFILL, hidden),
+                                                               dtype=dtype)))
+        rows = mx.zeros((1, width, hidden), dtype=dtype)
+        mx.eval(body(None, scratch, input_embeddings=rows))  # warm this width
+        trim(scratch, width)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            mx.eval(body(None, scratch, input_embeddings=rows))
+            trim(scratch, width)
+        return time.perf_counter() - t0
+
+
+def _share_key(key: list[int] | None, n: int, group: Any) -> list[int]:
+    """Rank 0's token ids, to every rank (the others add zeros)."""
+    import mlx.core as mx
+
+    mine = mx.array(key, dtype=mx.int32) if key is not None else mx.zeros((n,), dtype=mx.int32)
+    return [int(t) for t in mx.distributed.all_sum(mine, group=group).tolist()]
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    import mlx.core as mx
+
+    return int(mx.distributed.all_sum(mx.array([int(flag)], dtype=mx.int32),
+                                      group=group).item()) > 0
+
+
+def _restore(prefix: Any, model: Any, key: list[int], length: int,
+             group: Any) -> tuple[list[Any], int]:
+    """(this rank's caches, positions held): the entry for `key` at exactly `length`
+    positions if every rank has its own slice of it, else empty caches everywhere."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    hit = None
+    if length > 0 and prefix is not None and len(key) == length + 1:
+        hit = prefix.fetch(key, want=length)
+    if _any_rank(hit is None, group) or hit is None:
+        return make_prompt_cache(model), 0
+    return hit.caches, length
+
+
+def _store(prefix: Any, cache: list[Any], key: list[int], rank: int, size: int,
+           group: Any) -> tuple[bool, int]:
+    """Keep this rank's caches under `key`; (whether every rank kept its slice, the bytes of
+    the largest rank's entry: what the loop member's index counts against its bound)."""
+    import mlx.core as mx
+
+    kept = prefix is not None and prefix.store(key, cache)
+    nbytes = (prefix.entry_bytes(key) or 0) if kept else 0
+    row = mx.zeros((2, size), dtype=mx.int64)
+    row[0, rank] = int(kept)
+    row[1, rank] = nbytes
+    got = mx.distributed.all_sum(row, group=group).tolist()
+    return all(got[0]), int(max(got[1]))
 
 
 def _flat(tree: Any):

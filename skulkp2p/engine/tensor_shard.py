@@ -20,6 +20,8 @@ that member V x H more memory instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +126,21 @@ def layer_plan(model: nn.Module, rank: int, size: int) -> ShardPlan:
                        size, hidden, head_dim)[rank]
 
 
+_local_only = False  # set by without_collectives (a rank process is single-threaded)
+
+
+@contextmanager
+def without_collectives() -> Iterator[None]:
+    """Run the slices with their partial sums left unsummed: wrong values, the same compute.
+    Only for timing a rank's own compute apart from the collectives (the bench's breakdown)."""
+    global _local_only
+    _local_only = True
+    try:
+        yield
+    finally:
+        _local_only = False
+
+
 class _AllSum(nn.Module):
     """A linear layer over this member's input columns whose partial outputs are summed across
     the group (o_proj, down_proj). A bias is added once, after the sum."""
@@ -136,7 +153,9 @@ class _AllSum(nn.Module):
         self._group = group
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mx.distributed.all_sum(x @ self.weight.T, group=self._group)
+        y = x @ self.weight.T
+        if not _local_only:
+            y = mx.distributed.all_sum(y, group=self._group)
         return y + self.bias if "bias" in self else y
 
 

@@ -24,9 +24,18 @@ if TYPE_CHECKING:
 DEFAULT_WIDTHS = tuple(range(1, 17))
 WIDTH_PREFILL = 64
 WIDTH_REPS = 7
+# A tensor-parallel group measures its own table when it forms (engine/tensor.py): fewer widths
+# (the controller interpolates between them) and reps, so that forming a group stays quick.
+GROUP_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+GROUP_REPS = 3
+# Text for the measurement where no workload is at hand (the group's: dense layers only, so the
+# tokens do not change the cost; a mixture of experts would route by them).
+WIDTH_TEXT = ("def add(a, b):\n    return a + b\n\nclass Stack:\n    def __init__(self):\n"
+              "        self.items = []\n\n    def push(self, item):\n        self.items.append("
+              "item)\n\n    def pop(self):\n        return self.items.pop()\n")
 
 
-def _width_tokens(loaded: LoadedModel, text: str, n: int) -> list[int]:
+def width_tokens(loaded: LoadedModel, text: str, n: int) -> list[int]:
     ids = list(loaded.tokenizer.encode(text))
     if not ids:
         raise ValueError("the text for the width measurement encodes to no tokens")
@@ -46,7 +55,7 @@ def measure_width_seconds(loaded: LoadedModel, text: str, widths: Sequence[int] 
     from skulkp2p.engine.forward import LocalForward
 
     widths = sorted(set(widths))
-    tokens = _width_tokens(loaded, text, prefill + max(widths))
+    tokens = width_tokens(loaded, text, prefill + max(widths))
     fwd = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)))
     fwd.prefill(tokens[:prefill])
     # Restore the post-prefill cache after every forward, so each w sees the same context length
@@ -63,6 +72,40 @@ def measure_width_seconds(loaded: LoadedModel, text: str, widths: Sequence[int] 
             if rep:
                 times[w].append(dt)
     return {w: min(ts) for w, ts in times.items()}
+
+
+def measure_forward_seconds(forward: Any, tokens: list[int], widths: Sequence[int],
+                            prefill: int = WIDTH_PREFILL, reps: int = GROUP_REPS
+                            ) -> dict[int, float]:
+    """As measure_width_seconds, through any Forward whose caches trim back exactly (a tensor
+    group's `TensorForward`, whose caches live in other processes and cannot be snapshotted
+    here): every verify of w rows is rolled back (`rollback(0, w)`) before the next one, so each
+    width sees the same context length. Times the whole call as the decode loop sees it."""
+    widths = sorted(set(widths))
+    if len(tokens) < prefill + max(widths):
+        raise ValueError(f"need {prefill + max(widths)} tokens, got {len(tokens)}")
+    forward.prefill(tokens[:prefill])
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(reps + 1):  # rep 0 warms up every width
+        for w in widths:
+            t0 = time.perf_counter()
+            forward(tokens[prefill:prefill + w])
+            dt = time.perf_counter() - t0
+            forward.rollback(0, w)
+            if rep:
+                times[w].append(dt)
+    return {w: min(ts) for w, ts in times.items()}
+
+
+def non_decreasing(seconds: dict[int, float]) -> dict[int, float]:
+    """Each width's time capped by every wider one's: a verify of more rows never costs less,
+    so a time above a wider width's is noise (another process on a shared CPU), not cost."""
+    out: dict[int, float] = {}
+    cap = float("inf")
+    for w in sorted(seconds, reverse=True):
+        cap = min(cap, seconds[w])
+        out[w] = cap
+    return dict(sorted(out.items()))
 
 
 def relative_costs(seconds: dict[int, float]) -> dict[int, float]:

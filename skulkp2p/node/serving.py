@@ -208,7 +208,8 @@ class ClusterServing:
 
         role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
                           lambda: self.store.pull(spec),
-                          serving_dtype, on_ready=ready)
+                          serving_dtype, on_ready=ready,
+                          prefix_cache_mb=self.prefix_cache_mb)
         self.tensor_roles[model] = role
         role.start()
         if p.entry != self.name:
@@ -220,8 +221,28 @@ class ClusterServing:
 
             loaded = open_model(self.store, spec, head_only=True)
             loaded.make_forward = self._tensor_forward_factory(model, p.ring, loaded, role)
-            return MlxEngine(loaded, 0)  # the caches live in the ranks: no prefix cache
+            # The group's own width costs, measured each time a generation of it forms (before
+            # requests may use it); also now if it formed while the head was loading.
+            role.prepare = lambda proc: self._measure_group_widths(model, loaded, proc)
+            if role.ready and role.proc is not None:
+                self._measure_group_widths(model, loaded, role.proc)
+            # The prefix cache's index here; each rank keeps its own slice of every entry.
+            return MlxEngine(loaded, self.prefix_cache_mb)
         self._ensure_worker(model, p.spec.source, load)
+
+    @staticmethod
+    def _measure_group_widths(model: str, loaded: LoadedModel, proc: Any) -> None:
+        from skulkp2p.engine.tensor import TensorError, measure_group_widths
+        from skulkp2p.engine.width_costs import relative_costs
+
+        try:
+            seconds = measure_group_widths(loaded.model, loaded.tokenizer, proc)
+        except TensorError as e:
+            log.warning("tensor: %s: measuring the group's widths failed: %s", model, e)
+            return
+        loaded.width_costs = relative_costs(seconds)
+        log.info("tensor: %s: the group's verify costs (relative to one row): %s", model,
+                 ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())))
 
     def _tensor_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel,
                                 role: Any):

@@ -40,7 +40,8 @@ def free_port(host: str) -> int:
 class TensorRole:
     def __init__(self, node: Any, model: str, ring: tuple[str, ...], key: str,
                  model_path: Callable[[], Path], dtype: Callable[[], str],
-                 on_ready: Callable[[dict[str, Any]], None] | None = None):
+                 on_ready: Callable[[dict[str, Any]], None] | None = None,
+                 prefix_cache_mb: float = 0.0):
         self.node = node
         self.model = model
         self.ring = ring
@@ -49,6 +50,10 @@ class TensorRole:
         self.model_path = model_path  # blocking (may pull): called off the loop
         self.dtype = dtype
         self.on_ready = on_ready
+        self.prefix_cache_mb = prefix_cache_mb  # each rank's own slice of the prefix cache
+        # Run (off the loop) once a generation of the group has formed and before any request
+        # may use it: the loop's member measures the group's verify-width costs there.
+        self.prepare: Callable[[Any], None] | None = None
         self.gen = 0
         self.addr = ""
         self.proc: Any = None  # engine.tensor.RankProcess, when started
@@ -150,7 +155,8 @@ class TensorRole:
         if gen != self.gen:
             return
         proc = RankProcess(path, self.rank, addrs, self.dtype(),
-                           label=f"rank {self.rank} of {self.model}")
+                           label=f"rank {self.rank} of {self.model}",
+                           prefix_cache_mb=self.prefix_cache_mb)
         self.proc = proc
         log.info("tensor: %s: rank %d of %d started (pid %d, generation %d, %s)", self.model,
                  self.rank, len(addrs), proc.pid, gen, addrs[self.rank])
@@ -160,6 +166,12 @@ class TensorRole:
             log.warning("tensor: %s: rank %d did not form its group: %s", self.model,
                         self.rank, e)
             return  # the next step sees the process dead (or kills it on a new generation)
+        prepare = self.prepare
+        if prepare is not None and self.proc is proc:
+            try:
+                await loop.run_in_executor(None, prepare, proc)
+            except Exception as e:  # the group still serves, with the costs it had
+                log.warning("tensor: %s: preparing the group failed: %s", self.model, e)
         if self.proc is proc:
             self.ready = True
             log.info("tensor: %s: rank %d ready (%.1f MB held)", self.model, self.rank,
