@@ -43,6 +43,7 @@ class Arm:
     speculation: Any = None  # the request's `speculation` field, for engine arms
     memory: bool = True  # engine arms: the draft memory of earlier requests (else off)
     lookup: str | None = None  # engine arms: card's speculation.lookup.drafter for this arm
+    trees: bool = True  # engine arms: token trees (card's speculation.lookup.trees)
 
     @property
     def peer(self) -> bool:
@@ -52,9 +53,11 @@ class Arm:
 PLAIN = Arm("plain", "engine", "off")
 SPEC = Arm("spec", "engine", "auto")
 # The ablation of the model-free drafter, in "auto" mode beside the MTP head: the older n-gram
-# scan without memory, the suffix drafter without memory (spec is suffix + memory).
+# scan without memory, the suffix drafter without memory, suffix + memory with chains only
+# (spec is suffix + memory + token trees).
 ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, lookup="scan"),
-             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False)}
+             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False),
+             "spec_chain": Arm("spec_chain", "engine", "auto", trees=False)}
 
 
 def parse_arm(text: str) -> Arm:
@@ -71,6 +74,7 @@ def parse_arm(text: str) -> Arm:
     m = re.fullmatch(r"([a-z_]+):(\d+)", text)
     if not m or m.group(1) not in DRAFTER_NAMES:
         raise ValueError(f"unknown arm {text!r} (expected plain, spec, spec_scan, spec_nomem, "
+                         "spec_chain, "
                          "mlx_lm, mlx_lm_draft or "
                          f"DRAFTER:DEPTH with DRAFTER one of {', '.join(DRAFTER_NAMES)})")
     depth = int(m.group(2))
@@ -262,9 +266,13 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
         from skulkp2p.engine.mlx_engine import MlxEngine
 
         saved = loaded.speculation
+        lookup = dict(saved.get("lookup", {}))
         if arm.lookup is not None:
-            loaded.speculation = {**saved, "lookup": {**saved.get("lookup", {}),
-                                                      "drafter": arm.lookup}}
+            lookup["drafter"] = arm.lookup
+        if not arm.trees:
+            lookup["trees"] = False
+        if lookup != saved.get("lookup", {}):
+            loaded.speculation = {**saved, "lookup": lookup}
         try:
             engine = MlxEngine(loaded, prefix_cache_mb=0,
                                memory_tokens=memory_tokens if arm.memory else 0)

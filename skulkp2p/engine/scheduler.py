@@ -42,6 +42,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
+from skulkp2p.engine.tree import tree_capable, tree_inputs, validate_parents
 
 # A joining prompt prefills in chunks of at most this many tokens, one step of the decoding rows
 # between chunks. The same chunks whether alone or not, so a request's caches do not depend on
@@ -138,6 +139,7 @@ class BatchScheduler:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.stage = whole_model_stage(model)
+        self.trees = tree_capable(model)  # rows may verify token trees (engine/tree.py)
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
         self.lock = TicketLock()  # the model's, for every MLX call
@@ -270,8 +272,15 @@ class BatchScheduler:
         tokens = [r.submitted + [r.submitted[-1]] * (width - len(r.submitted))  # type: ignore
                   for r in rows]
         hidden = next((r.hidden for r in rows if r.hidden is not None), None)
+        tree = None
+        if any(r.submitted_tree is not None for r in rows):
+            # One row's tree makes the step a tree forward; the other rows are chains in it.
+            shapes = [r.submitted_tree or list(range(-1, len(r.submitted) - 1))  # type: ignore
+                      for r in rows]
+            tree = tree_inputs(self.rows.lengths, shapes, width)
         try:
-            logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
+            logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden,
+                                            tree=tree)
             mx.eval([a for a in (logits, h) if a is not None])
         except BaseException as e:  # every waiting row fails with it, not only this one
             for r in rows:
@@ -283,7 +292,7 @@ class BatchScheduler:
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
             r.result = logits[i, :w]
             r.result_hidden = h[i, :w] if h is not None and r.hidden is not None else None
-            r.submitted = None
+            r.submitted = r.submitted_tree = None
             out += [a for a in (r.result, r.result_hidden) if a is not None]
         # MLX runs a lazy array only on the thread that built it: every array another row's
         # thread reads is evaluated here.
@@ -334,6 +343,7 @@ class RowForward:
         self.local = StageCache(scheduler.stage)  # the prompt's caches until the row joins
         self.last_hidden: mx.array | None = None
         self.submitted: list[int] | None = None
+        self.submitted_tree: list[int] | None = None  # the submitted tokens' parents, a tree
         self.result: mx.array | None = None
         self.result_hidden: mx.array | None = None
         self.error: BaseException | None = None
@@ -341,6 +351,7 @@ class RowForward:
         self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
         self.closed = False
+        self._last_width = 0  # tokens of the last step (a tree's, for keep_path)
 
     @property
     def batch_size(self) -> int:
@@ -383,7 +394,38 @@ class RowForward:
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
 
+    @property
+    def trees(self) -> bool:
+        return self.scheduler.trees
+
     def __call__(self, tokens: list[int]) -> mx.array:
+        return self._submit(tokens, None)
+
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
+        """Logits of a token tree (engine/tree.py) in the batch's next forward; `keep_path`
+        then keeps the accepted path in this row's caches."""
+        if not self.trees:
+            raise ValueError("this model verifies chains only (not an attention-only family)")
+        validate_parents(parents)
+        if len(parents) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(parents)} parents")
+        return self._submit(tokens, parents)
+
+    def keep_path(self, path: list[int]) -> None:
+        """Keep node 0 and the accepted path of this row's last tree, in order."""
+        sched = self.scheduler
+        i = self.index
+        lengths = list(sched.rows.lengths)
+        start = lengths[i] - self._last_width
+        for layer in sched.layers:
+            layer.compact_row(i, start, path)
+        lengths[i] = start + 1 + len(path)
+        sched.rows.set(lengths)
+        sched._settle()
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[mx.array([0, *path])]
+
+    def _submit(self, tokens: list[int], parents: list[int] | None) -> mx.array:
         sched = self.scheduler
         if not self.joined:
             # Wait for a free row (a batch at max_batch admits the next row when one leaves).
@@ -392,6 +434,8 @@ class RowForward:
             self.joined = True
         self.result = self.error = None
         self.submitted = list(tokens)
+        self.submitted_tree = parents
+        self._last_width = len(tokens)
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
