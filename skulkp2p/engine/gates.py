@@ -181,8 +181,10 @@ class GatedDrafter:
                  request_id=None, weigh_batch: bool = True, trees: bool = False):
         """`weigh_batch`: let the batch's size change the depth (see DepthController.
         best_depth). Off for a seeded sampled request, whose text depends on which drafts
-        were offered: it must not depend on what else runs."""
+        were offered: it must not depend on what else runs. `trees`: may propose token trees
+        where the inner drafter offers branches (`propose_tree`)."""
         self.inner = inner
+        self.trees = trees
         self.weigh_batch = weigh_batch
         self.name = inner.name
         self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
