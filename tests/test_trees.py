@@ -257,3 +257,24 @@ def test_smollm2_trees_exact(smollm2_path):
     spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 96, make_rng(0),
                        tree_drafter(), 8, stats))
     assert spec == plain and stats.tree_rounds > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lookup_tree_with_mtp_branch_equals_plain(tiny_model, family, monkeypatch):
+    """auto beside an MTP head: lookup's tree carries the head's first choices as branches
+    (gates.LookupThenModel.propose_tree); the head follows the accepted path's rows; greedy
+    output equals plain."""
+    lm = load_model(tiny_model(family, mtp=True), family, dtype="float32")
+    assert lm.mtp is not None
+    monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)
+    engine = MlxEngine(lm, prefix_cache_mb=0, memory_tokens=0, max_batch=1)
+
+    def run(spec):
+        gen = engine.generate(parse_request({"prompt": CODE, "max_tokens": 48,
+                                             "speculation": spec}))
+        list(gen)
+        return gen.result
+
+    plain, auto = run("off"), run("auto")
+    assert auto.tokens == plain.tokens
+    assert auto.speculation.tree_rounds > 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from skulkp2p.engine.suffix import Branch
 from skulkp2p.engine.tree import DraftTree
 
 log = logging.getLogger("skulkp2p.spec")
@@ -113,6 +114,9 @@ SIDE_PRIOR_ACCEPT = 0.5
 SIDE_PRIOR_WEIGHT = 4.0
 # A round's tree holds at most this many draft nodes beside its chain.
 MAX_SIDE_NODES = 12
+# Beside lookup's chain, the model drafter's (MTP head's) likeliest first tokens offered as
+# branches (the gate keeps those that pay).
+MODEL_BRANCHES = 2
 
 
 def build_tree(main: list[int], branches: list, rates: list[float], side_rate: float,
@@ -211,9 +215,11 @@ class GatedDrafter:
         return (self.side_taken + SIDE_PRIOR_ACCEPT * SIDE_PRIOR_WEIGHT) / (
             self.side_trials + SIDE_PRIOR_WEIGHT)
 
-    def propose_tree(self, history: list[int], k: int) -> DraftTree | None:
+    def propose_tree(self, history: list[int], k: int, extra: list | None = None
+                     ) -> DraftTree | None:
         """A token tree for this round (gates.build_tree), or None: the chain `propose` would
-        give, with the side branches the inner drafter offers where they pay for their width."""
+        give, with the side branches the inner drafter offers (and `extra` ones from another
+        drafter) where they pay for their width."""
         branch_out = getattr(self.inner, "propose_branches", None)
         if branch_out is None or not self.trees or not self.on:
             draft, _ = self.propose(history, k)
@@ -224,6 +230,9 @@ class GatedDrafter:
         main, branches = branch_out(history, depth)
         if not main:
             return None
+        if extra:
+            offered = {b.tokens[0] for b in branches if b.depth == 0} | {main[0]}
+            branches = branches + [b for b in extra if b.tokens[0] not in offered]
         rows = max(1, self.controller.batch()) if self.controller.batch is not None else 1
         return build_tree(main, branches, self.controller.rates(), self.side_rate,
                           self.controller.costs, rows, self.controller.draft_cost)
@@ -357,7 +366,13 @@ class LookupThenModel:
         return self.model.propose(history, k)
 
     def propose_tree(self, history: list[int], k: int) -> DraftTree | None:
-        tree = self.lookup.propose_tree(history, k)
+        """Lookup's tree, with the model drafter's first choice beside it as one more branch
+        (an MTP head has it at hand: nothing runs) where it differs and pays."""
+        extra = []
+        choices = getattr(self.model.inner, "first_choices", None)
+        if choices is not None and self.model.on:
+            extra = [Branch(0, [t], p) for t, p in choices(MODEL_BRANCHES)]
+        tree = self.lookup.propose_tree(history, k, extra)
         if tree is not None:
             self._source = self.lookup
             return tree
