@@ -53,10 +53,10 @@ class Arm:
 PLAIN = Arm("plain", "engine", "off")
 SPEC = Arm("spec", "engine", "auto")
 # The ablation of the model-free drafter, in "auto" mode beside the MTP head: the older n-gram
-# scan without memory, the suffix drafter without memory, suffix + memory with chains only
+# scan without memory, the suffix drafter alone (chains, no memory), suffix + memory with chains
 # (spec is suffix + memory + token trees).
 ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, lookup="scan"),
-             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False),
+             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False, trees=False),
              "spec_chain": Arm("spec_chain", "engine", "auto", trees=False)}
 
 
