@@ -370,7 +370,7 @@ class LookupThenModel:
         (an MTP head has it at hand: nothing runs) where it differs and pays."""
         extra = []
         choices = getattr(self.model.inner, "first_choices", None)
-        if choices is not None and self.model.on:
+        if choices is not None and self.model.on and self.lookup.trees and self.lookup.on:
             extra = [Branch(0, [t], p) for t, p in choices(MODEL_BRANCHES)]
         tree = self.lookup.propose_tree(history, k, extra)
         if tree is not None:
