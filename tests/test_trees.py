@@ -278,3 +278,17 @@ def test_lookup_tree_with_mtp_branch_equals_plain(tiny_model, family, monkeypatc
     plain, auto = run("off"), run("auto")
     assert auto.tokens == plain.tokens
     assert auto.speculation.tree_rounds > 0
+
+
+def test_tree_sim_replays_a_greedy_output(models):
+    """tools/tree_sim.py drives the real loop with an oracle verifier: the replay must
+    reproduce the output (it asserts so) and count its rounds."""
+    from tools.tree_sim import replay
+
+    lm = models["llama"]
+    prompt = lm.tokenizer.encode(CODE)
+    tokens = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 48, make_rng(0)))
+    for trees in (False, True):
+        r = replay(prompt, tokens, [], FREE_WIDTH, 8, trees)
+        assert r["rounds"] < len(tokens) and r["accepted"] > 0
+        assert (r["tree_rounds"] > 0) == trees
