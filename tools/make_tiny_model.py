@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tools/make_tiny_model.py --family llama|qwen3|qwen3_5 --out DIR [--seed N]
+    python tools/make_tiny_model.py --family llama|qwen2|qwen3|qwen3_5 --out DIR [--seed N]
         [--mtp] [--mtp-style qwen|deepseek|mimo]
     python tools/make_tiny_model.py --family gemma4_text --out DIR [--seed N]
         [--assistant ordered|dense --assistant-out DIR2]   (tools/tiny_gemma4.py)
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma4_text")  # gemma4_text: tools/tiny_gemma4.py
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5", "gemma4_text")  # gemma4_text: tools/tiny_gemma4.py
 MTP_STYLES = ("qwen", "deepseek", "mimo")
 
 VOCAB_SIZE = 512
@@ -225,6 +225,9 @@ def _attention_layer(family: str, p: str) -> TensorSpec:
     spec[f"{p}self_attn.k_proj.weight"] = _linear(kv, HIDDEN)
     spec[f"{p}self_attn.v_proj.weight"] = _linear(kv, HIDDEN)
     spec[f"{p}self_attn.o_proj.weight"] = _linear(HIDDEN, q)
+    if family == "qwen2":  # Qwen2 biases its q, k and v projections
+        for name, dim in (("q", q), ("k", kv), ("v", kv)):
+            spec[f"{p}self_attn.{name}_proj.bias"] = ((dim,), ("normal", 0.1))
     if family in ("qwen3", "qwen3_5"):
         spec[f"{p}self_attn.q_norm.weight"] = _norm(head_dim, zc)
         spec[f"{p}self_attn.k_norm.weight"] = _norm(head_dim, zc)
@@ -447,6 +450,14 @@ def _config(family: str, mtp: bool, mtp_style: str) -> dict:
             "head_dim": HEAD_DIM,
             "mlp_bias": False,
             "rope_theta": 10000.0,
+            "rope_scaling": None,
+        }
+    elif family == "qwen2":
+        config = {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            **common,
+            "rope_theta": 1000000.0,
             "rope_scaling": None,
         }
     elif family == "qwen3":

@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from skulkp2p.engine.tree import compact_positions
+
 # Buffers grow by this many positions (as mlx-lm's KVCache does).
 STEP = 256
 
@@ -210,6 +212,18 @@ class RowsKVCache:
 
     def restore_row(self, row: int) -> None:
         """Nothing to do: the row's length going down forgets its keys."""
+
+    def compact_row(self, row: int, start: int, path: list[int]) -> None:
+        """Row `row` verified a token tree written at `start`: move the accepted path's nodes
+        right after node 0 (engine/tree.py; the row's length is set by the caller)."""
+        moves = compact_positions(start, path)
+        if moves is None or self.keys is None or self.values is None:
+            return
+        dst, src = moves
+        idx = mx.array(src)
+        span = slice(dst[0], dst[-1] + 1)
+        self.keys[row:row + 1, :, span, :] = self.keys[row:row + 1, :, idx, :]
+        self.values[row:row + 1, :, span, :] = self.values[row:row + 1, :, idx, :]
 
     # What generic cache code asks of a cache (checkpoint rules, byte counts).
     def is_trimmable(self) -> bool:

@@ -24,6 +24,7 @@ from skulkp2p.engine.sampling import (
     sample_from,
     target_probs,
 )
+from skulkp2p.engine.tree import DraftTree, greedy_walk
 
 
 class Drafter(Protocol):
@@ -48,6 +49,18 @@ class Drafter(Protocol):
         ...
 
 
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that may propose a token tree (engine/tree.py) instead of a chain. The loop
+    asks for trees only on greedy requests whose forward verifies trees; a tree that is a
+    chain is verified as a chain (`observe`), any other one in one tree forward, after which
+    `observe_tree` gets the tree, the accepted path's node indices and the emitted tokens, with
+    `forward.last_hidden` holding the rows of [pending, *path] (what a chain round leaves)."""
+
+    def propose_tree(self, history: list[int], k: int) -> DraftTree | None: ...
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward: Forward) -> None: ...
+
+
 @dataclass
 class DecodeStats:
     rounds: int = 0  # verify rounds that carried at least one draft token
@@ -56,6 +69,7 @@ class DecodeStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     drafted_at: list[int] = field(default_factory=list)
     pipelined: int = 0  # tokens plain greedy emitted pipelined (step n+1 built during step n)
+    tree_rounds: int = 0  # rounds verified as a tree (more than one branch)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -67,6 +81,21 @@ class DecodeStats:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
         for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+
+
+    def record_tree(self, tree: DraftTree, accepted: int) -> None:
+        """A tree round: every node counts as drafted; per position, the tree's depths."""
+        self.tree_rounds += 1
+        self.rounds += 1
+        self.drafted += len(tree)
+        self.accepted += accepted
+        depth = max(tree.depths())
+        while len(self.drafted_at) < depth:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(depth):
             self.drafted_at[i] += 1
             self.accepted_at[i] += int(i < accepted)
 
@@ -146,13 +175,34 @@ def decode(
     if history is None:
         history = []
     history[:] = prompt
+    # Trees only where greedy acceptance decides (sampled requests keep chains: no multi-draft
+    # rejection rule here yet) and the forward verifies them (attention-only families).
+    trees = (plain_rows and drafter is not None and hasattr(drafter, "propose_tree")
+             and getattr(forward, "trees", False))
     produced = 0
     if drafter is None and plain_rows and max_tokens > 0 and _may_pipeline(forward, keeps):
         produced, pending = yield from _pipelined_greedy(forward, pending, max_tokens, history,
                                                          keeps, stats)
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
-        draft, q = drafter.propose(history, k) if k > 0 else ([], None)
+        tree = None
+        if trees and k > 0:
+            tree = drafter.propose_tree(history, k)
+            draft, q = ([], None) if tree is None else (tree.tokens, None)
+            if tree is not None and tree.is_chain:
+                tree = None
+        else:
+            draft, q = drafter.propose(history, k) if k > 0 else ([], None)
+        if tree is not None:
+            emitted, path = _tree_round(forward, pending, tree)
+            stats.record_tree(tree, len(path))
+            drafter.observe_tree(tree, path, emitted, forward)
+            history.extend(emitted)
+            pending = emitted[-1]
+            for token in emitted:
+                produced += 1
+                yield token
+            continue
         logits = forward([pending, *draft])
         emitted: list[int] = []
         accepted = 0
@@ -183,6 +233,18 @@ def decode(
         for token in emitted:
             produced += 1
             yield token
+
+
+def _tree_round(forward, pending: int, tree: DraftTree) -> tuple[list[int], list[int]]:
+    """Verify a tree in one forward, walk it greedily, keep the accepted path in the caches:
+    (emitted tokens, the path's node indices)."""
+    tokens = [pending, *tree.tokens]
+    parents = tree.all_parents()
+    logits = forward.verify_tree(tokens, parents)
+    chosen = greedy_tokens(logits[:len(tokens)])
+    path, token = greedy_walk(parents, tokens, chosen)
+    forward.keep_path(path)
+    return [tokens[j] for j in path] + [token], path
 
 
 def _may_pipeline(forward: Forward, keeps: bool) -> bool:

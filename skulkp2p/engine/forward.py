@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from skulkp2p.engine import caches
 from skulkp2p.engine.stage import StageModel, StageSpan
+from skulkp2p.engine.tree import compact_kv, tree_capable
 from skulkp2p.engine.trunk import Trunk
 
 
@@ -29,6 +30,14 @@ class Forward(Protocol):
     def prefill(self, tokens: list[int]) -> None: ...
     def __call__(self, tokens: list[int]) -> mx.array: ...
     def rollback(self, keep: int, dropped: int) -> None: ...
+
+
+class TreeForward(Forward, Protocol):
+    """A forward that also verifies token trees (engine/tree.py) in one call."""
+    trees: bool  # whether this forward takes trees now (attention-only families)
+
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array: ...
+    def keep_path(self, path: list[int]) -> None: ...
 
 
 class StageCache:
@@ -42,6 +51,7 @@ class StageCache:
         self.cache: list[Any] = make_prompt_cache(stage.model)
         self._snapshot: caches.Snapshot | None = None
         self._inputs: Any = None
+        self._tree_start = 0  # where the last tree verify wrote its node 0
 
     def reset(self) -> None:
         self.cache = make_prompt_cache(self.stage.model)
@@ -55,9 +65,17 @@ class StageCache:
         self._snapshot = None
 
     def run(self, x: Any, *, verify: bool, logits: bool = False,
-            hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
+            hidden: str | None = None, tree: list[int] | None = None
+            ) -> tuple[mx.array | None, mx.array | None]:
         width = len(x) if isinstance(x, list) else x.shape[0]
         self._snapshot = None
+        if tree is not None:
+            if caches.needs_snapshot(self.cache, width):
+                raise ValueError("token trees need plain KV caches (attention-only layers)")
+            self._tree_start = self.cache[0].offset
+            out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
+            mx.eval([a for a in (out, h) if a is not None])
+            return out, h
         if verify and width > 1 and caches.needs_snapshot(self.cache, width):
             self._snapshot = caches.snapshot(self.cache, width)
             self._inputs = x
@@ -74,6 +92,11 @@ class StageCache:
             self.stage.run(self._inputs[:n], self.cache, logits=False)
             mx.eval([c.state for c in self.cache])
         caches.rollback(self.cache, snap, dropped, replay, keep)
+
+    def keep_path(self, path: list[int]) -> None:
+        """After a tree verify: keep node 0 and the accepted path's nodes, in order."""
+        for entry in self.cache:
+            compact_kv(entry, self._tree_start, path)
 
 
 def whole_model_stage(model: nn.Module) -> StageModel:
@@ -95,6 +118,7 @@ class LocalForward:
         self.prefill_step = prefill_step
         self.last_hidden: mx.array | None = None
         self.interrupt = interrupt  # raises to abandon a long prefill between chunks
+        self.trees = tree_capable(model)
 
     @property
     def cache(self) -> list[Any]:
@@ -133,6 +157,24 @@ class LocalForward:
     def rollback(self, keep: int, dropped: int) -> None:
         """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
         self.local.rollback(keep, dropped)
+
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
+        """Logits [w, V] of a token tree (node 0 the pending token; `parents` as
+        engine/tree.py), appended to the cache; `keep_path` then keeps the accepted path."""
+        if not self.trees:
+            raise ValueError("this model verifies chains only (not an attention-only family)")
+        logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden,
+                                   tree=parents)
+        if h is not None:
+            self.last_hidden = h
+        return logits
+
+    def keep_path(self, path: list[int]) -> None:
+        """Keep node 0 and the accepted path of the last tree; `last_hidden` becomes their
+        rows, in order (what a chain verify of that path leaves)."""
+        self.local.keep_path(path)
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[mx.array([0, *path])]
 
     def lazy_logits(self, token: mx.array) -> mx.array:
         """Logits [1, V] of one token given as an mx array [1], appended to the cache, NOT

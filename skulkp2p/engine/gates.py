@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from skulkp2p.engine.suffix import Branch
+from skulkp2p.engine.tree import DraftTree
+
 log = logging.getLogger("skulkp2p.spec")
 
 # Cost of a verify of w tokens relative to one on a 2-core x86 CPU for SmolLM2-135M (where it
@@ -130,6 +133,70 @@ class DepthController:
         return best_k, best_gain
 
 
+# Belief that a side branch offered beside the chain is taken when the chain's token at its
+# depth is rejected, before any is measured (weighs as much as this many trials).
+SIDE_PRIOR_ACCEPT = 0.5
+SIDE_PRIOR_WEIGHT = 4.0
+# A round's tree holds at most this many draft nodes beside its chain.
+MAX_SIDE_NODES = 12
+# Beside lookup's chain, the model drafter's (MTP head's) likeliest first tokens offered as
+# branches (the gate keeps those that pay).
+MODEL_BRANCHES = 2
+
+
+def build_tree(main: list[int], branches: list, rates: list[float], side_rate: float,
+               costs: dict[int, float], rows: int = 1, draft_cost: float = 0.0) -> DraftTree:
+    """The chain plus the side branches that pay for their width.
+
+    The chain's node at depth d is reached with r_d = a_1 ... a_d; a branch standing in for the
+    chain's token d + 1 is taken with about r_d (1 - a_{d+1}) s share-weighted (s: the measured
+    chance a branch is taken when the chain is rejected there), and then emits its tokens at
+    the chain's rates. A branch (or its first token alone) goes in only when the round's
+    expected tokens per unit of forward cost, E / c(rows x width), goes up with it."""
+    tree = DraftTree.chain(main)
+    m = len(main)
+    reach = [1.0]
+    for a in rates[:m]:
+        reach.append(reach[-1] * a)
+    expected = sum(reach[:m + 1])
+    base = width_cost(costs, rows)
+
+    def value(e: float, width: int) -> float:
+        step = width_cost(costs, rows * width) + draft_cost * (width - 1)
+        return (rows - 1 + e) * base / (rows * step)
+
+    scored = []
+    for b in branches:
+        d = b.depth
+        if d >= m or not b.tokens:
+            continue
+        a_next = rates[d] if d < len(rates) else 0.5
+        taken = reach[d] * (1.0 - a_next) * side_rate * min(1.0, 2.0 * b.share)
+        scored.append((taken, b))
+    scored.sort(key=lambda x: -x[0])
+    added = 0
+    for taken, b in scored:
+        for length in (min(len(b.tokens), m - b.depth), 1):
+            if added + length > MAX_SIDE_NODES:
+                continue
+            gain, r = 0.0, taken
+            for i in range(length):
+                gain += r
+                r *= rates[b.depth + 1 + i] if b.depth + 1 + i < len(rates) else 0.5
+            width = 1 + len(tree)
+            if value(expected + gain, width + length) > value(expected, width):
+                parent = b.depth  # the chain's node at depth d is node d
+                first = None
+                for t in b.tokens[:length]:
+                    parent = tree.add(parent, t)
+                    first = parent if first is None else first
+                tree.side.append(first)
+                expected += gain
+                added += length
+                break
+    return tree
+
+
 class GatedDrafter:
     """Wraps a drafter with the runtime gate and the depth controller.
 
@@ -140,11 +207,13 @@ class GatedDrafter:
     def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
                  start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, log_every: int = 64,
-                 request_id=None, weigh_batch: bool = True):
+                 request_id=None, weigh_batch: bool = True, trees: bool = False):
         """`weigh_batch`: let the batch's size change the depth (see DepthController.
         best_depth). Off for a seeded sampled request, whose text depends on which drafts
-        were offered: it must not depend on what else runs."""
+        were offered: it must not depend on what else runs. `trees`: may propose token trees
+        where the inner drafter offers branches (`propose_tree`)."""
         self.inner = inner
+        self.trees = trees
         self.weigh_batch = weigh_batch
         self.name = inner.name
         self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
@@ -160,6 +229,56 @@ class GatedDrafter:
         self._next_log = log_every
         self.request_id = request_id
         self._recent: list[int] = []
+        self.side_offered = 0  # side branches offered beside the chain (trees)
+        self.side_trials = 0  # ... whose parent was reached and the chain rejected below it
+        self.side_taken = 0  # ... and that were then taken
+        self.tree_rounds = 0
+
+    @property
+    def side_rate(self) -> float:
+        """Chance a side branch is taken when the chain is rejected at its depth."""
+        return (self.side_taken + SIDE_PRIOR_ACCEPT * SIDE_PRIOR_WEIGHT) / (
+            self.side_trials + SIDE_PRIOR_WEIGHT)
+
+    def propose_tree(self, history: list[int], k: int, extra: list | None = None
+                     ) -> DraftTree | None:
+        """A token tree for this round (gates.build_tree), or None: the chain `propose` would
+        give, with the side branches the inner drafter offers (and `extra` ones from another
+        drafter) where they pay for their width."""
+        branch_out = getattr(self.inner, "propose_branches", None)
+        if branch_out is None or not self.trees or not self.on:
+            draft, _ = self.propose(history, k)
+            return DraftTree.chain(draft) if draft else None
+        depth = self._depth(k)
+        if depth == 0:
+            return None
+        main, branches = branch_out(history, depth)
+        if not main:
+            return None
+        if extra:
+            offered = {b.tokens[0] for b in branches if b.depth == 0} | {main[0]}
+            branches = branches + [b for b in extra if b.tokens[0] not in offered]
+        # (the rows of this forward price its widths: c(rows x width), as a chain alone)
+        rows = len(self.controller.batch().widths) + 1 if self.controller.batch is not None else 1
+        return build_tree(main, branches, self.controller.rates(), self.side_rate,
+                          self.controller.costs, rows, self.controller.draft_cost)
+
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward) -> None:
+        """A tree round: the chain's controller learns from the chain's part of the path (how
+        deep the chain was right), the side estimate from whether a side branch was taken."""
+        on_chain = 0
+        while on_chain < len(path) and path[on_chain] == on_chain + 1 and on_chain < tree.main:
+            on_chain += 1
+        self.tree_rounds += 1
+        self.side_offered += len(tree.side)
+        depths = tree.depths()
+        for node in tree.side:
+            d = depths[node] - 1  # the branch stands in for the chain's token d + 1
+            if on_chain == d:
+                self.side_trials += 1
+                self.side_taken += len(path) > d and path[d] == node
+        self._observe(len(tree), len(path), emitted, forward, chain=(tree.main, on_chain))
 
     def begin(self, prompt: list[int], forward) -> None:
         # A row of a batch shows the other rows of its forwards (a forward of its own: none).
@@ -172,17 +291,26 @@ class GatedDrafter:
     def propose(self, history: list[int], k: int):
         if not self.on:
             return [], None
+        depth = self._depth(k)
+        if depth == 0:
+            return [], None
+        return self.inner.propose(history, depth)
+
+    def _depth(self, k: int) -> int:
         depth, _ = self.controller.best_depth(k)
         if depth == 0 and self.controller.best_depth(k, SOLO)[0] > 0:
-            return [], None  # pays alone but not in this batch: back off for this round only
+            return 0  # pays alone but not in this batch: back off for this round only
         if depth == 0:
             # Once the estimate says no depth pays, it cannot change without drafting: the
             # drafter is off for this request (lookup may come back, see observe).
             self._switch(False, "acceptance below break-even")
-            return [], None
-        return self.inner.propose(history, depth)
+        return depth
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+        self._observe(drafted, accepted, emitted, forward)
+
+    def _observe(self, drafted: int, accepted: int, emitted: list[int], forward,
+                 chain: tuple[int, int] | None = None) -> None:
         if self.on or self.can_return:  # a drafter that is off for good stops costing anything
             self.inner.observe(drafted, accepted, emitted, forward)
         else:
@@ -193,7 +321,7 @@ class GatedDrafter:
             self.rounds += 1
             self.drafted += drafted
             self.accepted += accepted
-            self.controller.record(drafted, accepted)
+            self.controller.record(*(chain if chain is not None else (drafted, accepted)))
         elif not self.on and self.can_return and repetition_score(self._recent) >= 0.3:
             # Output turned repetitive: give lookup another chance with a fresh estimate.
             self.controller.accepted.clear()
@@ -264,6 +392,28 @@ class LookupThenModel:
             return drafts, q
         self._source = self.model
         return self.model.propose(history, k)
+
+    def propose_tree(self, history: list[int], k: int) -> DraftTree | None:
+        """Lookup's tree, with the model drafter's first choice beside it as one more branch
+        (an MTP head has it at hand: nothing runs) where it differs and pays."""
+        extra = []
+        choices = getattr(self.model.inner, "first_choices", None)
+        if choices is not None and self.model.on and self.lookup.trees and self.lookup.on:
+            extra = [Branch(0, [t], p) for t, p in choices(MODEL_BRANCHES)]
+        tree = self.lookup.propose_tree(history, k, extra)
+        if tree is not None:
+            self._source = self.lookup
+            return tree
+        self._source = self.model
+        draft, _ = self.model.propose(history, k)
+        return DraftTree.chain(draft) if draft else None
+
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward) -> None:
+        # Only lookup drafts trees here (the model's drafter gives chains, verified as chains).
+        self._source = None
+        self.lookup.observe_tree(tree, path, emitted, forward)
+        self.model.follow(len(path), emitted, forward)
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
         source, self._source = self._source, None

@@ -178,8 +178,10 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
     start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
     prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
+    # Token trees (engine/tree.py) where the counts disagree; `trees = false` keeps chains.
     lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
-                          request_id=req.id, prior_accept=prior, weigh_batch=weigh)
+                          request_id=req.id, prior_accept=prior, weigh_batch=weigh,
+                          trees=bool(cfg.get("trees", True)))
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
@@ -411,7 +413,8 @@ def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> Speculat
         drafted_per_position=list(stats.drafted_at),
         accepted_per_position=list(stats.accepted_at),
         gate_fired=bool(gated and drafter.events),
-        gate_events=list(drafter.events) if gated else [], by_drafter=by_drafter)
+        gate_events=list(drafter.events) if gated else [], by_drafter=by_drafter,
+        tree_rounds=stats.tree_rounds)
 
 
 def run(loaded: LoadedModel, req: GenerationRequest,

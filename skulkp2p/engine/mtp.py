@@ -600,6 +600,16 @@ class MtpDrafter:
             drafts.append(int(mx.argmax(out.logits[-1]).item()))
         return drafts, None
 
+    def first_choices(self, n: int) -> list[tuple[int, float]]:
+        """The head's n likeliest tokens for the first draft position with their probabilities
+        (its distribution over what the verifier emits next); nothing is run or appended."""
+        if n <= 0 or self._next is None:
+            return []
+        logits = self._next[0].astype(mx.float32)
+        probs = mx.softmax(logits, axis=-1)
+        top = mx.argsort(-logits)[:n]
+        return list(zip(top.tolist(), probs[top].tolist(), strict=True))
+
     @property
     def drafted_at(self) -> list[int]:
         return self.stats.drafted_at

@@ -116,6 +116,7 @@ class SpeculationStats:
     # Counts behind acceptance_per_position: drafts that reached position i, and accepted there.
     drafted_per_position: list[int] | None = None
     accepted_per_position: list[int] | None = None
+    tree_rounds: int | None = None  # rounds verified as a token tree (engine/tree.py)
 
     @property
     def acceptance(self) -> float | None:
@@ -138,6 +139,8 @@ class SpeculationStats:
             out["gate_events"] = list(self.gate_events or [])
         if self.by_drafter is not None:
             out["by_drafter"] = {k: v.to_dict() for k, v in self.by_drafter.items()}
+        if self.tree_rounds is not None:
+            out["tree_rounds"] = self.tree_rounds
         return out
 
 

@@ -65,6 +65,7 @@ from skulkp2p.engine.forward import StageCache, whole_model_stage
 from skulkp2p.engine.gates import BatchView
 from skulkp2p.engine.stage import StageModel
 from skulkp2p.engine.ticket_lock import TicketLock
+from skulkp2p.engine.tree import tree_capable, tree_inputs, validate_parents
 
 if TYPE_CHECKING:
     from skulkp2p.engine.ring import RingForward
@@ -141,6 +142,8 @@ class BatchScheduler:
             raise ValueError("a stage past the first needs the ring's other stages (through)")
         self.stage = stage or whole_model_stage(model)
         self.through = through
+        # rows may verify token trees (engine/tree.py); a ring's rows verify chains
+        self.trees = tree_capable(model) and through is None
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
         self.lock = TicketLock()  # the model's, for every MLX call
@@ -311,6 +314,12 @@ class BatchScheduler:
         tokens = [r.submitted + [r.submitted[-1]] * (width - len(r.submitted))  # type: ignore
                   for r in rows]
         hidden = next((r.hidden for r in rows if r.hidden is not None), None)
+        tree = None
+        if any(r.submitted_tree is not None for r in rows):
+            # One row's tree makes the step a tree forward; the other rows are chains in it.
+            shapes = [r.submitted_tree or list(range(-1, len(r.submitted) - 1))  # type: ignore
+                      for r in rows]
+            tree = tree_inputs(self.rows.lengths, shapes, width)
         for layer in self.recurrent:
             layer.begin_step(widths)
         try:
@@ -320,7 +329,8 @@ class BatchScheduler:
                 t0 = time.perf_counter()
                 logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x)
             else:
-                logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden)
+                logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden,
+                                                tree=tree)
             mx.eval([a for a in (logits, h) if a is not None])
             if self.through is not None:  # this stage's compute, for the rings' reports
                 own = time.perf_counter() - t0
@@ -339,7 +349,7 @@ class BatchScheduler:
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
             r.result = logits[i, :w]
             r.result_hidden = h[i, :w] if h is not None and r.hidden is not None else None
-            r.submitted = None
+            r.submitted = r.submitted_tree = None
             out += [a for a in (r.result, r.result_hidden) if a is not None]
         # MLX runs a lazy array only on the thread that built it: every array another row's
         # thread reads is evaluated here.
@@ -392,6 +402,7 @@ class RowForward:
         self.local = ring.local if ring is not None else StageCache(scheduler.stage)
         self.last_hidden: mx.array | None = None
         self.submitted: list[int] | None = None
+        self.submitted_tree: list[int] | None = None  # the submitted tokens' parents, a tree
         self.result: mx.array | None = None
         self.result_hidden: mx.array | None = None
         self.error: BaseException | None = None
@@ -405,6 +416,7 @@ class RowForward:
         self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
         self.closed = False
+        self._last_width = 0  # tokens of the last step (a tree's, for keep_path)
 
     def batch_view(self) -> BatchView:
         """The other rows of this row's next forward, for its gate: the widths they handed in
@@ -487,10 +499,45 @@ class RowForward:
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
 
+    @property
+    def trees(self) -> bool:
+        return self.scheduler.trees
+
     def __call__(self, tokens: list[int]) -> mx.array:
+        return self._submit(tokens, None)
+
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
+        """Logits of a token tree (engine/tree.py) in the batch's next forward; `keep_path`
+        then keeps the accepted path in this row's caches."""
+        if not self.trees:
+            raise ValueError("this model verifies chains only (not an attention-only family)")
+        validate_parents(parents)
+        if len(parents) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(parents)} parents")
+        return self._submit(tokens, parents)
+
+    def keep_path(self, path: list[int]) -> None:
+        """Keep node 0 and the accepted path of this row's last tree, in order."""
+        if not self.joined:  # the tree ran alone, on the row's own caches
+            self.local.keep_path(path)
+        else:
+            sched = self.scheduler
+            i = self.index
+            lengths = list(sched.rows.lengths)
+            start = lengths[i] - self._last_width
+            for layer in sched.layers:
+                layer.compact_row(i, start, path)
+            lengths[i] = start + 1 + len(path)
+            sched.rows.set(lengths)
+            sched._settle()
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[mx.array([0, *path])]
+
+    def _submit(self, tokens: list[int], parents: list[int] | None) -> mx.array:
         sched = self.scheduler
         if self.alone():  # as a LocalForward: the same forward, no batch around it
-            logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden)
+            logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden,
+                                       tree=parents)
             sched.solo_steps += 1
             if h is not None:
                 self.last_hidden = h
@@ -505,21 +552,25 @@ class RowForward:
             # The kept tokens of a rejected verify run in a step of their own first: a step that
             # also verified drafts could be rejected in turn, and the state to restore would
             # then be the one before these tokens (the replay would grow round after round).
-            self._step_with(self.replay)
+            self._step_with(self.replay, None)
             self.replay = []
         skip = len(self.replay)  # (with one token, nothing to reject: they go first in its step)
-        logits, hidden = self._step_with(self.replay + list(tokens))
+        # (replays are of recurrent rows, which verify chains: a tree never has one in front)
+        logits, hidden = self._step_with(self.replay + list(tokens), parents)
         self.replay = []
         if hidden is not None:
             self.last_hidden = hidden[skip:]
         return logits[skip:]
 
-    def _step_with(self, tokens: list[int]) -> tuple[mx.array, mx.array | None]:
-        """Hand `tokens` in for the next batched step and wait for their logits (and hidden
-        rows when asked for)."""
+    def _step_with(self, tokens: list[int], parents: list[int] | None
+                   ) -> tuple[mx.array, mx.array | None]:
+        """Hand `tokens` (a tree's when `parents`) in for the next batched step and wait for
+        their logits (and hidden rows when asked for)."""
         sched = self.scheduler
         self.result = self.result_hidden = self.error = None
         self.submitted = self.last_step = tokens
+        self.submitted_tree = parents
+        self._last_width = len(tokens)
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:

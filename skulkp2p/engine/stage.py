@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from skulkp2p.engine.tree import TreeInputs, TreeView, tree_inputs, tree_ropes, validate_parents
 from skulkp2p.engine.trunk import Trunk, _Identity
 
 MASK_INDEX_ATTRS = ("fa_idx", "ssm_idx", "swa_idx")
@@ -148,18 +149,31 @@ class StageModel:
         self.trunk = Trunk(model)
 
     def run(self, x: mx.array | list[int], cache: list[Any], *, logits: bool = True,
-            hidden: str | None = None) -> tuple[mx.array | None, mx.array | None]:
-        """(output rows [w, H] or logits [w, V] on the last stage, trunk rows for a drafter)."""
+            hidden: str | None = None, tree: list[int] | None = None
+            ) -> tuple[mx.array | None, mx.array | None]:
+        """(output rows [w, H] or logits [w, V] on the last stage, trunk rows for a drafter).
+        `tree`: the parents of the w tokens (engine/tree.py; -1 first), verified as one tree."""
         gemma = getattr(self.trunk.body, "stage_slice", None)
         if gemma is not None:
+            if tree is not None:
+                raise ValueError("a Gemma 4 stage verifies chains only")
             return self._run_gemma4(gemma, x, cache, logits=logits, hidden=hidden)
         if self.span.first:
             inputs, emb = mx.array(x)[None], None
         else:
             inputs, emb = None, x[None]
+        shape = None
+        if tree is not None:
+            validate_parents(tree)
+            shape = tree_inputs([cache[0].offset], [tree], len(tree))
         if not self.span.last:
-            return self.trunk.body(inputs, cache, input_embeddings=emb)[0], None
-        out, h = self.run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=emb)
+            if shape is None:
+                return self.trunk.body(inputs, cache, input_embeddings=emb)[0], None
+            with tree_ropes(self.trunk.body.layers, shape.positions):
+                views = [TreeView(c, shape.mask) for c in cache]
+                return self.trunk.body(inputs, views, input_embeddings=emb)[0], None
+        out, h = self.run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=emb,
+                               tree=shape)
         return (None if out is None else out[0]), (None if h is None else h[0])
 
     def run_batch(self, x: mx.array, cache: list[Any]) -> mx.array:
@@ -214,10 +228,16 @@ class StageModel:
 
     def run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool = True,
                  hidden: str | None = None, embeddings: mx.array | None = None,
-                 per_layer_inputs: mx.array | None = None
+                 per_layer_inputs: mx.array | None = None, tree: TreeInputs | None = None
                  ) -> tuple[mx.array | None, mx.array | None]:
         """The last stage on a batch: token rows [B, W] (or hidden rows [B, W, H]) in; logits
-        [B, W, V] and the trunk rows [B, W, H] a drafter reads out. One request is B = 1."""
+        [B, W, V] and the trunk rows [B, W, H] a drafter reads out. One request is B = 1.
+        `tree`: the rows are token trees (engine/tree.py): their mask and positions."""
+        if tree is not None:
+            with tree_ropes(self.trunk.body.layers, tree.positions):
+                return self.run_rows(inputs, [TreeView(c, tree.mask) for c in cache],
+                                     logits=logits, hidden=hidden, embeddings=embeddings,
+                                     per_layer_inputs=per_layer_inputs)
         body = self.trunk.body
         emb = embeddings
         extra = {} if per_layer_inputs is None else {"per_layer_inputs": per_layer_inputs}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -114,6 +115,38 @@ class SuffixAutomaton:
             if token < 0:
                 break
             out.append(token)
+            state = nxt[state].get(token, 0)
+        return out
+
+    def alternatives(self, state: int, k: int, taken: list[int], hops: int = 4
+                     ) -> list[tuple[int, int, float, int]]:
+        """Where the walk of `taken` from `state` could have gone otherwise: (depth, token,
+        share, state after it); depth d means the token would stand in for taken[d].
+
+        A state's transitions are exactly the tokens that followed its strings somewhere, each
+        weighing its counts + 1 (counts are kept only where the state was the longest match).
+        The longest context often saw one follower only (the text it matched), so the shorter
+        contexts on its suffix links are asked too (up to `hops` of them), each hop halving
+        the share: "return a" may continue otherwise than "def add(a, b): return a" did."""
+        out: list[tuple[int, int, float, int]] = []
+        nxt, counts_of, link = self.nxt, self.counts, self.link
+        for d, token in enumerate(taken[:k]):
+            if state <= 0:
+                break
+            seen = {token}
+            s, weight = state, 1.0
+            for _ in range(hops + 1):
+                if s <= 0:
+                    break
+                moves = nxt[s]
+                if len(moves) > 1:
+                    counts = counts_of[s] or {}
+                    total = sum(counts.get(t, 0) + 1 for t in moves if t >= 0)
+                    for t, after in moves.items():
+                        if t not in seen and t >= 0:
+                            seen.add(t)
+                            out.append((d, t, weight * (counts.get(t, 0) + 1) / total, after))
+                s, weight = link[s], weight * 0.5
             state = nxt[state].get(token, 0)
         return out
 
@@ -278,5 +311,44 @@ class SuffixDrafter:
             return draft, None
         return [], None
 
+    def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
+        """The chain `propose` gives, and the branches beside it where the continuation counts
+        disagree (another token followed the same or a shorter context: see
+        SuffixAutomaton.alternatives) and where the memory's continuation differs from the
+        request's own: each a `Branch` the gate may add to the tree (gates.build_tree)."""
+        main, _ = self.propose(history, k)
+        if not main:
+            return main, []
+        sam = self.sam
+        own = sam.match_len
+        mem = self._mem_len if self._mem_sam is not None else 0
+        from_own = own >= self.min_match and (own >= mem or own >= self.long_enough)
+        source, state = (sam, sam.match) if from_own else (self._mem_sam, self._mem_state)
+        assert source is not None
+        branches: list[Branch] = []
+        for d, t, share, after in source.alternatives(state, len(main), main):
+            rest = source.walk(after, max(0, len(main) - d - 1))
+            branches.append(Branch(d, [t, *rest], share))
+        taken = {b.tokens[0] for b in branches if b.depth == 0}
+        other = self._mem_sam if from_own else sam
+        if other is not None:
+            o_state = self._mem_state if from_own else sam.match
+            o_len = mem if from_own else own
+            if o_len >= self.min_match:
+                alt = other.walk(o_state, min(len(main), o_len))
+                if alt and alt[0] != main[0] and alt[0] not in taken:
+                    branches.append(Branch(0, alt, 0.5))
+        return main, branches
+
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
         self._feed(emitted)
+
+
+@dataclass
+class Branch:
+    """A side branch a drafter offers beside its chain: `tokens` would stand in for the chain's
+    token at `depth` (0: the first draft token), under the chain's node at that depth; `share`
+    is how often its first token followed there."""
+    depth: int
+    tokens: list[int]
+    share: float

@@ -1,0 +1,294 @@
+"""Token trees verified in one forward (engine/tree.py): the tree forward against forwards of
+each node's path alone, KV compaction against a cache built from the accepted path only, and
+greedy decoding with trees on byte-identical to plain decoding and to mlx-lm's generate, per
+attention-only family (tiny llama, qwen2, qwen3; SmolLM2-135M in a slow test). Hybrid
+recurrent models (qwen3_5) refuse trees and keep chains."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import stream_generate
+
+from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter, build_tree
+from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.model import load_model
+from skulkp2p.engine.request import parse_request
+from skulkp2p.engine.sampling import SamplingParams, make_rng
+from skulkp2p.engine.suffix import Branch, SuffixDrafter
+from skulkp2p.engine.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
+
+TREE_FAMILIES = ("llama", "qwen2", "qwen3")
+
+# Code whose contexts are followed by different continuations, so that the suffix drafter has
+# branches to offer (the same line opening continues three ways).
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n\ndef add(a, b):\n    return a")
+
+# A tree over the pending token 0: 1 <- 0, 2 <- 1, 3 <- 0, 4 <- 3, 5 <- 2, 6 <- 3.
+TOKENS = [7, 11, 12, 13, 14, 15, 16]
+PARENTS = [-1, 0, 1, 0, 3, 2, 3]
+
+# A width cost table where any width costs one step: every branch the drafter offers pays, so
+# the loop verifies trees in most rounds (the exactness tests want many trees, not speed).
+FREE_WIDTH = {1: 1.0, 2: 1.0, 64: 1.0}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    return {fam: load_model(tiny_model(fam), fam, dtype="float32")
+            for fam in (*TREE_FAMILIES, "qwen3_5")}
+
+
+def _path(node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(TOKENS[node])
+        node = PARENTS[node]
+    return out[::-1]
+
+
+def _prefilled(lm, prompt):
+    f = LocalForward(lm.model)
+    f.prefill(prompt)
+    return f
+
+
+def tree_drafter(**kw) -> GatedDrafter:
+    return GatedDrafter(SuffixDrafter(), FREE_WIDTH, 8, prior_accept=0.8, trees=True, **kw)
+
+
+def mlx_lm_tokens(lm, prompt, max_tokens):
+    out = []
+    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        if r.finish_reason == "stop" and r.token in lm.tokenizer.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
+
+
+def test_tree_inputs_mask_and_positions():
+    t = tree_inputs([3], [PARENTS], len(PARENTS))
+    mask = np.array(t.mask)[0, 0]
+    assert mask.shape == (7, 10)
+    assert mask[:, :3].all()  # every node sees the cached prefix
+    # node 5's ancestors are 2, 1, 0: keys 3 + {0, 1, 2, 5}
+    assert np.flatnonzero(mask[5, 3:]).tolist() == [0, 1, 2, 5]
+    assert np.flatnonzero(mask[6, 3:]).tolist() == [0, 3, 6]
+    assert np.array(t.positions).tolist() == [3, 4, 5, 4, 5, 6, 5]
+
+
+def test_greedy_walk_follows_the_target():
+    # The target's choice at each node: at 0 token 13 (node 3), at 3 token 16 (node 6), then 99.
+    chosen = [13, 0, 0, 16, 0, 0, 99]
+    assert greedy_walk(PARENTS, TOKENS, chosen) == ([3, 6], 99)
+    assert greedy_walk(PARENTS, TOKENS, [5, 0, 0, 0, 0, 0, 0]) == ([], 5)
+
+
+def test_draft_tree_rejects_a_parent_after_its_child():
+    with pytest.raises(ValueError, match="parent"):
+        DraftTree.chain([1, 2]).add(5, 3)
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+def test_tree_forward_rows_equal_each_path_alone(models, family):
+    """Row j of the tree forward is the last row of a forward over node j's path alone (as a
+    chain verify, and step by step). Bit for bit on this backend for the tiny models; the
+    SmolLM2 test below says how close on a real one."""
+    lm = models[family]
+    prompt = list(range(5, 40))
+    f = _prefilled(lm, prompt)
+    assert f.trees
+    rows = f.verify_tree(TOKENS, PARENTS)
+    for j in range(len(TOKENS)):
+        chain = _prefilled(lm, prompt)(_path(j))[-1]
+        assert mx.array_equal(rows[j], chain), f"node {j}: tree row differs from its chain"
+        step = _prefilled(lm, prompt)
+        for t in _path(j):
+            last = step([t])[-1]
+        assert mx.array_equal(rows[j], last), f"node {j}: tree row differs from single steps"
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+@pytest.mark.parametrize("path", [[3, 6], [1, 2, 5], [3], [], [1, 2]])
+def test_compaction_equals_cache_of_the_path_alone(models, family, path):
+    lm = models[family]
+    prompt = list(range(5, 40))
+    f = _prefilled(lm, prompt)
+    f.verify_tree(TOKENS, PARENTS)
+    f.keep_path(path)
+    g = _prefilled(lm, prompt)
+    g([TOKENS[0], *[TOKENS[j] for j in path]])
+    for a, b in zip(f.cache, g.cache, strict=True):
+        assert a.offset == b.offset == len(prompt) + 1 + len(path)
+        assert mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :])
+        assert mx.array_equal(a.values[..., :a.offset, :], b.values[..., :b.offset, :])
+    # ... and decoding goes on from it exactly as from the path's cache
+    assert mx.array_equal(f([3, 4]), g([3, 4]))
+
+
+@pytest.mark.parametrize("family", TREE_FAMILIES)
+def test_greedy_with_trees_equals_plain_and_mlx_lm(models, family):
+    lm = models[family]
+    prompt = lm.tokenizer.encode(CODE)
+    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 64, make_rng(0)))
+    assert plain == mlx_lm_tokens(lm, prompt, 64)
+    stats = DecodeStats()
+    drafter = tree_drafter()
+    spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 64, make_rng(0),
+                       drafter, 8, stats))
+    assert spec == plain
+    assert stats.tree_rounds > 0 and drafter.side_offered > 0
+    assert stats.drafted >= stats.accepted
+
+
+def test_hybrid_model_keeps_chains(models):
+    """qwen3_5 (recurrent layers) verifies no trees: the forward says so, refuses one, and
+    the loop drafts chains for a tree drafter there, exactly as plain."""
+    lm = models["qwen3_5"]
+    assert not tree_capable(lm.model)
+    f = _prefilled(lm, list(range(5, 20)))
+    assert not f.trees
+    with pytest.raises(ValueError, match="chains only"):
+        f.verify_tree(TOKENS, PARENTS)
+    prompt = lm.tokenizer.encode(CODE)
+    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 40, make_rng(0)))
+    stats = DecodeStats()
+    spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 40, make_rng(0),
+                       tree_drafter(), 8, stats))
+    assert spec == plain and stats.tree_rounds == 0 and stats.drafted > 0
+
+
+def test_build_tree_adds_branches_only_where_they_pay():
+    main = [1, 2, 3, 4]
+    branches = [Branch(0, [9, 8], 0.5), Branch(2, [7], 0.5)]
+    free = build_tree(main, branches, [0.5] * 4, 0.5, FREE_WIDTH)
+    assert free.tokens == [1, 2, 3, 4, 9, 8, 7] and free.parents == [0, 1, 2, 3, 0, 5, 2]
+    assert free.main == 4 and free.side == [5, 7]
+    # at the measured CPU costs, branches beside a chain that is almost always right do not pay
+    sure = build_tree(main, branches, [0.99] * 4, 0.5, DEFAULT_WIDTH_COSTS["float32"])
+    assert sure.is_chain
+    # nor does anything when each extra row costs as much as a step
+    linear = {1: 1.0, 2: 2.0, 64: 64.0}
+    assert build_tree(main, branches, [0.5] * 4, 0.5, linear).is_chain
+
+
+def test_sampled_requests_keep_chains(models):
+    lm = models["llama"]
+    prompt = lm.tokenizer.encode(CODE)
+    stats = DecodeStats()
+    params = SamplingParams(temperature=0.8)
+    list(decode(LocalForward(lm.model), prompt, params, 40, make_rng(3), tree_drafter(), 8,
+                stats))
+    assert stats.tree_rounds == 0 and stats.drafted > 0
+
+
+def _engine_tokens(engine: MlxEngine, reqs: list, together: bool) -> list[list[int]]:
+    results: list = [None] * len(reqs)
+
+    def go(i: int) -> None:
+        gen = engine.generate(reqs[i])
+        list(gen)
+        results[i] = gen.result
+
+    if not together:
+        for i in range(len(reqs)):
+            go(i)
+    else:
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+    return [r.tokens for r in results]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_trees_in_a_batch_equal_plain(models, family, monkeypatch):
+    """Rows of a batch verify their trees in the batched forward (other rows are chains or
+    plain steps in it); every request's tokens are plain decoding's."""
+    lm = models[family]
+    monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)  # every branch pays: many trees
+    prompts = [CODE, CODE.replace("add", "div"), "a b c d a b c d a b", CODE[:60]]
+    reqs = [parse_request({"id": i, "prompt": p, "max_tokens": 24 + 8 * i,
+                           "speculation": "off" if i == 3 else "auto"})
+            for i, p in enumerate(prompts)]
+    plain = [parse_request({"id": i, "prompt": p, "max_tokens": 24 + 8 * i,
+                            "speculation": "off"}) for i, p in enumerate(prompts)]
+    engine = MlxEngine(lm, prefix_cache_mb=0, memory_tokens=0, max_batch=4)
+    expected = _engine_tokens(engine, plain, together=False)
+    got = _engine_tokens(engine, reqs, together=True)
+    assert got == expected
+    assert engine.scheduler is not None and engine.scheduler.peak > 1
+
+
+@pytest.mark.slow
+def test_smollm2_trees_exact(smollm2_path):
+    """On SmolLM2-135M (float32 OpenBLAS): a tree forward's rows against each path alone (how
+    close: a chain verify of k + 1 rows is itself not bit-identical to k + 1 single steps on
+    this backend), and greedy decoding with trees equal to plain and to mlx-lm's generate."""
+    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32")
+    prompt = lm.tokenizer.encode(CODE * 3)
+    f = _prefilled(lm, prompt)
+    tokens = [prompt[-1], *TOKENS[1:]]
+    rows = f.verify_tree(tokens, PARENTS)
+    worst_tree = worst_chain = 0.0
+    for j in range(len(tokens)):
+        path = [tokens[0]] + [t for t in _path(j)[1:]]
+        chain = _prefilled(lm, prompt)(path)[-1]
+        step = _prefilled(lm, prompt)
+        for t in path:
+            last = step([t])[-1]
+        worst_tree = max(worst_tree, float(mx.abs(rows[j] - last).max()))
+        worst_chain = max(worst_chain, float(mx.abs(chain - last).max()))
+        assert int(mx.argmax(rows[j])) == int(mx.argmax(last))
+    print(f"tree row vs single steps: {worst_tree:.2e}; chain verify vs single steps: "
+          f"{worst_chain:.2e}")
+    assert worst_tree <= max(4 * worst_chain, 1e-4)
+    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 96, make_rng(0)))
+    assert plain == mlx_lm_tokens(lm, prompt, 96)
+    stats = DecodeStats()
+    spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 96, make_rng(0),
+                       tree_drafter(), 8, stats))
+    assert spec == plain and stats.tree_rounds > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lookup_tree_with_mtp_branch_equals_plain(tiny_model, family, monkeypatch):
+    """auto beside an MTP head: lookup's tree carries the head's first choices as branches
+    (gates.LookupThenModel.propose_tree); the head follows the accepted path's rows; greedy
+    output equals plain."""
+    lm = load_model(tiny_model(family, mtp=True), family, dtype="float32")
+    assert lm.mtp is not None
+    monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)
+    engine = MlxEngine(lm, prefix_cache_mb=0, memory_tokens=0, max_batch=1)
+
+    def run(spec):
+        gen = engine.generate(parse_request({"prompt": CODE, "max_tokens": 48,
+                                             "speculation": spec}))
+        list(gen)
+        return gen.result
+
+    plain, auto = run("off"), run("auto")
+    assert auto.tokens == plain.tokens
+    assert auto.speculation.tree_rounds > 0
+
+
+def test_tree_sim_replays_a_greedy_output(models):
+    """tools/tree_sim.py drives the real loop with an oracle verifier: the replay must
+    reproduce the output (it asserts so) and count its rounds."""
+    from tools.tree_sim import replay
+
+    lm = models["llama"]
+    prompt = lm.tokenizer.encode(CODE)
+    tokens = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 48, make_rng(0)))
+    for trees in (False, True):
+        r = replay(prompt, tokens, [], FREE_WIDTH, 8, trees)
+        assert r["rounds"] < len(tokens) and r["accepted"] > 0
+        assert (r["tree_rounds"] > 0) == trees
