@@ -16,6 +16,7 @@ import pytest
 from skulkp2p.api.errors import engine_error
 from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced, Started
 from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.models.cards import Card, Source
 from skulkp2p.served.child import free_port
 from skulkp2p.served.model import ServedModel
 
@@ -99,8 +100,9 @@ class FakeChild:
 
 
 def _model(child: object) -> ServedModel:
-    card = types.SimpleNamespace(id="fake", placement={}, context_length=2048, runtime={})
-    return ServedModel(card, child, ())  # type: ignore[arg-type]
+    card = Card("fake", "llama", "gguf", Source("local", path="/fake.gguf"), layers=1,
+                hidden_size=64, kv_heads=1, context_length=2048, size_bytes=1)
+    return ServedModel(card, child, ())
 
 
 REQ = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
