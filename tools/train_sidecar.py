@@ -525,15 +525,15 @@ def two_step_features(head: MtpHead, hidden: mx.array, tokens: mx.array
     decode time) and to itself, not to the trunk's row t+1 that it stands in for. Returns the
     (post-norm) states [B, L, H] of step 1 and [B, L-1, H] of step 2; step-2 row t predicts what
     step-1 row t+1 predicts (same targets, shifted by one)."""
-    first = _KeptKeys(0)
-    pre, post = head.features(hidden, tokens, first, mask="causal")
+    step1 = _KeptKeys(0)
+    pre, post = head.features(hidden, tokens, step1, attn_mask="causal")
     chained = post if head.conventions.chain == "after" else pre
     n = tokens.shape[1] - 1
     rows = mx.arange(n)[:, None]
     mask = mx.concatenate([mx.arange(n + 1)[None, :] <= rows,  # step-1 rows up to t
                            mx.arange(n)[None, :] == rows], axis=1)  # and itself
-    _, post2 = head.features(chained[:, :-1], tokens[:, 1:], _KeptKeys(1, first.kept),
-                             first=False, mask=mask)
+    _, post2 = head.features(chained[:, :-1], tokens[:, 1:], _KeptKeys(1, step1.kept),
+                             first=False, attn_mask=mask)
     return post, post2
 
 
@@ -566,22 +566,28 @@ def make_loss(feat_weight: float, depth2_weight: float = 0.0):
     return loss_fn
 
 
-def top1_accuracy(head: MtpHead, batches: Batches, shards: list[dict[str, np.ndarray]],
-                  max_seqs: int = 16) -> float:
-    """Teacher-forced depth-1 accuracy on generated rows (a quick check during training)."""
-    hits = total = 0
+def teacher_forced_accuracy(head: MtpHead, batches: Batches,
+                            shards: list[dict[str, np.ndarray]], max_seqs: int = 16
+                            ) -> tuple[float, float]:
+    """Teacher-forced accuracy on generated rows of the first draft step and of the second
+    (fed the head's own first output, two_step_features): a quick check during training."""
+    hits, total = [0, 0], [0, 0]
     for s in shards:
         pick = np.arange(min(max_seqs, s["tokens"].shape[0]))
         hidden, tokens, _, _, _, weight = batches.rows(s, pick)
-        _, post = head.features(hidden, tokens)
-        pred = mx.argmax(head.draft_logits(post), -1)
-        want = mx.array(batches.local[s["top_ids"][pick, 1:, 0]])
+        want = batches.local[s["top_ids"][pick, 1:, 0]]
         plen = int(s["prompt_len"])
-        gen = np.array(weight) * (np.arange(weight.shape[1])[None] + 1 >= plen)
-        ok = np.array(pred == want) * (gen > 0)
-        hits += int(ok.sum())
-        total += int((gen > 0).sum())
-    return hits / max(total, 1)
+        gen = (np.array(weight) > 0) & (np.arange(weight.shape[1])[None] + 1 >= plen)
+        if tokens.shape[1] > 2:
+            post, post2 = two_step_features(head, hidden, tokens)
+            steps = [(post, want, gen), (post2, want[:, 1:], gen[:, 1:])]
+        else:
+            steps = [(head.features(hidden, tokens)[1], want, gen)]
+        for i, (rows, w, g) in enumerate(steps):
+            ok = (np.array(mx.argmax(head.draft_logits(rows), -1)) == w) & g
+            hits[i] += int(ok.sum())
+            total[i] += int(g.sum())
+    return hits[0] / max(total[0], 1), hits[1] / max(total[1], 1)
 
 
 # --- held-out acceptance: replay through the engine's own decode loop --------------------------
@@ -815,9 +821,10 @@ def train(args: argparse.Namespace) -> Path:
     head.set_dtype(mx.float32)
     batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state),
                       args.feature_noise)
-    acc0 = top1_accuracy(head, batches, held)
+    acc0, second0 = teacher_forced_accuracy(head, batches, held)
     _log(f"draft vocabulary {len(vocab_ids)} tokens ({coverage:.1%} of training targets); "
-         f"held-out teacher-forced depth-1 accuracy at start {acc0:.1%}")
+         f"held-out teacher-forced accuracy at start: depth-1 {acc0:.1%}, second step "
+         f"{second0:.1%}")
 
     # 3. training
     loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight, args.depth2_weight))
@@ -866,8 +873,9 @@ def train(args: argparse.Namespace) -> Path:
         steps_here += 1
         bar(step, max(total or args.steps or step, step))
         if step % 50 == 0:
+            acc, second = teacher_forced_accuracy(head, batches, held)
             _log(f"step {step}: ce {np.mean(losses[-50:]):.3f}, held-out teacher-forced "
-                 f"depth-1 {top1_accuracy(head, batches, held):.1%}")
+                 f"depth-1 {acc:.1%}, second step {second:.1%}")
         if time.monotonic() - last_ckpt > CHECKPOINT_EVERY_S:
             _checkpoint(work, head, opt, step, total, start, coverage, runs + [this_run()])
             last_ckpt = time.monotonic()
@@ -876,7 +884,7 @@ def train(args: argparse.Namespace) -> Path:
     train_s = time.monotonic() - t_train
 
     # 4. held-out acceptance through the real drafter, and the sidecar
-    acc1 = top1_accuracy(head, batches, held)
+    acc1, second1 = teacher_forced_accuracy(head, batches, held)
     acceptance = heldout_acceptance(head, held, vocab, args.eval_tokens)
     baseline = pair_table_baseline(shards, held)
     _log("held-out acceptance per position: " + "; ".join(
@@ -906,6 +914,8 @@ def train(args: argparse.Namespace) -> Path:
             "depth3_tokens_per_round": acceptance["depth3"]["tokens_per_round"],
             "teacher_forced_depth1_start": round(acc0, 4),
             "teacher_forced_depth1_end": round(acc1, 4),
+            "teacher_forced_second_step_start": round(second0, 4),
+            "teacher_forced_second_step_end": round(second1, 4),
             "pair_table_baseline": round(baseline, 4),
         },
         "training": {
