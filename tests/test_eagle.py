@@ -100,6 +100,62 @@ def test_eagle_head_is_greedy_exact(eagle_llama):
         assert sum(stats.drafted_at) > 0
 
 
+def test_second_step_training_rows_are_what_the_drafter_computes(eagle_llama):
+    """The training-time test's second step (all positions in one forward, a mask standing in
+    for the speculative row) gives, at every position, the state the drafter computes for its
+    second draft: verified rows 0..t in the head's cache, then its own output of row t chained
+    with the next token at position t+1. Checked against the drafter's code path, in float32."""
+    base, sidecar, _ = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    head = lm.mtp
+    head.set_dtype(mx.float32)
+    rng = np.random.default_rng(4)
+    n, width = 9, head.proj.weight.shape[0]
+    hidden = mx.array(rng.standard_normal((2, n, width)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 90, (2, n)).astype(np.int32))
+    post, post2 = train_sidecar.two_step_features(head, hidden, tokens)
+    assert post2.shape == (2, n - 1, width)
+    plain = head.features(hidden, tokens)[1]
+    np.testing.assert_allclose(np.array(post), np.array(plain), rtol=1e-4, atol=1e-4)
+    for b in range(2):
+        for t in range(n - 1):
+            cache = head.make_cache()
+            out = head(hidden[b, :t + 1], tokens[b, :t + 1], cache)
+            chained = out.chain(head.conventions.chain)[-1]
+            second = head(chained[None], tokens[b, t + 1:t + 2], cache).post_norm[-1]
+            np.testing.assert_allclose(np.array(post2[b, t]), np.array(second),
+                                       rtol=1e-4, atol=1e-4, err_msg=f"row {b}, {t}")
+
+
+def test_depth2_loss_trains_the_second_step(eagle_llama):
+    """With --depth2-weight the loss grows by the second step's cross-entropy, and its
+    gradient reaches the head (a weight of 0 is the depth-1 loss exactly)."""
+    base, sidecar, ids = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    head = lm.mtp
+    head.set_dtype(mx.float32)
+    rng = np.random.default_rng(5)
+    b, n, width, k = 2, 7, head.proj.weight.shape[0], 3
+    args = (mx.array(rng.standard_normal((b, n, width)).astype(np.float32)),
+            mx.array(ids[rng.integers(0, len(ids), (b, n))]),
+            mx.array(rng.integers(0, len(ids), (b, n, k)).astype(np.int32)),
+            mx.array(np.full((b, n, k), 1.0 / k, np.float32)),
+            mx.array(rng.standard_normal((b, n, width)).astype(np.float32)),
+            mx.array(np.ones((b, n), np.float32)))
+    one, ce1 = train_sidecar.make_loss(0.5)(head, *args)
+    zero, _ = train_sidecar.make_loss(0.5, 0.0)(head, *args)
+    two, ce2 = train_sidecar.make_loss(0.5, 1.0)(head, *args)
+    assert float(zero) == float(one)
+    assert float(ce1) == pytest.approx(float(ce2), rel=1e-5)  # the reported ce is depth 1's
+    assert float(two) > float(one) + 1.0  # a random head's second step costs about ln(K)
+    import mlx.nn as nn
+    _, grads = nn.value_and_grad(head, train_sidecar.make_loss(0.5, 1.0))(head, *args)
+    _, grads1 = nn.value_and_grad(head, train_sidecar.make_loss(0.5))(head, *args)
+    g2 = np.array(grads["proj"]["weight"])
+    g1 = np.array(grads1["proj"]["weight"])
+    assert np.abs(g2 - g1).max() > 1e-6
+
+
 def probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
     """The exact distribution plain decoding draws the token after `history` from."""
     f = LocalForward(model)

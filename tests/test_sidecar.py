@@ -386,11 +386,20 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     assert "temperature 0.8)" in prov["training"]["data"]
 
     # Resumable: the checkpoint carries the step; a resumed run goes on from it (here with
-    # noisy training features).
+    # noisy training features; the eagle run also adds terse answers and the second step's loss).
+    before = {f.name: f.read_bytes() for f in (out / ".train").glob("train-*")}
+    extra = ["--terse", "4", "--depth2-weight", "0.5"] if data == "broad" else []
     assert train_sidecar.main([*common, "--steps", "5", "--resume",
-                               "--feature-noise", "0.1"]) == 0
+                               "--feature-noise", "0.1", *extra]) == 0
     state = json.loads((out / ".train" / "state.json").read_text())
     assert state["step"] == 5 and len(state["runs"]) == 2
+    after = {f.name: f.read_bytes() for f in (out / ".train").glob("train-*")}
+    assert {k: after[k] for k in before} == before  # the shards already there are kept as they were
+    assert sorted(set(after) - set(before)) == (["train-terse-0000.npz"] if extra else [])
+    if extra:
+        training = tomllib.loads((out / "mtp.provenance.toml").read_text())["training"]
+        assert training["depth2_weight"] == 0.5 and training["terse_prompts"] == 4
+        assert training["train_shards"] == 3
     runs = tomllib.loads((out / "mtp.provenance.toml").read_text())["training"]["runs"]
     assert [r.split("steps ")[1].split(",")[0] for r in runs] == ["0-3", "3-5"]
     # Beside a 4-bit base the reduced head is quantised too (from the base's quantised rows).
@@ -398,6 +407,23 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     lq = load_model(q4, "q4", dtype="float32", sidecar=out / "mtp.safetensors")
     assert isinstance(lq.mtp.vocab_head, nn.QuantizedLinear)
     assert _decode(lq, lq.mtp, 2) == _decode(lq)
+
+
+def test_terse_prompts_are_fresh_and_deterministic():
+    from skulkp2p.bench.workloads import WORKLOADS
+    from tools.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts
+    prompts = terse_prompts(0, 50)
+    assert prompts == terse_prompts(0, 50) and prompts != terse_prompts(1, 50)
+    assert len(set(prompts)) == 50
+    bench = " ".join(m["content"] for msgs in WORKLOADS.values() for m in msgs
+                     if isinstance(m.get("content"), str))
+    for q in TERSE_QUESTIONS:
+        assert q not in bench and all(q not in h for h in HELDOUT_PROMPTS), q
+    for text in prompts:
+        header, *questions = text.split("\n")
+        assert 3 <= len(questions) <= 5 and header not in bench
+        assert [q.split(". ", 1)[0] for q in questions] == [str(i + 1) for i in
+                                                            range(len(questions))]
 
 
 def test_feature_noise_jitters_only_the_training_features():

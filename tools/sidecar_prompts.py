@@ -159,3 +159,141 @@ HELDOUT_PROMPTS = (
     "What causes hiccups and how can they be stopped?",
     "You are a chef on a cooking show. Explain how to make pancakes to the audience.",
 )
+
+
+# Short factual questions, several to a message, answered as a terse numbered list: the style
+# the first heads drafted worst on (a terse list is far from the paragraphs of TASKS). Written for
+# this list; none is one of HELDOUT_PROMPTS' questions or the bench's (train_sidecar and
+# tests/test_sidecar_prompts.py check).
+TERSE_QUESTIONS = (
+    # science
+    "What is the boiling point of water at sea level?", "What gas do plants take in?",
+    "Why do leaves change colour in autumn?", "What is an atom made of?",
+    "How fast does light travel?", "What is the largest planet in the solar system?",
+    "Why does the Moon have phases?", "What is a light-year?", "What causes thunder?",
+    "How do magnets attract iron?", "What is the speed of sound in air?",
+    "What is the chemical symbol for gold?", "Why do we have seasons?",
+    "What is an enzyme?", "How many bones are in the adult human body?",
+    "What does the liver do?", "What is the function of red blood cells?",
+    "What is a chromosome?", "What is static electricity?", "How do fish breathe?",
+    "Why is Mars red?", "What is the greenhouse effect?", "What is a neutron star?",
+    "What is the difference between weather and climate?", "How do plants drink water?",
+    "What is friction?", "What is an ecosystem?", "How does a rainbow form?",
+    "What is absolute zero?", "Why do stars twinkle?", "What is a mammal?",
+    "What are the three states of matter?", "What is osmosis?", "What is a catalyst?",
+    "Why do we yawn?", "How do bats find their way in the dark?", "What is a galaxy?",
+    "Why do our ears pop on a plane?", "What is the smallest planet?",
+    "What is pH?", "How does the nose smell things?", "What is an allergy?",
+    "Why does metal feel colder than wood?", "What is a food chain?",
+    "How do chameleons change colour?", "What is erosion?", "What makes a diamond hard?",
+    "What is carbon dating?", "How do earthworms help soil?", "What is a supernova?",
+    # technology
+    "What is RAM?", "What does an operating system do?", "What is an IP address?",
+    "What is a compiler?", "How does Wi-Fi send data?", "What does HTTP stand for?",
+    "What is a byte?", "What is open-source software?", "What is a firewall?",
+    "How does a touchscreen sense a finger?", "What is a pixel?", "What is a URL?",
+    "What does a graphics card do?", "What is binary code?", "What is a database index?",
+    "What is phishing?", "What is a transistor?", "How does a microwave oven heat food?",
+    "What is Bluetooth?", "What is two-factor authentication?", "What does a router do?",
+    "What is an algorithm?", "What is a programming language?", "What is a QR code?",
+    "How does a hard drive store data?", "What is a virus in computing?",
+    "What is an API?", "What is the difference between hardware and software?",
+    "What is a spreadsheet formula?", "What is a kilowatt-hour?", "How do LEDs make light?",
+    "What is a barcode?", "What is streaming?", "What is an electric motor?",
+    # history and people
+    "Who was the first person to walk on the Moon?", "When did the Second World War end?",
+    "Who invented the light bulb?", "What was the Magna Carta?",
+    "Who was Cleopatra?", "When did the Berlin Wall fall?", "Who wrote Hamlet?",
+    "What was the Bronze Age?", "Who discovered penicillin?", "Who was Napoleon?",
+    "What were the pyramids of Giza built for?", "Who was Marie Curie?",
+    "When was the first airplane flight?", "Who composed the Four Seasons?",
+    "What was the Black Death?", "Who was Genghis Khan?", "What is the Rosetta Stone?",
+    "Who painted the Sistine Chapel ceiling?", "Who developed the theory of relativity?",
+    "When did Columbus first reach the Americas?", "Who was Nelson Mandela?",
+    "What was the Apollo program?", "Who wrote The Odyssey?", "Who was Ada Lovelace?",
+    "Who invented the printing press?", "What was the Ottoman Empire?",
+    "Who was the first emperor of Rome?", "Who wrote War and Peace?",
+    "Who was Isaac Newton?", "What was the Titanic?", "Who was Charles Darwin?",
+    "Who built Machu Picchu?", "Who was Joan of Arc?", "What was the Gold Rush?",
+    # geography
+    "What is the capital of Australia?", "What is the longest river in the world?",
+    "Which is the largest ocean?", "What is the largest desert?",
+    "How many continents are there?", "What is the capital of Canada?",
+    "Which country has the most people?", "What is the Amazon rainforest?",
+    "Where is the Sahara?", "What is the smallest country in the world?",
+    "What is the capital of Japan?", "Which river flows through Paris?",
+    "What is the deepest lake?", "What language is spoken in Brazil?",
+    "What is an archipelago?", "Where are the Andes?", "What is the equator?",
+    "What is the capital of Kenya?", "Which country is shaped like a boot?",
+    "What is a fjord?", "What is the Dead Sea?", "Where is Mount Kilimanjaro?",
+    "What is the coldest place on Earth?", "What is a delta?",
+    "Which countries share the longest border?", "What is a time zone?",
+    # everyday life, food, health
+    "How long should you boil an egg?", "Why does bread go stale?",
+    "What is a calorie?", "Why do we need sleep?", "How much water should an adult drink?",
+    "What is caffeine?", "Why does soap clean hands?", "What is yeast?",
+    "How do you keep cut apples from browning?", "What is a balanced diet?",
+    "Why do we get goosebumps?", "What is fibre in food?", "Why does popcorn pop?",
+    "What is a fever?", "Why is exercise good for the heart?", "What is cholesterol?",
+    "How do you treat a small burn?", "What is a vegan diet?", "Why do knees crack?",
+    "What is a mortgage?", "What is compound interest?", "What is a budget?",
+    "What is a credit score?", "What is a tax refund?", "What is insurance?",
+    "How do you remove a coffee stain?", "Why do cut flowers wilt?",
+    "What is composting?", "How often should you water a cactus?",
+    # culture, language, sport, animals
+    "What is a sonnet?", "What is a haiku?", "How many players are on a football team?",
+    "What is a marathon distance?", "What is origami?", "Who is Sherlock Holmes?",
+    "What is an orchestra?", "How many strings does a violin have?", "What is a novel?",
+    "What is a metaphor?", "What is an opera?", "What is a synonym?", "What is a palindrome?",
+    "What are the Olympic rings?", "What is a chess checkmate?", "What is ballet?",
+    "How many keys does a piano have?", "What is a proverb?", "What is an encyclopedia?",
+    "Why do zebras have stripes?", "How long do elephants live?", "What do pandas eat?",
+    "How do penguins keep warm?", "Why do dogs wag their tails?", "How do bees make honey?",
+    "What is the fastest land animal?", "Why do owls hunt at night?",
+    "How do camels survive in the desert?", "What is a marsupial?",
+    "Why do salmon swim upstream?", "How do frogs change as they grow?",
+    "What is the largest animal ever?", "How do ants communicate?", "What is a reptile?",
+    # maths and words
+    "What is a prime number?", "What is pi?", "What is a percentage?",
+    "What is the square root of 144?", "What is an average?", "What is a fraction?",
+    "What is the Pythagorean theorem?", "How many degrees are in a triangle?",
+    "What is a right angle?", "What is a hexagon?", "What is probability?",
+    "What is a negative number?", "What is an equation?", "What is a decimal?",
+)
+
+# Headers that ask for the terse numbered answers (not the bench's own wording).
+TERSE_HEADERS = (
+    "Answer each question in one or two sentences.",
+    "Answer each of these briefly.",
+    "Give a short answer to each question.",
+    "Please answer these in a numbered list, one or two sentences each.",
+    "Short answers, please:",
+    "Answer the following questions concisely.",
+    "Reply to each question in a sentence or two.",
+    "Answer these questions. Keep each answer short.",
+    "Answer each question in two sentences.",
+    "Quickly answer the following:",
+    "Give brief, factual answers:",
+    "Answer each question in a few words or a sentence.",
+)
+
+
+def terse_prompts(seed: int = 0, count: int = 384) -> list[str]:
+    """`count` messages of 3-5 numbered questions from TERSE_QUESTIONS under a header asking
+    for short answers, in a seeded order; each question is used about equally often."""
+    rng = random.Random(seed + 7)
+    pool: list[str] = []
+    prompts: list[str] = []
+    for _ in range(count):
+        n = rng.choice((3, 4, 4, 5))
+        picked: list[str] = []
+        while len(picked) < n:
+            if not pool:
+                pool = list(TERSE_QUESTIONS)
+                rng.shuffle(pool)
+            q = pool.pop()
+            if q not in picked:
+                picked.append(q)
+        lines = [rng.choice(TERSE_HEADERS)] + [f"{i}. {q}" for i, q in enumerate(picked, 1)]
+        prompts.append("\n".join(lines))
+    return prompts

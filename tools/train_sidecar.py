@@ -235,6 +235,17 @@ def build_broad_prompts(tokenizer: Any, seed: int
     return train, held, {"train_prompts": len(train), "heldout_prompts": len(held)}
 
 
+def build_terse_prompts(tokenizer: Any, seed: int, count: int) -> list[list[int]]:
+    """`count` messages of short numbered questions asking for terse answers
+    (tools/sidecar_prompts.terse_prompts), as token lists; none shares a question with the
+    held-out set."""
+    from tools.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts
+    leaked = [q for q in TERSE_QUESTIONS if any(q in h for h in HELDOUT_PROMPTS)]
+    if leaked:
+        raise SystemExit(f"train_sidecar: held-out questions in the terse list: {leaked}")
+    return [_chat_ids(tokenizer, t) for t in terse_prompts(seed, count)]
+
+
 def _tail_length(tokenizer: Any) -> int:
     """Tokens the chat template puts after the user's content (end of turn, assistant header):
     equalising prompt lengths cuts content, never these."""
@@ -487,35 +498,96 @@ class Batches:
                 mx.array(weight.astype(np.float32)))
 
 
-def make_loss(feat_weight: float):
+class _KeptKeys:
+    """Stands in for a KV cache in one training forward of the head's layer: rotary positions
+    from `offset`, keys and values of `prefix` (an earlier forward's) in front of the new ones,
+    and the new ones kept for a later forward."""
+
+    def __init__(self, offset: int, prefix: tuple[mx.array, mx.array] | None = None):
+        self.offset = offset
+        self.prefix = prefix
+        self.kept: tuple[mx.array, mx.array] | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.kept = (keys, values)
+        if self.prefix is None:
+            return keys, values
+        return (mx.concatenate([self.prefix[0], keys], axis=2),
+                mx.concatenate([self.prefix[1], values], axis=2))
+
+
+def two_step_features(head: MtpHead, hidden: mx.array, tokens: mx.array
+                      ) -> tuple[mx.array, mx.array]:
+    """EAGLE's training-time test for a second draft step, all positions in two forwards.
+    Step 1 is the usual teacher-forced rows (h_t, x_{t+1}) at positions t. Step 2 is what the
+    drafter computes for its second draft: at position t+1 the head's own chained output of row t
+    with the token x_{t+2}, attending to the step-1 rows at positions <= t (the verified ones at
+    decode time) and to itself, not to the trunk's row t+1 that it stands in for. Returns the
+    (post-norm) states [B, L, H] of step 1 and [B, L-1, H] of step 2; step-2 row t predicts what
+    step-1 row t+1 predicts (same targets, shifted by one)."""
+    step1 = _KeptKeys(0)
+    pre, post = head.features(hidden, tokens, step1, attn_mask="causal")
+    chained = post if head.conventions.chain == "after" else pre
+    n = tokens.shape[1] - 1
+    rows = mx.arange(n)[:, None]
+    mask = mx.concatenate([mx.arange(n + 1)[None, :] <= rows,  # step-1 rows up to t
+                           mx.arange(n)[None, :] == rows], axis=1)  # and itself
+    _, post2 = head.features(chained[:, :-1], tokens[:, 1:], _KeptKeys(1, step1.kept),
+                             first=False, attn_mask=mask)
+    return post, post2
+
+
+def _soft_ce(head: MtpHead, post: mx.array, tids: mx.array, tw: mx.array) -> mx.array:
+    logits = head.draft_logits(post).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return -(mx.take_along_axis(logp, tids, -1) * tw).sum(-1)
+
+
+def make_loss(feat_weight: float, depth2_weight: float = 0.0):
+    """Loss: depth-1 cross-entropy against the trunk's top-k plus the feature term; with
+    `depth2_weight`, plus that weight times the second step's cross-entropy (the head fed its
+    own output, two_step_features). Returns (loss, depth-1 ce)."""
     def loss_fn(head: MtpHead, hidden, tokens, tids, tw, feat, weight):
-        _, post = head.features(hidden, tokens)
-        logits = head.draft_logits(post).astype(mx.float32)
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        ce = -(mx.take_along_axis(logp, tids, -1) * tw).sum(-1)
+        two = depth2_weight > 0 and tokens.shape[1] > 2
+        if two:
+            post, post2 = two_step_features(head, hidden, tokens)
+        else:
+            _, post = head.features(hidden, tokens)
+        ce = _soft_ce(head, post, tids, tw)
         scale = mx.mean(feat * feat, axis=-1) + 1e-6
         fl = mx.mean((post.astype(mx.float32) - feat) ** 2, axis=-1) / scale
         total = mx.maximum(weight.sum(), 1.0)
-        return ((ce + feat_weight * fl) * weight).sum() / total, (ce * weight).sum() / total
+        loss = ((ce + feat_weight * fl) * weight).sum() / total
+        if two:
+            ce2 = _soft_ce(head, post2, tids[:, 1:], tw[:, 1:])
+            w2 = weight[:, 1:]
+            loss = loss + depth2_weight * (ce2 * w2).sum() / mx.maximum(w2.sum(), 1.0)
+        return loss, (ce * weight).sum() / total
     return loss_fn
 
 
-def top1_accuracy(head: MtpHead, batches: Batches, shards: list[dict[str, np.ndarray]],
-                  max_seqs: int = 16) -> float:
-    """Teacher-forced depth-1 accuracy on generated rows (a quick check during training)."""
-    hits = total = 0
+def teacher_forced_accuracy(head: MtpHead, batches: Batches,
+                            shards: list[dict[str, np.ndarray]], max_seqs: int = 16
+                            ) -> tuple[float, float]:
+    """Teacher-forced accuracy on generated rows of the first draft step and of the second
+    (fed the head's own first output, two_step_features): a quick check during training."""
+    hits, total = [0, 0], [0, 0]
     for s in shards:
         pick = np.arange(min(max_seqs, s["tokens"].shape[0]))
         hidden, tokens, _, _, _, weight = batches.rows(s, pick)
-        _, post = head.features(hidden, tokens)
-        pred = mx.argmax(head.draft_logits(post), -1)
-        want = mx.array(batches.local[s["top_ids"][pick, 1:, 0]])
+        want = batches.local[s["top_ids"][pick, 1:, 0]]
         plen = int(s["prompt_len"])
-        gen = np.array(weight) * (np.arange(weight.shape[1])[None] + 1 >= plen)
-        ok = np.array(pred == want) * (gen > 0)
-        hits += int(ok.sum())
-        total += int((gen > 0).sum())
-    return hits / max(total, 1)
+        gen = (np.array(weight) > 0) & (np.arange(weight.shape[1])[None] + 1 >= plen)
+        if tokens.shape[1] > 2:
+            post, post2 = two_step_features(head, hidden, tokens)
+            steps = [(post, want, gen), (post2, want[:, 1:], gen[:, 1:])]
+        else:
+            steps = [(head.features(hidden, tokens)[1], want, gen)]
+        for i, (rows, w, g) in enumerate(steps):
+            ok = (np.array(mx.argmax(head.draft_logits(rows), -1)) == w) & g
+            hits[i] += int(ok.sum())
+            total[i] += int(g.sum())
+    return hits[0] / max(total[0], 1), hits[1] / max(total[1], 1)
 
 
 # --- held-out acceptance: replay through the engine's own decode loop --------------------------
@@ -676,26 +748,41 @@ def train(args: argparse.Namespace) -> Path:
     random.Random(args.seed).shuffle(train_b)
     if args.max_batches:
         train_b = train_b[:args.max_batches]
+    # Terse numbered answers (--terse) are a list of their own, in shards train-terse-*: adding
+    # them leaves the broad list's batches, and so the shards already generated, as they were.
+    terse_b: list[list[list[int]]] = []
+    if args.terse:
+        if args.data != "broad":
+            raise SystemExit("train_sidecar: --terse goes with --data broad")
+        terse_b = batches_of(build_terse_prompts(lm.tokenizer, args.seed, args.terse),
+                             args.batch, args.prompt_tokens, tail)
+        random.Random(args.seed + 2).shuffle(terse_b)
+        counts["terse_prompts"] = args.terse
     if not held_b or not train_b:
         raise SystemExit("train_sidecar: too few prompts for one batch; lower --batch")
     gen_deadline = t_start + budget * args.gen_share
     # Generation runs until its share of the time is spent (or the prompts run out): the bar
     # shows the larger of the two fractions.
     bar = ProgressBar("generating", sys.stderr)
+    # The terse batches come before the rest of the broad list: a resumed run with --terse
+    # spends its generation time on them first.
     jobs = [("heldout", i, b) for i, b in enumerate(held_b)] + \
+           [("train-terse", i, b) for i, b in enumerate(terse_b)] + \
            [("train", i, b) for i, b in enumerate(train_b)]
     for j, (kind, i, prompts) in enumerate(jobs):
         path = work / f"{kind}-{i:04d}.npz"
         if path.exists():
             continue
-        if kind == "train" and time.monotonic() > gen_deadline and any(work.glob("train-*")):
+        training = kind != "heldout"
+        if training and time.monotonic() > gen_deadline and any(work.glob("train-*")):
             break
-        deadline = gen_deadline if kind == "train" else None
+        deadline = gen_deadline if training else None
         # Training batches alternate greedy and sampled answers (--sample-share of them
         # sampled, by batch index); held-out answers are greedy, as the bench decodes.
-        sampled = kind == "train" and int((i + 1) * args.sample_share) > int(i * args.sample_share)
+        sampled = training and int((i + 1) * args.sample_share) > int(i * args.sample_share)
         temperature = args.temperature if sampled else 0.0
-        mx.random.seed(args.seed * 100_003 + i)  # a batch's samples do not depend on resuming
+        # A batch's samples do not depend on resuming (terse batches draw from seeds of their own).
+        mx.random.seed(args.seed * 100_003 + i + (50_000 if kind == "train-terse" else 0))
         _save_shard(path, generate_shard(lm.model, prompts, args.gen_tokens, eos, deadline,
                                          temperature))
         spent = (time.monotonic() - t_start) / max(gen_deadline - t_start, 1e-9)
@@ -734,12 +821,13 @@ def train(args: argparse.Namespace) -> Path:
     head.set_dtype(mx.float32)
     batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state),
                       args.feature_noise)
-    acc0 = top1_accuracy(head, batches, held)
+    acc0, second0 = teacher_forced_accuracy(head, batches, held)
     _log(f"draft vocabulary {len(vocab_ids)} tokens ({coverage:.1%} of training targets); "
-         f"held-out teacher-forced depth-1 accuracy at start {acc0:.1%}")
+         f"held-out teacher-forced accuracy at start: depth-1 {acc0:.1%}, second step "
+         f"{second0:.1%}")
 
     # 3. training
-    loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight))
+    loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight, args.depth2_weight))
     step = int(state.get("step", 0))
     train_deadline = t_start + budget * (1.0 - EVAL_SHARE)
     # Each run has its own time budget: a resumed run starts a new schedule from its step.
@@ -785,8 +873,9 @@ def train(args: argparse.Namespace) -> Path:
         steps_here += 1
         bar(step, max(total or args.steps or step, step))
         if step % 50 == 0:
+            acc, second = teacher_forced_accuracy(head, batches, held)
             _log(f"step {step}: ce {np.mean(losses[-50:]):.3f}, held-out teacher-forced "
-                 f"depth-1 {top1_accuracy(head, batches, held):.1%}")
+                 f"depth-1 {acc:.1%}, second step {second:.1%}")
         if time.monotonic() - last_ckpt > CHECKPOINT_EVERY_S:
             _checkpoint(work, head, opt, step, total, start, coverage, runs + [this_run()])
             last_ckpt = time.monotonic()
@@ -795,7 +884,7 @@ def train(args: argparse.Namespace) -> Path:
     train_s = time.monotonic() - t_train
 
     # 4. held-out acceptance through the real drafter, and the sidecar
-    acc1 = top1_accuracy(head, batches, held)
+    acc1, second1 = teacher_forced_accuracy(head, batches, held)
     acceptance = heldout_acceptance(head, held, vocab, args.eval_tokens)
     baseline = pair_table_baseline(shards, held)
     _log("held-out acceptance per position: " + "; ".join(
@@ -825,12 +914,15 @@ def train(args: argparse.Namespace) -> Path:
             "depth3_tokens_per_round": acceptance["depth3"]["tokens_per_round"],
             "teacher_forced_depth1_start": round(acc0, 4),
             "teacher_forced_depth1_end": round(acc1, 4),
+            "teacher_forced_second_step_start": round(second0, 4),
+            "teacher_forced_second_step_end": round(second1, 4),
             "pair_table_baseline": round(baseline, 4),
         },
         "training": {
             "steps": step, "runs": runs + [this_run()],
             "batch_sequences": args.train_batch, "lr": args.lr,
-            "feat_weight": args.feat_weight, "feature_noise": args.feature_noise,
+            "feat_weight": args.feat_weight, "depth2_weight": args.depth2_weight,
+            "feature_noise": args.feature_noise,
             "init_from": (f"{args.init_from.name} (sha256 {sha256_file(args.init_from)})"
                           if args.init_from else "ridge fit"),
             "optimizer": "AdamW (wd 0.01), cosine, clip 1.0",
@@ -892,6 +984,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of training batches answered by sampling (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="temperature of the sampled answers (default %(default)s)")
+    p.add_argument("--terse", type=int, default=0,
+                   help="also answer this many messages of short numbered questions asking for "
+                        "terse answers (tools/sidecar_prompts.terse_prompts), generated before "
+                        "the rest of the broad list (default 0)")
     p.add_argument("--generate-only", action="store_true",
                    help="stop after generating the data (continue with --resume)")
     p.add_argument("--max-batches", type=int, default=0, help="cap on training batches")
@@ -902,6 +998,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="uniform noise on the training features, relative to their RMS "
                         "(EAGLE's 0.1-ish; default off)")
     p.add_argument("--feat-weight", type=float, default=0.5)
+    p.add_argument("--depth2-weight", type=float, default=0.0,
+                   help="weight of the second draft step's loss, the head fed its own output "
+                        "(EAGLE's training-time test; default 0: depth 1 only)")
     p.add_argument("--coverage", type=float, default=0.98,
                    help="share of training targets the draft vocabulary covers")
     p.add_argument("--vocab", type=int, default=0, help="fixed draft vocabulary size")

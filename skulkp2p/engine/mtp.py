@@ -288,11 +288,14 @@ class MtpHead(nn.Module):
         self._vocab_ids = ids
         self._vocab_size = vocab
 
-    def features(self, hidden: mx.array, tokens: mx.array, cache: KVCache | None = None,
-                 first: bool = True) -> tuple[mx.array, mx.array]:
+    def features(self, hidden: mx.array, tokens: mx.array, cache: Any = None,
+                 first: bool = True, attn_mask: mx.array | str | None = None
+                 ) -> tuple[mx.array, mx.array]:
         """(pre, post) head states [B, L, H] for rows (hidden[b, i], tokens[b, i]): batched,
         for decoding (B = 1, with `cache`) and for training (no cache, causal over L). `first`:
-        row 0 is position 0 (where DeepSeek/MiMo zero the embedding)."""
+        row 0 is position 0 (where DeepSeek/MiMo zero the embedding). `attn_mask` (default: causal
+        over the cache and the rows) lets training lay out a second draft step beside the first
+        (tools/train_sidecar.py)."""
         conv = self._conventions
         embed = self._trunk.embed_tokens(tokens)
         if conv.zero_first_embed and first:
@@ -301,7 +304,8 @@ class MtpHead(nn.Module):
         e = self.norm_embed(embed)
         h = self.norm_hidden(hidden.astype(e.dtype))
         x = self.proj(mx.concatenate([e, h] if conv.concat == "embed_first" else [h, e], -1))
-        pre = self.layer(x, create_attention_mask(x, cache), cache)
+        pre = self.layer(x, create_attention_mask(x, cache) if attn_mask is None else attn_mask,
+                         cache)
         return pre, self.final_norm(pre)
 
     def draft_logits(self, rows: mx.array) -> mx.array:
