@@ -175,3 +175,39 @@ def test_sliding_window_mask_shows_each_row_its_own_window():
     keys = mx.zeros((2, 1, 2, 8))
     fetched, _ = layer.update_and_fetch(keys, keys)
     assert fetched.shape[2] == 11 - 3
+
+
+def test_a_model_loaded_on_one_thread_decodes_on_another(tiny_model, gemma_assistant):
+    """An agent loads its model on one thread and runs requests on others. MLX binds a lazy
+    array to the stream of the thread that built it, so everything the model and its assistant
+    hold must be evaluated at load, not only their parameters: Gemma's rope keeps `_freqs`
+    outside them, and a request thread then failed with "There is no Stream(cpu, 1) in current
+    thread" (a real `join` did, tests/test_gemma4_rings.py)."""
+    import threading
+
+    mx.eval(mx.ones(2) + 1)  # this thread has a stream of its own, as an agent's main thread
+    loaded: dict = {}
+    results: dict = {}
+
+    def load() -> None:
+        lm = load_model(tiny_model("gemma4_text"), "gemma4-tiny", dtype="float32")
+        lm = dataclasses.replace(lm, assistant=load_assistant(gemma_assistant, lm.model,
+                                                              mx.float32))
+        loaded["engine"] = MlxEngine(lm, 64, max_batch=4)
+
+    def run(speculation) -> None:
+        try:
+            gen = loaded["engine"].generate(parse_request(
+                {"prompt": PROMPTS[0], "max_tokens": 6, "speculation": speculation}))
+            list(gen)
+            results[str(speculation)] = gen.result.tokens
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results[str(speculation)] = e
+
+    for target, args in ((load, ()), (run, ("off",)), (run, ({"drafter": "assistant"},))):
+        thread = threading.Thread(target=target, args=args)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive()
+    assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in results.values()), \
+        results

@@ -36,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from skulkp2p.engine.arrays import materialize
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.sampling import (
     SamplingParams,
@@ -366,7 +367,7 @@ def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
         model.set_dtype(dtype)
         if ordering is not None:
             model.masked_embedding.token_ordering = ordering  # indices stay integers
-    mx.eval(model.parameters())
+    materialize(model)
     log.info("assistant %s loaded (%s, %s head, %d layers, block size %d)", path,
              config.model_type, "centroid" if config.use_ordered_embeddings else "dense",
              config.text.num_hidden_layers, block_size)

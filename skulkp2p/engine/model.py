@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from skulkp2p.engine.arrays import materialize
 from skulkp2p.engine.stage import StageSpan, slice_model
 from skulkp2p.engine.trunk import Trunk
 
@@ -120,7 +121,7 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model.set_dtype(DTYPES[dtype])
-    mx.eval(model.parameters())
+    materialize(model)
     ctx = context_length or config.get("max_position_embeddings") or config.get(
         "text_config", {}).get("max_position_embeddings") or 4096
     speculation = dict(speculation or {})

@@ -69,6 +69,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from skulkp2p.engine.arrays import materialize
 from skulkp2p.engine.decode import DecodeStats
 from skulkp2p.engine.trunk import Trunk
 
@@ -508,7 +509,7 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
         nn.quantize(head, group_size, bits, mode=mode,
                     class_predicate=lambda p, m: isinstance(m, nn.Linear)
                     and m.weight.shape[-1] % group_size == 0)
-    mx.eval(head.parameters())
+    materialize(head)
     return head
 
 
