@@ -188,6 +188,11 @@ def test_sampled_requests_keep_chains(models):
     assert stats.tree_rounds == 0 and stats.drafted > 0
 
 
+def _trees_on(lm) -> dict:
+    """The card's speculation with `[speculation.lookup] trees = true` (off by default)."""
+    return {**lm.speculation, "lookup": {**lm.speculation.get("lookup", {}), "trees": True}}
+
+
 def _engine_tokens(engine: MlxEngine, reqs: list, together: bool) -> list[list[int]]:
     results: list = [None] * len(reqs)
 
@@ -215,6 +220,7 @@ def test_trees_in_a_batch_equal_plain(models, family, monkeypatch):
     plain steps in it); every request's tokens are plain decoding's."""
     lm = models[family]
     monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)  # every branch pays: many trees
+    monkeypatch.setattr(lm, "speculation", _trees_on(lm))
     prompts = [CODE, CODE.replace("add", "div"), "a b c d a b c d a b", CODE[:60]]
     reqs = [parse_request({"id": i, "prompt": p, "max_tokens": 24 + 8 * i,
                            "speculation": "off" if i == 3 else "auto"})
@@ -267,6 +273,7 @@ def test_lookup_tree_with_mtp_branch_equals_plain(tiny_model, family, monkeypatc
     lm = load_model(tiny_model(family, mtp=True), family, dtype="float32")
     assert lm.mtp is not None
     monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)
+    monkeypatch.setattr(lm, "speculation", _trees_on(lm))
     engine = MlxEngine(lm, prefix_cache_mb=0, memory_tokens=0, max_batch=1)
 
     def run(spec):

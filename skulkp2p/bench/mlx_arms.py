@@ -46,7 +46,7 @@ class Arm:
     # With --nodes N --one-node: the arm runs on the whole model loaded in the bench's own
     # process, beside the ring's or group's arms in the same run (the single-node reference).
     one_node: bool = False
-    trees: bool = True  # engine arms: token trees (card's speculation.lookup.trees)
+    trees: bool = False  # engine arms: token trees on (card's speculation.lookup.trees)
 
     @property
     def peer(self) -> bool:
@@ -58,11 +58,11 @@ SPEC = Arm("spec", "engine", "auto")
 ONE_NODE_PLAIN = Arm("one_node_plain", "engine", "off", one_node=True)
 ONE_NODE_SPEC = Arm("one_node_spec", "engine", "auto", one_node=True)
 # The ablation of the model-free drafter, in "auto" mode beside the MTP head: the older n-gram
-# scan without memory, the suffix drafter alone (chains, no memory), suffix + memory with chains
-# (spec is suffix + memory + token trees).
+# scan without memory, the suffix drafter alone (no memory), suffix + memory + token trees
+# (spec is suffix + memory, chains unless the card turns trees on).
 ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, lookup="scan"),
-             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False, trees=False),
-             "spec_chain": Arm("spec_chain", "engine", "auto", trees=False)}
+             "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False),
+             "spec_trees": Arm("spec_trees", "engine", "auto", trees=True)}
 
 
 def parse_arm(text: str) -> Arm:
@@ -79,7 +79,7 @@ def parse_arm(text: str) -> Arm:
     m = re.fullmatch(r"([a-z_]+):(\d+)", text)
     if not m or m.group(1) not in DRAFTER_NAMES:
         raise ValueError(f"unknown arm {text!r} (expected plain, spec, spec_scan, spec_nomem, "
-                         "spec_chain, "
+                         "spec_trees, "
                          "mlx_lm, mlx_lm_draft or "
                          f"DRAFTER:DEPTH with DRAFTER one of {', '.join(DRAFTER_NAMES)})")
     depth = int(m.group(2))
@@ -274,8 +274,8 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
         lookup = dict(saved.get("lookup", {}))
         if arm.lookup is not None:
             lookup["drafter"] = arm.lookup
-        if not arm.trees:
-            lookup["trees"] = False
+        if arm.trees:
+            lookup["trees"] = True
         if lookup != saved.get("lookup", {}):
             loaded.speculation = {**saved, "lookup": lookup}
         try:

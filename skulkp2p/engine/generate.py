@@ -178,10 +178,12 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
     start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
     prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
-    # Token trees (engine/tree.py) where the counts disagree; `trees = false` keeps chains.
+    # Token trees (engine/tree.py) where the counts disagree, when the card's `trees = true`:
+    # off by default, as on a quiet machine they cost 3-5% against chains on every bench
+    # workload without accepting a token more (README, "Token trees").
     lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
                           request_id=req.id, prior_accept=prior, weigh_batch=weigh,
-                          trees=bool(cfg.get("trees", True)))
+                          trees=bool(cfg.get("trees", False)))
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
