@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skulkp2p import wire
-from skulkp2p.engine.ring_frames import FRAME, RingError, header, seconds_list
+from skulkp2p.engine.ring_frames import FRAME, RingError, check_answer, header, seconds_list
 
 if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
     import mlx.core as mx
@@ -194,12 +194,7 @@ class RingForward:
         self.wait_s += time.perf_counter() - t0
         self.traversals += 1
         self.stages_compute_s += sum(seconds_list(out.get("cs")))
-        if out.get("step") != self.step or out.get("request") != self.request:
-            raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
-                            f"expected step {self.step} of {self.request}")
-        if out.get("at", self.stage.span.start) != self.stage.span.start:
-            raise RingError(f"the ring's stages end at layer {out.get('at')}, this stage starts "
-                            f"at {self.stage.span.start}: it was re-placed; retry")
+        check_answer(out, self.step, self.request, self.stage.span.start)
         self.step += 1
         self._pending = None
         self._store = None

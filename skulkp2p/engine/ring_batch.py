@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from skulkp2p import wire
 from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
-from skulkp2p.engine.ring_frames import RingError, header, seconds_list
+from skulkp2p.engine.ring_frames import RingError, check_answer, header, seconds_list
 
 if TYPE_CHECKING:
     from skulkp2p.engine.forward import StageCache
@@ -70,12 +70,7 @@ class RingRows:
         t0 = time.perf_counter()
         try:
             out = first.link.traverse(msg)
-            if out.get("step") != self.step or out.get("request") != self.batch:
-                raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}"
-                                f", expected step {self.step} of batch {self.batch}")
-            if out.get("at", first.stage.span.start) != first.stage.span.start:
-                raise RingError(f"the ring's stages end at layer {out.get('at')}, this stage "
-                                f"starts at {first.stage.span.start}: it was re-placed; retry")
+            check_answer(out, self.step, self.batch, first.stage.span.start)
             x = wire.unpack_array(out["x"], as_mlx=True)
             width = max(len(t) for t in tokens)
             if tuple(x.shape[:2]) != (len(rings), width):

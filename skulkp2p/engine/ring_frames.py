@@ -20,6 +20,17 @@ def header(term: int, instance: str, request: str, step: int, op: str) -> dict[s
             "request": request, "step": step, "op": op}
 
 
+def check_answer(out: dict[str, Any], step: int, request: str, start: int) -> None:
+    """The answer closing a traversal is for this step of this request (or batch) and ends at
+    the layer this stage starts at; else RingError (a stale answer, or a ring re-placed)."""
+    if out.get("step") != step or out.get("request") != request:
+        raise RingError(f"ring answered step {out.get('step')} of {out.get('request')}, "
+                        f"expected step {step} of {request}")
+    if out.get("at", start) != start:
+        raise RingError(f"the ring's stages end at layer {out.get('at')}, this stage starts "
+                        f"at {start}: it was re-placed; retry")
+
+
 def seconds_list(value: Any) -> list[float]:
     """A frame's "cs" (each stage's compute seconds so far), sanitised."""
     if not isinstance(value, list):
