@@ -22,18 +22,11 @@ import pytest
 from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
-from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, requests, solo, together
+from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, requests, solo, together
 from tools.make_tiny_model import make_tiny_model
 
-_models: dict[Path, object] = {}
-
-
-def _loaded(path: Path):
-    if path not in _models:
-        _models[path] = load_model(path, path.name, dtype="float32")
-    return _models[path]
+_loaded = loaded
 
 
 @pytest.fixture(scope="module")

@@ -20,19 +20,13 @@ from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
-from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, requests, solo, together
+from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, requests, solo, together
 from tools import tiny_gemma4
 
 FAMILIES = ("qwen3_5", "gemma4_text")
 WINDOW = 16  # the tiny Gemma 4's sliding window (tools/tiny_gemma4.py)
 
-_models: dict[Path, object] = {}
-
-
-def _loaded(path: Path):
-    if path not in _models:
-        _models[path] = load_model(path, path.name, dtype="float32")
-    return _models[path]
+_loaded = loaded
 
 
 @pytest.fixture(scope="module")

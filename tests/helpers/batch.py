@@ -8,14 +8,26 @@ while the others still decode."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
 
 PROMPTS = ["one two three one two three one two", "the river the river the bird",
            "def f(x):\n    return x\n\ndef g(x):\n    return", "a b c d e f g h a b c d"]
 SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
 SPECULATION = {"off": "off", "lookup": {"drafter": "lookup", "depth": 3}}
+
+
+_models: dict[Path, object] = {}
+
+
+def loaded(path: Path):
+    """A tiny model loaded once per test session (float32), shared by the batching tests."""
+    if path not in _models:
+        _models[path] = load_model(path, path.name, dtype="float32")
+    return _models[path]
 
 
 def requests(sampling: dict, speculation, n: int = 4) -> list:
