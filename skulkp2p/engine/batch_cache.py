@@ -38,6 +38,7 @@ class RowLengths:
     def __init__(self) -> None:
         self.lengths: list[int] = []
         self._offset: mx.array | None = None
+        self._write: tuple[int, mx.array | None] | None = None  # (width, index) of this step
 
     @property
     def offset(self) -> mx.array:
@@ -48,6 +49,19 @@ class RowLengths:
     def set(self, lengths: list[int]) -> None:
         self.lengths = list(lengths)
         self._offset = None
+        self._write = None
+
+    def write_index(self, width: int) -> mx.array | None:
+        """Where a step of `width` tokens writes each row's keys: [B, 1, width, 1] positions
+        (length_i + j), built once per step for every layer; None when every row is at the same
+        length (one slice takes them all)."""
+        if self._write is None or self._write[0] != width:
+            index = None
+            if len(set(self.lengths)) > 1:
+                index = (self.offset[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
+                         )[:, None, :, None]
+            self._write = (width, index)
+        return self._write[1]
 
 
 class RowsKVCache:
@@ -91,9 +105,17 @@ class RowsKVCache:
         end = max(lengths) + w
         self._reserve(end, keys, values)
         assert self.keys is not None and self.values is not None
-        for i, n in enumerate(lengths):
-            self.keys[i:i + 1, :, n:n + w, :] = keys[i:i + 1]
-            self.values[i:i + 1, :, n:n + w, :] = values[i:i + 1]
+        # One scatter per buffer for all rows (not a slice update per row and layer: that was
+        # 2 B graph nodes per layer per step, built under the scheduler's lock).
+        index = self.rows.write_index(w)
+        if index is None:  # every row at the same length
+            n = lengths[0]
+            self.keys[:, :, n:n + w, :] = keys
+            self.values[:, :, n:n + w, :] = values
+        else:
+            self.keys = mx.put_along_axis(self.keys, index, keys.astype(self.keys.dtype), axis=2)
+            self.values = mx.put_along_axis(self.values, index,
+                                            values.astype(self.values.dtype), axis=2)
         start = first_visible(lengths, self.window)
         return self.keys[:, :, start:end, :], self.values[:, :, start:end, :]
 
