@@ -41,13 +41,23 @@ def _timed(owner: object, name: str, label: str) -> None:
 def main(spec: str, n: int) -> None:
     from skulkp2p.engine import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine import batch_cache, decode, gates, scheduler, stage, suffix
+    from skulkp2p.engine import batch_cache, decode, gates, generate, scheduler, stage, suffix
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.mtp import MtpDrafter
     from skulkp2p.engine.request import parse_request
     from tools import batch_bench
 
     _timed(scheduler.BatchScheduler, "_step", "step (all of it)")
+    # Each step's seconds by its padded token rows (rows x widest), against the cost table.
+    by_size: collections.defaultdict[int, list[float]] = collections.defaultdict(list)
+    step = scheduler.BatchScheduler._step
+
+    def sized(self) -> None:
+        size = len(self.active) * max(len(r.submitted) for r in self.active)
+        t0 = time.perf_counter()
+        step(self)
+        by_size[size].append(time.perf_counter() - t0)
+    scheduler.BatchScheduler._step = sized
     _timed(stage.StageModel, "run_rows", "  step: graph building (run_rows)")
     _timed(batch_cache.RowsKVCache, "update_and_fetch", "    of it: KV writes")
     _timed(batch_cache.RowsKVCache, "make_mask", "    of it: masks")
@@ -73,6 +83,7 @@ def main(spec: str, n: int) -> None:
     batch_bench._run(engine, reqs(), True)  # warm-up
     spent.clear()
     calls.clear()
+    by_size.clear()
     steps = engine.scheduler.steps
     out, seconds = batch_bench._run(engine, reqs(), True)
     tokens = sum(len(r.tokens) for r in out)
@@ -80,6 +91,16 @@ def main(spec: str, n: int) -> None:
           f"{engine.scheduler.steps - steps} batched steps")
     for label, s in spent.items():
         print(f"{label:38s} {s:7.3f} s {100 * s / seconds:5.1f}%  calls {calls[label]}")
+    costs = generate._costs(lm)  # noqa: SLF001 - the table the gates read
+    base = sorted(by_size.get(n, [0.0]))[len(by_size.get(n, [0.0])) // 2] or None
+    print(f"step seconds by padded token rows (B x widest), median; relative to {n} rows of 1 "
+          "token, beside the cost table's c(B W) / c(B) the gate prices them with:")
+    for size in sorted(by_size):
+        ts = sorted(by_size[size])
+        med = ts[len(ts) // 2]
+        rel = f"{med / base:.2f}" if base else "-"
+        print(f"  {size:3d}: {med * 1e3:7.1f} ms x{len(ts):<3d} measured {rel}  table "
+              f"{gates.width_cost(costs, size) / gates.width_cost(costs, n):.2f}")
     print("drafted/accepted:", [(r.speculation.drafted, r.speculation.accepted)
                                 if r.speculation else None for r in out])
 
