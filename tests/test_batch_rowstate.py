@@ -205,3 +205,39 @@ def test_a_model_loaded_on_one_thread_decodes_on_another(tiny_model, gemma_assis
         assert not thread.is_alive()
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in results.values()), \
         results
+
+
+@pytest.mark.parametrize("spec", list(SPECULATION))
+def test_sliding_window_rows_keep_only_their_window(tiny_model, spec):
+    """A batch that runs long: each sliding-window row drops the positions no query can see any
+    more (RowsKVCache.trim), so its buffer stays about a window wide, not its whole history, and
+    every request still decodes exactly what it decodes alone (rollbacks of rejected drafts
+    included). One prompt is long: its row joins holding only its last window."""
+    from skulkp2p.engine.batch_cache import STEP
+
+    lm = _loaded(tiny_model("gemma4_text"))
+    long_prompt = " ".join(["the river runs by the old mill and the bird sings"] * 40)
+    prompts = [(long_prompt, 40), (PROMPTS[0], STEP + 4 * WINDOW), (PROMPTS[1], STEP + 60)]
+    reqs = [parse_request({"id": i, "prompt": p, "max_tokens": n, "speculation":
+                           SPECULATION[spec], "temperature": 0.8, "seed": 7 + i})
+            for i, (p, n) in enumerate(prompts)]
+    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
+    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=3)
+    sched = engine.scheduler
+    held: list[int] = []  # the widest window buffer before each step, and its rows' lengths
+    step = sched._step
+
+    def watched() -> None:
+        step()
+        held.extend(layer.keys.shape[2] for layer in sched.window_layers
+                    if layer.keys is not None)
+    sched._step = watched
+    batched = together(engine, reqs)
+    _same(alone, batched)
+    assert alone[0].usage.prompt_tokens > STEP + WINDOW  # (the long row joined past a STEP)
+    longest = max(r.usage.prompt_tokens + r.usage.completion_tokens for r in batched[1:])
+    assert longest > STEP + 2 * WINDOW, "no row ran long enough to drop positions"
+    assert sched.window_layers and all(layer.trims > 0 for layer in sched.window_layers)
+    # Never more than the window, the slack trim allows and a buffer's step of growth; without
+    # trimming the long prompt's row alone would have made it its whole length.
+    assert max(held) <= WINDOW + 2 * STEP < alone[0].usage.prompt_tokens + 40

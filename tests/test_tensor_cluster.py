@@ -109,6 +109,33 @@ def test_group_of_processes_speculative_equals_plain(cluster):
     stages = {m["name"]: m["stages"]["llama"] for m in st["members"] if "llama" in
               (m.get("stages") or {})}
     assert {s.get("rank") for n, s in stages.items() if n in ("n0", "n1")} <= {0, 1, None}
+    # The measured table is where a user looks for the model's state: GET /v1/models on the
+    # member that runs the loop (its engine's) and on any other node (the member's report), and
+    # that member's stage in /v1/cluster.
+    c.wait(lambda: all(_verify_costs(c, i) for i in (0, 2)), 30, "verify costs shown")
+    for i in (0, 2):
+        costs = _verify_costs(c, i)
+        assert costs["where"] == "tensor-parallel group n0, n1"
+        widths = [row["width"] for row in costs["widths"]]
+        assert widths == sorted(widths) and len(widths) > 1 and widths[0] == 1
+        assert costs["widths"][0]["relative"] == 1.0
+        assert all(row["seconds"] > 0 for row in costs["widths"])
+        # (capped by the wider widths': never cheaper for more rows)
+        seconds = [row["seconds"] for row in costs["widths"]]
+        assert seconds == sorted(seconds)
+    assert _verify_costs(c, 2)["widths"] == _verify_costs(c, 0)["widths"]
+    st = call(http, "GET", "/v1/cluster")[2]
+    (n0,) = [m for m in st["members"] if m["name"] == "n0"]
+    assert n0["stages"]["llama"]["verify_costs"] == _verify_costs(c, 0)
+    (n1,) = [m for m in st["members"] if m["name"] == "n1"]
+    assert "verify_costs" not in n1["stages"]["llama"]  # (rank 1 does not run the loop)
+
+
+def _verify_costs(c, i: int) -> dict | None:
+    models = call(c.nodes[i].http, "GET", "/v1/models")[2]["data"]
+    (llama,) = [m for m in models if m["id"] == "llama"]
+    assert llama["parallel"] == "tensor" and llama["ring"] == ["n0", "n1"]
+    return llama.get("verify_costs")
 
 
 def _long_request(c, i: int, result: dict) -> threading.Thread:

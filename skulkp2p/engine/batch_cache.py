@@ -11,10 +11,15 @@ per-request cache (after their prompt was prefilled) and leave by a gather of th
 All layers share one `RowLengths`: the model reads `offset` in every layer before the step's
 write, so lengths advance only after the whole forward (`RowLengths.advance`).
 
-Sliding-window layers (Gemma's `RotatingKVCache`) keep every row's whole history here at
-absolute positions, and the mask shows query j of row i only the keys in
-(length_i + j - window, length_i + j]: the keys a rotating cache would still hold, so a rollback
-is a length going down for them too. Recurrent layers (qwen3_5's gated-delta state,
+Sliding-window layers (Gemma's `RotatingKVCache`) keep each row's last window of keys and the
+mask shows query j of row i only the keys in (length_i + j - window, length_i + j]: the keys a
+rotating cache would still hold, so a rollback is a length going down for them too. Row i's
+buffer column 0 holds position `base_i`; before a step (`trim`, called by the scheduler) the
+rows whose base lags more than STEP positions behind length_i - window drop what is older (one
+gather per buffer, every window layer alike, so one mask fits them all): a long-running batch
+holds at most window + 2 STEP positions per row, not its whole history. The positions a step
+sees, and those it may roll back to, are never dropped: a step's rollbacks go back at most to
+where it started, and the base stays at least a window behind that. Recurrent layers (qwen3_5's gated-delta state,
 `RowsArraysCache`) hold one state per row, stacked; a step keeps the states from before it, so
 that a row whose verify was partly rejected gets its own state back (`restore_row`).
 """
@@ -38,6 +43,8 @@ class RowLengths:
     def __init__(self) -> None:
         self.lengths: list[int] = []
         self._offset: mx.array | None = None
+        # This step's write index per (width, rows' bases): built once, used by every layer.
+        self._write: dict[tuple[int, tuple[int, ...]], mx.array | None] = {}
 
     @property
     def offset(self) -> mx.array:
@@ -48,6 +55,20 @@ class RowLengths:
     def set(self, lengths: list[int]) -> None:
         self.lengths = list(lengths)
         self._offset = None
+        self._write = {}
+
+    def write_index(self, width: int, bases: list[int]) -> mx.array | None:
+        """Where a step of `width` tokens writes each row's keys in a buffer whose row i starts
+        at position bases[i]: [B, 1, width, 1] columns (length_i - base_i + j), built once per
+        step for every layer alike; None when every row writes at the same column (one slice
+        takes them all)."""
+        key = (width, tuple(bases))
+        if key not in self._write:
+            at = [n - b for n, b in zip(self.lengths, bases, strict=True)]
+            self._write[key] = None if len(set(at)) <= 1 else (
+                mx.array(at, dtype=mx.int32)[:, None]
+                + mx.arange(width, dtype=mx.int32)[None, :])[:, None, :, None]
+        return self._write[key]
 
 
 class RowsKVCache:
@@ -59,6 +80,10 @@ class RowsKVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.width = 0  # tokens per row in the current step (set before the forward)
+        # Row i's buffer column 0 is position base[i] (a window layer drops older positions:
+        # `trim`; always 0 without a window).
+        self.base: list[int] = []
+        self.trims = 0  # times this layer dropped positions (tests)
 
     @classmethod
     def like(cls, rows: RowLengths, template: Any) -> RowsKVCache:
@@ -85,17 +110,61 @@ class RowsKVCache:
             self.keys = mx.concatenate([self.keys, pad_k], axis=2)
             self.values = mx.concatenate([self.values, pad_v], axis=2)
 
+    def _span(self, n: int) -> tuple[int, int]:
+        """The buffer columns [start, end) a step of n tokens reads: from the first one any
+        row's first query sees through the window to the last one any row writes."""
+        lengths = self.rows.lengths
+        bases = self.base or [0] * len(lengths)
+        end = max(x - b for x, b in zip(lengths, bases, strict=True)) + n
+        if self.window is None:
+            return 0, end
+        start = min(max(0, x - self.window + 1) - b
+                    for x, b in zip(lengths, bases, strict=True))
+        return max(0, start), end
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         lengths = self.rows.lengths
         w = keys.shape[2]
-        end = max(lengths) + w
+        if self.keys is None and not self.base:  # rows given by their lengths alone
+            self.base = [0] * len(lengths)
+        if len(self.base) != len(lengths):
+            raise RuntimeError(f"{len(self.base)} rows' bases for {len(lengths)} rows")
+        start, end = self._span(w)
         self._reserve(end, keys, values)
         assert self.keys is not None and self.values is not None
-        for i, n in enumerate(lengths):
-            self.keys[i:i + 1, :, n:n + w, :] = keys[i:i + 1]
-            self.values[i:i + 1, :, n:n + w, :] = values[i:i + 1]
-        start = first_visible(lengths, self.window)
+        # One scatter per buffer for all rows (not a slice update per row and layer: that was
+        # 2 B graph nodes per layer per step, built under the scheduler's lock).
+        index = self.rows.write_index(w, self.base)
+        if index is None:  # every row writes at the same column
+            n = lengths[0] - self.base[0]
+            self.keys[:, :, n:n + w, :] = keys
+            self.values[:, :, n:n + w, :] = values
+        else:
+            self.keys = mx.put_along_axis(self.keys, index, keys.astype(self.keys.dtype), axis=2)
+            self.values = mx.put_along_axis(self.values, index,
+                                            values.astype(self.values.dtype), axis=2)
         return self.keys[:, :, start:end, :], self.values[:, :, start:end, :]
+
+    def trim(self) -> None:
+        """Before a step (no row waits to roll back): a window layer whose rows hold more than
+        STEP positions no query can see any more drops them, each row down to the window before
+        its length (one extra position: what a rotating cache of the window holds, so `extract`
+        stays whole), and the buffer shrinks to what the rows then hold."""
+        if self.window is None or self.keys is None or self.values is None:
+            return
+        lengths = self.rows.lengths
+        drop = [max(0, n - self.window - b) for n, b in zip(lengths, self.base, strict=True)]
+        if max(drop, default=0) < STEP:
+            return
+        self.base = [b + d for b, d in zip(self.base, drop, strict=True)]
+        held = max(n - b for n, b in zip(lengths, self.base, strict=True))
+        cap = max(STEP, ((held + STEP - 1) // STEP) * STEP)
+        last = self.keys.shape[2] - 1
+        index = mx.minimum(mx.arange(cap, dtype=mx.int32)[None, :]
+                           + mx.array(drop, dtype=mx.int32)[:, None], last)[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys, index, axis=2)
+        self.values = mx.take_along_axis(self.values, index, axis=2)
+        self.trims += 1
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None,
                   **_: Any) -> mx.array:
@@ -105,11 +174,14 @@ class RowsKVCache:
             raise ValueError(f"a mask for a window of {window_size} asked of a cache whose "
                              f"window is {self.window}")
         lengths = self.rows.offset[:, None, None, None]
-        end = max(self.rows.lengths) + n
-        # A window layer's keys start where the earliest query's window does (update_and_fetch
-        # hands out the same span): attention runs over the windows, not the whole history.
-        start = first_visible(self.rows.lengths, window_size)
+        if window_size is None:
+            window_size = self.window
+        # The columns update_and_fetch hands out; in a window layer they start where the
+        # earliest query's window does: attention runs over the windows, not the whole history.
+        start, end = self._span(n)
         keys = mx.arange(start, end)[None, None, None, :]
+        if any(self.base):  # row i's column c is position base_i + c
+            keys = keys + mx.array(self.base, dtype=mx.int32)[:, None, None, None]
         queries = lengths + mx.arange(n)[None, None, :, None]
         mask = keys <= queries
         if window_size is not None:
@@ -122,17 +194,21 @@ class RowsKVCache:
         """Add a row holding the first `length` positions of a one-request cache (called before
         the row's length is added to `rows`)."""
         if single.keys is None or length == 0:  # a one-token prompt: nothing prefilled
+            self.base.append(0)
             if self.keys is not None:
                 self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])], axis=0)
                 self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])],
                                              axis=0)
             return  # (no buffer yet: the first write allocates one for every row)
+        base = self._join_base(length)
         k, v = held_keys(single, length)
+        k, v = k[:, :, base:, :], v[:, :, base:, :]
+        held = length - base
         have = 0 if self.keys is None else self.keys.shape[2]
-        cap = max(have, ((length + STEP - 1) // STEP) * STEP or STEP)
+        cap = max(have, ((held + STEP - 1) // STEP) * STEP or STEP)
         if self.keys is not None and cap > have:
             self._reserve(cap, self.keys, self.values)
-        pad = [(0, 0), (0, 0), (0, cap - length), (0, 0)]
+        pad = [(0, 0), (0, 0), (0, cap - held), (0, 0)]
         k, v = mx.pad(k, pad), mx.pad(v, pad)
         if self.keys is None:
             # Rows that joined before with nothing prefilled (one-token prompts) have no place
@@ -146,6 +222,12 @@ class RowsKVCache:
         else:
             self.keys = mx.concatenate([self.keys, k], axis=0)
             self.values = mx.concatenate([self.values, v], axis=0)
+        self.base.append(base)
+
+    def _join_base(self, length: int) -> int:
+        """Where a row joining at `length` starts: a window layer takes only the window before
+        it (and the one position more that `trim` keeps)."""
+        return 0 if self.window is None else max(0, length - self.window)
 
     @classmethod
     def of_singles(cls, rows: RowLengths, singles: list[Any],
@@ -156,18 +238,23 @@ class RowsKVCache:
         like = next((c for c, n in zip(singles, lengths, strict=True)
                      if c.keys is not None and n > 0), None)
         if like is None:
+            layer.base = [0] * len(singles)
             return layer  # nothing held yet: the first write allocates every row's buffer
         assert like.keys is not None and like.values is not None
-        cap = ((max(lengths) + STEP - 1) // STEP) * STEP
+        layer.base = [0 if c.keys is None or n == 0 else layer._join_base(n)
+                      for c, n in zip(singles, lengths, strict=True)]
+        cap = ((max(n - b for n, b in zip(lengths, layer.base, strict=True)) + STEP - 1)
+               // STEP) * STEP
         keys, values = [], []
-        for c, n in zip(singles, lengths, strict=True):
+        for c, n, b in zip(singles, lengths, layer.base, strict=True):
             if c.keys is None or n == 0:
                 _, h, _, dk = like.keys.shape
                 keys.append(mx.zeros((1, h, cap, dk), like.keys.dtype))
                 values.append(mx.zeros((1, h, cap, like.values.shape[3]), like.values.dtype))
                 continue
-            pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
+            pad = [(0, 0), (0, 0), (0, cap - (n - b)), (0, 0)]
             k, v = held_keys(c, n)
+            k, v = k[:, :, b:, :], v[:, :, b:, :]
             keys.append(mx.pad(k, pad))
             values.append(mx.pad(v, pad))
         layer.keys = mx.concatenate(keys, axis=0)
@@ -175,6 +262,7 @@ class RowsKVCache:
         return layer
 
     def keep_rows(self, kept: list[int]) -> None:
+        self.base = [self.base[i] for i in kept]
         if self.keys is None:
             return
         if not kept:
@@ -193,8 +281,12 @@ class RowsKVCache:
             if self.keys is None or length == 0:
                 return rotating
             start = max(0, length - self.window)
-            rotating.keys = mx.array(self.keys[row:row + 1, :, start:length, :])
-            rotating.values = mx.array(self.values[row:row + 1, :, start:length, :])
+            first, last = start - self.base[row], length - self.base[row]
+            if first < 0:
+                raise RuntimeError(f"row {row} read from position {start}, but it holds "
+                                   f"positions from {self.base[row]} on")
+            rotating.keys = mx.array(self.keys[row:row + 1, :, first:last, :])
+            rotating.values = mx.array(self.values[row:row + 1, :, first:last, :])
             rotating.offset = length
             rotating._idx = length - start  # noqa: SLF001 - the buffer is full, in time order
             return rotating
@@ -220,8 +312,9 @@ class RowsKVCache:
         if moves is None or self.keys is None or self.values is None:
             return
         dst, src = moves
-        idx = mx.array(src)
-        span = slice(dst[0], dst[-1] + 1)
+        base = self.base[row]
+        idx = mx.array([p - base for p in src])
+        span = slice(dst[0] - base, dst[-1] + 1 - base)
         self.keys[row:row + 1, :, span, :] = self.keys[row:row + 1, :, idx, :]
         self.values[row:row + 1, :, span, :] = self.values[row:row + 1, :, idx, :]
 
@@ -232,13 +325,6 @@ class RowsKVCache:
     @property
     def state(self) -> tuple[Any, Any]:
         return self.keys, self.values
-
-
-def first_visible(lengths: list[int], window: int | None) -> int:
-    """The first position any row's next query can see through a window (0 without one)."""
-    if window is None or not lengths:
-        return 0
-    return max(0, min(lengths) - window + 1)
 
 
 def held_keys(single: Any, length: int) -> tuple[mx.array, mx.array]:

@@ -92,7 +92,8 @@ class MlxEngine:
         if self.prefix_cache is not None:
             detail["prefix_cache"] = self.prefix_cache.stats()
         detail["max_batch"] = self.max_concurrent
-        return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail)
+        return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail,
+                          loaded.verify_costs)
 
     def prompt_length(self, req: GenerationRequest) -> int:
         """Tokenise once more up front (cheap next to a forward) so the client learns the

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.arrays import materialize
+from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.stage import StageSpan, slice_model
 from skulkp2p.engine.trunk import Trunk
 
@@ -33,6 +34,8 @@ class LoadedModel:
     speculation: dict[str, Any] = field(default_factory=dict)  # the card's [speculation]
     chat: dict[str, Any] = field(default_factory=dict)  # the card's [chat] (tool_parser)
     width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
+    # The seconds behind width_costs when measured where the model runs (a tensor group's)
+    verify_costs: VerifyCosts | None = None
     mtp: Any = None  # a loaded MTP head, when the model has one
     draft: LoadedModel | None = None  # a draft model, when the card names one
     assistant: Any = None  # a Gemma 4 assistant drafter (engine/assistant.py), when the card pairs one

@@ -17,7 +17,7 @@ from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
 
 __all__ = ["Cancelled", "Chunk", "Engine", "EngineFailed", "EngineInfo", "EngineUnavailable",
-           "Generation", "GenerationResult", "RequestError"]
+           "Generation", "GenerationResult", "RequestError", "VerifyCosts"]
 
 
 # The MLX engine's prefix cache per model, in MB (`--prefix-cache-mb`; 0 turns it off). Here,
@@ -47,6 +47,29 @@ class EngineFailed(Exception):
 
 
 @dataclass(frozen=True)
+class VerifyCosts:
+    """What one verify call of w rows costs where this model runs, measured there: a
+    tensor-parallel group measures its own when it forms (engine/tensor.py,
+    measure_group_widths), and the depth controller prices drafts with `relative`."""
+    seconds: dict[int, float]  # seconds of one call of w rows, by w
+    measured_at: float  # Unix time of the measurement
+    where: str  # what was measured, e.g. "tensor-parallel group n0, n1"
+
+    @property
+    def relative(self) -> dict[int, float]:
+        """Each width's cost relative to the narrowest's (1.0)."""
+        base = self.seconds[min(self.seconds)]
+        return {w: round(s / base, 4) for w, s in sorted(self.seconds.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        """As /v1/models and /v1/cluster show it."""
+        rel = self.relative
+        return {"where": self.where, "measured_at": round(self.measured_at, 3),
+                "widths": [{"width": w, "seconds": round(s, 6), "relative": rel[w]}
+                           for w, s in sorted(self.seconds.items())]}
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What an engine tells about itself (logs, /v1/cluster, the bench's document)."""
     model: str
@@ -54,6 +77,7 @@ class EngineInfo:
     dtype: str
     context_length: int
     detail: dict[str, Any] = field(default_factory=dict)  # layers held, child pid, ...
+    verify_costs: VerifyCosts | None = None  # measured where it runs (a tensor group's)
 
 
 class Generation:

@@ -151,6 +151,8 @@ class BatchScheduler:
         self.rows = RowLengths()
         self.layers = [_rows_layer(self.rows, c) for c in make_prompt_cache(model)]
         self.recurrent = [c for c in self.layers if isinstance(c, RowsArraysCache)]
+        self.window_layers = [c for c in self.layers
+                              if isinstance(c, RowsKVCache) and c.window is not None]
         self.replays = 0  # tokens rows ran again after a rollback of recurrent state
         self.replay_peak = 0  # the most tokens one row ran again at once (at most depth + 1)
         self.active: list[RowForward] = []
@@ -307,6 +309,8 @@ class BatchScheduler:
 
     def _step(self) -> None:
         rows = self.active
+        for layer in self.window_layers:  # (every row has rolled back: see RowsKVCache.trim)
+            layer.trim()
         widths = [len(r.submitted) for r in rows]  # type: ignore[arg-type]
         width = max(widths)
         # Pad on the right with the row's last token: the padded positions are written past

@@ -46,7 +46,7 @@ from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
 from skulkp2p.cluster.placement import PARALLEL, ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
-from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
+from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, VerifyCosts
 from skulkp2p.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -202,9 +202,22 @@ class ClusterServing:
 
         def ready(info: dict[str, Any]) -> None:
             if self.tensor_roles.get(model) is role:
-                self._report_stage(model, {"layers": [0, p.spec.layers], "parallel": "tensor",
-                                           "rank": rank, "pid": info.get("pid"),
-                                           "param_bytes": info.get("param_bytes")})
+                report = {"layers": [0, p.spec.layers], "parallel": "tensor", "rank": rank,
+                          "pid": info.get("pid"), "param_bytes": info.get("param_bytes")}
+                costs = measured.get("costs")  # (measured before the group was ready)
+                if costs is not None:
+                    report["verify_costs"] = costs.to_json()
+                self._report_stage(model, report)
+
+        # This generation's measured verify costs, kept for the report above (the first member).
+        measured: dict[str, Any] = {}
+        loop = asyncio.get_running_loop()
+
+        def prepare(loaded: LoadedModel, proc: Any) -> None:
+            costs = self._measure_group_widths(model, loaded, proc, p.ring)
+            measured["costs"] = costs
+            if costs is not None:  # shown in /v1/cluster (the stage's report) at once
+                loop.call_soon_threadsafe(self._report_costs, model, role, costs)
 
         role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
                           lambda: self.store.pull(spec),
@@ -223,26 +236,40 @@ class ClusterServing:
             loaded.make_forward = self._tensor_forward_factory(model, p.ring, loaded, role)
             # The group's own width costs, measured each time a generation of it forms (before
             # requests may use it); also now if it formed while the head was loading.
-            role.prepare = lambda proc: self._measure_group_widths(model, loaded, proc)
+            role.prepare = lambda proc: prepare(loaded, proc)
             if role.ready and role.proc is not None:
-                self._measure_group_widths(model, loaded, role.proc)
+                prepare(loaded, role.proc)
             # The prefix cache's index here; each rank keeps its own slice of every entry.
             return MlxEngine(loaded, self.prefix_cache_mb)
         self._ensure_worker(model, p.spec.source, load)
 
     @staticmethod
-    def _measure_group_widths(model: str, loaded: LoadedModel, proc: Any) -> None:
+    def _measure_group_widths(model: str, loaded: LoadedModel, proc: Any,
+                              ring: tuple[str, ...]) -> VerifyCosts | None:
+        """The group's verify costs, measured now (None when that failed: the costs from
+        before stay the controller's, and nothing is shown for this generation)."""
         from skulkp2p.engine.tensor import TensorError, measure_group_widths
         from skulkp2p.engine.width_costs import relative_costs
 
+        loaded.verify_costs = None
         try:
             seconds = measure_group_widths(loaded.model, loaded.tokenizer, proc)
         except TensorError as e:
             log.warning("tensor: %s: measuring the group's widths failed: %s", model, e)
-            return
+            return None
         loaded.width_costs = relative_costs(seconds)
+        loaded.verify_costs = VerifyCosts(seconds, time.time(),
+                                          f"tensor-parallel group {', '.join(ring)}")
         log.info("tensor: %s: the group's verify costs (relative to one row): %s", model,
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())))
+        return loaded.verify_costs
+
+    def _report_costs(self, model: str, role: Any, costs: VerifyCosts) -> None:
+        """Add a group's verify costs to this member's stage report, once it made one."""
+        report = (self.node.facts.get("stages") or {}).get(model)
+        if self.tensor_roles.get(model) is role and report and report.get("parallel") == \
+                "tensor":
+            self._report_stage(model, {**report, "verify_costs": costs.to_json()})
 
     def _tensor_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel,
                                 role: Any):
@@ -505,10 +532,27 @@ class ClusterServing:
         data = []
         for model, p in sorted(core.placements().items()):
             worker = self.workers.get(model)
-            data.append({"id": model, "object": "model", "owned_by": "skulkp2p",
-                         "created": int(time.time()), "ring": list(p.ring),
-                         "ready": worker.state == "ready" if worker else None})
+            entry = {"id": model, "object": "model", "owned_by": "skulkp2p",
+                     "created": int(time.time()), "ring": list(p.ring),
+                     "parallel": p.parallel or "pipeline",
+                     "ready": worker.state == "ready" if worker else None}
+            costs = self._verify_costs(model, p)
+            if costs is not None:
+                entry["verify_costs"] = costs
+            data.append(entry)
         return Response.json(200, {"object": "list", "data": data})
+
+    def _verify_costs(self, model: str, p: Placement) -> dict[str, Any] | None:
+        """The verify costs measured where `model` runs: its engine's here, else what the
+        member that runs its loop reported (a tensor group's first member: /v1/cluster)."""
+        worker = self.workers.get(model)
+        engine = worker.engine if worker is not None else None
+        if engine is not None:
+            costs = engine.info().verify_costs
+            return costs.to_json() if costs is not None else None
+        m = self._core().membership.get(p.entry)
+        report = ((m.facts.get("stages") or {}).get(model) or {}) if m is not None else {}
+        return report.get("verify_costs")
 
     async def cluster(self, req: HttpRequest) -> Response:
         self._core()

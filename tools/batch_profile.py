@@ -1,0 +1,112 @@
+"""Where the time of a batched speculative step goes (SmolLM2-135M float32, the test model
+store): 4 chat requests of 100 tokens decode together on one MlxEngine, and every part that runs
+under the scheduler's lock is timed by wrapping it (the lock serialises them, so their wall times
+add up):
+
+    python tools/batch_profile.py [auto|off] [ROWS]
+
+Parts: the batched forward (graph building in run_rows, its KV writes and masks, and mx.eval of
+the step), each row's drafting (the gate's depth choice and the drafter: an MTP head runs one row
+at a time), each row's accept (greedy_tokens) and rollback, the settles, and the prompts'
+prefill. Prints seconds and the share of the run's wall time. A warm-up run goes first.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+spent: collections.defaultdict[str, float] = collections.defaultdict(float)
+calls: collections.Counter[str] = collections.Counter()
+
+
+def _timed(owner: object, name: str, label: str) -> None:
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - t0
+            calls[label] += 1
+    setattr(owner, name, wrapper)
+
+
+def main(spec: str, n: int) -> None:
+    from skulkp2p.engine import blas
+    blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
+    from skulkp2p.engine import batch_cache, decode, gates, generate, scheduler, stage, suffix
+    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.mtp import MtpDrafter
+    from skulkp2p.engine.request import parse_request
+    from tools import batch_bench
+
+    _timed(scheduler.BatchScheduler, "_step", "step (all of it)")
+    # Each step's seconds by its padded token rows (rows x widest), against the cost table.
+    by_size: collections.defaultdict[int, list[float]] = collections.defaultdict(list)
+    step = scheduler.BatchScheduler._step
+
+    def sized(self) -> None:
+        size = len(self.active) * max(len(r.submitted) for r in self.active)
+        t0 = time.perf_counter()
+        step(self)
+        by_size[size].append(time.perf_counter() - t0)
+    scheduler.BatchScheduler._step = sized
+    _timed(stage.StageModel, "run_rows", "  step: graph building (run_rows)")
+    _timed(batch_cache.RowsKVCache, "update_and_fetch", "    of it: KV writes")
+    _timed(batch_cache.RowsKVCache, "make_mask", "    of it: masks")
+    _timed(scheduler.BatchScheduler, "_settle", "settles")
+    _timed(scheduler.RowForward, "prefill", "row: prefill (waits included)")
+    _timed(gates.GatedDrafter, "propose", "row: drafting (gate + drafter)")
+    _timed(gates.GatedDrafter, "_depth", "  row: the gate's depth choice")
+    _timed(MtpDrafter, "propose", "  row: MTP head drafts")
+    _timed(suffix.SuffixDrafter, "propose", "  row: lookup drafts")
+    _timed(gates.GatedDrafter, "observe", "row: drafter observe")
+    _timed(decode, "greedy_tokens", "row: accept (greedy_tokens)")
+    _timed(scheduler.RowForward, "rollback", "row: rollback")
+    _timed(scheduler.RowForward, "batch_view", "row: batch view")
+
+    lm = batch_bench._load()
+    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=n)
+
+    def reqs() -> list:
+        return [parse_request({"id": i, "messages": [{"role": "user", "content":
+                batch_bench.QUESTIONS[i % len(batch_bench.QUESTIONS)]}],
+                "max_tokens": 100, "speculation": spec}) for i in range(n)]
+
+    batch_bench._run(engine, reqs(), True)  # warm-up
+    spent.clear()
+    calls.clear()
+    by_size.clear()
+    steps = engine.scheduler.steps
+    out, seconds = batch_bench._run(engine, reqs(), True)
+    tokens = sum(len(r.tokens) for r in out)
+    print(f"{n} rows, speculation {spec}: {seconds:.3f} s, {tokens / seconds:.1f} tok/s, "
+          f"{engine.scheduler.steps - steps} batched steps")
+    for label, s in spent.items():
+        print(f"{label:38s} {s:7.3f} s {100 * s / seconds:5.1f}%  calls {calls[label]}")
+    costs = generate._costs(lm)  # noqa: SLF001 - the table the gates read
+    base = sorted(by_size.get(n, [0.0]))[len(by_size.get(n, [0.0])) // 2] or None
+    print(f"step seconds by padded token rows (B x widest), median; relative to {n} rows of 1 "
+          "token, beside the cost table's c(B W) / c(B) the gate prices them with:")
+    for size in sorted(by_size):
+        ts = sorted(by_size[size])
+        med = ts[len(ts) // 2]
+        rel = f"{med / base:.2f}" if base else "-"
+        print(f"  {size:3d}: {med * 1e3:7.1f} ms x{len(ts):<3d} measured {rel}  table "
+              f"{gates.width_cost(costs, size) / gates.width_cost(costs, n):.2f}")
+    print("drafted/accepted:", [(r.speculation.drafted, r.speculation.accepted)
+                                if r.speculation else None for r in out])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "auto",
+         int(sys.argv[2]) if len(sys.argv) > 2 else 4)
+    sys.stdout.flush()
+    os._exit(0)  # (see tools/batch_bench.py: MLX's native threads at exit)
