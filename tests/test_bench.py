@@ -140,7 +140,7 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
     out = tmp_path / "ring.json"
     proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
                    "--max-tokens", "12", "--runs", "1", "--workloads", "echo",
-                   "--arms", "lookup:2", "--nodes", "2", "--link-delay-ms", "2",
+                   "--arms", "lookup:2,spec_trees", "--nodes", "2", "--link-delay-ms", "2",
                    "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
@@ -155,7 +155,9 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
     assert ring["other_stages_compute_s"] > 0 and ring["last_stage_compute_s"] > 0
     assert ring["bytes"] > 0
     cells = {r["arm"]: r for r in doc["results"]}
-    assert set(cells) == {"plain", "spec", "lookup:2"}
+    assert set(cells) == {"plain", "spec", "lookup:2", "spec_trees"}
+    # the ring takes trees (tiny llama): the arm reports its tree rounds (0 when no branch paid)
+    assert isinstance(cells["spec_trees"]["tree_rounds"], int)
     for r in doc["results"]:
         assert r["identical_to_plain"] is True, r
         x = r["ring"]

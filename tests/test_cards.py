@@ -75,6 +75,7 @@ def test_not_toml(tmp_path):
     ("[speculation]\nwarp = 9\n", "speculation.warp"),
     ("[speculation]\nspeculative_multi_node = 1\n", "speculation.speculative_multi_node"),
     ("[speculation.lookup]\nmax_key = \"x\"\n", "speculation.lookup.max_key"),
+    ("[speculation.lookup]\ntrees = 1\n", "speculation.lookup.trees"),
 ])
 def test_bad_speculation_fields(tmp_path, extra, field):
     f = write(tmp_path, GOOD + extra)
@@ -85,5 +86,5 @@ def test_bad_speculation_fields(tmp_path, extra, field):
 
 def test_speculation_table(tmp_path):
     card = load_card(write(tmp_path, GOOD + "[speculation]\nmtp_max_depth = 3\n"
-                           "[speculation.lookup]\nmax_depth = 6\n"))
-    assert card.speculation == {"mtp_max_depth": 3, "lookup": {"max_depth": 6}}
+                           "[speculation.lookup]\nmax_depth = 6\ntrees = true\n"))
+    assert card.speculation == {"mtp_max_depth": 3, "lookup": {"max_depth": 6, "trees": True}}

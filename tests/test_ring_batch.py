@@ -10,7 +10,6 @@ held while they all queue)."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
 
@@ -18,12 +17,12 @@ import pytest
 
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
-from skulkp2p.engine.prefix_cache import PrefixCache
 from skulkp2p.engine.protocol import Cancelled
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
+from skulkp2p.engine.ring import StageWorker
 from skulkp2p.engine.stage import StageModel, StageSpan
 from tests.helpers.batch import requests, solo, together
+from tests.helpers.rings import Ring
 
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
@@ -51,37 +50,6 @@ def stages(path: Path, n: int):
         _loaded[(path, n)] = [load_model(path, path.name, dtype="float32", span=s)
                               for s in spans]
     return _loaded[(path, n)]
-
-
-class Ring:
-    """A ring's stages in this process and its last stage's LoadedModel, whose make_forward
-    makes a RingForward per request over one InProcessLink."""
-
-    def __init__(self, parts, term: int = 3, prefix_mb: float = 0):
-        cache = (lambda: PrefixCache(int(prefix_mb * 2**20))) if prefix_mb else (lambda: None)
-        self.workers = [StageWorker(StageModel(p.model, p.span), term, cache())
-                        for p in parts[:-1]]
-        self.link = InProcessLink(self.workers)
-        self.stage = StageModel(parts[-1].model, parts[-1].span)
-        self.forwards: list[RingForward] = []
-        self.count = 0
-
-        def make(req, hidden, interrupt) -> RingForward:
-            self.count += 1
-            fwd = RingForward(self.stage, self.link, term=term, instance="i1",
-                              request=f"r{self.count}", hidden=hidden, interrupt=interrupt)
-            self.forwards.append(fwd)
-            return fwd
-
-        self.last = dataclasses.replace(parts[-1], make_forward=make)
-
-    def engine(self, max_batch: int, prefix_mb: float = 0) -> MlxEngine:
-        return MlxEngine(self.last, prefix_mb, memory_tokens=0, max_batch=max_batch)
-
-    def held(self) -> list[int]:
-        """Rows and sessions each stage still holds."""
-        return [len(w.sessions) + (len(w.rows.requests) if w.rows else 0)
-                for w in self.workers]
 
 
 def _same(got, want) -> None:

@@ -11,33 +11,19 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter, build_tree
+from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, build_tree
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.suffix import Branch, SuffixDrafter
+from skulkp2p.engine.suffix import Branch
 from skulkp2p.engine.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
+from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, mlx_lm_tokens, tree_drafter
 
 TREE_FAMILIES = ("llama", "qwen2", "qwen3")
-
-# Code whose contexts are followed by different continuations, so that the suffix drafter has
-# branches to offer (the same line opening continues three ways).
-CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
-        "def mul(a, b):\n    return a * b\n\ndef add(a, b):\n    return a")
-
-# A tree over the pending token 0: 1 <- 0, 2 <- 1, 3 <- 0, 4 <- 3, 5 <- 2, 6 <- 3.
-TOKENS = [7, 11, 12, 13, 14, 15, 16]
-PARENTS = [-1, 0, 1, 0, 3, 2, 3]
-
-# A width cost table where any width costs one step: every branch the drafter offers pays, so
-# the loop verifies trees in most rounds (the exactness tests want many trees, not speed).
-FREE_WIDTH = {1: 1.0, 2: 1.0, 64: 1.0}
-
 
 @pytest.fixture(scope="module")
 def models(tiny_model):
@@ -57,19 +43,6 @@ def _prefilled(lm, prompt):
     f = LocalForward(lm.model)
     f.prefill(prompt)
     return f
-
-
-def tree_drafter(**kw) -> GatedDrafter:
-    return GatedDrafter(SuffixDrafter(), FREE_WIDTH, 8, prior_accept=0.8, trees=True, **kw)
-
-
-def mlx_lm_tokens(lm, prompt, max_tokens):
-    out = []
-    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        if r.finish_reason == "stop" and r.token in lm.tokenizer.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
 
 
 def test_tree_inputs_mask_and_positions():

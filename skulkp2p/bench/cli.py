@@ -472,6 +472,7 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 "acceptance": round(first.accepted / first.drafted, 4)
                 if first.drafted else None,
                 "acceptance_per_position": first.acceptance_per_position,
+                "tree_rounds": first.tree_rounds,
                 "tokens_generated": len(first.tokens),
                 "identical_to_plain": identical,
             })

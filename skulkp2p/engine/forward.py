@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from skulkp2p.engine import caches
 from skulkp2p.engine.stage import StageModel, StageSpan
-from skulkp2p.engine.tree import compact_kv, tree_capable
+from skulkp2p.engine.tree import check_path, compact_kv, tree_capable
 from skulkp2p.engine.trunk import Trunk
 
 
@@ -52,6 +52,7 @@ class StageCache:
         self._snapshot: caches.Snapshot | None = None
         self._inputs: Any = None
         self._tree_start = 0  # where the last tree verify wrote its node 0
+        self._tree: list[int] | None = None  # that tree's parents, until its path is kept
 
     def reset(self) -> None:
         self.cache = make_prompt_cache(self.stage.model)
@@ -69,10 +70,14 @@ class StageCache:
             ) -> tuple[mx.array | None, mx.array | None]:
         width = len(x) if isinstance(x, list) else x.shape[0]
         self._snapshot = None
+        self._tree = None
         if tree is not None:
             if caches.needs_snapshot(self.cache, width):
                 raise ValueError("token trees need plain KV caches (attention-only layers)")
+            if len(tree) != width:
+                raise ValueError(f"a tree of {len(tree)} parents for {width} inputs")
             self._tree_start = self.cache[0].offset
+            self._tree = list(tree)
             out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
             mx.eval([a for a in (out, h) if a is not None])
             return out, h
@@ -94,7 +99,10 @@ class StageCache:
         caches.rollback(self.cache, snap, dropped, replay, keep)
 
     def keep_path(self, path: list[int]) -> None:
-        """After a tree verify: keep node 0 and the accepted path's nodes, in order."""
+        """After a tree verify: keep node 0 and the accepted path's nodes, in order. The path
+        must be one of the last tree's (a ring stage gets it in a frame: checked, not trusted)."""
+        check_path(self._tree, path)
+        self._tree = None
         for entry in self.cache:
             compact_kv(entry, self._tree_start, path)
 

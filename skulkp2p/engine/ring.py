@@ -5,7 +5,16 @@ so logits never travel; a verify round costs one frame per link: the round's tok
 go from the last stage to the first, and each stage passes its k+1 output rows (model dtype, raw
 bytes) to the next, ending back at the last stage. The accept decision (keep, dropped) rides on
 the NEXT round's frame, so every stage trims (or restores and replays) its caches identically
-before it runs that round, without a traversal of its own. The request's entry node forwards the
+before it runs that round, without a traversal of its own.
+
+Token trees (engine/tree.py; attention-only families) cross the ring the same way: a tree verify
+is ONE traversal whose payload carries the tree's parents beside the tokens or rows
+(ring_frames.tree_payload), every stage runs its layers under the same tree mask and per-node
+positions (StageCache.run with `tree`), and the last stage gets a logits row per node, as for a
+chain. The accepted path's node indices ("keep") ride on the next frame like a chain's rollback:
+each stage compacts its caches to the path before it runs anything more. That costs no traversal
+and no wait (the stages are idle until the next frame anyway), and every frame that could read
+the caches, the "end" that stores them in the prefix cache included, applies it first. The request's entry node forwards the
 HTTP request to the last stage (see node/serving.py).
 
 This module is protocol logic only: `StageWorker.handle` maps a frame to the frame for the next
@@ -22,7 +31,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skulkp2p import wire
-from skulkp2p.engine.ring_frames import FRAME, RingError, check_answer, header, seconds_list
+from skulkp2p.engine.ring_frames import (
+    FRAME,
+    RingError,
+    check_answer,
+    header,
+    int_list,
+    open_payload,
+    seconds_list,
+    tree_payload,
+)
 
 if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
     import mlx.core as mx
@@ -90,6 +108,8 @@ class StageWorker:
             if known is not None and known[0] == instance:
                 session = known[2]
                 if msg.get("store"):
+                    if msg.get("keep") is not None:
+                        session.keep_path(int_list(msg["keep"], "keep"))
                     if msg.get("rollback"):
                         session.rollback(*(int(v) for v in msg["rollback"]))
                     self._store(session, msg["store"])
@@ -113,23 +133,32 @@ class StageWorker:
                     "at": self.stage.span.end,
                     "prefix": msg["prefix"], "missed": missed,
                     "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+        raw, tree = open_payload(msg["x"])
+        if tree is not None:
+            tree = int_list(tree, "a tree's parents")
+            if op != "verify":
+                raise ValueError(f"a tree in a {op!r} frame (only a verify carries one)")
+        if msg.get("keep") is not None:  # the last tree's accepted path (before anything else)
+            session.keep_path(int_list(msg["keep"], "keep"))
         if msg.get("rollback"):
             keep, dropped = msg["rollback"]
             session.rollback(int(keep), int(dropped))
         if msg.get("store"):
             self._store(session, msg["store"])
-        x = msg["x"] if self.stage.span.first else wire.unpack_array(msg["x"], as_mlx=True)
+        x = raw if self.stage.span.first else wire.unpack_array(raw, as_mlx=True)
         if self.stage.span.first and (not isinstance(x, list) or not x):
             raise ValueError("the first stage needs a non-empty token list")
-        out, _ = session.run(x, verify=op == "verify")
+        out, _ = session.run(x, verify=op == "verify", tree=tree)
         self.sessions[request] = (instance, step, session)
-        packed = wire.pack_array(out)
+        packed = wire.pack_array(out) if tree is None else tree_payload(wire.pack_array(out),
+                                                                        tree)
         # The decision travels on with the rows, for the stages after this one; so does each
         # stage's compute time ("cs", seconds per stage), which tells the last stage how much
         # of a traversal was compute and how much was link.
         return {**header(self.term, instance, request, step, op), "x": packed,
                 "at": self.stage.span.end,
                 "rollback": msg.get("rollback"), "store": msg.get("store"),
+                "keep": msg.get("keep"),
                 "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
     def _restore(self, session: StageCache, length: int, key: list[int]) -> bool:
@@ -169,6 +198,11 @@ class RingForward:
         self.last_hidden: mx.array | None = None
         self.step = 0
         self._pending: tuple[int, int] | None = None  # the decision the next frame carries
+        self._keep: list[int] | None = None  # a tree's accepted path the next frame carries
+        # Whether this ring verifies token trees: every stage is of the same family, so this
+        # stage's layers say it (attention-only llama, qwen2, qwen3).
+        from skulkp2p.engine.tree import tree_capable
+        self.trees = tree_capable(stage.model)
         self._store: list[int] | None = None  # a prefix-cache key the next frame carries
         self.link_rows = 0  # hidden rows that crossed into this stage (for reports)
         # Where the time went (for reports): waiting on the traversal, of which the other
@@ -182,13 +216,13 @@ class RingForward:
     def cache(self) -> list[Any]:
         return self.local.cache
 
-    def _send(self, op: str, tokens: list[int] | None, **extra: Any) -> dict[str, Any]:
+    def _send(self, op: str, tokens: Any, **extra: Any) -> dict[str, Any]:
         # "at": the layer the receiving stage must start at (the first stage: 0); each stage
         # passes on where it ended, and a stage cut differently drops the frame.
         msg = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
                "at": 0,
                "rollback": list(self._pending) if self._pending else None,
-               "store": self._store, **extra}
+               "store": self._store, "keep": self._keep, **extra}
         t0 = time.perf_counter()
         out = self.link.traverse(msg)
         self.wait_s += time.perf_counter() - t0
@@ -198,11 +232,12 @@ class RingForward:
         self.step += 1
         self._pending = None
         self._store = None
+        self._keep = None
         return out
 
-    def _traverse(self, op: str, tokens: list[int]) -> mx.array:
+    def _traverse(self, op: str, tokens: Any) -> mx.array:
         out = self._send(op, tokens)
-        rows = wire.unpack_array(out["x"], as_mlx=True)
+        rows = wire.unpack_array(open_payload(out["x"])[0], as_mlx=True)
         self.link_rows += rows.shape[0]
         return rows
 
@@ -264,6 +299,42 @@ class RingForward:
             self.last_hidden = h
         return logits
 
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
+        """Logits [w, V] of a token tree (node 0 the pending token; `parents` as engine/tree.py)
+        in ONE traversal: every stage runs it under the tree's mask and positions. `keep_path`
+        then keeps the accepted path, here now and on the other stages with the next frame."""
+        from skulkp2p.engine.tree import validate_parents
+        if not self.trees:
+            raise ValueError("this model verifies chains only (not an attention-only family)")
+        validate_parents(parents)
+        if len(parents) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(parents)} parents")
+        x = self._traverse("verify", tree_payload([int(t) for t in tokens],
+                                                  [int(p) for p in parents]))
+        t0 = time.perf_counter()
+        logits, h = self.local.run(x, verify=True, logits=True, hidden=self.hidden,
+                                   tree=parents)
+        self.compute_s += time.perf_counter() - t0
+        if h is not None:
+            self.last_hidden = h
+        return logits
+
+    def keep_path(self, path: list[int]) -> None:
+        """Keep node 0 and the accepted path of the last tree: here now, on the other stages
+        before they run their next frame (it carries the path)."""
+        import mlx.core as mx
+        t0 = time.perf_counter()
+        self.local.keep_path(path)
+        self.compute_s += time.perf_counter() - t0
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[mx.array([0, *path])]
+        self._keep = [int(j) for j in path]
+
+    def note_keep(self, path: list[int]) -> None:
+        """A batched row's kept path (its caches here are the batch's): only the path, for the
+        other stages, on the next frame."""
+        self._keep = [int(j) for j in path]
+
     def rollback(self, keep: int, dropped: int) -> None:
         if dropped <= 0:
             return
@@ -276,7 +347,7 @@ class RingForward:
         """Free the request's caches on the other stages (best effort)."""
         msg = {**header(self.term, self.instance, self.request, self.step, "end"), "at": 0}
         if self._store is not None:  # the stages undo the last rejected drafts, then keep
-            msg.update(store=self._store,
+            msg.update(store=self._store, keep=self._keep,
                        rollback=list(self._pending) if self._pending else None)
         try:
             self.link.send(msg)

@@ -18,6 +18,12 @@ cache when the frame asks for that. A frame of another batch instance at step 0 
 batch (the last stage started over); anything else out of step is dropped, so the sender times
 out or sees its ring broken and ends every request in the batch with that error.
 
+Token trees (engine/tree.py) ride in the batch frame as on one node: a step where some rows
+verify trees wraps the payload with each row's parents (None for a chain row:
+ring_frames.tree_payload), every stage runs its layers under the rows' tree mask and positions
+(tree_inputs over the rows' lengths), and a row's accepted path ("keep") rides on its next row
+entry (or its "end"), where each stage compacts that row to it before anything else.
+
 Only models whose every layer holds a plain KV cache batch (scheduler.batchable); the others stay
 one request at a time on rings, as on one node.
 """
@@ -32,7 +38,16 @@ import mlx.core as mx
 
 from skulkp2p import wire
 from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
-from skulkp2p.engine.ring_frames import RingError, check_answer, header, seconds_list
+from skulkp2p.engine.ring_frames import (
+    RingError,
+    check_answer,
+    header,
+    int_list,
+    open_payload,
+    seconds_list,
+    tree_payload,
+)
+from skulkp2p.engine.tree import check_path, tree_inputs, validate_parents
 
 if TYPE_CHECKING:
     from skulkp2p.engine.forward import StageCache
@@ -52,9 +67,11 @@ class RingRows:
         self.traversals = 0  # batched traversals run (tests, reports)
         self.peak = 0  # the most rows one traversal carried
 
-    def traverse(self, rings: list[Any], tokens: list[list[int]]) -> mx.array:
+    def traverse(self, rings: list[Any], tokens: list[list[int]],
+                 trees: list[list[int] | None] | None = None) -> mx.array:
         """Hidden rows [B, W, H] (W the widest row's tokens) of the layers before this stage, for
-        the rows of `rings` (each a RingForward) with `tokens` each."""
+        the rows of `rings` (each a RingForward) with `tokens` each; `trees`: each row's tree
+        parents (engine/tree.py), None for a chain row."""
         if not rings:
             raise ValueError("a batched traversal needs at least one row")
         first = rings[0]
@@ -64,14 +81,17 @@ class RingRows:
                             "re-placed; retry")
         rows = [{"request": r.request, "instance": r.instance, "step": r.step,
                  "w": len(t), "rollback": list(r._pending) if r._pending else None,
-                 "store": r._store} for r, t in zip(rings, tokens, strict=True)]
+                 "store": r._store, "keep": r._keep} for r, t in zip(rings, tokens, strict=True)]
+        x: Any = [[int(v) for v in t] for t in tokens]
+        if trees is not None and any(p is not None for p in trees):
+            x = tree_payload(x, [None if p is None else [int(v) for v in p] for p in trees])
         msg = {**header(first.term, first.instance, self.batch, self.step, OP), "at": 0,
-               "rows": rows, "x": [list(t) for t in tokens]}
+               "rows": rows, "x": x}
         t0 = time.perf_counter()
         try:
             out = first.link.traverse(msg)
             check_answer(out, self.step, self.batch, first.stage.span.start)
-            x = wire.unpack_array(out["x"], as_mlx=True)
+            x = wire.unpack_array(open_payload(out["x"])[0], as_mlx=True)
             width = max(len(t) for t in tokens)
             if tuple(x.shape[:2]) != (len(rings), width):
                 raise RingError(f"ring answered rows {list(x.shape)} for {len(rings)} rows of "
@@ -83,7 +103,7 @@ class RingRows:
         others = sum(seconds_list(out.get("cs")))
         for r, t in zip(rings, tokens, strict=True):
             r.step += 1
-            r._pending = r._store = None
+            r._pending = r._store = r._keep = None
             r.traversals += 1
             r.wait_s += wait
             r.stages_compute_s += others
@@ -106,6 +126,9 @@ class StageRows:
         self.meta: dict[str, tuple[str, int]] = {}  # request -> (instance, its last step)
         self.rows = RowLengths()
         self.layers = self._fresh()
+        # request -> (where its last step's tree wrote node 0, the tree's parents), until the
+        # row's accepted path comes (the next frame) or its next step runs
+        self.trees: dict[str, tuple[int, list[int]]] = {}
 
     def _fresh(self) -> list[RowsKVCache]:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -119,7 +142,7 @@ class StageRows:
         return request in self.meta
 
     def _reset(self) -> None:
-        self.requests, self.meta = [], {}
+        self.requests, self.meta, self.trees = [], {}, {}
         self.rows.set([])
         self.layers = self._fresh()
 
@@ -136,15 +159,24 @@ class StageRows:
         if min(widths) < 1:
             raise ValueError("a row of a batch frame needs at least one token")
         # Everything checked before anything changes: a dropped frame leaves the batch as is.
-        x = self._inputs(msg["x"], widths)
+        raw, trees = open_payload(msg["x"])
+        shapes = self._tree_shapes(trees, widths)
+        x = self._inputs(raw, widths)
         joining = self._check(rows, {} if new else self.meta)
         if joining is None:
             return None
+        keeps = self._keeps(rows, {} if new else self.trees)
         if new:  # the last stage started over: the old rows' requests are gone
             self._reset()
         t0 = time.perf_counter()
         self._reconcile([r["request"] for r in rows], joining)
+        self.trees = {r: t for r, t in self.trees.items() if r in self.meta}
         lengths = list(self.rows.lengths)
+        for i, path in keeps.items():  # a row's last tree: keep its accepted path, first
+            start, _ = self.trees.pop(rows[i]["request"])
+            for layer in self.layers:
+                layer.compact_row(i, start, path)
+            lengths[i] = start + 1 + len(path)
         for i, r in enumerate(rows):
             if r.get("rollback"):
                 keep, dropped = (int(v) for v in r["rollback"])
@@ -155,17 +187,57 @@ class StageRows:
         for i, r in enumerate(rows):
             if r.get("store"):
                 self._store(i, r["store"])
-        out = self.worker.stage.run_batch(x, self.layers)
+        tree = None if shapes is None else tree_inputs(lengths, shapes, max(widths))
+        out = self.worker.stage.run_batch(x, self.layers, tree=tree)
         mx.eval(out, [a for c in self.layers for a in c.state if a is not None])
         self.rows.set([n + w for n, w in zip(lengths, widths, strict=True)])
-        for r in rows:
+        for i, r in enumerate(rows):
             self.meta[r["request"]] = (r["instance"], int(r["step"]))
+            self.trees.pop(r["request"], None)
+            if trees is not None and trees[i] is not None:
+                self.trees[r["request"]] = (lengths[i], shapes[i])  # type: ignore[index]
         self.batch, self.step = batch, step
         span = self.worker.stage.span
+        packed: Any = wire.pack_array(out)
+        if trees is not None:
+            packed = tree_payload(packed, trees)
         return {**header(msg["term"], msg["instance"], batch, step, OP),
-                "x": wire.pack_array(out), "at": span.end,
+                "x": packed, "at": span.end,
                 "rows": rows,  # (the decisions and keys travel on, for the stages after)
                 "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
+
+    def _tree_shapes(self, trees: Any, widths: list[int]) -> list[list[int]] | None:
+        """Every row's parents for a step with trees (a chain row's are a chain), checked;
+        None for a step of chains only."""
+        if trees is None:
+            return None
+        if not isinstance(trees, list) or len(trees) != len(widths):
+            raise ValueError("a batch frame's trees need one entry per row")
+        shapes = []
+        for p, w in zip(trees, widths, strict=True):
+            if p is None:
+                shapes.append(list(range(-1, w - 1)))
+                continue
+            parents = int_list(p, "a tree's parents")
+            validate_parents(parents)
+            if len(parents) != w:
+                raise ValueError(f"a tree of {len(parents)} parents for a row of {w} tokens")
+            shapes.append(parents)
+        return shapes
+
+    def _keeps(self, rows: list[dict[str, Any]], trees: dict[str, tuple[int, list[int]]]
+               ) -> dict[int, list[int]]:
+        """The accepted paths the rows carry (row index -> path), each checked against the
+        row's last tree here."""
+        out = {}
+        for i, r in enumerate(rows):
+            if r.get("keep") is None:
+                continue
+            path = int_list(r["keep"], "keep")
+            held = trees.get(r["request"])
+            check_path(None if held is None else held[1], path)
+            out[i] = path
+        return out
 
     def _check(self, rows: list[dict[str, Any]], meta: dict[str, tuple[str, int]]
                ) -> dict[str, StageCache | None] | None:
@@ -253,11 +325,18 @@ class StageRows:
         if known is None or known[0] != msg["instance"]:
             return
         i = self.requests.index(request)
+        held = self.trees.pop(request, None)
         if msg.get("store"):
+            lengths = list(self.rows.lengths)
+            if msg.get("keep") is not None:  # the last tree's path, as a next frame would
+                path = int_list(msg["keep"], "keep")
+                check_path(None if held is None else held[1], path)
+                for layer in self.layers:
+                    layer.compact_row(i, held[0], path)  # type: ignore[index]
+                lengths[i] = held[0] + 1 + len(path)  # type: ignore[index]
             if msg.get("rollback"):
-                lengths = list(self.rows.lengths)
                 lengths[i] -= int(msg["rollback"][1])
-                self.rows.set(lengths)
+            self.rows.set(lengths)
             self._store(i, msg["store"])
         kept = [j for j in range(len(self.requests)) if j != i]
         for layer in self.layers:

@@ -142,8 +142,9 @@ class BatchScheduler:
             raise ValueError("a stage past the first needs the ring's other stages (through)")
         self.stage = stage or whole_model_stage(model)
         self.through = through
-        # rows may verify token trees (engine/tree.py); a ring's rows verify chains
-        self.trees = tree_capable(model) and through is None
+        # rows may verify token trees (engine/tree.py), a ring's too (their trees cross the
+        # ring in the batch frame: ring_batch.py)
+        self.trees = tree_capable(model)
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
         self.lock = TicketLock()  # the model's, for every MLX call
@@ -329,9 +330,11 @@ class BatchScheduler:
         try:
             if self.through is not None:  # the layers before this stage: one traversal
                 x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
-                                          [r.submitted for r in rows])  # type: ignore[misc]
+                                          [r.submitted for r in rows],  # type: ignore[misc]
+                                          [r.submitted_tree for r in rows])
                 t0 = time.perf_counter()
-                logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x)
+                logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x,
+                                                tree=tree)
             else:
                 logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden,
                                                 tree=tree)
@@ -534,6 +537,8 @@ class RowForward:
             lengths[i] = start + 1 + len(path)
             sched.rows.set(lengths)
             sched._settle()
+        if self.ring is not None:  # the other stages keep the path with the next frame
+            self.ring.note_keep(path)
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[mx.array([0, *path])]
 

@@ -176,9 +176,14 @@ class StageModel:
                                tree=shape)
         return (None if out is None else out[0]), (None if h is None else h[0])
 
-    def run_batch(self, x: mx.array, cache: list[Any]) -> mx.array:
+    def run_batch(self, x: mx.array, cache: list[Any], tree: TreeInputs | None = None
+                  ) -> mx.array:
         """A stage that is not the last on a batch (engine/ring_batch.py): token rows [B, W]
-        (first stage) or hidden rows [B, W, H] in, hidden rows [B, W, H] out."""
+        (first stage) or hidden rows [B, W, H] in, hidden rows [B, W, H] out. `tree`: some
+        rows are token trees (engine/tree.py): the rows' mask and positions."""
+        if tree is not None:
+            with tree_ropes(self.trunk.body.layers, tree.positions):
+                return self.run_batch(x, [TreeView(c, tree.mask) for c in cache])
         if self.span.last:
             raise ValueError("the last stage runs its batch with run_rows")
         if getattr(self.trunk.body, "stage_slice", None) is not None:

@@ -213,6 +213,19 @@ def greedy_walk(tree_parents: list[int], tree_tokens: list[int],
         node = nxt
 
 
+def check_path(parents: list[int] | None, path: list[int]) -> None:
+    """`path` is a root-down path of the tree with these parents (nodes 0..N): each node's
+    parent is the one before it (node 0 before the first). ValueError otherwise, or when there
+    is no tree (`parents` None) to keep a path of."""
+    if parents is None:
+        raise ValueError("no tree verified since the last kept path: nothing to keep")
+    prev = 0
+    for node in path:
+        if not 0 < node < len(parents) or parents[node] != prev:
+            raise ValueError(f"path {path} is not a path of the tree from its root")
+        prev = node
+
+
 def compact_positions(start: int, path: list[int]) -> tuple[list[int], list[int]] | None:
     """Moves that keep node 0 at `start` and the path's nodes right after it: (destinations,
     sources), or None when the path is already in place (a chain's accepted prefix)."""

@@ -168,6 +168,7 @@ LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "prior_acceptance": (int, float),  # the depth controller's starting belief per position
     "memory_tokens": int,  # bound of the draft memory of earlier requests (0 = off)
     "drafter": str,  # suffix (default) | scan (the older n-gram scan, for comparison)
+    "trees": bool,  # token trees where the drafter's counts disagree (engine/tree.py; off)
 }
 
 

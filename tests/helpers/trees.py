@@ -1,0 +1,37 @@
+"""Shared by the token-tree tests (tests/test_trees.py, tests/test_ring_trees.py): a prompt with
+branches for the suffix drafter, a fixed tree, a width-cost table where every branch pays, the
+tree drafter, and mlx-lm's own greedy tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+
+from skulkp2p.engine.gates import GatedDrafter
+from skulkp2p.engine.suffix import SuffixDrafter
+
+# Code whose contexts are followed by different continuations, so that the suffix drafter has
+# branches to offer (the same line opening continues three ways).
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n\ndef add(a, b):\n    return a")
+
+# A tree over the pending token 0: 1 <- 0, 2 <- 1, 3 <- 0, 4 <- 3, 5 <- 2, 6 <- 3.
+TOKENS = [7, 11, 12, 13, 14, 15, 16]
+PARENTS = [-1, 0, 1, 0, 3, 2, 3]
+
+# A width cost table where any width costs one step: every branch the drafter offers pays, so
+# the loop verifies trees in most rounds (the exactness tests want many trees, not speed).
+FREE_WIDTH = {1: 1.0, 2: 1.0, 64: 1.0}
+
+
+def tree_drafter(**kw) -> GatedDrafter:
+    return GatedDrafter(SuffixDrafter(), FREE_WIDTH, 8, prior_accept=0.8, trees=True, **kw)
+
+
+def mlx_lm_tokens(lm, prompt, max_tokens):
+    out = []
+    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        if r.finish_reason == "stop" and r.token in lm.tokenizer.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
