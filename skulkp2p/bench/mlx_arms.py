@@ -120,6 +120,7 @@ class Run:
     acceptance_per_position: list[float | None] | None = None
     text: str = ""
     ring: dict[str, Any] | None = None  # --nodes: where the time went (ring.py)
+    tree_rounds: int | None = None  # rounds verified as a token tree (engine arms)
 
     @property
     def tok_s(self) -> float | None:
@@ -133,6 +134,8 @@ class Run:
                                "decode_s": round(self.decode_s, 4), "tokens": len(self.tokens)}
         if self.drafted is not None:
             out.update(drafted=self.drafted, accepted=self.accepted)
+        if self.tree_rounds is not None:
+            out["tree_rounds"] = self.tree_rounds
         if self.ring is not None:
             out["ring"] = self.ring
         return out
@@ -200,7 +203,7 @@ def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
                decode_s=end - (t_first or end), drafted=spec.drafted if spec else None,
                accepted=spec.accepted if spec else None,
                acceptance_per_position=spec.acceptance_per_position if spec else None,
-               text=result.text)
+               text=result.text, tree_rounds=getattr(spec, "tree_rounds", None))
 
 
 def run_mlx_lm(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: int,
