@@ -287,6 +287,19 @@ def test_sampled_requests_take_trees(tiny_models):
     assert len(out) == 40 and stats.tree_rounds > 0
 
 
+def test_greedy_with_a_repetition_penalty_takes_trees_exactly(tiny_models):
+    """Greedy with a logits processor walks the tree node by node (each row processed with
+    its own path): the same tokens as plain decoding with that penalty."""
+    lm = load_model(tiny_models["llama"], "llama", dtype="float32")
+    prompt = lm.tokenizer.encode(CODE)
+    params = SamplingParams(repetition_penalty=1.3)
+    plain = list(decode(LocalForward(lm.model), prompt, params, 48, make_rng(0)))
+    stats = DecodeStats()
+    out = list(decode(LocalForward(lm.model), prompt, params, 48, make_rng(0), tree_drafter(),
+                      8, stats))
+    assert out == plain and stats.tree_rounds > 0
+
+
 def _run(engine: MlxEngine, bodies: list[dict], together: bool):
     results: list = [None] * len(bodies)
 
