@@ -404,3 +404,40 @@ def test_percentile_nearest_rank():
     xs = [float(i) for i in range(1, 101)]
     assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0
     assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None
+
+
+def test_bench_sampled_runs_seeded_without_identity_check(tiny, tmp_path):
+    """--temperature T --seed S: engine arms sample (run r with seed S + r), outputs are not
+    compared with plain, acceptance sums every run, the greedy-only peers are skipped; the
+    same command gives the same text again."""
+    docs = []
+    for i in range(2):
+        out = tmp_path / f"out{i}.json"
+        proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                       "--max-tokens", "16", "--runs", "2", "--workloads", "echo",
+                       "--arms", "spec_trees", "--temperature", "0.7", "--seed", "5",
+                       "--no-llama-server", "--json", str(out), timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        docs.append(json.loads(out.read_text()))
+    doc = docs[0]
+    assert doc["settings"]["greedy"] is False
+    assert doc["settings"]["sampling"]["temperature"] == 0.7
+    assert {r["arm"] for r in doc["results"]} == {"plain", "spec", "spec_trees"}
+    assert all(r["identical_to_plain"] is None for r in doc["results"])
+    spec = next(r for r in doc["results"] if r["arm"] == "spec")
+    assert spec["drafted"] == sum(x["drafted"] for x in spec["runs"])
+    assert "mlx_lm" in {s["arm"] for s in doc["skipped"]
+                        if s["reason"] == "greedy only (bench --temperature)"}
+    assert docs[1]["settings"]["plain_text"] == doc["settings"]["plain_text"]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (("--temperature", "-1"), "--temperature: must be a finite number >= 0"),
+    (("--temperature", "nan"), "--temperature: must be a finite number >= 0"),
+    (("--temperature", "0.7", "--agent"), "--temperature runs the workloads on one node"),
+])
+def test_bench_sampled_bad_options_one_line(bad, message):
+    proc = run_cli("bench", *bad, timeout=60)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and message in errors[0], proc.stderr

@@ -19,6 +19,7 @@ from skulkp2p.engine.model import load_model
 from skulkp2p.engine.mtp import MtpDrafter, detect_conventions, has_mtp_tensors
 from skulkp2p.engine.sampling import SamplingParams, make_rng, process_logits, target_probs
 from skulkp2p.engine.trunk import Trunk
+from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.stats import goodness_of_fit, two_sample
 from tools import train_sidecar
 
@@ -27,25 +28,6 @@ SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exa
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "cards" / "sidecars" / "smollm2-135m" / "mtp.safetensors"
-
-
-def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int = 0) -> Path:
-    """A random EAGLE-style head for the model at `base`: the training tool's starting tensors
-    (eagle naming) with noise on every float tensor, so no part is the identity or zero."""
-    lm = load_model(base, "base", dtype="float32")
-    hidden = int(Trunk(lm.model).body.norm.weight.shape[0])
-    rng = np.random.default_rng(seed)
-    fc = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
-    tensors = train_sidecar.initial_tensors(lm.model, fc, vocab_ids, "eagle")
-    noisy = {}
-    for k, v in tensors.items():
-        if v.dtype == mx.int32:
-            noisy[k] = v
-            continue
-        noise = rng.standard_normal(v.shape).astype(np.float32) * 0.05
-        noisy[k] = (v.astype(mx.float32) + mx.array(noise)).astype(mx.bfloat16)
-    mx.save_safetensors(str(out), noisy)
-    return out
 
 
 def _decode(lm, head=None, depth=0, stats=None) -> list[int]:

@@ -59,6 +59,7 @@ from skulkp2p.engine.sampling import (
     sample_from,
     target_probs,
 )
+from tests.helpers.prefilled import PrefilledForward
 from tests.helpers.stats import chi2_sf, goodness_of_fit, two_sample
 
 ALPHA = 1e-3
@@ -180,28 +181,6 @@ def test_unit_test_rejects_wrong_rules(draft_kind, wrong):
 SHARPEN = 3.0
 N_E2E = 2000
 DEPTH = 3
-
-
-class PrefilledForward(LocalForward):
-    """LocalForward that prefills a prompt it has seen before from a copy of its KV cache, so
-    thousands of short decodes do not each recompute it. Plain KV caches only."""
-
-    # (id of the model, prompt) -> (the model, kept so its id is never reused; per-layer K, V, n)
-    _saved: dict[tuple[int, tuple[int, ...]], tuple[object, list]] = {}
-
-    def prefill(self, tokens: list[int]) -> None:
-        key = (id(self.model), tuple(tokens))
-        entry = self._saved.get(key)
-        if entry is None:
-            super().prefill(tokens)
-            # Exact-size copies: the next update reallocates instead of writing into them.
-            saved = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset)
-                     for c in self.cache]
-            mx.eval([s[:2] for s in saved])
-            self._saved[key] = (self.model, saved)
-            return
-        for c, (k, v, n) in zip(self.cache, entry[1], strict=True):
-            c.keys, c.values, c.offset = k, v, n
 
 
 class FixedDrafter:

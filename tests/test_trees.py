@@ -21,7 +21,15 @@ from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.suffix import Branch
 from skulkp2p.engine.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
-from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, mlx_lm_tokens, tree_drafter
+from tests.helpers.trees import (
+    CODE,
+    FREE_WIDTH,
+    PARENTS,
+    TOKENS,
+    mlx_lm_tokens,
+    tree_drafter,
+    trees_on,
+)
 
 TREE_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -151,21 +159,6 @@ def test_build_tree_adds_branches_only_where_they_pay():
     assert build_tree(main, branches, [0.5] * 4, 0.5, linear).is_chain
 
 
-def test_sampled_requests_keep_chains(models):
-    lm = models["llama"]
-    prompt = lm.tokenizer.encode(CODE)
-    stats = DecodeStats()
-    params = SamplingParams(temperature=0.8)
-    list(decode(LocalForward(lm.model), prompt, params, 40, make_rng(3), tree_drafter(), 8,
-                stats))
-    assert stats.tree_rounds == 0 and stats.drafted > 0
-
-
-def _trees_on(lm) -> dict:
-    """The card's speculation with `[speculation.lookup] trees = true` (off by default)."""
-    return {**lm.speculation, "lookup": {**lm.speculation.get("lookup", {}), "trees": True}}
-
-
 def _engine_tokens(engine: MlxEngine, reqs: list, together: bool) -> list[list[int]]:
     results: list = [None] * len(reqs)
 
@@ -193,7 +186,7 @@ def test_trees_in_a_batch_equal_plain(models, family, monkeypatch):
     plain steps in it); every request's tokens are plain decoding's."""
     lm = models[family]
     monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)  # every branch pays: many trees
-    monkeypatch.setattr(lm, "speculation", _trees_on(lm))
+    monkeypatch.setattr(lm, "speculation", trees_on(lm))
     prompts = [CODE, CODE.replace("add", "div"), "a b c d a b c d a b", CODE[:60]]
     reqs = [parse_request({"id": i, "prompt": p, "max_tokens": 24 + 8 * i,
                            "speculation": "off" if i == 3 else "auto"})
@@ -246,7 +239,7 @@ def test_lookup_tree_with_mtp_branch_equals_plain(tiny_model, family, monkeypatc
     lm = load_model(tiny_model(family, mtp=True), family, dtype="float32")
     assert lm.mtp is not None
     monkeypatch.setattr(lm, "width_costs", FREE_WIDTH)
-    monkeypatch.setattr(lm, "speculation", _trees_on(lm))
+    monkeypatch.setattr(lm, "speculation", trees_on(lm))
     engine = MlxEngine(lm, prefix_cache_mb=0, memory_tokens=0, max_batch=1)
 
     def run(spec):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import types
@@ -40,6 +41,8 @@ from skulkp2p.bench.mlx_arms import (
     PLAIN,
     Arm,
     Cell,
+    Run,
+    Sampling,
     SkipArm,
     execute,
     open_draft,
@@ -106,6 +109,16 @@ def _positive(value: str) -> int:
     return n
 
 
+def _temperature(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not (t >= 0.0 and math.isfinite(t)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return t
+
+
 def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
     # A bench is often scripted: a bad option gets one line, not the usage block.
     print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -128,6 +141,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=_positive, default=None,
                    help=f"generated tokens per run (default {DEFAULT_MAX_TOKENS}; with --agent "
                         f"per turn, default {DEFAULT_AGENT_MAX_TOKENS})")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sample every engine request at this temperature (default 0: greedy, "
+                        "outputs checked identical to plain); sampled outputs differ between "
+                        "arms by design, so the bench compares speed and acceptance, not "
+                        "tokens (exactness is tested statistically); the peer arms are "
+                        "greedy only and are skipped")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature: run r of every arm uses seed SEED + r (default 0)")
     p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,
                    help=f"measured runs per arm and workload; the median counts "
                         f"(default {DEFAULT_RUNS})")
@@ -209,6 +230,11 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         raise BenchError("--agent has its own tables: run --plot and --widths without it")
     if getattr(args, "url", None) and not getattr(args, "concurrency", None):
         raise BenchError("--url needs --concurrency N")
+    if getattr(args, "temperature", 0.0) > 0.0 and (
+            getattr(args, "agent", False) or getattr(args, "concurrency", None)
+            or getattr(args, "nodes", 1) > 1 or getattr(args, "engine", "mlx") != "mlx"):
+        raise BenchError("--temperature runs the workloads on one node (no --agent, "
+                         "--concurrency, --nodes or --engine served)")
     if getattr(args, "concurrency", None):
         from skulkp2p.bench.concurrency import refuse_other_modes, run_concurrency_bench
 
@@ -244,6 +270,11 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                 arms += [Arm(name, "llama") for name in LLAMA_ARMS]
             except BenchError as e:
                 skipped.append({"arm": "llama_*", "reason": str(e)})
+    if getattr(args, "temperature", 0.0) > 0.0:
+        # mlx-lm's and llama-server's arms are greedy here: they would not be comparable
+        for arm in [a for a in arms if a.kind in ("mlx_lm", "mlx_lm_draft", "llama")]:
+            arms.remove(arm)
+            skipped.append({"arm": arm.name, "reason": "greedy only (bench --temperature)"})
     if nodes == 1:
         return _run_loaded(args, store, engine, load_before, arms, skipped,
                            open_model(store, args.model, dtype), None)
@@ -315,11 +346,15 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
 
     workloads = list(args.workloads)
     cells = {(wl, a.name): Cell() for wl in workloads for a in arms}
+    temperature = getattr(args, "temperature", 0.0)
+    sampled = temperature > 0.0
     settings = {
         "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
         "warmup": f"each arm once, {min(WARMUP_TOKENS, args.max_tokens)} tokens",
         "order": "interleaved: run r of every workload and arm before run r+1",
-        "greedy": True, "chat_template": True,
+        "greedy": not sampled, "chat_template": True,
+        "sampling": {"temperature": temperature, "seeds": f"{args.seed} + run index, the same "
+                     "for every arm; acceptance summed over all runs"} if sampled else None,
         "workloads": workloads, "arms": [a.name for a in arms],
         "sessions": {wl: len(SESSIONS[wl]) for wl in workloads if wl in SESSIONS},
         "fresh": "a fresh engine (empty draft memory) or llama-server per measured request; "
@@ -339,7 +374,7 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         settings["ring"] = ring.settings  # filled in as the ring runs: compute vs link seconds
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
-        results, cell_skips, mismatched = _results(cells, arms, workloads)
+        results, cell_skips, mismatched = _results(cells, arms, workloads, sampled)
         plain_text = {wl: cells[(wl, "plain")].runs[0].text[:400]
                       for wl in workloads if cells[(wl, "plain")].runs}
         return {
@@ -363,7 +398,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                     run = execute(arm, model_of(arm), draft, WORKLOADS[wl], args.max_tokens,
                                   args.draft_tokens, SESSIONS.get(wl, ()),
                                   getattr(args, "draft_memory_tokens", None),
-                                  getattr(args, "peer", None))
+                                  getattr(args, "peer", None),
+                                  Sampling(temperature, args.seed + r) if sampled else None)
                 except SkipArm as e:
                     cell.skip = str(e)
                     continue
@@ -412,10 +448,12 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     return 0
 
 
-def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: list[str]
+def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: list[str],
+             sampled: bool = False
              ) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
     """Per arm and workload: medians, speedup, acceptance, exactness; the cells that were
-    skipped; and the arm/workload pairs whose greedy tokens differ from plain's."""
+    skipped; and the arm/workload pairs whose greedy tokens differ from plain's. `sampled`:
+    outputs are not compared (identical_to_plain is None) and acceptance sums every run's."""
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     mismatched: list[str] = []
@@ -453,7 +491,8 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 med_base = base
             first = cell.runs[0]
             ref = one_reference if arm.one_node else reference
-            identical = None if ref is None else all(x.tokens == ref for x in cell.runs)
+            identical = None if ref is None or sampled else all(x.tokens == ref
+                                                                for x in cell.runs)
             if arm.kind == "llama":  # against the peer's own plain, by text
                 identical = all(x.text == llama_runs[0].text for x in cell.runs) \
                     if llama_runs else None
@@ -467,10 +506,8 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
                 "speedup_vs_plain": round(med / med_base, 3) if med and med_base else None,
                 "plain_is": "llama_plain" if arm.kind == "llama" else (
                     ONE_NODE_PLAIN.name if arm.one_node else "plain"),
-                # per generation (greedy: every run drafts the same)
-                "drafted": first.drafted, "accepted": first.accepted,
-                "acceptance": round(first.accepted / first.drafted, 4)
-                if first.drafted else None,
+                # per generation (greedy: every run drafts the same; sampled: all runs')
+                **_acceptance(cell.runs if sampled else [first]),
                 "acceptance_per_position": first.acceptance_per_position,
                 "tree_rounds": first.tree_rounds,
                 "tokens_generated": len(first.tokens),
@@ -482,6 +519,15 @@ def _results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: lis
             if all(x.ring for x in cell.runs):
                 results[-1]["ring"] = ring_summary([x.ring for x in cell.runs])
     return results, skipped, mismatched
+
+
+def _acceptance(runs: list[Run]) -> dict[str, Any]:
+    if runs[0].drafted is None:
+        return {"drafted": None, "accepted": None, "acceptance": None}
+    drafted = sum(x.drafted or 0 for x in runs)
+    accepted = sum(x.accepted or 0 for x in runs)
+    return {"drafted": drafted, "accepted": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None}
 
 
 def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -134,6 +134,8 @@ class Run:
                                "decode_s": round(self.decode_s, 4), "tokens": len(self.tokens)}
         if self.drafted is not None:
             out.update(drafted=self.drafted, accepted=self.accepted)
+        if self.tree_rounds is not None:
+            out["tree_rounds"] = self.tree_rounds
         if self.ring is not None:
             out["ring"] = self.ring
         return out
@@ -143,31 +145,46 @@ class SkipArm(Exception):
     """This arm cannot run on this model (the reason goes into the JSON)."""
 
 
-def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation: Any):
-    """A greedy chat request, as a client of the engine would send it."""
+@dataclass(frozen=True)
+class Sampling:
+    """bench --temperature T --seed S: every engine request samples at T with seed S (the
+    run's: S + run index, the same for every arm of that run)."""
+    temperature: float
+    seed: int
+
+
+def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation: Any,
+                   sampling: Sampling | None = None):
+    """A chat request as a client of the engine would send it: greedy, or sampled."""
     from skulkp2p.engine.request import parse_request
 
-    return parse_request({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                          "speculation": speculation})
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "speculation": speculation}
+    if sampling is not None:
+        body.update(temperature=sampling.temperature, seed=sampling.seed)
+    return parse_request(body)
 
 
 def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: int,
                speculation: Any, engine: Any = None,
-               setup: Sequence[list[dict[str, str]]] = ()) -> Run:
+               setup: Sequence[list[dict[str, str]]] = (),
+               sampling: Sampling | None = None) -> Run:
     """One measured request on `engine` (default: a fresh MlxEngine, so an empty draft
     memory), after the session's earlier requests `setup`, unmeasured. Engines here run without
-    the prefix cache: every run is a cold prefill (`--agent` measures the cache)."""
+    the prefix cache: every run is a cold prefill (`--agent` measures the cache). `sampling`:
+    the requests sample (bench --temperature)."""
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.request import RequestError
 
     engine = engine if engine is not None else MlxEngine(loaded, prefix_cache_mb=0)
     for earlier in setup:
         try:
-            for _ in engine.generate(engine_request(earlier, max_tokens, speculation)):
+            for _ in engine.generate(engine_request(earlier, max_tokens, speculation,
+                                                    sampling)):
                 pass
         except RequestError as e:
             raise SkipArm(e.message) from None
-    req = engine_request(messages, max_tokens, speculation)
+    req = engine_request(messages, max_tokens, speculation, sampling)
     generation = engine.generate(req)
     t_first = t_last = None
     t0 = time.perf_counter()
@@ -264,10 +281,12 @@ class Cell:
 
 def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, max_tokens: int,
             draft_tokens: int, setup: Sequence[list[dict[str, str]]] = (),
-            memory_tokens: int | None = None, peer: Any = None) -> Run:
+            memory_tokens: int | None = None, peer: Any = None,
+            sampling: Sampling | None = None) -> Run:
     """One generation of `arm` on `messages`, after the session's earlier requests `setup` on
     the same fresh engine (or server). `memory_tokens`: the engine's draft memory bound (None:
-    the card's or the default); `peer`: (llama-server binary, GGUF) for llama arms."""
+    the card's or the default); `peer`: (llama-server binary, GGUF) for llama arms;
+    `sampling`: engine arms sample (the peers are greedy only: the bench drops them)."""
     if arm.kind == "engine":
         from skulkp2p.engine.mlx_engine import MlxEngine
 
@@ -282,7 +301,8 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
         try:
             engine = MlxEngine(loaded, prefix_cache_mb=0,
                                memory_tokens=memory_tokens if arm.memory else 0)
-            return run_engine(loaded, messages, max_tokens, arm.speculation, engine, setup)
+            return run_engine(loaded, messages, max_tokens, arm.speculation, engine, setup,
+                              sampling)
         finally:
             loaded.speculation = saved
     if arm.kind == "llama":

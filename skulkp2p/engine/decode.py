@@ -25,6 +25,7 @@ from skulkp2p.engine.sampling import (
     target_probs,
 )
 from skulkp2p.engine.tree import DraftTree, greedy_walk
+from skulkp2p.engine.tree_accept import walk_tree
 
 
 class Drafter(Protocol):
@@ -51,8 +52,9 @@ class Drafter(Protocol):
 
 class TreeDrafter(Drafter, Protocol):
     """A drafter that may propose a token tree (engine/tree.py) instead of a chain. The loop
-    asks for trees only on greedy requests whose forward verifies trees; a tree that is a
-    chain is verified as a chain (`observe`), any other one in one tree forward, after which
+    asks for trees on requests whose forward verifies trees (greedy and sampled: the sampled
+    rule is tree_accept.py's); a tree that is a chain is verified as a chain (`observe`, with
+    the chain's q from `tree.q`), any other one in one tree forward, after which
     `observe_tree` gets the tree, the accepted path's node indices and the emitted tokens, with
     `forward.last_hidden` holding the rows of [pending, *path] (what a chain round leaves)."""
 
@@ -175,9 +177,9 @@ def decode(
     if history is None:
         history = []
     history[:] = prompt
-    # Trees only where greedy acceptance decides (sampled requests keep chains: no multi-draft
-    # rejection rule here yet) and the forward verifies them (attention-only families).
-    trees = (plain_rows and drafter is not None and hasattr(drafter, "propose_tree")
+    # Trees where the forward verifies them (attention-only families): greedy requests keep
+    # the target's choices, sampled ones the multi-draft rejection rule (tree_accept.py).
+    trees = (drafter is not None and hasattr(drafter, "propose_tree")
              and getattr(forward, "trees", False))
     produced = 0
     if drafter is None and plain_rows and max_tokens > 0 and _may_pipeline(forward, keeps):
@@ -188,13 +190,14 @@ def decode(
         tree = None
         if trees and k > 0:
             tree = drafter.propose_tree(history, k)
-            draft, q = ([], None) if tree is None else (tree.tokens, None)
+            draft, q = ([], None) if tree is None else (tree.tokens, tree.q)
             if tree is not None and tree.is_chain:
                 tree = None
         else:
             draft, q = drafter.propose(history, k) if k > 0 else ([], None)
         if tree is not None:
-            emitted, path = _tree_round(forward, pending, tree)
+            emitted, path = _tree_round(forward, pending, tree, params, history, rng,
+                                        plain_rows)
             stats.record_tree(tree, len(path))
             drafter.observe_tree(tree, path, emitted, forward)
             history.extend(emitted)
@@ -235,14 +238,20 @@ def decode(
             yield token
 
 
-def _tree_round(forward, pending: int, tree: DraftTree) -> tuple[list[int], list[int]]:
-    """Verify a tree in one forward, walk it greedily, keep the accepted path in the caches:
-    (emitted tokens, the path's node indices)."""
+def _tree_round(forward, pending: int, tree: DraftTree, params: SamplingParams,
+                history: list[int], rng: np.random.Generator,
+                plain_rows: bool) -> tuple[list[int], list[int]]:
+    """Verify a tree in one forward, walk it (greedy: the target's choices; sampled: recursive
+    rejection sampling, tree_accept.py), keep the accepted path in the caches: (emitted
+    tokens, the path's node indices)."""
     tokens = [pending, *tree.tokens]
     parents = tree.all_parents()
     logits = forward.verify_tree(tokens, parents)
-    chosen = greedy_tokens(logits[:len(tokens)])
-    path, token = greedy_walk(parents, tokens, chosen)
+    if plain_rows:
+        chosen = greedy_tokens(logits[:len(tokens)])
+        path, token = greedy_walk(parents, tokens, chosen)
+    else:
+        path, token = walk_tree(logits, tokens, parents, tree.q, history, params, rng)
     forward.keep_path(path)
     return [tokens[j] for j in path] + [token], path
 

@@ -247,8 +247,8 @@ class GatedDrafter:
         drafter) where they pay for their width."""
         branch_out = getattr(self.inner, "propose_branches", None)
         if branch_out is None or not self.trees or not self.on:
-            draft, _ = self.propose(history, k)
-            return DraftTree.chain(draft) if draft else None
+            draft, q = self.propose(history, k)
+            return DraftTree.chain(draft, q) if draft else None
         depth = self._depth(k)
         if depth == 0:
             return None
@@ -278,7 +278,8 @@ class GatedDrafter:
             if on_chain == d:
                 self.side_trials += 1
                 self.side_taken += len(path) > d and path[d] == node
-        self._observe(len(tree), len(path), emitted, forward, chain=(tree.main, on_chain))
+        self._observe(len(tree), len(path), emitted, forward, chain=(tree.main, on_chain),
+                      tree=(tree, path))
 
     def begin(self, prompt: list[int], forward) -> None:
         # A row of a batch shows the other rows of its forwards (a forward of its own: none).
@@ -310,9 +311,14 @@ class GatedDrafter:
         self._observe(drafted, accepted, emitted, forward)
 
     def _observe(self, drafted: int, accepted: int, emitted: list[int], forward,
-                 chain: tuple[int, int] | None = None) -> None:
+                 chain: tuple[int, int] | None = None,
+                 tree: tuple[DraftTree, list[int]] | None = None) -> None:
         if self.on or self.can_return:  # a drafter that is off for good stops costing anything
-            self.inner.observe(drafted, accepted, emitted, forward)
+            inner_tree = getattr(self.inner, "observe_tree", None)
+            if tree is not None and inner_tree is not None:
+                inner_tree(*tree, emitted, forward)
+            else:
+                self.inner.observe(drafted, accepted, emitted, forward)
         else:
             self._lag(accepted, emitted, forward)
         self.generated += len(emitted)
@@ -405,13 +411,17 @@ class LookupThenModel:
             self._source = self.lookup
             return tree
         self._source = self.model
-        draft, _ = self.model.propose(history, k)
-        return DraftTree.chain(draft) if draft else None
+        # The model drafter's own tree (an MTP head's top-k where they are close), or its
+        # chain with its q (a sampling drafter's chain is verified with q).
+        return self.model.propose_tree(history, k)
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
                      forward) -> None:
-        # Only lookup drafts trees here (the model's drafter gives chains, verified as chains).
-        self._source = None
+        source, self._source = self._source, None
+        if source is self.model:
+            self.model.observe_tree(tree, path, emitted, forward)
+            self.lookup.observe(0, 0, emitted, forward)  # may bring lookup back on
+            return
         self.lookup.observe_tree(tree, path, emitted, forward)
         self.model.follow(len(path), emitted, forward)
 

@@ -141,13 +141,19 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # not follow the batch it runs in (greedy text does not depend on them).
     weigh = req.sampling.greedy or req.sampling.seed is None
     model_drafter, model_depth, hidden = None, 0, None
+    cfg = loaded.speculation.get("lookup", {})
+    # Token trees (engine/tree.py) where the counts disagree (lookup) or the MTP head's top two
+    # are close, when the card's `trees = true`: off by default, as on a quiet machine they
+    # cost 3-5% against chains on every bench workload without accepting a token more
+    # (README, "Token trees").
+    trees = bool(cfg.get("trees", False))
     if loaded.mtp is not None:
         model_depth = loaded.mtp.conventions.max_depth
         prior = float(loaded.speculation.get("mtp_prior_acceptance", 0.5))
         model_drafter = GatedDrafter(_mtp_drafter(loaded), costs, model_depth, request_id=req.id,
                                      draft_cost=_relative_cost(loaded.mtp, loaded),
                                      prior_accept=prior, prior_weight=MTP_PRIOR_WEIGHT,
-                                     weigh_batch=weigh)
+                                     weigh_batch=weigh, trees=trees)
         hidden = loaded.mtp.conventions.hidden
     elif _assistant_usable(loaded):
         model_depth = loaded.assistant.depth
@@ -163,7 +169,6 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
                                      request_id=req.id,
                                      draft_cost=_relative_cost(loaded.draft.model, loaded),
                                      weigh_batch=weigh)
-    cfg = loaded.speculation.get("lookup", {})
     if not cfg.get("enabled", True):
         return model_drafter, model_depth, hidden
     # The suffix drafter caps each draft at its match length, so it may go deep where a long
@@ -178,12 +183,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
     start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
     prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
-    # Token trees (engine/tree.py) where the counts disagree, when the card's `trees = true`:
-    # off by default, as on a quiet machine they cost 3-5% against chains on every bench
-    # workload without accepting a token more (README, "Token trees").
     lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
                           request_id=req.id, prior_accept=prior, weigh_batch=weigh,
-                          trees=bool(cfg.get("trees", False)))
+                          trees=trees)
     if alone:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).

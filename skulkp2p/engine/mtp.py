@@ -71,6 +71,8 @@ from mlx_lm.models.cache import KVCache
 
 from skulkp2p.engine.arrays import materialize
 from skulkp2p.engine.decode import DecodeStats
+from skulkp2p.engine.suffix import Branch
+from skulkp2p.engine.tree import DraftTree
 from skulkp2p.engine.trunk import Trunk
 
 log = logging.getLogger("skulkp2p.mtp")
@@ -105,6 +107,9 @@ _NESTED_LAYER = ("qwen", "eagle")
 _IGNORED = {"deepseek": ("embed_tokens.",)}
 # Optional int32 tensor (under the style's prefix) listing a reduced draft vocabulary.
 VOCAB_IDS = "vocab_ids"
+# The head offers its second choice at a depth as a side branch when the head gives it at least
+# this share of its first choice's probability (gates.build_tree then weighs its width).
+HEAD_BRANCH_CLOSE = 0.5
 
 
 @dataclass(frozen=True)
@@ -591,10 +596,15 @@ class MtpDrafter:
             mx.eval(self.cache.keys, self.cache.values, *self._next)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        return self._drafts(k)[0], None
+
+    def _drafts(self, k: int) -> tuple[list[int], list[mx.array]]:
+        """The head's greedy chain of up to k tokens and its logits row at each depth."""
         k = min(k, self.conventions.max_depth)
         if k <= 0 or self._next is None:
-            return [], None
+            return [], []
         logits, chained = self._next
+        rows = [logits]
         drafts = [int(mx.argmax(logits).item())]
         chain = self.head.conventions.chain
         while len(drafts) < k:
@@ -602,8 +612,35 @@ class MtpDrafter:
             out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32), self.cache)
             self._speculative += 1
             chained = out.chain(chain)[-1]
-            drafts.append(int(mx.argmax(out.logits[-1]).item()))
-        return drafts, None
+            rows.append(out.logits[-1])
+            drafts.append(int(mx.argmax(rows[-1]).item()))
+        return drafts, rows
+
+    def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
+        """The head's chain and, at each depth where its own second choice is close to its
+        first (p2 >= HEAD_BRANCH_CLOSE p1), that token as a one-token side branch (its top-2
+        at every depth; gates.build_tree keeps those that pay for their width). A side leaf
+        needs no head row: nothing more runs than for the chain."""
+        drafts, rows = self._drafts(k)
+        if not drafts:
+            return [], []
+        probs = mx.softmax(mx.stack(rows).astype(mx.float32), axis=-1)
+        first = mx.array(drafts)[:, None]
+        p1 = mx.take_along_axis(probs, first, axis=-1)[:, 0]
+        others = mx.where(mx.arange(probs.shape[-1])[None] == first, -1.0, probs)
+        second, p2 = mx.argmax(others, axis=-1), mx.max(others, axis=-1)
+        branches = []
+        for d, (t, a, b) in enumerate(zip(second.tolist(), p1.tolist(), p2.tolist(),
+                                          strict=True)):
+            if b >= HEAD_BRANCH_CLOSE * a and b > 0.0:
+                branches.append(Branch(d, [t], b / (a + b)))
+        return drafts, branches
+
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward: Any) -> None:
+        """A tree round it drafted: count it per depth, follow the accepted path's rows."""
+        self.stats.record_tree(tree, len(path))
+        self.follow(len(path), emitted, forward)
 
     def first_choices(self, n: int) -> list[tuple[int, float]]:
         """The head's n likeliest tokens for the first draft position with their probabilities

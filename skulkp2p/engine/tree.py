@@ -36,15 +36,18 @@ TREE_FAMILIES = ("llama", "qwen2", "qwen3")
 class DraftTree:
     """Draft nodes 1..N after the pending token (node 0): `tokens[i]` is node i + 1's token and
     `parents[i]` its parent's node index (0 for a child of the pending token, else < i + 1).
-    `main` is the depth of the drafter's own chain (nodes 1..main), the rest are side branches."""
+    `main` is the depth of the drafter's own chain (nodes 1..main), the rest are side branches.
+    `q`: each node's draft distribution (a sampling drafter's chain), None where every node is
+    deterministic (q one-hot on its token; sampled verification needs it: tree_accept.py)."""
     tokens: list[int]
     parents: list[int]
     main: int = 0
     side: list[int] = field(default_factory=list)  # node index where each side branch starts
+    q: list[np.ndarray | None] | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int]) -> DraftTree:
-        return cls(list(tokens), list(range(len(tokens))), len(tokens))
+    def chain(cls, tokens: list[int], q: list[np.ndarray] | None = None) -> DraftTree:
+        return cls(list(tokens), list(range(len(tokens))), len(tokens), q=q)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -59,6 +62,8 @@ class DraftTree:
             raise ValueError(f"parent {parent} is not a node of a tree of {len(self)} drafts")
         self.tokens.append(token)
         self.parents.append(parent)
+        if self.q is not None:
+            self.q.append(None)  # nodes added here are deterministic
         return len(self.tokens)
 
     def depths(self) -> list[int]:

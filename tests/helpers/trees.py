@@ -1,6 +1,7 @@
-"""Shared by the token-tree tests (tests/test_trees.py, tests/test_ring_trees.py): a prompt with
-branches for the suffix drafter, a fixed tree, a width-cost table where every branch pays, the
-tree drafter, and mlx-lm's own greedy tokens."""
+"""Token-tree test material shared by tests/test_trees.py, tests/test_ring_trees.py and
+tests/test_tree_sampling.py: a text whose contexts continue several ways, a fixed tree, a width
+table where every branch pays, a tree drafter over the suffix drafter, a card's speculation with
+trees on, and mlx-lm's own greedy tokens."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ FREE_WIDTH = {1: 1.0, 2: 1.0, 64: 1.0}
 
 def tree_drafter(**kw) -> GatedDrafter:
     return GatedDrafter(SuffixDrafter(), FREE_WIDTH, 8, prior_accept=0.8, trees=True, **kw)
+
+
+def trees_on(lm) -> dict:
+    """The card's speculation with `[speculation.lookup] trees = true` (off by default)."""
+    return {**lm.speculation, "lookup": {**lm.speculation.get("lookup", {}), "trees": True}}
 
 
 def mlx_lm_tokens(lm, prompt, max_tokens):

@@ -1,0 +1,32 @@
+"""A random EAGLE-style drafting head for a tiny model (tests/test_eagle.py,
+tests/test_head_trees.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from skulkp2p.engine.model import load_model
+from skulkp2p.engine.trunk import Trunk
+from tools import train_sidecar
+
+
+def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int = 0) -> Path:
+    """A random EAGLE-style head for the model at `base`: the training tool's starting tensors
+    (eagle naming) with noise on every float tensor, so no part is the identity or zero."""
+    lm = load_model(base, "base", dtype="float32")
+    hidden = int(Trunk(lm.model).body.norm.weight.shape[0])
+    rng = np.random.default_rng(seed)
+    fc = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
+    tensors = train_sidecar.initial_tensors(lm.model, fc, vocab_ids, "eagle")
+    noisy = {}
+    for k, v in tensors.items():
+        if v.dtype == mx.int32:
+            noisy[k] = v
+            continue
+        noise = rng.standard_normal(v.shape).astype(np.float32) * 0.05
+        noisy[k] = (v.astype(mx.float32) + mx.array(noise)).astype(mx.bfloat16)
+    mx.save_safetensors(str(out), noisy)
+    return out
