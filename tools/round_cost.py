@@ -1,7 +1,7 @@
 """Where the time of a decode round goes, per part (SmolLM2-135M float32 on this CPU by default).
 
     python tools/round_cost.py [--workload echo] [--speculation auto] [--max-tokens 200]
-                               [--runs 3] [--json PATH]
+                               [--runs 3] [--clock wall|cpu] [--json PATH]
 
 Runs one of the bench's workloads (skulkp2p/bench/workloads.py), greedy, through a fresh
 MlxEngine per run (no prefix cache, no draft memory: the bench's measured request), with timers
@@ -9,14 +9,17 @@ around the parts of every round after the prefill:
 
 - forward: the verify forward (`Forward.__call__`: its graph built, then evaluated), with the
   graph building also shown alone, and the rollback after it;
-- drafter: `propose` and `observe` of the request's drafter, gates included; under `auto` also
+- drafter: `propose`/`propose_tree` and `observe`/`observe_tree` of the request's drafter,
+  gates included; under `auto` also
   split into the suffix drafter and the MTP head (their own propose/observe/follow);
 - accept: choosing every row's token (`decode.greedy_tokens`);
 - text/stop: detokenising and stop-string handling (`TextAssembler.add`);
 - other: the rest of the window from the end of the prefill to the last token received — the
   loop's own bookkeeping, chunks, the engine's lock and generators.
 
-`--speculation`: `auto` (default), `off` (plain: pipelined, so the forward's evaluation hides
+`--clock cpu` times every part in CPU time of the whole process (`time.process_time`: the
+BLAS threads' work included, waiting excluded), which a loaded machine moves far less than wall
+time; `wall` (default) is `time.perf_counter`. `--speculation`: `auto` (default), `off` (plain: pipelined, so the forward's evaluation hides
 in `other`), or DRAFTER:DEPTH such as `lookup:16`. Prints a table (ms per round, median of the
 runs, and the share of the window) and, with --json, the per-run figures. The model comes from
 the test model store (the cache the tests use), or --model ID from the default store.
@@ -43,19 +46,23 @@ class Timers:
     """Seconds spent per part inside the measured window (from the prefill's end on)."""
 
     def __init__(self) -> None:
+        self.clock = time.perf_counter
+        self.running: set[str] = set()
         self.open = False
         self.spent: dict[str, float] = defaultdict(float)
         self.rounds = 0
 
     def wrap(self, part: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.open:
+            if not self.open or part in self.running:  # (a part calling itself counts once)
                 return fn(*args, **kwargs)
-            t0 = time.perf_counter()
+            self.running.add(part)
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent[part] += time.perf_counter() - t0
+                self.spent[part] += self.clock() - t0
+                self.running.discard(part)
         return timed
 
 
@@ -81,7 +88,7 @@ def _instrument(timers: Timers) -> None:
 
     def inner_part(gated: Any, part: str) -> None:
         inner = gated.inner if isinstance(gated, GatedDrafter) else gated
-        for name in ("propose", "observe", "follow"):
+        for name in ("propose", "observe", "follow", "propose_branches"):
             if hasattr(inner, name):
                 setattr(inner, name, timers.wrap(part, getattr(inner, name)))
 
@@ -93,8 +100,9 @@ def _instrument(timers: Timers) -> None:
                 inner_part(drafter.model, "  MTP head")
             elif type(getattr(drafter, "inner", drafter)).__name__ == "SuffixDrafter":
                 inner_part(drafter, "  suffix drafter")
-            drafter.propose = timers.wrap("drafter", drafter.propose)
-            drafter.observe = timers.wrap("drafter", drafter.observe)
+            for name in ("propose", "observe", "propose_tree", "observe_tree"):
+                if hasattr(drafter, name):  # (decode asks for trees where the forward takes them)
+                    setattr(drafter, name, timers.wrap("drafter", getattr(drafter, name)))
         return drafter, depth, hidden
 
     generate._choose_drafter = chosen
@@ -119,7 +127,7 @@ def _engine(loaded: Any, timers: Timers) -> Any:
             timers.spent.clear()
             timers.rounds = 0
             timers.open = True
-            timers.t_start = time.perf_counter()
+            timers.t_start = timers.clock()
 
         def __call__(self, tokens: list[int]) -> Any:
             if timers.open:
@@ -143,7 +151,7 @@ def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> di
     t_last = None
     for chunk in gen:
         if chunk.tokens:
-            t_last = time.perf_counter()
+            t_last = timers.clock()
     timers.open = False
     result = gen.result
     assert result is not None and t_last is not None
@@ -237,6 +245,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a card id from the default store "
                    "(default: SmolLM2-135M from the test model store)")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time the parts in wall time (perf_counter) or in the process's CPU "
+                        "time (process_time: all threads' work, no waiting)")
     p.add_argument("--loop-pairs", type=int, default=0, metavar="N",
                    help="instead: N back-to-back pairs of plain greedy on one LocalForward, "
                         "pipelined and in the round loop (decode() directly); tok/s ratio")
@@ -266,6 +277,7 @@ def main() -> None:
     if args.loop_pairs:
         pipelined_versus_rounds(loaded, args.workload, args.max_tokens, args.loop_pairs)
         return
+    _TIMERS.clock = time.process_time if args.clock == "cpu" else time.perf_counter
     _instrument(_TIMERS)
     measure(loaded, "qa", args.speculation, 16)  # warm-up
     runs = [measure(loaded, args.workload, args.speculation, args.max_tokens)
@@ -276,7 +288,8 @@ def main() -> None:
     last = runs[-1]
     print(f"{args.workload}, speculation {args.speculation}, {last['tokens']} tokens in "
           f"{last['rounds']} rounds ({last['accepted']}/{last['drafted']} drafts accepted), "
-          f"median of {len(runs)} runs: {window * 1000:.2f} ms per round")
+          f"median of {len(runs)} runs: {window * 1000:.2f} ms per round ({args.clock} time); "
+          f"{last['lazy_steps']} pipelined steps (plain greedy or quiet stretches)")
     print(f"{'part':<18} {'ms/round':>9} {'share':>6}")
     for part in PARTS:
         print(f"{part:<18} {per_round[part] * 1000:>9.3f} {per_round[part] / window:>6.1%}")
