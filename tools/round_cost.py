@@ -169,41 +169,62 @@ def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> di
 _TIMERS = Timers()
 
 
-def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
+def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: int,
+                            quiet: bool = False) -> None:
+    """Back-to-back pairs on one LocalForward each: pipelined against the round loop (a
+    forward without lazy steps). Plain greedy, or with `quiet` a gated suffix drafter that
+    starts off (what `auto` runs on a novel prompt on a model without a head of its own):
+    quiet stretches (decode._quiet_stretch) against one-token rounds. Wall tok/s and CPU time
+    per token (process_time: every thread's work, which load moves less)."""
     from skulkp2p.bench.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.decode import decode
+    from skulkp2p.engine.decode import DecodeStats, decode
     from skulkp2p.engine.forward import LocalForward
+    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
     from skulkp2p.engine.generate import prompt_tokens
     from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.suffix import SuffixDrafter
 
     class RoundLoop(LocalForward):  # no lazy steps: decode() runs its round loop
         def __getattribute__(self, name: str) -> Any:
-            if name == "lazy_logits":
+            if name in ("lazy_logits", "lazy_step"):
                 raise AttributeError(name)
             return super().__getattribute__(name)
 
     prompt = prompt_tokens(loaded, engine_request(WORKLOADS[workload], 1, "off"))
 
-    def tok_s(cls: type, n: int) -> tuple[float, list[int]]:
+    def tok_s(cls: type, n: int) -> tuple[float, float, list[int], int]:
+        drafter = GatedDrafter(SuffixDrafter(), DEFAULT_WIDTH_COSTS["float32"], 16,
+                               start_on=False, can_return=True) if quiet else None
+        stats = DecodeStats()
         stamps, tokens = [], []
-        for token in decode(cls(loaded.model), prompt, SamplingParams(), n, make_rng(0)):
+        c0 = 0.0
+        for token in decode(cls(loaded.model), prompt, SamplingParams(), n, make_rng(0),
+                            drafter, 16 if quiet else 0, stats):
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                c0 = time.process_time()
             tokens.append(token)
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), tokens
+        cpu = (time.process_time() - c0) / max(len(stamps) - 1, 1)
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), cpu, tokens, stats.pipelined
 
     tok_s(LocalForward, 8)  # warm-up
     tok_s(RoundLoop, 8)
-    ratios = []
+    ratios, cpu_ratios = [], []
     for i in range(pairs):
         arms = (LocalForward, RoundLoop) if i % 2 == 0 else (RoundLoop, LocalForward)
         got = {cls: tok_s(cls, max_tokens) for cls in arms}
-        ratios.append(got[LocalForward][0] / got[RoundLoop][0])
-        print(f"pair {i + 1}: pipelined {got[LocalForward][0]:.2f} tok/s, round loop "
-              f"{got[RoundLoop][0]:.2f} tok/s, ratio {ratios[-1]:.3f}, identical "
-              f"{got[LocalForward][1] == got[RoundLoop][1]}")
-    print(f"{workload}, {max_tokens} tokens: pipelined / round loop, median of {pairs} pairs "
-          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+        piped, loop = got[LocalForward], got[RoundLoop]
+        ratios.append(piped[0] / loop[0])
+        cpu_ratios.append(piped[1] / loop[1])
+        print(f"pair {i + 1}: pipelined {piped[0]:.2f} tok/s ({piped[3]} tokens pipelined, "
+              f"{piped[1] * 1000:.1f} CPU ms/token), round loop {loop[0]:.2f} tok/s "
+              f"({loop[1] * 1000:.1f} CPU ms/token), ratio {ratios[-1]:.3f}, identical "
+              f"{piped[2] == loop[2]}")
+    print(f"{workload}, {max_tokens} tokens{', quiet lookup' if quiet else ''}: pipelined / "
+          f"round loop tok/s, median of {pairs} pairs {statistics.median(ratios):.3f} (min "
+          f"{min(ratios):.3f}, max {max(ratios):.3f}); CPU time per token pipelined / round "
+          f"loop {statistics.median(cpu_ratios):.3f}")
 
 
 def versus_mlx_lm(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
@@ -251,6 +272,10 @@ def main() -> None:
     p.add_argument("--loop-pairs", type=int, default=0, metavar="N",
                    help="instead: N back-to-back pairs of plain greedy on one LocalForward, "
                         "pipelined and in the round loop (decode() directly); tok/s ratio")
+    p.add_argument("--quiet-pairs", type=int, default=0, metavar="N",
+                   help="instead: as --loop-pairs with a gated suffix drafter that starts off "
+                        "(auto on a novel prompt without a head): quiet stretches pipelined "
+                        "against one-token rounds")
     p.add_argument("--pairs", type=int, default=0, metavar="N",
                    help="instead: N back-to-back pairs of plain (speculation off, a fresh "
                         "engine) and mlx_lm.stream_generate on the workload; each pair's "
@@ -274,8 +299,9 @@ def main() -> None:
     if args.pairs:
         versus_mlx_lm(loaded, args.workload, args.max_tokens, args.pairs)
         return
-    if args.loop_pairs:
-        pipelined_versus_rounds(loaded, args.workload, args.max_tokens, args.loop_pairs)
+    if args.loop_pairs or args.quiet_pairs:
+        pipelined_versus_rounds(loaded, args.workload, args.max_tokens,
+                                args.loop_pairs or args.quiet_pairs, quiet=bool(args.quiet_pairs))
         return
     _TIMERS.clock = time.process_time if args.clock == "cpu" else time.perf_counter
     _instrument(_TIMERS)
