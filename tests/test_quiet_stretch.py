@@ -23,7 +23,7 @@ from tests.helpers.pipelined import loaded as _loaded
 
 
 class EveryNth:
-    """A drafter that drafts only when the history's length is a multiple of `every` (quiet
+    """A drafter that says it is quiet and drafts only when the history's length is a multiple of `every` (quiet
     otherwise), a suffix drafter's draft or, where it has none, a guess; it records every call
     it gets (and the hidden rows it was shown), so two runs can be compared call by call."""
 
@@ -34,6 +34,9 @@ class EveryNth:
         self.suffix = SuffixDrafter()
         self.calls: list[tuple] = []
         self.rows: list[np.ndarray] = []
+
+    def quiet(self) -> bool:
+        return True  # (so that every quiet round starts a stretch: the take-back is tested)
 
     def begin(self, prompt, forward) -> None:
         self.suffix.begin(prompt, forward)
@@ -150,3 +153,16 @@ def test_gated_drafter_switched_off_goes_quiet(tiny_models):
     plain, _ = _run(LocalForward(lm.model), prompt, 30, None, depth=0)
     assert out == plain
     assert stats.pipelined == len(out) - stats.rounds - stats.accepted
+
+
+def test_a_drafter_on_without_a_match_keeps_one_token_rounds(tiny_models):
+    """A gated drafter that is on but finds no match this round is not quiet (it likely drafts
+    next round, and a step built ahead would be taken back, a whole step lost): the loop runs
+    its one-token rounds, nothing pipelined, the tokens plain greedy's."""
+    lm = _loaded(tiny_models["llama"])
+    prompt = lm.tokenizer.encode(ECHO)
+    gated = GatedDrafter(SuffixDrafter(min_match=10_000), DEFAULT_WIDTH_COSTS["float32"], 8)
+    out, stats = _run(LocalForward(lm.model), prompt, 20, gated, depth=8)
+    plain, _ = _run(LocalForward(lm.model), prompt, 20, None, depth=0)
+    assert out == plain and gated.on and not gated.quiet()
+    assert stats.pipelined == 0 and stats.rounds == 0

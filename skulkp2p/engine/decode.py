@@ -49,6 +49,15 @@ class Drafter(Protocol):
         ...
 
 
+class QuietDrafter(Drafter, Protocol):
+    """A drafter that says when it expects to offer nothing for a while (a gate switched off):
+    the loop then runs greedy steps pipelined, asking it for a draft after every token
+    (decode._quiet_stretch). Taking back the step built ahead costs a whole step, so a drafter
+    that merely found no match this round (it likely will next round) is not quiet."""
+
+    def quiet(self) -> bool: ...
+
+
 class TreeDrafter(Drafter, Protocol):
     """A drafter that may propose a token tree (engine/tree.py) instead of a chain. The loop
     asks for trees only on greedy requests whose forward verifies trees; a tree that is a
@@ -184,10 +193,11 @@ def decode(
     if drafter is None and plain_rows and max_tokens > 0 and _may_pipeline(forward, keeps):
         produced, pending = yield from _pipelined_greedy(forward, pending, max_tokens, history,
                                                          keeps, stats)
-    # With a drafter, the stretches where it has nothing to offer run pipelined too (see
-    # _quiet_stretch); a step built ahead is taken back when a draft turns up, so the caches
-    # must trim exactly.
-    quiet = drafter is not None and plain_rows and hasattr(forward, "lazy_step")
+    # With a drafter, the stretches where it has nothing to offer and expects to stay so (its
+    # gate is off) run pipelined too (see _quiet_stretch); a step built ahead is taken back
+    # when a draft turns up, so the caches must trim exactly.
+    said_quiet = getattr(drafter, "quiet", None)
+    quiet = said_quiet is not None and plain_rows and hasattr(forward, "lazy_step")
     offered: Proposal | None = None
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
@@ -195,7 +205,7 @@ def decode(
             offered = _propose(drafter, history, k, trees)
         draft, q, tree = offered
         offered = None
-        if not draft and quiet and _may_pipeline(forward, trims=True):
+        if not draft and quiet and said_quiet() and _may_pipeline(forward, trims=True):
             produced, pending, offered = yield from _quiet_stretch(
                 forward, drafter, pending, produced, max_tokens, depth, history, keeps, stats,
                 trees)
@@ -287,7 +297,7 @@ def _quiet_stretch(forward: Any, drafter: Drafter, pending: int, produced: int,
                    max_tokens: int, depth: int, history: list[int], keeps: bool,
                    stats: DecodeStats, trees: bool
                    ) -> Generator[int, None, tuple[int, int, Proposal | None]]:
-    """Greedy steps while the drafter has nothing to offer (no match, gate off), pipelined as
+    """Greedy steps while the drafter has nothing to offer (its gate off), pipelined as
     `_pipelined_greedy`'s instead of one synchronous one-token round each. The drafter still
     sees every token as such a round would show it (`observe(0, 0, [token])`, `last_hidden`
     the step's own row) and is asked for a draft after every token; when it has one, the step
