@@ -8,49 +8,19 @@ another request arrives, both decoding what they decode alone."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.generate import stream
 from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
 from skulkp2p.engine.prefix_cache import MB, PrefixCache
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-
-TRIMMABLE = ("llama", "qwen3")
-# Repetitive text (as tests/test_decode.py's): a stop string is found halfway.
-ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
-_models: dict[Path, object] = {}
-
-
-def _loaded(path: Path):
-    if path not in _models:
-        _models[path] = load_model(path, path.name, dtype="float32")
-    return _models[path]
-
-
-def mlx_lm_tokens(lm, prompt, max_tokens):
-    out = []
-    for resp in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        if resp.finish_reason == "stop" and resp.token in lm.tokenizer.eos_token_ids:
-            break
-        out.append(resp.token)
-    return out
-
-
-class RoundLoopForward(LocalForward):
-    """A LocalForward that does not offer lazy steps: decode runs its round loop on it."""
-
-    def __getattribute__(self, name: str):
-        if name == "lazy_logits":
-            raise AttributeError(name)
-        return super().__getattribute__(name)
+from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward, mlx_lm_tokens
+from tests.helpers.pipelined import loaded as _loaded
 
 
 def run_decode(forward, prompt, n, *, history=None, cached=0, take=None):

@@ -1,7 +1,7 @@
 """Where the time of a decode round goes, per part (SmolLM2-135M float32 on this CPU by default).
 
     python tools/round_cost.py [--workload echo] [--speculation auto] [--max-tokens 200]
-                               [--runs 3] [--json PATH]
+                               [--runs 3] [--clock wall|cpu] [--json PATH]
 
 Runs one of the bench's workloads (skulkp2p/bench/workloads.py), greedy, through a fresh
 MlxEngine per run (no prefix cache, no draft memory: the bench's measured request), with timers
@@ -9,14 +9,17 @@ around the parts of every round after the prefill:
 
 - forward: the verify forward (`Forward.__call__`: its graph built, then evaluated), with the
   graph building also shown alone, and the rollback after it;
-- drafter: `propose` and `observe` of the request's drafter, gates included; under `auto` also
+- drafter: `propose`/`propose_tree` and `observe`/`observe_tree` of the request's drafter,
+  gates included; under `auto` also
   split into the suffix drafter and the MTP head (their own propose/observe/follow);
 - accept: choosing every row's token (`decode.greedy_tokens`);
 - text/stop: detokenising and stop-string handling (`TextAssembler.add`);
 - other: the rest of the window from the end of the prefill to the last token received — the
   loop's own bookkeeping, chunks, the engine's lock and generators.
 
-`--speculation`: `auto` (default), `off` (plain: pipelined, so the forward's evaluation hides
+`--clock cpu` times every part in CPU time of the whole process (`time.process_time`: the
+BLAS threads' work included, waiting excluded), which a loaded machine moves far less than wall
+time; `wall` (default) is `time.perf_counter`. `--speculation`: `auto` (default), `off` (plain: pipelined, so the forward's evaluation hides
 in `other`), or DRAFTER:DEPTH such as `lookup:16`. Prints a table (ms per round, median of the
 runs, and the share of the window) and, with --json, the per-run figures. The model comes from
 the test model store (the cache the tests use), or --model ID from the default store.
@@ -43,19 +46,23 @@ class Timers:
     """Seconds spent per part inside the measured window (from the prefill's end on)."""
 
     def __init__(self) -> None:
+        self.clock = time.perf_counter
+        self.running: set[str] = set()
         self.open = False
         self.spent: dict[str, float] = defaultdict(float)
         self.rounds = 0
 
     def wrap(self, part: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.open:
+            if not self.open or part in self.running:  # (a part calling itself counts once)
                 return fn(*args, **kwargs)
-            t0 = time.perf_counter()
+            self.running.add(part)
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent[part] += time.perf_counter() - t0
+                self.spent[part] += self.clock() - t0
+                self.running.discard(part)
         return timed
 
 
@@ -81,7 +88,7 @@ def _instrument(timers: Timers) -> None:
 
     def inner_part(gated: Any, part: str) -> None:
         inner = gated.inner if isinstance(gated, GatedDrafter) else gated
-        for name in ("propose", "observe", "follow"):
+        for name in ("propose", "observe", "follow", "propose_branches"):
             if hasattr(inner, name):
                 setattr(inner, name, timers.wrap(part, getattr(inner, name)))
 
@@ -93,8 +100,9 @@ def _instrument(timers: Timers) -> None:
                 inner_part(drafter.model, "  MTP head")
             elif type(getattr(drafter, "inner", drafter)).__name__ == "SuffixDrafter":
                 inner_part(drafter, "  suffix drafter")
-            drafter.propose = timers.wrap("drafter", drafter.propose)
-            drafter.observe = timers.wrap("drafter", drafter.observe)
+            for name in ("propose", "observe", "propose_tree", "observe_tree"):
+                if hasattr(drafter, name):  # (decode asks for trees where the forward takes them)
+                    setattr(drafter, name, timers.wrap("drafter", getattr(drafter, name)))
         return drafter, depth, hidden
 
     generate._choose_drafter = chosen
@@ -119,7 +127,7 @@ def _engine(loaded: Any, timers: Timers) -> Any:
             timers.spent.clear()
             timers.rounds = 0
             timers.open = True
-            timers.t_start = time.perf_counter()
+            timers.t_start = timers.clock()
 
         def __call__(self, tokens: list[int]) -> Any:
             if timers.open:
@@ -143,7 +151,7 @@ def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> di
     t_last = None
     for chunk in gen:
         if chunk.tokens:
-            t_last = time.perf_counter()
+            t_last = timers.clock()
     timers.open = False
     result = gen.result
     assert result is not None and t_last is not None
@@ -161,41 +169,62 @@ def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> di
 _TIMERS = Timers()
 
 
-def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
+def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: int,
+                            quiet: bool = False) -> None:
+    """Back-to-back pairs on one LocalForward each: pipelined against the round loop (a
+    forward without lazy steps). Plain greedy, or with `quiet` a gated suffix drafter that
+    starts off (what `auto` runs on a novel prompt on a model without a head of its own):
+    quiet stretches (decode._quiet_stretch) against one-token rounds. Wall tok/s and CPU time
+    per token (process_time: every thread's work, which load moves less)."""
     from skulkp2p.bench.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.decode import decode
+    from skulkp2p.engine.decode import DecodeStats, decode
     from skulkp2p.engine.forward import LocalForward
+    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
     from skulkp2p.engine.generate import prompt_tokens
     from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.suffix import SuffixDrafter
 
     class RoundLoop(LocalForward):  # no lazy steps: decode() runs its round loop
         def __getattribute__(self, name: str) -> Any:
-            if name == "lazy_logits":
+            if name in ("lazy_logits", "lazy_step"):
                 raise AttributeError(name)
             return super().__getattribute__(name)
 
     prompt = prompt_tokens(loaded, engine_request(WORKLOADS[workload], 1, "off"))
 
-    def tok_s(cls: type, n: int) -> tuple[float, list[int]]:
+    def tok_s(cls: type, n: int) -> tuple[float, float, list[int], int]:
+        drafter = GatedDrafter(SuffixDrafter(), DEFAULT_WIDTH_COSTS["float32"], 16,
+                               start_on=False, can_return=True) if quiet else None
+        stats = DecodeStats()
         stamps, tokens = [], []
-        for token in decode(cls(loaded.model), prompt, SamplingParams(), n, make_rng(0)):
+        c0 = 0.0
+        for token in decode(cls(loaded.model), prompt, SamplingParams(), n, make_rng(0),
+                            drafter, 16 if quiet else 0, stats):
             stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                c0 = time.process_time()
             tokens.append(token)
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), tokens
+        cpu = (time.process_time() - c0) / max(len(stamps) - 1, 1)
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), cpu, tokens, stats.pipelined
 
     tok_s(LocalForward, 8)  # warm-up
     tok_s(RoundLoop, 8)
-    ratios = []
+    ratios, cpu_ratios = [], []
     for i in range(pairs):
         arms = (LocalForward, RoundLoop) if i % 2 == 0 else (RoundLoop, LocalForward)
         got = {cls: tok_s(cls, max_tokens) for cls in arms}
-        ratios.append(got[LocalForward][0] / got[RoundLoop][0])
-        print(f"pair {i + 1}: pipelined {got[LocalForward][0]:.2f} tok/s, round loop "
-              f"{got[RoundLoop][0]:.2f} tok/s, ratio {ratios[-1]:.3f}, identical "
-              f"{got[LocalForward][1] == got[RoundLoop][1]}")
-    print(f"{workload}, {max_tokens} tokens: pipelined / round loop, median of {pairs} pairs "
-          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+        piped, loop = got[LocalForward], got[RoundLoop]
+        ratios.append(piped[0] / loop[0])
+        cpu_ratios.append(piped[1] / loop[1])
+        print(f"pair {i + 1}: pipelined {piped[0]:.2f} tok/s ({piped[3]} tokens pipelined, "
+              f"{piped[1] * 1000:.1f} CPU ms/token), round loop {loop[0]:.2f} tok/s "
+              f"({loop[1] * 1000:.1f} CPU ms/token), ratio {ratios[-1]:.3f}, identical "
+              f"{piped[2] == loop[2]}")
+    print(f"{workload}, {max_tokens} tokens{', quiet lookup' if quiet else ''}: pipelined / "
+          f"round loop tok/s, median of {pairs} pairs {statistics.median(ratios):.3f} (min "
+          f"{min(ratios):.3f}, max {max(ratios):.3f}); CPU time per token pipelined / round "
+          f"loop {statistics.median(cpu_ratios):.3f}")
 
 
 def versus_mlx_lm(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
@@ -237,9 +266,16 @@ def main() -> None:
     p.add_argument("--model", default=None, help="a card id from the default store "
                    "(default: SmolLM2-135M from the test model store)")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time the parts in wall time (perf_counter) or in the process's CPU "
+                        "time (process_time: all threads' work, no waiting)")
     p.add_argument("--loop-pairs", type=int, default=0, metavar="N",
                    help="instead: N back-to-back pairs of plain greedy on one LocalForward, "
                         "pipelined and in the round loop (decode() directly); tok/s ratio")
+    p.add_argument("--quiet-pairs", type=int, default=0, metavar="N",
+                   help="instead: as --loop-pairs with a gated suffix drafter that starts off "
+                        "(auto on a novel prompt without a head): quiet stretches pipelined "
+                        "against one-token rounds")
     p.add_argument("--pairs", type=int, default=0, metavar="N",
                    help="instead: N back-to-back pairs of plain (speculation off, a fresh "
                         "engine) and mlx_lm.stream_generate on the workload; each pair's "
@@ -263,9 +299,11 @@ def main() -> None:
     if args.pairs:
         versus_mlx_lm(loaded, args.workload, args.max_tokens, args.pairs)
         return
-    if args.loop_pairs:
-        pipelined_versus_rounds(loaded, args.workload, args.max_tokens, args.loop_pairs)
+    if args.loop_pairs or args.quiet_pairs:
+        pipelined_versus_rounds(loaded, args.workload, args.max_tokens,
+                                args.loop_pairs or args.quiet_pairs, quiet=bool(args.quiet_pairs))
         return
+    _TIMERS.clock = time.process_time if args.clock == "cpu" else time.perf_counter
     _instrument(_TIMERS)
     measure(loaded, "qa", args.speculation, 16)  # warm-up
     runs = [measure(loaded, args.workload, args.speculation, args.max_tokens)
@@ -276,7 +314,8 @@ def main() -> None:
     last = runs[-1]
     print(f"{args.workload}, speculation {args.speculation}, {last['tokens']} tokens in "
           f"{last['rounds']} rounds ({last['accepted']}/{last['drafted']} drafts accepted), "
-          f"median of {len(runs)} runs: {window * 1000:.2f} ms per round")
+          f"median of {len(runs)} runs: {window * 1000:.2f} ms per round ({args.clock} time); "
+          f"{last['lazy_steps']} pipelined steps (plain greedy or quiet stretches)")
     print(f"{'part':<18} {'ms/round':>9} {'share':>6}")
     for part in PARTS:
         print(f"{part:<18} {per_round[part] * 1000:>9.3f} {per_round[part] / window:>6.1%}")

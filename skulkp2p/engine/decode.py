@@ -50,6 +50,15 @@ class Drafter(Protocol):
         ...
 
 
+class QuietDrafter(Drafter, Protocol):
+    """A drafter that says when it expects to offer nothing for a while (a gate switched off):
+    the loop then runs greedy steps pipelined, asking it for a draft after every token
+    (decode._quiet_stretch). Taking back the step built ahead costs a whole step, so a drafter
+    that merely found no match this round (it likely will next round) is not quiet."""
+
+    def quiet(self) -> bool: ...
+
+
 class TreeDrafter(Drafter, Protocol):
     """A drafter that may propose a token tree (engine/tree.py) instead of a chain. The loop
     asks for trees on requests whose forward verifies trees (greedy and sampled: the sampled
@@ -70,7 +79,8 @@ class DecodeStats:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     drafted_at: list[int] = field(default_factory=list)
-    pipelined: int = 0  # tokens plain greedy emitted pipelined (step n+1 built during step n)
+    pipelined: int = 0  # tokens emitted pipelined (step n+1 built during step n)
+    taken_back: int = 0  # steps built ahead in a quiet stretch, taken back for a draft
     tree_rounds: int = 0  # rounds verified as a tree (more than one branch)
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -185,16 +195,23 @@ def decode(
     if drafter is None and plain_rows and max_tokens > 0 and _may_pipeline(forward, keeps):
         produced, pending = yield from _pipelined_greedy(forward, pending, max_tokens, history,
                                                          keeps, stats)
+    # With a drafter, the stretches where it has nothing to offer and expects to stay so (its
+    # gate is off) run pipelined too (see _quiet_stretch); a step built ahead is taken back
+    # when a draft turns up, so the caches must trim exactly.
+    said_quiet = getattr(drafter, "quiet", None)
+    quiet = said_quiet is not None and plain_rows and hasattr(forward, "lazy_step")
+    offered: Proposal | None = None
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
-        tree = None
-        if trees and k > 0:
-            tree = drafter.propose_tree(history, k)
-            draft, q = ([], None) if tree is None else (tree.tokens, tree.q)
-            if tree is not None and tree.is_chain:
-                tree = None
-        else:
-            draft, q = drafter.propose(history, k) if k > 0 else ([], None)
+        if offered is None:
+            offered = _propose(drafter, history, k, trees)
+        draft, q, tree = offered
+        offered = None
+        if not draft and quiet and said_quiet() and _may_pipeline(forward, trims=True):
+            produced, pending, offered = yield from _quiet_stretch(
+                forward, drafter, pending, produced, max_tokens, depth, history, keeps, stats,
+                trees)
+            continue
         if tree is not None:
             emitted, path = _tree_round(forward, pending, tree, params, history, rng,
                                         plain_rows)
@@ -256,16 +273,90 @@ def _tree_round(forward, pending: int, tree: DraftTree, params: SamplingParams,
     return [tokens[j] for j in path] + [token], path
 
 
-def _may_pipeline(forward: Forward, keeps: bool) -> bool:
-    """Whether plain greedy may run pipelined on `forward`: it has lazy one-token steps, says it
-    may run ahead now (a batch row only while it decodes alone), and, when the caller keeps the
-    caches afterwards, they trim exactly (closing early takes back the step built ahead)."""
+def _may_pipeline(forward: Forward, trims: bool) -> bool:
+    """Whether greedy steps may run pipelined on `forward`: it has lazy one-token steps, says it
+    may run ahead now (a batch row only while it decodes alone), and, when a step built ahead
+    may have to be taken back (the caller keeps the caches afterwards, or a draft may turn
+    up), its caches trim exactly."""
     if not hasattr(forward, "lazy_logits"):
         return False
-    if keeps and not caches.exactly_trimmable(forward.cache):
-        return False
     may_run_ahead = getattr(forward, "may_run_ahead", None)
-    return may_run_ahead is None or may_run_ahead()
+    if may_run_ahead is not None and not may_run_ahead():
+        return False
+    return not trims or caches.exactly_trimmable(forward.cache)
+
+
+Proposal = tuple[list[int], "list[np.ndarray] | None", "DraftTree | None"]
+
+
+def _propose(drafter: Drafter | None, history: list[int], k: int, trees: bool) -> Proposal:
+    """A round's drafts: (draft tokens, their q or None, the tree when it is not a chain)."""
+    if drafter is None or k <= 0:
+        return [], None, None
+    if trees:
+        tree = drafter.propose_tree(history, k)
+        if tree is None:
+            return [], None, None
+        return tree.tokens, tree.q, None if tree.is_chain else tree
+    draft, q = drafter.propose(history, k)
+    return draft, q, None
+
+
+def _quiet_stretch(forward: Any, drafter: Drafter, pending: int, produced: int,
+                   max_tokens: int, depth: int, history: list[int], keeps: bool,
+                   stats: DecodeStats, trees: bool
+                   ) -> Generator[int, None, tuple[int, int, Proposal | None]]:
+    """Greedy steps while the drafter has nothing to offer (its gate off), pipelined as
+    `_pipelined_greedy`'s instead of one synchronous one-token round each. The drafter still
+    sees every token as such a round would show it (`observe(0, 0, [token])`, `last_hidden`
+    the step's own row) and is asked for a draft after every token; when it has one, the step
+    built ahead (on that token) is taken back, so the caches hold what the round loop's would,
+    bit for bit, and the round loop verifies the draft. Returns (tokens produced so far, the
+    pending token, the draft offered or None when the stretch stopped for another reason)."""
+    import mlx.core as mx
+
+    def step(token: mx.array) -> tuple[mx.array, mx.array | None]:
+        logits, hidden = forward.lazy_step(token)
+        y = mx.argmax(log_probs(logits), axis=-1)
+        mx.async_eval(*(a for a in (y, hidden) if a is not None))
+        return y, hidden
+
+    may_run_ahead = getattr(forward, "may_run_ahead", None)
+    settled = getattr(forward, "end_run_ahead", None)  # a batch row: arrivals may go on
+    y, hidden = step(mx.array([pending]))
+    token = pending
+    while True:
+        produced += 1
+        ahead = None
+        if produced < max_tokens and (may_run_ahead is None or may_run_ahead()):
+            ahead = step(y)
+        token = int(y.item())
+        if hidden is not None:
+            forward.last_hidden = hidden  # the row of the token this step ran, as a round's
+        drafter.observe(0, 0, [token], forward)
+        history.append(token)
+        stats.pipelined += 1
+        try:
+            yield token
+        except GeneratorExit:
+            if ahead is not None:
+                mx.eval(ahead[0])  # nothing left running once the caller moves on
+                if keeps:
+                    forward.rollback(keep=0, dropped=1)
+            raise
+        if ahead is None:
+            if settled is not None:
+                settled()
+            return produced, token, None
+        offered = _propose(drafter, history, min(depth, max_tokens - produced - 1), trees)
+        if offered[0]:
+            mx.eval(ahead[0])  # its cache entry is written before it is cut
+            forward.rollback(keep=0, dropped=1)
+            stats.taken_back += 1
+            if settled is not None:
+                settled()
+            return produced, token, offered
+        y, hidden = ahead
 
 
 def _pipelined_greedy(forward: Any, pending: int, max_tokens: int, history: list[int],

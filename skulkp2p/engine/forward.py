@@ -190,3 +190,9 @@ class LocalForward:
         generate_step does). Never rolled back; the cache may hold one token past the last one
         the caller consumed."""
         return self.local.stage.run(token, self.local.cache, logits=True)[0]
+
+    def lazy_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        """As `lazy_logits`, with the trunk's hidden row of the token when this forward keeps
+        them (`hidden`), also not evaluated: decode's quiet stretches hand it to the drafter
+        as `last_hidden` once the step has run."""
+        return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)

@@ -281,6 +281,11 @@ class GatedDrafter:
         self._observe(len(tree), len(path), emitted, forward, chain=(tree.main, on_chain),
                       tree=(tree, path))
 
+    def quiet(self) -> bool:
+        """Off (for good, or until the output turns repetitive): nothing to offer for a while
+        (decode runs such stretches pipelined)."""
+        return not self.on
+
     def begin(self, prompt: list[int], forward) -> None:
         # A row of a batch shows the other rows of its forwards (a forward of its own: none).
         if hasattr(forward, "batch_view"):
@@ -386,6 +391,9 @@ class LookupThenModel:
     def events(self) -> list[dict]:
         return sorted(({**e, "drafter": g.name} for g in (self.lookup, self.model)
                        for e in g.events), key=lambda e: e["at_token"])
+
+    def quiet(self) -> bool:
+        return self.lookup.quiet() and self.model.quiet()
 
     def begin(self, prompt: list[int], forward) -> None:
         self.lookup.begin(prompt, forward)

@@ -1,0 +1,45 @@
+"""What the pipelined-decoding tests share (tests/test_pipelined.py, tests/test_quiet_stretch.py):
+the tiny models they load once, a repetitive prompt, mlx-lm's own greedy tokens, and a forward
+that makes decode run its round loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.model import load_model
+
+TRIMMABLE = ("llama", "qwen3")
+# Repetitive text (as tests/test_decode.py's): a stop string is found halfway.
+ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
+_models: dict[Path, object] = {}
+
+
+def loaded(path: Path):
+    """The tiny model at `path`, float32, loaded once per test session."""
+    if path not in _models:
+        _models[path] = load_model(path, path.name, dtype="float32")
+    return _models[path]
+
+
+def mlx_lm_tokens(lm, prompt, max_tokens):
+    """mlx-lm's greedy tokens for `prompt`, up to EOS (excluded)."""
+    out = []
+    for resp in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
+        if resp.finish_reason == "stop" and resp.token in lm.tokenizer.eos_token_ids:
+            break
+        out.append(resp.token)
+    return out
+
+
+class RoundLoopForward(LocalForward):
+    """A LocalForward that does not offer lazy steps: decode runs its round loop on it (no
+    pipelined plain greedy, no quiet stretches)."""
+
+    def __getattribute__(self, name: str):
+        if name in ("lazy_logits", "lazy_step"):
+            raise AttributeError(name)
+        return super().__getattribute__(name)
