@@ -191,8 +191,11 @@ def test_requests_during_replacement_all_end(tiny_model, tmp_path):
             p["model"] == "llama" and p["ring"] == ring for p in s["placements"])
             for i in (0, 1)), 30, f"both nodes see llama on {ring}")
         served = len(outcomes)  # then a request completes on the new placement
-        c.wait(lambda: any(o == "ok" for _, o, _, _ in outcomes[served:]), 60,
+        c.wait(lambda: any(o == "ok" for _, o, _, _ in outcomes[served:]) or failed(), 60,
                f"a request served on {ring}")
+
+    def failed() -> bool:  # a request ended badly: stop moving, report it below
+        return any(o == "bad" for _, o, _, _ in outcomes)
 
     clients = [threading.Thread(target=client, args=(s,), daemon=True)
                for s in (False, False, True, True)]
@@ -210,11 +213,14 @@ def test_requests_during_replacement_all_end(tiny_model, tmp_path):
         c.start_join(1, model, args=args)  # the second agent arrives mid-traffic
         c.wait(lambda: c.agreed([0, 1]), 90, "n1 in the cluster")
         for ring in MOVES:
+            if failed():
+                break
             place(ring)
     finally:
         stop.set()
+        deadline = time.monotonic() + BOUND_S + 15  # one bound for all: a failure is quick
         for t in clients:
-            t.join(BOUND_S + 15)
+            t.join(max(0.0, deadline - time.monotonic()) if t.ident is not None else 0)
         hung = [t for t in clients if t.is_alive()]
         c.close()
     bad = [o for o in outcomes if o[1] == "bad"]
