@@ -286,13 +286,12 @@ trees = true
         got: dict = {}
 
         def answered() -> bool:
-            try:
+            try:  # every request ends within the ring's timeout (plus a margin): no hang
                 status, _, out = call(c.nodes[0].http, "POST", "/v1/cluster/generate",
-                                      {**body, "speculation": spec}, timeout=20)
-            except OSError:
-                # (a request sent just as the model moves from one node to a ring can hang
-                # past the ring's timeout, with chains as with trees: asked again)
-                return False
+                                      {**body, "speculation": spec}, timeout=20 + 15)
+            except OSError as e:
+                raise AssertionError(f"no answer within the ring timeout + 15 s ({spec}): "
+                                     f"{e}\n{c.diagnostics()}") from e
             if status == 200 and "re-placed" not in str(out.get("error")):
                 got.update(out)
                 return True

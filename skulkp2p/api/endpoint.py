@@ -25,6 +25,7 @@ from skulkp2p.api.worker import (
     NotReady,
     QueueFull,
     Started,
+    WorkerStopped,
 )
 from skulkp2p.engine.request import GenerationRequest
 from skulkp2p.engine.results import GenerationResult
@@ -85,6 +86,8 @@ class ModelEndpoint:
                            headers=[("Retry-After", str(e.retry_after))]) from None
         except NotReady:
             raise self.unavailable() from None
+        except WorkerStopped as e:
+            raise engine_error(e) from None
 
     async def run_to_end(self, req: GenerationRequest, rename: dict[str, str] | None = None
                          ) -> tuple[int, GenerationResult]:

@@ -41,7 +41,13 @@ class QueueFull(Exception):
 
 
 class NotReady(Exception):
-    """The model is still loading (or failed to load)."""
+    """The model is still loading (or failed to load, or its worker stopped)."""
+
+
+class WorkerStopped(Exception):
+    """The worker stopped (its model was re-placed away from this node, or the node is
+    stopping) before or while it ran the job: the client may retry, the model is served
+    elsewhere or again shortly."""
 
 
 # ---- a job's events, in order: Started, Produced per chunk, then Finished or Failed ----------
@@ -171,6 +177,9 @@ class ModelWorker:
             raise NotReady(self.state)
         loop = asyncio.get_running_loop()
         with self._cond:
+            if self._stopping:  # stopped after the caller looked it up: no runner takes it
+                raise WorkerStopped(f"model {self.model_id} stopped on this node (it was "
+                                    "re-placed, or the node is stopping); retry")
             if len(self._waiting) >= self.max_queue:
                 retry = max(1, round(self._avg_job_s * (len(self._waiting) + 1) / 2))
                 raise QueueFull(len(self._waiting), retry)
@@ -188,13 +197,21 @@ class ModelWorker:
                 pass  # already running (the interrupt check stops it) or done
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """Cancel everything and end the thread; True when it ended within `timeout`."""
+        """Cancel everything and end the thread; True when it ended within `timeout`. Every
+        job it held ends with Failed(WorkerStopped) (unless it finished first): its client
+        waits on the job's events, and nobody else would answer them."""
         with self._cond:
             self._stopping = True
-            jobs = list(self._waiting) + list(self.running)
+            waiting, running = list(self._waiting), list(self.running)
             self._waiting.clear()
             self._cond.notify_all()
-        for job in jobs:
+        stopped = WorkerStopped(f"model {self.model_id} stopped on this node before the "
+                                "request ended (it was re-placed, or the node is stopping); "
+                                "retry")
+        for job in waiting:  # never started: no runner will post for them
+            job.cancelled.set()
+            job.post(Failed(stopped))
+        for job in running:
             job.cancelled.set()
             if job.generation is not None:
                 job.generation.cancel()
@@ -205,6 +222,11 @@ class ModelWorker:
             self._thread.join(timeout)
         for thread in list(self._job_threads):
             thread.join(max(0.0, deadline - time.monotonic()))
+        # A running job's runner posts nothing when its generation ends Cancelled; one still
+        # stuck past the timeout has posted nothing either. Either way its client gets this
+        # (a job that finished first has its final event read already: this one is never read).
+        for job in running:
+            job.post(Failed(stopped))
         if self.engine is not None:
             self.engine.close()  # a llama-server child goes with its worker
         return not self._thread.is_alive() and not any(t.is_alive() for t in self._job_threads)

@@ -193,17 +193,18 @@ class TcpRingLink:
             try:
                 reply = replies.get(timeout=0.1)
             except queue.Empty:
-                broken = self.check()
-                if broken:
-                    raise RingError(f"ring of {self.model} broke mid-request: {broken}") from None
-                if time.monotonic() > deadline:
-                    raise RingError(f"ring of {self.model}: no answer from the other stages "
-                                    f"within {self.timeout:.0f} s") from None
-                continue
-            if reply.get("step") == msg["step"]:
+                reply = None
+            if reply is not None and reply.get("step") == msg["step"]:
                 self.link_s += time.perf_counter() - t0
                 return reply
-            # An old step's answer (after an earlier failure): drop it.
+            # Nothing yet, or an old step's answer (after an earlier failure; dropped): the
+            # checks run on both, so a stream of stale answers cannot outlast the timeout.
+            broken = self.check()
+            if broken:
+                raise RingError(f"ring of {self.model} broke mid-request: {broken}")
+            if time.monotonic() > deadline:
+                raise RingError(f"ring of {self.model}: no answer from the other stages "
+                                f"within {self.timeout:.0f} s")
 
     def send(self, msg: dict[str, Any]) -> None:
         self.data.send_threadsafe(self.first_addr, {**msg, "model": self.model,
