@@ -19,7 +19,8 @@ from skulkp2p.engine import loader
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import is_mtp_key, load_model
-from skulkp2p.engine.mtp import MtpDrafter, load_mtp_head
+from skulkp2p.engine.mtp_drafter import MtpDrafter
+from skulkp2p.engine.mtp_head import load_mtp_head
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tools import publish_sidecar, train_sidecar
 

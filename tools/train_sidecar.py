@@ -5,7 +5,7 @@ Usage::
     python tools/train_sidecar.py --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
         [--kind eagle|qwen] [--data broad|stdlib] [--init-from SIDECAR]
 
-What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.mtp.load_mtp_head): by
+What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.mtp_head.load_mtp_head): by
 default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bias, one decoder
 layer of the trunk's own family, final norm, reduced vocabulary), or the first head's layout in
 qwen naming ``mtp.*`` (``--kind qwen``, no fc bias). Either way: from the trunk's hidden state
@@ -80,7 +80,9 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from skulkp2p.engine.decode import DecodeStats, decode  # noqa: E402
-from skulkp2p.engine.mtp import _PARTS, VOCAB_IDS, MtpDrafter, MtpHead, load_mtp_head  # noqa: E402
+from skulkp2p.engine.mtp_conventions import _PARTS, VOCAB_IDS  # noqa: E402
+from skulkp2p.engine.mtp_drafter import MtpDrafter  # noqa: E402
+from skulkp2p.engine.mtp_head import MtpHead, load_mtp_head  # noqa: E402
 from skulkp2p.engine.sampling import SamplingParams, make_rng  # noqa: E402
 from skulkp2p.engine.trunk import Trunk  # noqa: E402
 from skulkp2p.progress import ProgressBar  # noqa: E402
