@@ -1,4 +1,4 @@
-"""The EAGLE-style drafting head (engine/mtp.py, style "eagle"): a random head of that kind on a
+"""The EAGLE-style drafting head (engine/mtp_head.py, style "eagle"): a random head of that kind on a
 tiny model loads from its own tensor names (fc bias, reduced vocabulary) and drafts exactly
 (greedy byte-identical at depths 1-3; sampled output keeps the target's distribution); the head
 shipped for smollm2-135m loads as that kind and decodes byte-identically to plain decoding and
@@ -16,7 +16,8 @@ from mlx_lm import stream_generate
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import load_model
-from skulkp2p.engine.mtp import MtpDrafter, detect_conventions, has_mtp_tensors
+from skulkp2p.engine.mtp_conventions import detect_conventions, has_mtp_tensors
+from skulkp2p.engine.mtp_drafter import MtpDrafter
 from skulkp2p.engine.sampling import SamplingParams, make_rng, process_logits, target_probs
 from skulkp2p.engine.trunk import Trunk
 from tests.helpers.eagle import make_eagle_sidecar

@@ -17,7 +17,7 @@ from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.gates import GatedDrafter
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import LoadedModel, load_model
-from skulkp2p.engine.mtp import HEAD_BRANCH_CLOSE, MtpDrafter
+from skulkp2p.engine.mtp_drafter import HEAD_BRANCH_CLOSE, MtpDrafter
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.trunk import Trunk

@@ -72,6 +72,25 @@ def test_non_streaming_failure_is_a_500_not_a_truncated_200(node):
         assert c.request("GET", "/health").status == 200
 
 
+def test_a_broken_ring_is_a_503_to_retry(node):
+    """A ring of nodes breaking under a request is transient (the leader re-places the model):
+    503 ring_failed with Retry-After, naming the model, on every route; a stream already
+    started ends with the same code in its error event."""
+    with H11Client(node.port) as c:
+        r = c.request("POST", "/v1/chat/completions", chat("tokens=5 ringfail=2"))
+        err = r.json()["error"]
+        assert r.status == 503 and r.headers["retry-after"] == "1", r.json()
+        assert err["code"] == "ring_failed" and err["type"] == "service_unavailable"
+        assert "model fake" in err["message"] and "retry" in err["message"]
+        assert "dropped the frame" in err["message"]
+        r = c.request("POST", "/v1/messages", {**chat("tokens=5 ringfail=0"), "max_tokens": 5})
+        assert r.status == 503 and r.headers["retry-after"] == "1" and r.json()["type"] == "error"
+        r = c.request("POST", "/v1/chat/completions", chat("tokens=5 ringfail=2", stream=True))
+        events = r.sse()
+        assert r.status == 200 and json.loads(events[-1][1])["error"]["code"] == "ring_failed"
+        assert c.request("GET", "/health").status == 200
+
+
 def test_streaming_failure_ends_with_an_error_event(node):
     with H11Client(node.port) as c:
         r = c.request("POST", "/v1/chat/completions", chat("tokens=5 fail=2", stream=True))

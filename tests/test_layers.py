@@ -24,8 +24,8 @@ FORBIDDEN = {
 
 # Modules that are the MLX engine itself (they import mlx at the top, by design).
 MLX_MODULES = {"caches", "decode", "draft_model", "forward", "generate", "loader", "mlx_engine",
-               "model", "mtp", "prefix_cache", "sampling", "stage", "trunk", "drafters", "gates",
-               "blas", "width_costs", "batch_cache", "scheduler", "assistant",
+               "model", "mtp_head", "mtp_drafter", "prefix_cache", "sampling", "stage", "trunk",
+               "drafters", "gates", "blas", "width_costs", "batch_cache", "scheduler", "assistant",
                "tensor_shard", "ring_batch", "tree", "tree_accept", "arrays"}
 
 

@@ -17,13 +17,9 @@ from mlx_lm.models import llama, qwen3, qwen3_5
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import load_model
-from skulkp2p.engine.mtp import (
-    MtpConventions,
-    MtpDrafter,
-    _stack_experts,
-    detect_conventions,
-    load_mtp_head,
-)
+from skulkp2p.engine.mtp_conventions import MtpConventions, detect_conventions
+from skulkp2p.engine.mtp_drafter import MtpDrafter
+from skulkp2p.engine.mtp_head import _stack_experts, load_mtp_head
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tools.make_tiny_model import RMS_EPS, mtp_tensor_shapes
 

@@ -19,7 +19,7 @@ from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.protocol import Cancelled
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.ring import StageWorker
+from skulkp2p.engine.ring import RingError, StageWorker
 from skulkp2p.engine.stage import StageModel, StageSpan
 from tests.helpers.batch import requests, solo, together
 from tests.helpers.rings import Ring
@@ -162,6 +162,8 @@ def test_a_stage_dropping_the_frame_ends_every_row_with_a_clear_error(llama):
         assert not t.is_alive(), "a request hung on a broken ring"
     assert len(errors) == 3
     assert all("dropped the frame" in str(e) for e in errors), errors
+    # Typed, so the API answers 503 ring_failed (retry), not a 500 as for a bug.
+    assert all(isinstance(e, RingError) for e in errors), errors
     # The ring recovers: the stage back on the term, the next batch starts afresh.
     ring.workers[0].term = 3
     node = solo(MlxEngine(full(llama), 0, memory_tokens=0, max_batch=1), reqs)

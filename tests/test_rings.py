@@ -12,7 +12,7 @@ from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import load_model
-from skulkp2p.engine.mtp import MtpDrafter
+from skulkp2p.engine.mtp_drafter import MtpDrafter
 from skulkp2p.engine.ring import (
     InProcessLink,
     RingError,

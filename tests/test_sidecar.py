@@ -19,7 +19,8 @@ from skulkp2p.engine import loader
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import is_mtp_key, load_model
-from skulkp2p.engine.mtp import MtpDrafter, load_mtp_head
+from skulkp2p.engine.mtp_drafter import MtpDrafter
+from skulkp2p.engine.mtp_head import load_mtp_head
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tools import publish_sidecar, train_sidecar
 
@@ -424,6 +425,35 @@ def test_terse_prompts_are_fresh_and_deterministic():
         assert 3 <= len(questions) <= 5 and header not in bench
         assert [q.split(". ", 1)[0] for q in questions] == [str(i + 1) for i in
                                                             range(len(questions))]
+
+
+def test_a_larger_terse_count_adds_only_messages_not_yet_answered(tmp_path):
+    """--terse N then a larger N': the batches N made stay first and unchanged, and the new
+    ones hold only messages no earlier batch answered (re-sorting the whole list by length
+    mixed 181 of 576 answered messages into the new batches)."""
+    import random
+    rng = random.Random(0)
+    # Message i starts with token i (the cut keeps a prompt's head), lengths spread as the
+    # terse list's are; 2 tail tokens stand for the chat template's.
+    prompts = [[i] + [7] * rng.randint(6, 40) + [1, 2] for i in range(300)]
+    ids = lambda batches: [p[0] for b in batches for p in b]  # noqa: E731
+    first = train_sidecar.terse_batches(prompts, [100], 8, 64, 2, seed=3)
+    both = train_sidecar.terse_batches(prompts, [100, 300], 8, 64, 2, seed=3)
+    assert both[:len(first)] == first
+    assert len(ids(both)) == len(set(ids(both))), "a message answered twice"
+    assert set(ids(first)) <= set(range(100)) and len(ids(both)) >= 300 - 8 * 2
+    # The one-round list is batched as before rounds existed (older work folders' shards).
+    old = train_sidecar.batches_of(prompts, 8, 64, 2)
+    random.Random(3 + 2).shuffle(old)
+    assert train_sidecar.terse_batches(prompts, [300], 8, 64, 2, seed=3) == old
+    # The counts are kept in the work folder: only a larger one adds a round.
+    manifest = tmp_path / "terse.json"
+    assert train_sidecar.terse_bounds(manifest, 100, shards_made=False) == [100]
+    assert train_sidecar.terse_bounds(manifest, 300, shards_made=True) == [100, 300]
+    assert train_sidecar.terse_bounds(manifest, 200, shards_made=True) == [100, 300]
+    manifest.unlink()
+    with pytest.raises(SystemExit, match="terse.json"):
+        train_sidecar.terse_bounds(manifest, 300, shards_made=True)
 
 
 def test_feature_noise_jitters_only_the_training_features():

@@ -43,7 +43,7 @@ def main(spec: str, n: int) -> None:
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from skulkp2p.engine import batch_cache, decode, gates, generate, scheduler, stage, suffix
     from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.mtp import MtpDrafter
+    from skulkp2p.engine.mtp_drafter import MtpDrafter
     from skulkp2p.engine.request import parse_request
     from tools import batch_bench
 

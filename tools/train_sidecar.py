@@ -5,7 +5,7 @@ Usage::
     python tools/train_sidecar.py --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
         [--kind eagle|qwen] [--data broad|stdlib] [--init-from SIDECAR]
 
-What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.mtp.load_mtp_head): by
+What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.mtp_head.load_mtp_head): by
 default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bias, one decoder
 layer of the trunk's own family, final norm, reduced vocabulary), or the first head's layout in
 qwen naming ``mtp.*`` (``--kind qwen``, no fc bias). Either way: from the trunk's hidden state
@@ -80,7 +80,9 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from skulkp2p.engine.decode import DecodeStats, decode  # noqa: E402
-from skulkp2p.engine.mtp import _PARTS, VOCAB_IDS, MtpDrafter, MtpHead, load_mtp_head  # noqa: E402
+from skulkp2p.engine.mtp_conventions import _PARTS, VOCAB_IDS  # noqa: E402
+from skulkp2p.engine.mtp_drafter import MtpDrafter  # noqa: E402
+from skulkp2p.engine.mtp_head import MtpHead, load_mtp_head  # noqa: E402
 from skulkp2p.engine.sampling import SamplingParams, make_rng  # noqa: E402
 from skulkp2p.engine.trunk import Trunk  # noqa: E402
 from skulkp2p.progress import ProgressBar  # noqa: E402
@@ -260,17 +262,69 @@ def _tail_length(tokenizer: Any) -> int:
     return n
 
 
+def _length_groups(prompts: list[list[int]], batch: int, tail: int
+                   ) -> tuple[list[list[int]], list[int]]:
+    """Indices of `prompts` in groups of `batch` of near-equal length (sorted by length), and
+    the indices left over (the longest, too few for one more group); prompts too short to cut
+    are in neither."""
+    order = sorted((i for i, p in enumerate(prompts) if len(p) > tail + 4),
+                   key=lambda i: len(prompts[i]))
+    full = len(order) - len(order) % batch
+    return [order[i:i + batch] for i in range(0, full, batch)], order[full:]
+
+
+def _cut(group: list[list[int]], max_len: int, tail: int) -> list[list[int]]:
+    """A batch cut to its shortest member by dropping content tokens just before the template
+    tail."""
+    n = min(min(len(p) for p in group), max_len)
+    return [p[:n - tail] + p[len(p) - tail:] if tail else p[:n] for p in group]
+
+
 def batches_of(prompts: list[list[int]], batch: int, max_len: int, tail: int
                ) -> list[list[list[int]]]:
     """Equal-length batches (batched decoding needs no padding then): sorted by length, each
     batch cut to its shortest member by dropping content tokens just before the template tail."""
-    prompts = sorted((p for p in prompts if len(p) > tail + 4), key=len)
-    out = []
-    for i in range(0, len(prompts) - batch + 1, batch):
-        group = prompts[i:i + batch]
-        n = min(min(len(p) for p in group), max_len)
-        out.append([p[:n - tail] + p[len(p) - tail:] if tail else p[:n] for p in group])
+    groups, _ = _length_groups(prompts, batch, tail)
+    return [_cut([prompts[i] for i in g], max_len, tail) for g in groups]
+
+
+def terse_batches(prompts: list[list[int]], bounds: list[int], batch: int, max_len: int,
+                  tail: int, seed: int) -> list[list[list[int]]]:
+    """The terse list's batches when it was extended to each count in `bounds` in turn (the
+    first run's --terse, then each larger one): a round batches only the messages it added (and
+    those the rounds before left over), sorted by length within itself, shuffled with a seed of
+    its own. So a larger --terse appends batches of new messages after the ones already made,
+    which stay as they were; re-sorting the whole list would mix answered messages into the
+    new batches. A one-round list is batched as before rounds existed (work folders made then
+    keep their shards)."""
+    out: list[list[list[int]]] = []
+    carried: list[int] = []
+    start = 0
+    for r, end in enumerate(bounds):
+        pool = carried + list(range(start, min(end, len(prompts))))
+        groups, left = _length_groups([prompts[i] for i in pool], batch, tail)
+        made = [_cut([prompts[pool[i]] for i in g], max_len, tail) for g in groups]
+        random.Random(seed + 2 + 1000 * r).shuffle(made)
+        out += made
+        carried, start = [pool[i] for i in left], max(start, end)
     return out
+
+
+def terse_bounds(manifest: Path, count: int, shards_made: bool) -> list[int]:
+    """The counts the terse list was extended to so far, with `count` added when larger, kept
+    in `manifest` (the work folder's terse.json)."""
+    if manifest.exists():
+        bounds = [int(b) for b in json.loads(manifest.read_text())["bounds"]]
+    elif shards_made:
+        raise SystemExit(f"train_sidecar: train-terse shards in {manifest.parent} but no "
+                         f"{manifest.name} saying which --terse made them; write "
+                         '{"bounds": [N]} there (N: that run\'s --terse) or remove the shards')
+    else:
+        bounds = []
+    if not bounds or count > bounds[-1]:
+        bounds.append(count)
+        manifest.write_text(json.dumps({"bounds": bounds}))
+    return bounds
 
 
 # --- generation: the trunk's own greedy answers, with its hidden states and top-k ---------------
@@ -754,10 +808,11 @@ def train(args: argparse.Namespace) -> Path:
     if args.terse:
         if args.data != "broad":
             raise SystemExit("train_sidecar: --terse goes with --data broad")
-        terse_b = batches_of(build_terse_prompts(lm.tokenizer, args.seed, args.terse),
-                             args.batch, args.prompt_tokens, tail)
-        random.Random(args.seed + 2).shuffle(terse_b)
-        counts["terse_prompts"] = args.terse
+        # A larger --terse than before adds batches of the messages not yet answered.
+        bounds = terse_bounds(work / "terse.json", args.terse, any(work.glob("train-terse-*")))
+        terse_b = terse_batches(build_terse_prompts(lm.tokenizer, args.seed, bounds[-1]),
+                                bounds, args.batch, args.prompt_tokens, tail, args.seed)
+        counts["terse_prompts"] = bounds[-1]
     if not held_b or not train_b:
         raise SystemExit("train_sidecar: too few prompts for one batch; lower --batch")
     gen_deadline = t_start + budget * args.gen_share

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from skulkp2p.api.worker import WorkerStopped
+from skulkp2p.api.worker import RingFailed, WorkerStopped
 from skulkp2p.engine.protocol import EngineFailed, EngineUnavailable
 from skulkp2p.engine.request import RequestError
 
@@ -74,6 +74,8 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> ApiE
         return ApiError.from_request_error(e, rename)
     if isinstance(e, WorkerStopped):  # the model moved while the request waited or ran
         return ApiError(503, str(e), code="model_moved", headers=[("Retry-After", "1")])
+    if isinstance(e, RingFailed):  # a member of the model's ring died or moved: transient
+        return ApiError(503, str(e), code="ring_failed", headers=[("Retry-After", "1")])
     if isinstance(e, EngineUnavailable):
         headers = [("Retry-After", str(e.retry_after))] if e.retry_after else []
         return ApiError(503, e.message, code="model_unavailable", headers=headers)

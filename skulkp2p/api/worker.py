@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from skulkp2p.engine.protocol import Cancelled, Engine, Generation, LoopEngine
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
+from skulkp2p.engine.ring_frames import RingError
 from skulkp2p.telemetry import RequestFinished, RequestStarted, Telemetry
 
 log = logging.getLogger("skulkp2p.worker")
@@ -48,6 +49,16 @@ class WorkerStopped(Exception):
     """The worker stopped (its model was re-placed away from this node, or the node is
     stopping) before or while it ran the job: the client may retry, the model is served
     elsewhere or again shortly."""
+
+
+class RingFailed(Exception):
+    """The model's ring of nodes broke under the job (a member died, froze or was re-placed):
+    transient, the leader re-places the model, so the client may retry."""
+
+    def __init__(self, model_id: str, cause: RingError):
+        super().__init__(f"model {model_id}: its ring of nodes broke ({cause}); the model is "
+                         "being re-placed, retry")
+        self.model_id = model_id
 
 
 # ---- a job's events, in order: Started, Produced per chunk, then Finished or Failed ----------
@@ -324,6 +335,9 @@ class ModelWorker:
                      tokens, time.monotonic() - t0)
         except RequestError as e:
             job.post(Failed(e))
+        except RingError as e:
+            log.warning("job %d: the ring broke: %s", job.id, e)
+            job.post(Failed(RingFailed(self.model_id, e)))
         except Exception as e:
             log.exception("job %d failed", job.id)
             job.post(Failed(e))

@@ -1,6 +1,8 @@
 """`python -m skulkp2p bench`: decode speed of each arm on named workloads, as JSON and a table.
 
-    cli.py            the options and the MLX bench's measurement loop (run_bench)
+    cli.py            the command (run_bench) and the MLX bench's measurement loop
+    options.py        the sub-command's options (add_bench_arguments)
+    results.py        per arm and workload results, the per-workload summary and its table
     workloads.py      the workload texts and the warm-up
     mlx_arms.py       the MLX arms (plain, spec, drafters, the mlx-lm peers): one timed run each
     ring.py           --nodes N: the model as a ring of stage processes on loopback
@@ -15,7 +17,8 @@ The verify-width cost table that `--widths` measures belongs to the engine
 parser before the fast BLAS is set up.
 """
 
-from skulkp2p.bench.cli import add_bench_arguments, run_bench
+from skulkp2p.bench.cli import run_bench
 from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.options import add_bench_arguments
 
 __all__ = ["BenchError", "add_bench_arguments", "run_bench"]

@@ -218,7 +218,7 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
 
 
 def _mtp_drafter(loaded: LoadedModel):
-    from skulkp2p.engine.mtp import MtpDrafter
+    from skulkp2p.engine.mtp_drafter import MtpDrafter
     return MtpDrafter(loaded.mtp)
 
 
@@ -250,7 +250,7 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
 
 def _mtp_in(drafter: Any) -> Any:
     """The MTP head drafter inside a (gated, combined) drafter, or None."""
-    from skulkp2p.engine.mtp import MtpDrafter
+    from skulkp2p.engine.mtp_drafter import MtpDrafter
 
     while drafter is not None and not isinstance(drafter, MtpDrafter):
         drafter = drafter.model if isinstance(drafter, LookupThenModel) else getattr(

@@ -63,6 +63,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
 from skulkp2p.engine.gates import BatchView
+from skulkp2p.engine.ring_frames import RingError
 from skulkp2p.engine.stage import StageModel
 from skulkp2p.engine.ticket_lock import TicketLock
 from skulkp2p.engine.tree import tree_capable, tree_inputs, validate_parents
@@ -595,7 +596,10 @@ class RowForward:
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
-            raise RuntimeError(f"the batched forward failed: {self.error}") from self.error
+            # A ring breaking stays a RingError (transient: the leader re-places the model),
+            # so the API can tell it from a bug in the forward.
+            kind = RingError if isinstance(self.error, RingError) else RuntimeError
+            raise kind(f"the batched forward failed: {self.error}") from self.error
         logits, hidden = self.result, self.result_hidden
         self.result = self.result_hidden = None
         return logits, hidden

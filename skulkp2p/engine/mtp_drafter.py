@@ -1,0 +1,218 @@
+"""Native MTP head drafter: the checkpoint's own multi-token-prediction head (or a trained
+EAGLE-style sidecar head; engine/mtp_head.py) proposes drafts, following decode.py's Drafter
+protocol.
+
+Pairing. Row t of the head's cache holds (h_t, x_{t+1}) at position t, exactly like the trunk's
+row t holds x_t. A round's draft 1 guesses the token the verifier will emit from the pending
+token x_p; the pair (h_{p-1}, x_p) predicts precisely that, and it is the last pair appended
+(by `begin` from the prompt, or by `observe` from the previous round), so draft 1 costs no
+extra head call: its logits are kept from that append.
+
+Depth > 1 feeds the head its own output with the token it just drafted, at the next position,
+as speculative cache rows that the next `observe` trims. Which output is fed back is
+`MtpConventions.chain`: "after" the head's final norm for qwen and mimo, "before" it for
+deepseek. That is how vLLM's Qwen3-Next / MiMo / DeepSeek MTP modules return their hidden state
+to the proposer (the first two return the final-normed state, DeepSeek's returns the residual
+stream and normalises only inside compute_logits); a card can override it (`mtp_chain`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from skulkp2p.engine.decode import DecodeStats
+from skulkp2p.engine.mtp_conventions import MtpConventions
+from skulkp2p.engine.mtp_head import MtpHead
+from skulkp2p.engine.suffix import Branch
+from skulkp2p.engine.tree import DraftTree
+
+# The head offers its second choice at a depth as a side branch when the head gives it at least
+# this share of its first choice's probability (gates.build_tree then weighs its width).
+HEAD_BRANCH_CLOSE = 0.5
+
+
+class MtpDrafter:
+    """Greedy (argmax) drafts from the MTP head, following the Drafter protocol of decode.py.
+
+    Deterministic: propose returns q = None, so the decode loop treats q as one-hot and sampled
+    decoding stays exact. Needs a forward that keeps the trunk's hidden rows:
+    LocalForward(model, hidden=conventions.hidden)."""
+
+    name = "mtp"
+
+    def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
+                 prefill_step: int = 2048):
+        self.head = head
+        # The head computes with its own conventions; these cap the depth and check the forward.
+        self.conventions = conventions or head.conventions
+        self.prefill_step = prefill_step
+        self.cache: KVCache = head.make_cache()
+        self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
+        self._speculative = 0  # rows propose appended past the verified ones
+        # From the prefix cache, for begin: the head's rows, and the trunk's hidden row of the
+        # position after them when begin must recompute that row (see restore).
+        self._restored: tuple[KVCache | None, mx.array | None] | None = None
+        self.last_hidden_row: mx.array | None = None  # the trunk row paired in the last row
+        # Verified rows not yet appended while the head is switched off (see lag).
+        self._lagging: list[tuple[mx.array, list[int]]] = []
+        self.stats = DecodeStats()  # the drafter's own per-position acceptance
+
+    def _check_forward(self, forward: Any) -> None:
+        kind = getattr(forward, "hidden", self.conventions.hidden)
+        if kind != self.conventions.hidden:
+            raise ValueError(f"MTP head wants the trunk hidden {self.conventions.hidden!r} its "
+                             f"final norm; the forward keeps {kind!r}")
+
+    def _append(self, hidden: mx.array, tokens: list[int]) -> None:
+        out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self.cache)
+        self._next = (out.logits[-1], out.chain(self.head.conventions.chain)[-1])
+        self.last_hidden_row = hidden[-1]
+
+    def restore(self, cache: KVCache | None, hidden: mx.array | None = None) -> None:
+        """Begin from these rows (a prefix-cache hit: the head's cache over the positions the
+        trunk's restored caches hold); the next `begin` appends only the rows after them.
+        `hidden`: the trunk's hidden row of the position right after `cache`'s rows (None: a
+        fresh cache), which the trunk's restored caches hold but did not recompute; begin
+        recomputes that row of the head first."""
+        self._restored = (cache, hidden)
+
+    def begin(self, prompt: list[int], forward: Any) -> None:
+        """Fill the head's cache over the prompt: pair (h_i, x_{i+1}) at position i for
+        i = 0..n-2 (the prefill covered prompt[:-1]). The last pair, (h_{n-2}, x_{n-1}),
+        predicts what the verifier emits from the pending x_{n-1}: round 1's draft 1.
+
+        After a prefix-cache hit the restored rows cover the positions the prefill skipped, and
+        the prefill's hidden rows (forward.last_hidden) the ones after them."""
+        self._check_forward(forward)
+        (cache, row), self._restored = self._restored or (None, None), None
+        self.cache = cache if cache is not None else self.head.make_cache()
+        self._next = None
+        self._speculative = 0
+        self._lagging = []
+        n = len(prompt) - 1
+        first = self.cache.offset
+        if n == first:
+            return  # a one-token prompt: the first round goes without a draft
+        hidden = forward.last_hidden
+        if row is not None:
+            hidden = row[None] if hidden is None else mx.concatenate([row[None], hidden], 0)
+        if hidden is None or hidden.shape[0] != n - first:
+            got = None if hidden is None else hidden.shape[0]
+            raise ValueError(f"MTP drafter needs the {n - first} prefill hidden rows, got {got}; "
+                             f"build the forward with hidden={self.conventions.hidden!r}")
+        for start in range(first, n, self.prefill_step):
+            stop = min(start + self.prefill_step, n)
+            self._append(hidden[start - first:stop - first], prompt[start + 1:stop + 1])
+            mx.eval(self.cache.keys, self.cache.values, *self._next)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        return self._drafts(k)[0], None
+
+    def _drafts(self, k: int) -> tuple[list[int], list[mx.array]]:
+        """The head's greedy chain of up to k tokens and its logits row at each depth."""
+        k = min(k, self.conventions.max_depth)
+        if k <= 0 or self._next is None:
+            return [], []
+        logits, chained = self._next
+        rows = [logits]
+        drafts = [int(mx.argmax(logits).item())]
+        chain = self.head.conventions.chain
+        while len(drafts) < k:
+            # Speculative row (own output, own draft) at the next position; observe trims it.
+            out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32), self.cache)
+            self._speculative += 1
+            chained = out.chain(chain)[-1]
+            rows.append(out.logits[-1])
+            drafts.append(int(mx.argmax(rows[-1]).item()))
+        return drafts, rows
+
+    def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
+        """The head's chain and, at each depth where its own second choice is close to its
+        first (p2 >= HEAD_BRANCH_CLOSE p1), that token as a one-token side branch (its top-2
+        at every depth; gates.build_tree keeps those that pay for their width). A side leaf
+        needs no head row: nothing more runs than for the chain."""
+        drafts, rows = self._drafts(k)
+        if not drafts:
+            return [], []
+        probs = mx.softmax(mx.stack(rows).astype(mx.float32), axis=-1)
+        first = mx.array(drafts)[:, None]
+        p1 = mx.take_along_axis(probs, first, axis=-1)[:, 0]
+        others = mx.where(mx.arange(probs.shape[-1])[None] == first, -1.0, probs)
+        second, p2 = mx.argmax(others, axis=-1), mx.max(others, axis=-1)
+        branches = []
+        for d, (t, a, b) in enumerate(zip(second.tolist(), p1.tolist(), p2.tolist(),
+                                          strict=True)):
+            if b >= HEAD_BRANCH_CLOSE * a and b > 0.0:
+                branches.append(Branch(d, [t], b / (a + b)))
+        return drafts, branches
+
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward: Any) -> None:
+        """A tree round it drafted: count it per depth, follow the accepted path's rows."""
+        self.stats.record_tree(tree, len(path))
+        self.follow(len(path), emitted, forward)
+
+    def first_choices(self, n: int) -> list[tuple[int, float]]:
+        """The head's n likeliest tokens for the first draft position with their probabilities
+        (its distribution over what the verifier emits next); nothing is run or appended."""
+        if n <= 0 or self._next is None:
+            return []
+        logits = self._next[0].astype(mx.float32)
+        probs = mx.softmax(logits, axis=-1)
+        top = mx.argsort(-logits)[:n]
+        return list(zip(top.tolist(), probs[top].tolist(), strict=True))
+
+    @property
+    def drafted_at(self) -> list[int]:
+        return self.stats.drafted_at
+
+    @property
+    def accepted_at(self) -> list[int]:
+        return self.stats.accepted_at
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
+        """Trim the speculative rows, then append the verified pairs: row j of the verify
+        ([pending, d1..]) is h at the pending position + j, paired with emitted[j]."""
+        self.stats.record(drafted, accepted)
+        self.follow(accepted, emitted, forward)
+
+    def follow(self, accepted: int, emitted: list[int], forward: Any) -> None:
+        """Keep the head's cache in step after a verify round, whoever drafted it."""
+        self.catch_up()
+        self._append(*self._verified(accepted, emitted, forward))
+
+    def lag(self, accepted: int, emitted: list[int], forward: Any) -> None:
+        """A round while the head is switched off: keep the verified rows (references to the
+        trunk rows the verify computed anyway) instead of running the head on them, so that
+        `catch_up` can bring its cache in step in one call when it is needed again (the
+        prefix cache keeps it at the end of the request)."""
+        self._lagging.append(self._verified(accepted, emitted, forward))
+
+    def catch_up(self) -> None:
+        """Append the rows `lag` kept, in one call per prefill_step rows."""
+        if not self._lagging:
+            return
+        hidden = mx.concatenate([h for h, _ in self._lagging], axis=0)
+        tokens = [t for _, ts in self._lagging for t in ts]
+        self._lagging = []
+        for start in range(0, len(tokens), self.prefill_step):
+            stop = min(start + self.prefill_step, len(tokens))
+            self._append(hidden[start:stop], tokens[start:stop])
+            mx.eval(self.cache.keys, self.cache.values, *self._next)
+
+    def _verified(self, accepted: int, emitted: list[int], forward: Any
+                  ) -> tuple[mx.array, list[int]]:
+        if self._speculative:
+            self.cache.trim(self._speculative)
+            self._speculative = 0
+        hidden = forward.last_hidden
+        keep = 1 + accepted
+        if hidden is None or hidden.shape[0] < keep or len(emitted) != keep:
+            raise ValueError(f"MTP drafter: {keep} verified rows expected, got hidden "
+                             f"{None if hidden is None else hidden.shape[0]} and "
+                             f"{len(emitted)} emitted tokens")
+        return hidden[:keep], list(emitted)
