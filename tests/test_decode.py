@@ -1,9 +1,7 @@
 """Greedy exactness of the one decode loop: plain equals mlx-lm's own generate, and every drafter
 depth equals plain, for each tiny family (llama, qwen3, hybrid qwen3_5 with recurrent state)."""
 
-import mlx.core as mx
 import pytest
-from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.drafters import PromptLookup
@@ -13,6 +11,7 @@ from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tests.helpers.models import FAMILIES
+from tests.helpers.reference import mlx_lm_tokens
 
 # Repetitive text so that lookup drafts are both accepted and rejected.
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
@@ -23,13 +22,6 @@ def loaded(tiny_models):
     return {fam: load_model(tiny_models[fam], fam) for fam in FAMILIES}
 
 
-def mlx_lm_tokens(lm, prompt, max_tokens):
-    out = []
-    for resp in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        if resp.finish_reason == "stop" and resp.token in lm.tokenizer.eos_token_ids:
-            break
-        out.append(resp.token)
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)

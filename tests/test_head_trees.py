@@ -10,7 +10,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
@@ -22,6 +21,7 @@ from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.trunk import Trunk
 from tests.helpers.eagle import make_eagle_sidecar
+from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import FREE_WIDTH, trees_on
 
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
@@ -30,13 +30,6 @@ DEPTH = 4
 GREEDY = SamplingParams()
 
 
-def _mlx_lm(lm: LoadedModel, prompt: list[int]) -> list[int]:
-    out = []
-    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=MAX_TOKENS):
-        if r.finish_reason == "stop" and r.token in lm.tokenizer.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
 
 
 class Recording(GatedDrafter):
@@ -113,7 +106,7 @@ def test_greedy_with_head_trees_equals_plain_and_mlx_lm(heads, name):
     prompt = lm.tokenizer.encode(TEXT)
     plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), MAX_TOKENS,
                         make_rng(0)))
-    assert plain == _mlx_lm(lm, prompt)
+    assert plain == mlx_lm_tokens(lm, prompt, MAX_TOKENS)
     out, stats, drafter = _head_trees(lm)
     assert out == plain
     assert stats.tree_rounds > 0

@@ -19,8 +19,9 @@ from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.prefix_cache import MB, PrefixCache
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward, mlx_lm_tokens
+from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded
+from tests.helpers.reference import mlx_lm_tokens
 
 
 def run_decode(forward, prompt, n, *, history=None, cached=0, take=None):

@@ -18,8 +18,9 @@ from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.suffix import SuffixDrafter
-from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward, mlx_lm_tokens
+from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded
+from tests.helpers.reference import mlx_lm_tokens
 
 
 class EveryNth:

@@ -16,40 +16,21 @@ from pathlib import Path
 import pytest
 
 from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
 from skulkp2p.engine.protocol import Cancelled
 from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.ring import RingError, StageWorker
-from skulkp2p.engine.stage import StageModel, StageSpan
+from skulkp2p.engine.stage import StageModel
 from tests.helpers.batch import requests, solo, together
-from tests.helpers.rings import Ring
+from tests.helpers.rings import Ring, full, stages
 
-SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
 SPECULATION = {"off": "off", "lookup": {"drafter": "lookup", "depth": 3},
                "mtp": {"drafter": "mtp", "depth": 2}}
-
-_loaded: dict = {}
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_model) -> Path:
     return tiny_model("llama", seed=0, mtp=True)
-
-
-def full(path: Path):
-    if (path, None) not in _loaded:
-        _loaded[(path, None)] = load_model(path, path.name, dtype="float32")
-    return _loaded[(path, None)]
-
-
-def stages(path: Path, n: int):
-    if (path, n) not in _loaded:
-        total = len(full(path).model.layers)
-        spans = [StageSpan(a, b if b < 4 else total, total) for a, b in SPLITS[n]]
-        _loaded[(path, n)] = [load_model(path, path.name, dtype="float32", span=s)
-                              for s in spans]
-    return _loaded[(path, n)]
 
 
 def _same(got, want) -> None:

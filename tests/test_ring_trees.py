@@ -16,15 +16,15 @@ import pytest
 from skulkp2p import wire
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
 from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
 from skulkp2p.engine.ring_frames import header, tree_payload
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel, StageSpan
-from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, mlx_lm_tokens, tree_drafter
+from skulkp2p.engine.stage import StageModel
+from tests.helpers.reference import mlx_lm_tokens
+from tests.helpers.rings import full, stages
+from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, tree_drafter
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 PROMPT = list(range(5, 40))
 
 
@@ -32,24 +32,6 @@ PROMPT = list(range(5, 40))
 def paths(tiny_model) -> dict[str, Path]:
     return {fam: tiny_model(fam) for fam in (*FAMILIES, "qwen3_5")}
 
-
-_loaded: dict = {}
-
-
-def full(path: Path):
-    if (path, None) not in _loaded:
-        _loaded[(path, None)] = load_model(path, path.name, dtype="float32")
-    return _loaded[(path, None)]
-
-
-def stages(path: Path, n: int):
-    if (path, n) not in _loaded:
-        total = len(full(path).model.layers)
-        assert total == 4
-        spans = [StageSpan(a, b, total) for a, b in SPLITS[n]]
-        _loaded[(path, n)] = [load_model(path, path.name, dtype="float32", span=s)
-                              for s in spans]
-    return _loaded[(path, n)]
 
 
 class KeepDroppingWorker(StageWorker):

@@ -11,7 +11,6 @@ import pytest
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
 from skulkp2p.engine.mtp_drafter import MtpDrafter
 from skulkp2p.engine.ring import (
     InProcessLink,
@@ -21,12 +20,12 @@ from skulkp2p.engine.ring import (
     header,
 )
 from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel, StageSpan, param_bytes
+from skulkp2p.engine.stage import StageModel, param_bytes
 from tests.helpers.http_client import call, status_of
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
+from tests.helpers.rings import full, stages
 
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
-SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
 MAX_TOKENS = 40
 
 
@@ -35,23 +34,6 @@ def models(tiny_model) -> dict[str, Path]:
     return {"llama": tiny_model("llama", seed=0, mtp=True),
             "qwen3_5": tiny_model("qwen3_5", seed=0)}
 
-
-_loaded: dict = {}
-
-
-def full(path: Path):
-    if (path, None) not in _loaded:
-        _loaded[(path, None)] = load_model(path, path.name, dtype="float32")
-    return _loaded[(path, None)]
-
-
-def stages(path: Path, n: int):
-    key = (path, n)
-    if key not in _loaded:
-        total = len(full(path).model.layers)
-        spans = [StageSpan(a, b if b < 4 else total, total) for a, b in SPLITS[n]]
-        _loaded[key] = [load_model(path, path.name, dtype="float32", span=s) for s in spans]
-    return _loaded[key]
 
 
 def ring_forward(parts, hidden=None, request="r1", term=3) -> RingForward:

@@ -21,12 +21,12 @@ from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.suffix import Branch
 from skulkp2p.engine.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
+from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import (
     CODE,
     FREE_WIDTH,
     PARENTS,
     TOKENS,
-    mlx_lm_tokens,
     tree_drafter,
     trees_on,
 )

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm import stream_generate
-
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.model import load_model
 
@@ -25,14 +22,6 @@ def loaded(path: Path):
     return _models[path]
 
 
-def mlx_lm_tokens(lm, prompt, max_tokens):
-    """mlx-lm's greedy tokens for `prompt`, up to EOS (excluded)."""
-    out = []
-    for resp in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        if resp.finish_reason == "stop" and resp.token in lm.tokenizer.eos_token_ids:
-            break
-        out.append(resp.token)
-    return out
 
 
 class RoundLoopForward(LocalForward):

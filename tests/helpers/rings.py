@@ -1,15 +1,39 @@
-"""A pipeline ring in this process (tests of batched rings and of trees on rings): its stages
-behind an InProcessLink (every frame through the wire codec) and the last stage's LoadedModel
-whose make_forward makes a RingForward per request."""
+"""A pipeline ring in this process (tests of rings, batched rings and trees on rings): the tiny
+models' stage slices, loaded once per session, and a ring of them behind an InProcessLink (every
+frame through the wire codec) whose last stage's LoadedModel makes a RingForward per request."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.model import load_model
 from skulkp2p.engine.prefix_cache import PrefixCache
 from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
-from skulkp2p.engine.stage import StageModel
+from skulkp2p.engine.stage import StageModel, StageSpan
+
+# Layer spans of a 4-layer tiny model per ring size (the last span runs to the model's end).
+SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}
+
+_loaded: dict = {}
+
+
+def full(path: Path):
+    """The whole tiny model at `path`, float32, loaded once per session."""
+    if (path, None) not in _loaded:
+        _loaded[(path, None)] = load_model(path, path.name, dtype="float32")
+    return _loaded[(path, None)]
+
+
+def stages(path: Path, n: int):
+    """The model at `path` as the n stage slices of SPLITS[n], loaded once per session."""
+    if (path, n) not in _loaded:
+        total = len(full(path).model.layers)
+        spans = [StageSpan(a, b if b < 4 else total, total) for a, b in SPLITS[n]]
+        _loaded[(path, n)] = [load_model(path, path.name, dtype="float32", span=s)
+                              for s in spans]
+    return _loaded[(path, n)]
 
 
 class Ring:

@@ -1,12 +1,9 @@
 """Token-tree test material shared by tests/test_trees.py, tests/test_ring_trees.py and
 tests/test_tree_sampling.py: a text whose contexts continue several ways, a fixed tree, a width
-table where every branch pays, a tree drafter over the suffix drafter, a card's speculation with
-trees on, and mlx-lm's own greedy tokens."""
+table where every branch pays, a tree drafter over the suffix drafter, and a card's speculation with
+trees on."""
 
 from __future__ import annotations
-
-import mlx.core as mx
-from mlx_lm import stream_generate
 
 from skulkp2p.engine.gates import GatedDrafter
 from skulkp2p.engine.suffix import SuffixDrafter
@@ -34,10 +31,3 @@ def trees_on(lm) -> dict:
     return {**lm.speculation, "lookup": {**lm.speculation.get("lookup", {}), "trees": True}}
 
 
-def mlx_lm_tokens(lm, prompt, max_tokens):
-    out = []
-    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=max_tokens):
-        if r.finish_reason == "stop" and r.token in lm.tokenizer.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
