@@ -675,10 +675,11 @@ class ReplayForward:
 
 
 def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab: int,
-                       max_tokens: int | None = None) -> dict[str, Any]:
-    """Per-position acceptance at depths 1, 2, 3 over the held-out generations."""
+                       max_tokens: int | None = None, depths: tuple[int, ...] = (1, 2, 3)
+                       ) -> dict[str, Any]:
+    """Per-position acceptance at each of `depths` over the held-out generations."""
     result: dict[str, Any] = {}
-    for depth in (1, 2, 3):
+    for depth in depths:
         stats = DecodeStats()
         emitted = 0
         for s in shards:
