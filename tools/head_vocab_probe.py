@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="draft vocabulary sizes to try beside the sidecar's own (0: all)")
     p.add_argument("--depths", default="1", help="replay depths, e.g. 1,2")
     p.add_argument("--timing-calls", type=int, default=300)
+    p.add_argument("--context-bias", default="0",
+                   help="replay with these MtpDrafter context biases (the card's "
+                        "mtp_context_bias), e.g. 0,0.5; each is a row of its own")
     p.add_argument("--policies", action="store_true",
                    help="also simulate confidence policies (the sidecar's own vocabulary)")
     p.add_argument("--costs", default="1.0,1.15,1.3",
@@ -222,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         depths = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
         p.error(f"--sizes and --depths take whole numbers, got {args.sizes!r}, {args.depths!r}")
+    try:
+        biases = [float(b) for b in args.context_bias.split(",") if b.strip()]
+    except ValueError:
+        biases = [-1.0]
+    if not biases or min(biases) < 0:
+        p.error(f"--context-bias takes numbers >= 0, got {args.context_bias!r}")
     if not args.sidecar.is_file():
         p.error(f"--sidecar {args.sidecar} is not a file")
     held = _load_shards(args.work, "heldout")
@@ -252,15 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     for label, ids in candidates:
         head.restrict_vocab(mx.array(ids))
         inside = float(np.isin(targets, ids).mean())
-        row: dict[str, Any] = {"vocab": label, "size": int(ids.size),
-                               "heldout_inside": round(inside, 4)}
-        acc = heldout_acceptance(head, held, vocab, depths=tuple(depths))
-        for d in depths:
-            row[f"depth{d}"] = acc[f"depth{d}"]["per_position"]
-        row.update({k: round(v, 3) for k, v in time_costs(lm.model, head,
-                                                          args.timing_calls).items()})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        timing = {k: round(v, 3) for k, v in time_costs(lm.model, head,
+                                                        args.timing_calls).items()}
+        for bias in biases:
+            row: dict[str, Any] = {"vocab": label, "size": int(ids.size),
+                                   "heldout_inside": round(inside, 4), "context_bias": bias}
+            acc = heldout_acceptance(head, held, vocab, depths=tuple(depths),
+                                     context_bias=bias)
+            for d in depths:
+                row[f"depth{d}"] = acc[f"depth{d}"]["per_position"]
+            row.update(timing)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     policies: list[dict[str, Any]] = []
     if args.policies:
         head.restrict_vocab(mx.array(own))
