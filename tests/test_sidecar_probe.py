@@ -78,3 +78,35 @@ def test_probe_refuses_bad_arguments(trained, tmp_path, capsys):
         head_vocab_probe.main(["--work", str(out / ".train"), "--sidecar",
                                str(out / "mtp.safetensors"), "--sizes", "big"])
     assert e.value.code == 2 and "whole numbers" in capsys.readouterr().err
+
+
+def test_validation_prompts_are_fresh():
+    from skulkp2p.bench.workloads import WORKLOADS
+    from tools.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
+    bench = " ".join(m["content"] for msgs in WORKLOADS.values() for m in msgs
+                     if isinstance(m.get("content"), str))
+    training = set(train_prompts(0))
+    assert len(set(VALIDATION_PROMPTS)) == len(VALIDATION_PROMPTS) >= 10
+    for text in VALIDATION_PROMPTS:
+        assert text not in training and text not in HELDOUT_PROMPTS and text not in bench
+
+
+def test_validation_shards_replay_through_the_probe(trained, tmp_path):
+    from tools import validation_shards
+    from tools.sidecar_prompts import VALIDATION_PROMPTS
+    base, out = trained
+    val = tmp_path / "val"
+    assert validation_shards.main(["--out", str(val), "--model", str(base), "--broad", "3",
+                                   "--gen-tokens", "8"]) == 0
+    shards = sorted(val.glob("heldout-*.npz"))
+    assert len(shards) == 1 + len(VALIDATION_PROMPTS)
+    assert np.load(shards[0])["tokens"].shape[0] == 3
+    assert all(float(np.load(f)["temperature"]) == 0.0 for f in shards)  # greedy answers
+    (val / "train-0000.npz").symlink_to(next((out / ".train").glob("train-*.npz")))
+    report = tmp_path / "val.json"
+    assert head_vocab_probe.main(["--work", str(val), "--sidecar", str(out / "mtp.safetensors"),
+                                  "--model", str(base), "--sizes", "", "--timing-calls", "2",
+                                  "--context-bias", "0,2", "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["vocab"]
+    assert [r["context_bias"] for r in rows] == [0.0, 2.0]
+    assert all(0.0 <= r["depth1"][0] <= 1.0 for r in rows)
