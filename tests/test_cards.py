@@ -72,6 +72,8 @@ def test_not_toml(tmp_path):
 @pytest.mark.parametrize("extra,field", [
     ("[speculation]\nmtp_max_depth = 0\n", "speculation.mtp_max_depth"),
     ("[speculation]\nmtp_max_depth = \"deep\"\n", "speculation.mtp_max_depth"),
+    ("[speculation]\nmtp_context_bias = -0.5\n", "speculation.mtp_context_bias"),
+    ("[speculation]\nmtp_context_bias = \"some\"\n", "speculation.mtp_context_bias"),
     ("[speculation]\nwarp = 9\n", "speculation.warp"),
     ("[speculation]\nspeculative_multi_node = 1\n", "speculation.speculative_multi_node"),
     ("[speculation.lookup]\nmax_key = \"x\"\n", "speculation.lookup.max_key"),

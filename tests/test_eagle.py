@@ -83,6 +83,43 @@ def test_eagle_head_is_greedy_exact(eagle_llama):
         assert sum(stats.drafted_at) > 0
 
 
+class _Recording(MtpDrafter):
+    """The drafter, keeping every draft it offered."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offered: list[list[int]] = []
+
+    def propose(self, history, k):
+        drafts, q = super().propose(history, k)
+        self.offered.append(drafts)
+        return drafts, q
+
+
+def test_context_bias_drafts_seen_tokens_and_stays_exact(eagle_llama):
+    """mtp_context_bias: a bonus on the logits of tokens already in the context. A huge one makes
+    every draft a token of the context (prompt and verified answer); greedy output is plain
+    decoding's at every depth whatever the bonus."""
+    base, sidecar, ids = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    plain = _decode(lm)
+    prompt = lm.tokenizer.encode(TEXT)
+    for depth in (1, 3):
+        drafted = {}
+        for bias in (0.0, 1e4):
+            fwd = LocalForward(lm.model, hidden="after")
+            drafter = _Recording(lm.mtp, context_bias=bias)
+            out = list(decode(fwd, prompt, SamplingParams(), 24, make_rng(0), drafter, depth))
+            assert out == plain, (depth, bias)
+            drafted[bias] = drafter.offered
+        assert set(prompt) & set(ids.tolist())  # (else the check below would be vacuous)
+        firsts = [d[0] for d in drafted[1e4] if d]
+        assert firsts and all(t in set(prompt) | set(plain) for t in firsts)
+        assert firsts != [d[0] for d in drafted[0.0] if d]  # the bonus changed drafts
+    with pytest.raises(ValueError, match="context_bias"):
+        MtpDrafter(lm.mtp, context_bias=-1.0)
+
+
 def test_second_step_training_rows_are_what_the_drafter_computes(eagle_llama):
     """The training-time test's second step (all positions in one forward, a mask standing in
     for the speculative row) gives, at every position, the state the drafter computes for its
@@ -199,8 +236,12 @@ def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
 def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
     from skulkp2p.engine.generate import generate
     from skulkp2p.engine.request import parse_request
+    from skulkp2p.models.cards import load_card
 
-    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32", sidecar=SHIPPED)
+    # The card's own [speculation] (its mtp_context_bias among it), as serving loads it.
+    card = load_card(ROOT / "cards" / "smollm2-135m.toml")
+    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32", sidecar=SHIPPED,
+                    speculation={k: v for k, v in card.speculation.items() if k != "mtp_sidecar"})
     assert lm.mtp is not None and lm.mtp.conventions.style == "eagle"
     for content in ("Why do leaves change colour in autumn? Answer in a few sentences.",
                     "Write a short poem about a fox in the snow."):

@@ -161,6 +161,26 @@ HELDOUT_PROMPTS = (
 )
 
 
+# A second check beside HELDOUT_PROMPTS, for choosing inference settings (the drafter's context
+# bias) without fitting them to the held-out set: hand-written, none a training, held-out or
+# bench prompt (tests/test_sidecar_probe.py); tools/validation_shards.py answers them.
+VALIDATION_PROMPTS = (
+    "My flatmate never washes the dishes. How do I raise it without starting a fight?",
+    "Explain to a ten-year-old why the sky gets dark at night but the sun is still shining "
+    "somewhere.",
+    "What should I pack for a three-day hiking trip in autumn?",
+    "Summarise the plot of Romeo and Juliet in five sentences.",
+    "How does a bicycle stay upright when it moves?",
+    "Write a short thank-you note to a teacher who helped me pass my maths exam.",
+    "Why do we dream? Give the main theories.",
+    "Plan a one-day walking tour of a small seaside town for a family with two kids.",
+    "What is the difference between weather and climate? Keep it brief.",
+    "Describe a busy train station at rush hour, in the present tense.",
+    "You are a librarian. A student asks how to find good sources for an essay. Reply in "
+    "character.",
+    "Tell me a short fable about a turtle who wanted to fly, with a moral at the end.",
+)
+
 # Short factual questions, several to a message, answered as a terse numbered list: the style
 # the first heads drafted worst on (a terse list is far from the paragraphs of TASKS). Written for
 # this list; none is one of HELDOUT_PROMPTS' questions or the bench's (train_sidecar and

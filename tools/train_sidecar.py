@@ -675,10 +675,12 @@ class ReplayForward:
 
 
 def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab: int,
-                       max_tokens: int | None = None) -> dict[str, Any]:
-    """Per-position acceptance at depths 1, 2, 3 over the held-out generations."""
+                       max_tokens: int | None = None, depths: tuple[int, ...] = (1, 2, 3),
+                       context_bias: float = 0.0) -> dict[str, Any]:
+    """Per-position acceptance at each of `depths` over the held-out generations (the drafter
+    with this `context_bias`, the card's mtp_context_bias)."""
     result: dict[str, Any] = {}
-    for depth in (1, 2, 3):
+    for depth in depths:
         stats = DecodeStats()
         emitted = 0
         for s in shards:
@@ -691,7 +693,7 @@ def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab
                 fwd = ReplayForward(s["tokens"][b], s["hidden"][b], s["top_ids"][b, :, 0], vocab)
                 prompt = [int(t) for t in s["tokens"][b, :plen]]
                 out = list(decode(fwd, prompt, SamplingParams(), n_gen, make_rng(0),
-                                  MtpDrafter(head), depth, stats))
+                                  MtpDrafter(head, context_bias=context_bias), depth, stats))
                 want = [int(t) for t in s["tokens"][b, plen:plen + n_gen]]
                 if out != want:
                     raise RuntimeError("replay diverged from the stored generation")

@@ -219,7 +219,8 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
 
 def _mtp_drafter(loaded: LoadedModel):
     from skulkp2p.engine.mtp_drafter import MtpDrafter
-    return MtpDrafter(loaded.mtp)
+    return MtpDrafter(loaded.mtp,
+                      context_bias=float(loaded.speculation.get("mtp_context_bias", 0.0)))
 
 
 def _assistant_usable(loaded: LoadedModel) -> bool:

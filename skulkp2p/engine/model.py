@@ -130,7 +130,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         "text_config", {}).get("max_position_embeddings") or 4096
     speculation = dict(speculation or {})
     overrides = {k: v for k, v in speculation.items()
-                 if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance")}
+                 if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance",
+                                                         "mtp_context_bias")}
     if template:
         Trunk(model).body.layers = template
     try:

@@ -14,6 +14,13 @@ as speculative cache rows that the next `observe` trims. Which output is fed bac
 deepseek. That is how vLLM's Qwen3-Next / MiMo / DeepSeek MTP modules return their hidden state
 to the proposer (the first two return the final-normed state, DeepSeek's returns the residual
 stream and normalises only inside compute_logits); a card can override it (`mtp_chain`).
+
+Context bias (`context_bias`, the card's `mtp_context_bias`): before taking the head's argmax,
+tokens already in the request's verified context (prompt and answer so far) get this bonus on
+their logits. A small trained head under-predicts repeating the names and words of the question
+and of its own answer; on the smollm2-135m head's held-out replay a bonus of 0.5 moved depth-1
+acceptance from 49.0% to 49.8% (validation prompts: 52.2% to 53.0%; README, "MTP sidecars"). The drafts stay deterministic (q = None),
+so greedy and sampled decoding stay exact whatever the bonus.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ class MtpDrafter:
     name = "mtp"
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
-                 prefill_step: int = 2048):
+                 prefill_step: int = 2048, context_bias: float = 0.0):
+        if not context_bias >= 0.0:
+            raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
         self.head = head
         # The head computes with its own conventions; these cap the depth and check the forward.
         self.conventions = conventions or head.conventions
@@ -60,12 +69,31 @@ class MtpDrafter:
         # Verified rows not yet appended while the head is switched off (see lag).
         self._lagging: list[tuple[mx.array, list[int]]] = []
         self.stats = DecodeStats()  # the drafter's own per-position acceptance
+        self.context_bias = float(context_bias)
+        self._seen: set[int] = set()  # token ids of the verified context (with a context bias)
+        self._bias: mx.array | None = None  # the bonus per logits column; None: rebuild
 
     def _check_forward(self, forward: Any) -> None:
         kind = getattr(forward, "hidden", self.conventions.hidden)
         if kind != self.conventions.hidden:
             raise ValueError(f"MTP head wants the trunk hidden {self.conventions.hidden!r} its "
                              f"final norm; the forward keeps {kind!r}")
+
+    def _see(self, tokens: list[int]) -> None:
+        if self.context_bias:
+            self._seen.update(tokens)
+            self._bias = None
+
+    def _biased(self, logits: mx.array) -> mx.array:
+        """The head's logits with the context bias on the tokens seen so far."""
+        if not self.context_bias or not self._seen:
+            return logits
+        if self._bias is None or self._bias.shape[-1] != logits.shape[-1]:
+            bonus = np.zeros(logits.shape[-1], np.float32)
+            ids = np.fromiter(self._seen, np.int64, len(self._seen))
+            bonus[ids[ids < bonus.size]] = self.context_bias
+            self._bias = mx.array(bonus)
+        return logits + self._bias.astype(logits.dtype)
 
     def _append(self, hidden: mx.array, tokens: list[int]) -> None:
         out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self.cache)
@@ -93,6 +121,8 @@ class MtpDrafter:
         self._next = None
         self._speculative = 0
         self._lagging = []
+        self._seen, self._bias = set(), None
+        self._see(prompt)
         n = len(prompt) - 1
         first = self.cache.offset
         if n == first:
@@ -118,15 +148,15 @@ class MtpDrafter:
         if k <= 0 or self._next is None:
             return [], []
         logits, chained = self._next
-        rows = [logits]
-        drafts = [int(mx.argmax(logits).item())]
+        rows = [self._biased(logits)]
+        drafts = [int(mx.argmax(rows[0]).item())]
         chain = self.head.conventions.chain
         while len(drafts) < k:
             # Speculative row (own output, own draft) at the next position; observe trims it.
             out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32), self.cache)
             self._speculative += 1
             chained = out.chain(chain)[-1]
-            rows.append(out.logits[-1])
+            rows.append(self._biased(out.logits[-1]))
             drafts.append(int(mx.argmax(rows[-1]).item()))
         return drafts, rows
 
@@ -161,7 +191,7 @@ class MtpDrafter:
         (its distribution over what the verifier emits next); nothing is run or appended."""
         if n <= 0 or self._next is None:
             return []
-        logits = self._next[0].astype(mx.float32)
+        logits = self._biased(self._next[0]).astype(mx.float32)
         probs = mx.softmax(logits, axis=-1)
         top = mx.argsort(-logits)[:n]
         return list(zip(top.tolist(), probs[top].tolist(), strict=True))
@@ -215,4 +245,5 @@ class MtpDrafter:
             raise ValueError(f"MTP drafter: {keep} verified rows expected, got hidden "
                              f"{None if hidden is None else hidden.shape[0]} and "
                              f"{len(emitted)} emitted tokens")
+        self._see(emitted)
         return hidden[:keep], list(emitted)

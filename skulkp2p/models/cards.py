@@ -149,6 +149,8 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mtp_concat": str,  # embed_first | hidden_first
     "mtp_norm_offset": (int, float),
     "mtp_prior_acceptance": (int, float),  # held-out depth-1 acceptance: the gate's starting belief
+    # bonus on the head's logits of tokens already in the context (engine/mtp_drafter.py)
+    "mtp_context_bias": (int, float),
     "speculative_multi_node": bool,
     "draft_model": str,  # card id or path of a smaller model with the same tokenizer
     "draft_max_depth": int,
@@ -317,6 +319,9 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
                                 f"scan, got {value['drafter']!r}")
             if value.get("memory_tokens", 0) < 0:
                 raise CardError(f"{file}: field 'speculation.lookup.memory_tokens' must be >= 0")
+        if key == "mtp_context_bias" and not 0 <= value <= 100:
+            raise CardError(f"{file}: field 'speculation.mtp_context_bias' must be a number from "
+                            f"0 to 100, got {value}")
         if key in ("mtp_max_depth", "draft_max_depth") and not 1 <= value <= 16:
             raise CardError(f"{file}: field 'speculation.{key}' must be 1..16, got {value}")
     _check_assistant(speculation, file)
