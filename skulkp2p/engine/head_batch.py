@@ -26,7 +26,8 @@ exactness never depends on it (the verifier decides every token).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -35,7 +36,14 @@ from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
 
 if TYPE_CHECKING:
     from skulkp2p.engine.mtp_head import MtpHead
-    from skulkp2p.engine.scheduler import BatchScheduler
+
+
+class Barrier(Protocol):
+    """What the head rows need of their batch (scheduler.BatchScheduler): its condition (the
+    model's lock) and the check that runs the pending calls once no row can hand one in."""
+    cond: threading.Condition
+
+    def heads_if_ready(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -57,7 +65,7 @@ class HeadCall:
 class HeadRows:
     """The head caches of one head's drafting rows in a batch, and their batched forward."""
 
-    def __init__(self, head: MtpHead, scheduler: BatchScheduler):
+    def __init__(self, head: MtpHead, scheduler: Barrier):
         self.head = head
         self.scheduler = scheduler
         self.rows = RowLengths()
