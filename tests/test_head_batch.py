@@ -106,6 +106,8 @@ def test_batched_head_auto_and_trees_match_solo(tiny_model, tmp_path_factory, sa
         assert b.tokens == a.tokens and b.text == a.text
     (head,) = engine.scheduler.heads.values()
     assert head.peak >= 2 and not head.members
+    if sampling == "seeded":  # (here the gate switches two heads off mid-batch: they leave)
+        assert sum(e["event"] == "off" for r in batched for e in r.speculation.gate_events) >= 1
 
 
 def test_prefix_cache_takes_the_head_rows_out_of_the_batch(tiny_model, tmp_path_factory):
