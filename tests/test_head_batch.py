@@ -253,3 +253,47 @@ def test_real_eagle_head_rows_draft_together(smollm2_path: Path):
     (head,) = engine.scheduler.heads.values()
     assert head.peak == 4
     assert sum(r.speculation.accepted for r in batched) > 0
+
+
+def test_gate_prices_a_batched_heads_drafts_as_one_forward():
+    """A head at a quarter of a trunk step per draft (acceptance 0.45) does not pay among 3
+    other drafting rows when each row's head runs on its own (4 d k), but does when the rows
+    draft in one forward per depth (d k c(4)); alone both price it alike. The gate of a
+    drafter that says it drafts in the batch's forward prices it so once its row is a batch
+    row (and not for a seeded sampled request, whose gate ignores the batch)."""
+    from skulkp2p.engine.gates import (
+        DEFAULT_WIDTH_COSTS,
+        SOLO,
+        BatchView,
+        DepthController,
+        GatedDrafter,
+    )
+
+    costs = DEFAULT_WIDTH_COSTS["float32"]
+    drafting = BatchView((1,) * 3, drafting=3)
+    per_row = DepthController(costs, 4, prior_accept=0.45, prior_weight=1e6, draft_cost=0.25)
+    shared = DepthController(costs, 4, prior_accept=0.45, prior_weight=1e6, draft_cost=0.25,
+                             shared_drafts=True)
+    assert per_row.best_depth(4, drafting)[0] == 0
+    assert shared.best_depth(4, drafting)[0] == 1
+    assert per_row.best_depth(4, SOLO) == shared.best_depth(4, SOLO)
+
+    class Head:
+        name = "mtp"
+        shared_in_batch = MtpDrafter.shared_in_batch
+
+        def begin(self, prompt, forward):
+            pass
+
+    class Row:  # what a batch row shows a gate
+        drafts = False
+
+        def batch_view(self):
+            return drafting
+
+    gated = GatedDrafter(Head(), costs, 4)
+    gated.begin([1, 2], Row())
+    assert gated.controller.shared_drafts
+    seeded = GatedDrafter(Head(), costs, 4, weigh_batch=False)
+    seeded.begin([1, 2], Row())
+    assert not seeded.controller.shared_drafts

@@ -51,6 +51,9 @@ class MtpDrafter:
     LocalForward(model, hidden=conventions.hidden)."""
 
     name = "mtp"
+    # In a batch its rows' drafts run as one head forward per depth (engine/head_batch.py): the
+    # gate prices D drafting rows' head calls like one forward over D rows (gates.py).
+    shared_in_batch = True
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048):
