@@ -10,8 +10,9 @@ calls one at a time, as before engine/head_batch.py; `RowForward.head_batch` pat
 "alone" for its rounds), the heads batched with the gate pricing D drafting rows' heads as D
 separate drafters (`batched-heads`, `MtpDrafter.shared_in_batch` off), and batched with the gate
 pricing them as one head forward over D rows (`batched-heads+gate`, today's). Every output must
-equal the FIFO one. Prints each round's tok/s and drafts, then medians, x FIFO, and per-rep
-ratios against `solo-heads` (a shared machine's noise hits the arms of one rep alike).
+equal the FIFO one. The arms' order turns by one each rep. Prints each round's tok/s and
+drafts, then medians, x FIFO, and per-rep ratios against `solo-heads` (a shared machine's noise
+hits the arms of one rep alike).
 """
 
 from __future__ import annotations
@@ -53,8 +54,12 @@ def main(reps: int) -> None:
     times: dict[str, list[float]] = {"fifo-auto": [], "batched-off": [], "solo-heads": [],
                                      "batched-heads": [], "batched-heads+gate": []}
     tokens = 0
+    names = list(times)
     for rep in range(reps):
-        for name, seconds in times.items():
+        # (the arms' order turns by one each rep: a slot that is slower for another reason,
+        # say another job's phase, does not always fall to the same arm)
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            seconds = times[name]
             arm(name)
             heads = sum(h.forwards for h in batch.scheduler.heads.values())
             if name == "fifo-auto":
