@@ -6,9 +6,16 @@ add up):
     python tools/batch_profile.py [auto|off] [ROWS]
 
 Parts: the batched forward (graph building in run_rows, its KV writes and masks, and mx.eval of
-the step), each row's drafting (the gate's depth choice and the drafter: an MTP head runs one row
-at a time), each row's accept (greedy_tokens) and rollback, the settles, and the prompts'
-prefill. Prints seconds and the share of the run's wall time. A warm-up run goes first.
+the step), each row's drafting (the gate's depth choice and the drafter), the batched head
+forwards (engine/head_batch.py: every drafting row's head call at once), each row's accept
+(greedy_tokens) and rollback, the settles, and the prompts' prefill. Prints seconds and the
+share of the run's wall time. A warm-up run goes first.
+
+A row's drafting and observe may run the batched head forward (the row that completes the
+barrier runs everyone's) and may wait for the other rows' calls (the lock let go, their turns
+timed as theirs): those parts are timed on their own lines and taken out of the row's lines,
+which show the row's own time. "head drafting, all of it" adds the head's share: the batched
+forwards and the head drafter's own time.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,25 +31,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 spent: collections.defaultdict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()
+_apart = threading.local()  # seconds of timed-apart parts (head forwards, waits) on this thread
 
 
-def _timed(owner: object, name: str, label: str) -> None:
+def _timed(owner: object, name: str, label: str, apart: bool = False) -> None:
+    """Time `owner.name` under `label`; `apart`: its time is taken out of the enclosing timed
+    calls on this thread (a batched head forward or a wait inside a row's drafting)."""
     inner = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
+        before = getattr(_apart, "s", 0.0)
         try:
             return inner(*args, **kwargs)
         finally:
-            spent[label] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            nested = getattr(_apart, "s", 0.0) - before
+            spent[label] += took - nested
             calls[label] += 1
+            if apart:
+                _apart.s = before + took
     setattr(owner, name, wrapper)
 
 
 def main(spec: str, n: int) -> None:
     from skulkp2p.engine import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine import batch_cache, decode, gates, generate, scheduler, stage, suffix
+    from skulkp2p.engine import (
+        batch_cache,
+        decode,
+        gates,
+        generate,
+        head_batch,
+        scheduler,
+        stage,
+        suffix,
+    )
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.mtp_drafter import MtpDrafter
     from skulkp2p.engine.request import parse_request
@@ -65,7 +90,9 @@ def main(spec: str, n: int) -> None:
     _timed(scheduler.RowForward, "prefill", "row: prefill (waits included)")
     _timed(gates.GatedDrafter, "propose", "row: drafting (gate + drafter)")
     _timed(gates.GatedDrafter, "_depth", "  row: the gate's depth choice")
-    _timed(MtpDrafter, "propose", "  row: MTP head drafts")
+    _timed(MtpDrafter, "propose", "  row: MTP head drafts (own time)")
+    _timed(head_batch.HeadRows, "run", "head: batched head forwards (all rows)", apart=True)
+    _timed(head_batch.HeadRows, "wait", "head: waits for the other rows' calls", apart=True)
     _timed(suffix.SuffixDrafter, "propose", "  row: lookup drafts")
     _timed(gates.GatedDrafter, "observe", "row: drafter observe")
     _timed(decode, "greedy_tokens", "row: accept (greedy_tokens)")
@@ -89,8 +116,14 @@ def main(spec: str, n: int) -> None:
     tokens = sum(len(r.tokens) for r in out)
     print(f"{n} rows, speculation {spec}: {seconds:.3f} s, {tokens / seconds:.1f} tok/s, "
           f"{engine.scheduler.steps - steps} batched steps")
+    head = (spent["head: batched head forwards (all rows)"]
+            + spent["  row: MTP head drafts (own time)"])
+    spent["head drafting, all of it"] = head
     for label, s in spent.items():
         print(f"{label:38s} {s:7.3f} s {100 * s / seconds:5.1f}%  calls {calls[label]}")
+    for h in engine.scheduler.heads.values():
+        print(f"batched head: {h.forwards} forwards ran {h.calls} row calls "
+              f"({h.calls / max(h.forwards, 1):.2f} rows each, at most {h.peak})")
     costs = generate._costs(lm)  # noqa: SLF001 - the table the gates read
     base = sorted(by_size.get(n, [0.0]))[len(by_size.get(n, [0.0])) // 2] or None
     print(f"step seconds by padded token rows (B x widest), median; relative to {n} rows of 1 "

@@ -72,6 +72,9 @@ class DepthController:
     prior_accept: float = 0.5
     prior_weight: float = 2.0
     draft_cost: float = 0.0  # cost of drafting one token, relative to one trunk step
+    # The drafting rows of a batch draft in one forward per depth (an MTP head: head_batch.py):
+    # D rows drafting k cost d k c(D), as the trunk's forward over D rows, not D d k.
+    shared_drafts: bool = False
     batch: Callable[[], BatchView] | None = None  # the other rows of this request's forward
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
@@ -101,7 +104,7 @@ class DepthController:
         multiplies). A draft of k is priced by what it adds to THIS step's forward, given the
         other rows' widths (`batch`): widening it from their widest W_o to k + 1 costs
         c(B max(W_o, k + 1)) against c(B W_o), nothing when the others already verify as wide,
-        plus its drafter's own cost d k (a drafter runs per row: a batch does not share it).
+        plus its drafter's own cost d k.
         The gain is the batch's tokens per unit of time against this row plain, counting one
         token for each other row: ((B - 1) + E(k)) c(B W_o) / (B (c(B max(W_o, k + 1)) + d k)).
 
@@ -111,7 +114,8 @@ class DepthController:
         the D drafting rows (this one included) all drafting k:
         ((B - D) + D E(k)) c(B) / (B (c(B (k + 1)) + D d k)); the others then follow for free
         up to its width. The better of the two decides. For B = 1 both are
-        E(k) / (c(k + 1) + d k)."""
+        E(k) / (c(k + 1) + d k). A drafter run per row costs the D rows D d k; one whose rows
+        draft in one forward per depth (`shared_drafts`: a batched MTP head) d k c(D)."""
         view = batch if batch is not None else self.batch() if self.batch is not None else SOLO
         rows = len(view.widths) + 1
         widest = max(view.widths, default=1)
@@ -123,9 +127,10 @@ class DepthController:
         for k, a in enumerate(self.rates()[:limit], start=1):
             reach *= a
             expected += reach
-            drafting_cost = self.draft_cost * k  # one row's drafter, run per row (not batched)
+            drafting_cost = self.draft_cost * k  # one row's drafter
             alone = width_cost(self.costs, rows * max(widest, k + 1)) + drafting_cost
-            all_of_us = width_cost(self.costs, rows * (k + 1)) + drafting * drafting_cost
+            drafters = width_cost(self.costs, drafting) if self.shared_drafts else drafting
+            all_of_us = width_cost(self.costs, rows * (k + 1)) + drafters * drafting_cost
             gain = max((rows - 1 + expected) * base / (rows * alone),
                        (rows - drafting + drafting * expected) * together / (rows * all_of_us))
             if gain > best_gain:
@@ -292,6 +297,9 @@ class GatedDrafter:
             forward.drafts = True  # (the other rows' gates count it among the drafting rows)
             if self.weigh_batch:
                 self.controller.batch = forward.batch_view
+                # (an MTP head's rows draft in one forward per depth: engine/head_batch.py)
+                self.controller.shared_drafts = bool(getattr(self.inner, "shared_in_batch",
+                                                             False))
         self.inner.begin(prompt, forward)
 
     def propose(self, history: list[int], k: int):

@@ -21,6 +21,13 @@ their logits. A small trained head under-predicts repeating the names and words 
 and of its own answer; on the smollm2-135m head's held-out replay a bonus of 0.5 moved depth-1
 acceptance from 49.0% to 49.8% (validation prompts: 52.2% to 53.0%; README, "MTP sidecars"). The drafts stay deterministic (q = None),
 so greedy and sampled decoding stay exact whatever the bonus.
+
+In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
+cache moves into the batch's `HeadRows` (engine/head_batch.py) and every head call (the
+verified rows after a round, each draft past the first) is handed in there: the rows' calls run
+as one head forward per depth. The drafter's logic is the same; only where its rows live and
+when its head calls run change. A drafter switched off for good (`lag`) takes its cache back
+out and catches up alone.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from skulkp2p.engine.decode import DecodeStats
+from skulkp2p.engine.head_batch import HeadCall, HeadRows
 from skulkp2p.engine.mtp_conventions import MtpConventions
 from skulkp2p.engine.mtp_head import MtpHead
 from skulkp2p.engine.suffix import Branch
@@ -50,6 +58,9 @@ class MtpDrafter:
     LocalForward(model, hidden=conventions.hidden)."""
 
     name = "mtp"
+    # In a batch its rows' drafts run as one head forward per depth (engine/head_batch.py): the
+    # gate prices D drafting rows' head calls like one forward over D rows (gates.py).
+    shared_in_batch = True
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048, context_bias: float = 0.0):
@@ -59,8 +70,14 @@ class MtpDrafter:
         # The head computes with its own conventions; these cap the depth and check the forward.
         self.conventions = conventions or head.conventions
         self.prefill_step = prefill_step
-        self.cache: KVCache = head.make_cache()
+        self._cache: KVCache = head.make_cache()  # the head's rows while not in a batch
         self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
+        self._next_token: int | None = None  # argmax of _next's logits, when already known
+        # In a batch: the batch's head rows, this row's key there, and its head call handed
+        # in whose results become _next once read.
+        self._rows: HeadRows | None = None
+        self._member: Any = None
+        self._call: HeadCall | None = None
         self._speculative = 0  # rows propose appended past the verified ones
         # From the prefix cache, for begin: the head's rows, and the trunk's hidden row of the
         # position after them when begin must recompute that row (see restore).
@@ -95,10 +112,53 @@ class MtpDrafter:
             self._bias = mx.array(bonus)
         return logits + self._bias.astype(logits.dtype)
 
+    @property
+    def cache(self) -> KVCache:
+        """The head's rows as a one-request cache (a copy out of the batch once it is in one):
+        what the prefix cache keeps."""
+        if self._rows is None:
+            return self._cache
+        return self._rows.extract(self._member)
+
     def _append(self, hidden: mx.array, tokens: list[int]) -> None:
-        out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self.cache)
-        self._next = (out.logits[-1], out.chain(self.head.conventions.chain)[-1])
         self.last_hidden_row = hidden[-1]
+        self._next_token = None
+        if self._rows is not None:  # handed in: runs with the other rows' calls
+            self._next = None
+            self._call = self._rows.hand_in(self._member, hidden, tokens)
+            return
+        out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self._cache)
+        self._next = (out.logits[-1], out.chain(self.head.conventions.chain)[-1])
+
+    def _read_call(self) -> None:
+        """The results of the head call handed in (waiting for its batched forward) as _next."""
+        if self._call is None or self._rows is None:
+            return
+        call, self._call = self._call, None
+        logits, chained, token = self._rows.result(self._member, call)
+        self._next, self._next_token = (logits, chained), token
+
+    def _join_batch(self, forward: Any) -> None:
+        """Move the head's rows into the batch's head rows once the request's row is in a
+        batch (a cache with no rows yet stays alone: position 0 is special for some heads)."""
+        if self._rows is not None or self._cache.offset == 0:
+            return
+        batch = getattr(forward, "head_batch", None)
+        rows = batch(self.head) if batch is not None else None
+        if rows is None:
+            return
+        rows.join(forward, self._cache)
+        self._rows, self._member = rows, forward
+        self._cache = self.head.make_cache()
+
+    def _leave_batch(self) -> None:
+        """Take the head's rows back out of the batch (to run alone: `lag`, `catch_up`)."""
+        if self._rows is None:
+            return
+        self._read_call()
+        self._cache = self._rows.extract(self._member)
+        self._rows.leave(self._member)
+        self._rows = self._member = None
 
     def restore(self, cache: KVCache | None, hidden: mx.array | None = None) -> None:
         """Begin from these rows (a prefix-cache hit: the head's cache over the positions the
@@ -117,14 +177,16 @@ class MtpDrafter:
         the prefill's hidden rows (forward.last_hidden) the ones after them."""
         self._check_forward(forward)
         (cache, row), self._restored = self._restored or (None, None), None
-        self.cache = cache if cache is not None else self.head.make_cache()
+        self._leave_batch()
+        self._cache = cache if cache is not None else self.head.make_cache()
         self._next = None
+        self._next_token = None
         self._speculative = 0
         self._lagging = []
         self._seen, self._bias = set(), None
         self._see(prompt)
         n = len(prompt) - 1
-        first = self.cache.offset
+        first = self._cache.offset
         if n == first:
             return  # a one-token prompt: the first round goes without a draft
         hidden = forward.last_hidden
@@ -137,7 +199,7 @@ class MtpDrafter:
         for start in range(first, n, self.prefill_step):
             stop = min(start + self.prefill_step, n)
             self._append(hidden[start - first:stop - first], prompt[start + 1:stop + 1])
-            mx.eval(self.cache.keys, self.cache.values, *self._next)
+            mx.eval(self._cache.keys, self._cache.values, *self._next)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
         return self._drafts(k)[0], None
@@ -145,19 +207,34 @@ class MtpDrafter:
     def _drafts(self, k: int) -> tuple[list[int], list[mx.array]]:
         """The head's greedy chain of up to k tokens and its logits row at each depth."""
         k = min(k, self.conventions.max_depth)
-        if k <= 0 or self._next is None:
+        if k <= 0:
+            return [], []
+        self._read_call()
+        if self._next is None:
             return [], []
         logits, chained = self._next
         rows = [self._biased(logits)]
-        drafts = [int(mx.argmax(rows[0]).item())]
+        # The batch's forward took each row's argmax; the context bias changes it, so then the
+        # biased row decides.
+        biased = bool(self.context_bias and self._seen)
+        drafts = [self._next_token if self._next_token is not None and not biased
+                  else int(mx.argmax(rows[0]).item())]
         chain = self.head.conventions.chain
         while len(drafts) < k:
             # Speculative row (own output, own draft) at the next position; observe trims it.
-            out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32), self.cache)
-            self._speculative += 1
-            chained = out.chain(chain)[-1]
-            rows.append(self._biased(out.logits[-1]))
-            drafts.append(int(mx.argmax(rows[-1]).item()))
+            if self._rows is not None:  # depth d + 1 of every row going deeper: one forward
+                call = self._rows.hand_in(self._member, chained[None], drafts[-1:])
+                self._speculative += 1
+                logits, chained, token = self._rows.result(self._member, call)
+            else:
+                out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32),
+                                self._cache)
+                self._speculative += 1
+                logits, chained = out.logits[-1], out.chain(chain)[-1]
+                token = None
+            rows.append(self._biased(logits))
+            drafts.append(token if token is not None and not biased
+                          else int(mx.argmax(rows[-1]).item()))
         return drafts, rows
 
     def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
@@ -189,7 +266,10 @@ class MtpDrafter:
     def first_choices(self, n: int) -> list[tuple[int, float]]:
         """The head's n likeliest tokens for the first draft position with their probabilities
         (its distribution over what the verifier emits next); nothing is run or appended."""
-        if n <= 0 or self._next is None:
+        if n <= 0:
+            return []
+        self._read_call()
+        if self._next is None:
             return []
         logits = self._biased(self._next[0]).astype(mx.float32)
         probs = mx.softmax(logits, axis=-1)
@@ -213,31 +293,40 @@ class MtpDrafter:
     def follow(self, accepted: int, emitted: list[int], forward: Any) -> None:
         """Keep the head's cache in step after a verify round, whoever drafted it."""
         self.catch_up()
-        self._append(*self._verified(accepted, emitted, forward))
+        verified = self._verified(accepted, emitted, forward)
+        self._join_batch(forward)
+        self._append(*verified)
 
     def lag(self, accepted: int, emitted: list[int], forward: Any) -> None:
         """A round while the head is switched off: keep the verified rows (references to the
         trunk rows the verify computed anyway) instead of running the head on them, so that
         `catch_up` can bring its cache in step in one call when it is needed again (the
         prefix cache keeps it at the end of the request)."""
-        self._lagging.append(self._verified(accepted, emitted, forward))
+        verified = self._verified(accepted, emitted, forward)
+        self._leave_batch()  # (a head off for good costs the batch's head forwards nothing)
+        self._lagging.append(verified)
 
     def catch_up(self) -> None:
         """Append the rows `lag` kept, in one call per prefill_step rows."""
         if not self._lagging:
             return
+        self._leave_batch()
         hidden = mx.concatenate([h for h, _ in self._lagging], axis=0)
         tokens = [t for _, ts in self._lagging for t in ts]
         self._lagging = []
         for start in range(0, len(tokens), self.prefill_step):
             stop = min(start + self.prefill_step, len(tokens))
             self._append(hidden[start:stop], tokens[start:stop])
-            mx.eval(self.cache.keys, self.cache.values, *self._next)
+            mx.eval(self._cache.keys, self._cache.values, *self._next)
 
     def _verified(self, accepted: int, emitted: list[int], forward: Any
                   ) -> tuple[mx.array, list[int]]:
         if self._speculative:
-            self.cache.trim(self._speculative)
+            if self._rows is not None:
+                self._read_call()
+                self._rows.trim(self._member, self._speculative)
+            else:
+                self._cache.trim(self._speculative)
             self._speculative = 0
         hidden = forward.last_hidden
         keep = 1 + accepted

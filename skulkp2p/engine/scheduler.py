@@ -63,12 +63,14 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
 from skulkp2p.engine.gates import BatchView
+from skulkp2p.engine.head_batch import HeadRows
 from skulkp2p.engine.ring_frames import RingError
 from skulkp2p.engine.stage import StageModel
 from skulkp2p.engine.ticket_lock import TicketLock
 from skulkp2p.engine.tree import tree_capable, tree_inputs, validate_parents
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.mtp_head import MtpHead
     from skulkp2p.engine.ring import RingForward
     from skulkp2p.engine.ring_batch import RingRows
 
@@ -174,6 +176,9 @@ class BatchScheduler:
         self.ahead: RowForward | None = None  # a lone row with a step in flight (pipelined)
         self.solo_steps = 0  # forwards (rounds of the loop) rows ran alone on their own caches
         self.lazy_steps = 0  # pipelined plain greedy steps rows ran alone
+        # The drafting rows' MTP/EAGLE head caches, per head, drafted in one forward per depth
+        # (engine/head_batch.py).
+        self.heads: dict[int, HeadRows] = {}
 
     def arrive(self) -> None:
         """A request starts (before it first takes the lock): no row may run alone from now."""
@@ -203,6 +208,25 @@ class BatchScheduler:
 
     # -- called with the lock held --
 
+    def head_rows(self, head: MtpHead) -> HeadRows:
+        """The batched head caches of `head`'s drafting rows (made on first use)."""
+        rows = self.heads.get(id(head))
+        if rows is None:
+            rows = self.heads[id(head)] = HeadRows(head, self)
+        return rows
+
+    def heads_ready(self) -> bool:
+        """Whether no row can still hand a head call in before the next trunk step: each has
+        one pending or has handed its tokens in."""
+        pending = {m for h in self.heads.values() for m in h.pending}
+        return all(r.submitted is not None or r in pending for r in self.active)
+
+    def heads_if_ready(self) -> None:
+        """Run the pending head calls, one forward per head, once the barrier is complete."""
+        if any(h.pending for h in self.heads.values()) and self.heads_ready():
+            for h in self.heads.values():
+                h.run()
+
     def _join(self, row: RowForward) -> None:
         if len(self.active) >= self.max_batch:
             raise RuntimeError(f"batch is full ({self.max_batch} rows)")
@@ -222,7 +246,10 @@ class BatchScheduler:
         self._settle()
         self.rows.set([self.rows.lengths[i] for i in kept])
         del self.active[index]
+        for head in self.heads.values():
+            head.leave(row)
         self.leaves.append(self.steps)
+        self.heads_if_ready()
         self._step_if_ready()
         self.cond.notify_all()
 
@@ -311,6 +338,8 @@ class BatchScheduler:
 
     def _step(self) -> None:
         rows = self.active
+        for head in self.heads.values():  # (calls handed in and not waited for: run them first)
+            head.run()
         for layer in self.window_layers:  # (every row has rolled back: see RowsKVCache.trim)
             layer.trim()
         widths = [len(r.submitted) for r in rows]  # type: ignore[arg-type]
@@ -436,6 +465,11 @@ class RowForward:
     @property
     def index(self) -> int:
         return self.scheduler.active.index(self)
+
+    def head_batch(self, head: MtpHead) -> HeadRows | None:
+        """Where this row's MTP head drafts together with the other rows' (engine/
+        head_batch.py), once the row is in the batch; None while it runs alone."""
+        return self.scheduler.head_rows(head) if self.joined and not self.closed else None
 
     @property
     def cache(self) -> list[Any]:
@@ -593,6 +627,7 @@ class RowForward:
         self.submitted = self.last_step = tokens
         self.submitted_tree = parents
         self._last_width = len(tokens)
+        sched.heads_if_ready()  # (this row may be the last the pending head calls waited for)
         sched._step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
