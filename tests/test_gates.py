@@ -121,3 +121,42 @@ def test_auto_lookup_on_echo_off_on_novel_smollm2(smollm2_path):
         lookup_events[0]["reason"] == "output turned repetitive"
     assert n["by_drafter"]["mtp"]["drafted"] > 0
     assert res["novel"]["tokens"] == res["plain"]["tokens"]
+
+
+class _ContextDrafter:
+    """Drafts k copies of one token; says which context its round is (set by the test)."""
+
+    name = "lookup"
+    context_priors = {1: 0.95}
+
+    def __init__(self) -> None:
+        self.kind = 0
+
+    def context(self, history: list[int]) -> int:
+        return self.kind
+
+    def begin(self, prompt, forward) -> None:
+        pass
+
+    def propose(self, history, k):
+        return [1] * k, None
+
+    def observe(self, drafted, accepted, emitted, forward) -> None:
+        pass
+
+
+def test_gate_keeps_an_estimate_per_context():
+    """Rounds of one context (short matches, rejected early) do not cut the depth of another
+    (long matches), which starts from its own prior (the drafter's context_priors)."""
+    inner = _ContextDrafter()
+    gate = GatedDrafter(inner, DEFAULT_WIDTH_COSTS["float32"], 16, prior_accept=0.8)
+    first = len(gate.propose([0], 16)[0])
+    for _ in range(6):
+        drafted = len(gate.propose([0], 16)[0])
+        gate.observe(drafted, 1, [1, 2], None)
+    short = len(gate.propose([0], 16)[0])
+    assert 0 < short < first
+    inner.kind = 1
+    assert len(gate.propose([0], 16)[0]) == 16  # a fresh estimate from the 0.95 prior
+    inner.kind = 0
+    assert len(gate.propose([0], 16)[0]) == short

@@ -26,11 +26,23 @@ nothing here can make output wrong, only slower or faster.
 from __future__ import annotations
 
 import threading
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+# The copy cursor (SuffixDrafter): below an own match of CURSOR_TRUST tokens, the occurrence of
+# the text's last 2 tokens nearest the cursor (at most CURSOR_WINDOW past it) is drafted from
+# instead of the longest match's latest one. One-token occurrences and resuming at the cursor
+# after a new token were tried too and lost (tools/draft_trace.py --replay, README #15).
+CURSOR_TRUST = 8
+CURSOR_WINDOW = 64
+# A match of m tokens drafts at most max(m, MIN_CAP) (was m: a 2-token match drafted 2).
+MIN_CAP = 4
+# A match this long is its own context for the gate, starting from a belief of LONG_PRIOR.
+LONG_MATCH = 16
+LONG_PRIOR = 0.95
 
 
 class SuffixAutomaton:
@@ -256,12 +268,20 @@ class SuffixDrafter:
         self.from_memory = 0  # drafted tokens that came from memory
         self._used_memory = False
         self._prompt_len = -1
+        self._ends: dict[tuple[int, int], list[int]] = {}  # 2-grams -> their end positions
+        self.cursor: int | None = None  # where in the text the copy being followed stands
+        self._following = False  # the text still agrees with the source at the cursor
+        self.from_cursor = 0  # drafted tokens that came from the cursor
+        self._last_kind = "none"
 
     def prepare(self, prompt: list[int]) -> None:
         """Index the prompt (done before decoding so the prompt gate can ask about memory)."""
         if self._prompt_len == len(prompt) and len(self.sam) == len(prompt):
             return
         self.sam = SuffixAutomaton()
+        self._ends = {}
+        self.cursor = None
+        self._following = False
         self._mem_sam = self.memory.sam if self.memory is not None else None
         self._mem_state = self._mem_len = 0
         self._feed(prompt)
@@ -275,7 +295,17 @@ class SuffixDrafter:
     def _feed(self, tokens: list[int]) -> None:
         sam = self.sam
         mem = self._mem_sam
+        text, ends = sam.tokens, self._ends
         for t in tokens:
+            if self._following:
+                # The copy goes on while the text says what its source said next; at the
+                # first token that differs (an edit) the cursor stays where the source was.
+                if text[self.cursor] == t:
+                    self.cursor += 1
+                else:
+                    self._following = False
+            if text:
+                ends.setdefault((text[-1], t), []).append(len(text))
             sam.extend(t)
         if mem is not None:
             state, matched = self._mem_state, self._mem_len
@@ -286,22 +316,58 @@ class SuffixDrafter:
     def begin(self, prompt: list[int], forward) -> None:
         self.prepare(prompt)
 
-    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
-        if k <= 0:
-            return [], None
+    def _catch_up(self, history: list[int]) -> None:
         if len(history) != len(self.sam):  # not in step (e.g. observe skipped): catch up
             if len(history) > len(self.sam) and history[:len(self.sam)] == self.sam.tokens:
                 self._feed(history[len(self.sam):])
             else:
                 self._prompt_len = -1
                 self.prepare(history)
-        sam = self.sam
-        own = sam.match_len
+
+    def _plan(self) -> tuple[str, int]:
+        """Where this round's draft comes from: ("cursor", start in the text), ("own", match
+        length), ("memory", match length) or ("none", 0)."""
+        own = self.sam.match_len
         mem = self._mem_len if self._mem_sam is not None else 0
+        if 2 <= own < CURSOR_TRUST and self.cursor is not None:
+            at = self._near_cursor()
+            if at is not None:
+                return "cursor", at
         if own >= self.min_match and (own >= mem or own >= self.long_enough):
-            return sam.walk(sam.match, min(k, own)), None
+            return "own", own
         if mem >= self.min_match:
-            draft = self._mem_sam.walk(self._mem_state, min(k, mem))
+            return "memory", mem
+        return "none", 0
+
+    # The gate's starting belief per context: a long match's 16 drafts were all right at 128
+    # of 197 such points of the bench's echo, code-edit and agent outputs (draft_trace.py).
+    context_priors = {1: LONG_PRIOR}
+
+    def context(self, history: list[int]) -> int:
+        """Which kind of draft this round's would be, for the gate to keep a separate
+        acceptance estimate per kind (gates.GatedDrafter): 0 a short match (or the copy
+        cursor), 1 a match of LONG_MATCH tokens or more, whose drafts run far longer."""
+        self._catch_up(history)
+        kind, n = self._plan()
+        return int(kind in ("own", "memory") and n >= LONG_MATCH)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        if k <= 0:
+            return [], None
+        self._catch_up(history)
+        sam = self.sam
+        kind, n = self._plan()
+        self._last_kind = kind
+        if kind == "cursor":
+            draft = sam.tokens[n:n + k]
+            self.cursor, self._following = n, True
+            self.from_cursor += len(draft)
+            return draft, None
+        if kind == "own":
+            self.cursor, self._following = sam.pos[sam.match] + 1, True
+            return sam.walk(sam.match, min(k, max(n, MIN_CAP))), None
+        if kind == "memory":
+            draft = self._mem_sam.walk(self._mem_state, min(k, n))
             if draft:
                 self.from_memory += len(draft)
                 if not self._used_memory:
@@ -311,13 +377,30 @@ class SuffixDrafter:
             return draft, None
         return [], None
 
+    def _near_cursor(self) -> int | None:
+        """Where the continuation of the text's last 2 tokens starts at their occurrence
+        nearest the cursor (at or after it, within CURSOR_WINDOW): an edit copies its source in
+        order, so after an insertion or a change the copy resumes there, not at the most
+        recent occurrence elsewhere. None: no such occurrence."""
+        text = self.sam.tokens
+        if len(text) < 2:
+            return None
+        ends = self._ends.get((text[-2], text[-1]))
+        if not ends:
+            return None
+        cursor = self.cursor
+        i = bisect_left(ends, cursor - 1)
+        if i < len(ends) and ends[i] < len(text) - 1 and ends[i] <= cursor + CURSOR_WINDOW:
+            return ends[i] + 1
+        return None
+
     def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
         """The chain `propose` gives, and the branches beside it where the continuation counts
         disagree (another token followed the same or a shorter context: see
         SuffixAutomaton.alternatives) and where the memory's continuation differs from the
         request's own: each a `Branch` the gate may add to the tree (gates.build_tree)."""
         main, _ = self.propose(history, k)
-        if not main:
+        if not main or self._last_kind == "cursor":  # (the cursor's copy has no counts)
             return main, []
         sam = self.sam
         own = sam.match_len
