@@ -76,7 +76,8 @@ def _lookup(loaded: LoadedModel, min_key: int = 1, memory: SuffixMemory | None =
     min_match = max(int(cfg.get("min_key", 1)), min_key)
     if cfg.get("drafter", "suffix") == "scan":
         return PromptLookup(max_key=cfg.get("max_key", 3), min_key=min_match)
-    drafter = SuffixDrafter(min_match=min_match, memory=memory)
+    drafter = SuffixDrafter(min_match=min_match, memory=memory,
+                            edits=bool(cfg.get("edits", True)))
     if prompt is not None:
         drafter.prepare(prompt)
     return drafter

@@ -257,8 +257,14 @@ class SuffixDrafter:
     name = "lookup"
 
     def __init__(self, min_match: int = 1, memory: SuffixMemory | None = None,
-                 long_enough: int = 32):
+                 long_enough: int = 32, edits: bool = True):
+        """`edits`: the copy cursor, drafts of at least MIN_CAP and the long-match context
+        (off: each draft continues the longest match, capped at its length, as before #15's
+        second round; the card's `[speculation.lookup] edits = false`, the bench's
+        `spec_noedits` arm)."""
         self.min_match = max(1, min_match)
+        self.edits = edits
+        self._min_cap = MIN_CAP if edits else 0
         self.memory = memory if memory is not None and memory.enabled else None
         self.long_enough = long_enough  # an own match this long is not compared with memory
         self.sam = SuffixAutomaton()
@@ -329,7 +335,7 @@ class SuffixDrafter:
         length), ("memory", match length) or ("none", 0)."""
         own = self.sam.match_len
         mem = self._mem_len if self._mem_sam is not None else 0
-        if 2 <= own < CURSOR_TRUST and self.cursor is not None:
+        if self.edits and 2 <= own < CURSOR_TRUST and self.cursor is not None:
             at = self._near_cursor()
             if at is not None:
                 return "cursor", at
@@ -347,6 +353,8 @@ class SuffixDrafter:
         """Which kind of draft this round's would be, for the gate to keep a separate
         acceptance estimate per kind (gates.GatedDrafter): 0 a short match (or the copy
         cursor), 1 a match of LONG_MATCH tokens or more, whose drafts run far longer."""
+        if not self.edits:
+            return 0
         self._catch_up(history)
         kind, n = self._plan()
         return int(kind in ("own", "memory") and n >= LONG_MATCH)
@@ -365,7 +373,7 @@ class SuffixDrafter:
             return draft, None
         if kind == "own":
             self.cursor, self._following = sam.pos[sam.match] + 1, True
-            return sam.walk(sam.match, min(k, max(n, MIN_CAP))), None
+            return sam.walk(sam.match, min(k, max(n, self._min_cap))), None
         if kind == "memory":
             draft = self._mem_sam.walk(self._mem_state, min(k, n))
             if draft:
