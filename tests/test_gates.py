@@ -160,3 +160,44 @@ def test_gate_keeps_an_estimate_per_context():
     assert len(gate.propose([0], 16)[0]) == 16  # a fresh estimate from the 0.95 prior
     inner.kind = 0
     assert len(gate.propose([0], 16)[0]) == short
+
+
+class _Guess:
+    """A model drafter that always guesses one token (as a depth-1 MTP head does)."""
+
+    name = "mtp"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def begin(self, prompt, forward) -> None:
+        pass
+
+    def propose(self, history, k):
+        return [self.token], None
+
+    def observe(self, drafted, accepted, emitted, forward) -> None:
+        pass
+
+    def follow(self, accepted, emitted, forward) -> None:
+        pass
+
+
+def test_lookup_continues_the_model_drafters_guess():
+    """Where lookup has no match of its own, the head's one-token guess is continued by lookup
+    when the guess makes a match (gates.LookupThenModel._continued); otherwise it goes alone,
+    and with lookup.edits off it always goes alone."""
+    from skulkp2p.engine.gates import LookupThenModel
+    from skulkp2p.engine.suffix import SuffixDrafter
+
+    costs = DEFAULT_WIDTH_COSTS["float32"]
+    text = [1, 2, 3, 4, 5, 6, 9, 8, 1]
+    for guess, edits, expected in ((2, True, [2, 3, 4]), (7, True, [7]), (2, False, [2])):
+        inner = SuffixDrafter(min_match=2, edits=edits)
+        inner.prepare(text)
+        auto = LookupThenModel(GatedDrafter(inner, costs, 16, prior_accept=0.8),
+                               GatedDrafter(_Guess(guess), costs, 1, prior_accept=0.49,
+                                            prior_weight=8.0))
+        assert auto.propose(text, 16)[0] == expected
+        tree = auto.propose_tree(text, 16)
+        assert tree is not None and tree.tokens == expected

@@ -86,6 +86,16 @@ def test_cursor_resumes_the_copy_after_an_edit():
     assert fresh.propose(text, 4)[0] == [60, 61, 62, 10]
 
 
+def test_continue_after_extends_another_drafters_guess_into_a_copy():
+    text = [1, 2, 3, 4, 5, 6, 9, 8, 1]
+    d = SuffixDrafter(min_match=2)
+    d.prepare(text)
+    assert d.propose(text, 4)[0] == []  # its own match is 1 token: below min_match
+    assert d.continue_after(text, 2, 4) == [3, 4]  # "1 2" occurs: CONTINUE_CAP tokens of it
+    assert d.continue_after(text, 7, 4) == []  # "1 7" does not
+    assert SuffixDrafter(min_match=2, edits=False).continue_after(text, 2, 4) == []
+
+
 def test_long_matches_are_their_own_context():
     d = SuffixDrafter()
     text = list(range(100, 120)) + [1, 2] + list(range(100, 118))

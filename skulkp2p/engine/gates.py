@@ -425,7 +425,17 @@ class LookupThenModel:
             self._source = self.lookup
             return drafts, q
         self._source = self.model
-        return self.model.propose(history, k)
+        drafts, q = self.model.propose(history, k)
+        return self._continued(history, drafts, q, k)
+
+    def _continued(self, history: list[int], drafts: list[int], q, k: int):
+        """The model drafter's one-token guess, continued by lookup where the guess makes a
+        match (suffix.SuffixDrafter.continue_after: after an edit, the head's token often
+        resumes a copy that lookup alone had lost)."""
+        more = getattr(self.lookup.inner, "continue_after", None)
+        if len(drafts) != 1 or q is not None or more is None or not self.lookup.on or k < 2:
+            return drafts, q
+        return drafts + more(history, drafts[0], k - 1), q
 
     def propose_tree(self, history: list[int], k: int) -> DraftTree | None:
         """Lookup's tree, with the model drafter's first choice beside it as one more branch
@@ -441,7 +451,12 @@ class LookupThenModel:
         self._source = self.model
         # The model drafter's own tree (an MTP head's top-k where they are close), or its
         # chain with its q (a sampling drafter's chain is verified with q).
-        return self.model.propose_tree(history, k)
+        tree = self.model.propose_tree(history, k)
+        if tree is not None and tree.is_chain and tree.q is None:
+            drafts, _ = self._continued(history, tree.tokens, None, k)
+            if len(drafts) > len(tree.tokens):
+                return DraftTree.chain(drafts)
+        return tree
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
                      forward) -> None:
