@@ -2,6 +2,8 @@
 
     python tools/draft_trace.py [--workload code-edit] [--max-tokens 200] [--json PATH]
                                 [--rounds] [--model ID]
+    python tools/draft_trace.py --replay PATH      # the kept outputs through today's drafters
+    python tools/draft_trace.py --cpu-runs N --workload echo,code-edit   # CPU-time ratios
 
 Runs one of the bench's workloads (skulkp2p/bench/workloads.py) greedy with speculation "auto"
 on a fresh MlxEngine (no prefix cache; the workload's earlier session requests sent first, as
@@ -23,6 +25,12 @@ target emitted). Rounds are then classed:
   its minimum length at the text's end, its gate off, or the head drafted instead);
 - `head-hit` / `head-miss`: the head drafted where nothing was copyable;
 - `plain`: nobody drafted.
+
+With --replay, the outputs a --json run kept go through today's drafters and gates without
+the model (replay(): an oracle verifier, the head answered from its table of real drafts), each
+verify priced with the width cost table: a drafting policy weighed in seconds, before the bench
+measures it. With --cpu-runs, plain, spec and spec without lookup.edits run side by side and
+their CPU time per token is compared (cpu_pairs()).
 
 It prints the rounds (with --rounds) and a summary per class: rounds, tokens emitted, tokens
 the oracle allowed beyond what was accepted. Greedy output is the model's; the tool changes
@@ -335,6 +343,60 @@ def replay(loaded: Any, data: dict[str, Any]) -> dict[str, Any]:
             "modelled_speedup": round(len(tokens) / cost, 3)}
 
 
+def cpu_pairs(loaded: Any, workload: str, max_tokens: int, runs: int) -> dict[str, Any]:
+    """plain, spec and spec with `[speculation.lookup] edits = false`, each on a fresh engine
+    (the workload's session requests first, unmeasured), in rotating order, `runs` times: the
+    process's CPU time per generated token of the measured request (all threads' work, which a
+    loaded machine moves far less than wall time), and spec ÷ plain, noedits ÷ plain as
+    plain's CPU time over theirs, medians over the runs."""
+    import statistics
+    import time
+
+    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.workloads import SESSIONS, WORKLOADS
+    from skulkp2p.engine.mlx_engine import MlxEngine
+
+    arms = {"plain": ("off", True), "spec": ("auto", True), "noedits": ("auto", False)}
+    saved = loaded.speculation
+
+    def one(speculation: str, edits: bool) -> tuple[float, list[int], int, int]:
+        lookup = dict(saved.get("lookup", {}))
+        lookup["edits"] = edits
+        loaded.speculation = {**saved, "lookup": lookup}
+        try:
+            engine = MlxEngine(loaded, prefix_cache_mb=0)
+            for earlier in SESSIONS.get(workload, []):
+                for _ in engine.generate(engine_request(earlier, max_tokens, speculation)):
+                    pass
+            gen = engine.generate(engine_request(WORKLOADS[workload], max_tokens, speculation))
+            c0 = time.process_time()
+            for _ in gen:
+                pass
+            cpu = time.process_time() - c0
+        finally:
+            loaded.speculation = saved
+        spec = gen.result.speculation
+        tokens = list(gen.result.tokens)
+        return (cpu / max(len(tokens), 1), tokens, spec.accepted if spec else 0,
+                spec.drafted if spec else 0)
+
+    names = list(arms)
+    got: dict[str, list[tuple[float, list[int], int, int]]] = {n: [] for n in names}
+    for r in range(runs):
+        for name in names[r % 3:] + names[:r % 3]:
+            got[name].append(one(*arms[name]))
+    out: dict[str, Any] = {"workload": workload, "runs": runs}
+    for name in ("spec", "noedits"):
+        ratios = [p[0] / a[0] for p, a in zip(got["plain"], got[name], strict=True)]
+        out[name] = {"cpu_ratio": round(statistics.median(ratios), 3),
+                     "accepted": got[name][0][2], "drafted": got[name][0][3],
+                     "exact": all(a[1] == p[1] for p, a in
+                                  zip(got["plain"], got[name], strict=True))}
+    out["plain_cpu_ms_per_token"] = round(statistics.median(x[0] for x in got["plain"]) * 1000,
+                                          2)
+    return out
+
+
 def summary(data: dict[str, Any]) -> list[str]:
     rounds = [Round(**r) for r in data["rounds"]]
     by_kind: dict[str, list[Round]] = defaultdict(list)
@@ -397,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of running the model: replay the outputs a --json run kept "
                         "through the current drafters and gates (an oracle verifier, the head "
                         "from its table) and print the modelled speed-up")
+    p.add_argument("--cpu-runs", type=int, default=0, metavar="N",
+                   help="instead: N rotating runs of plain, spec and spec with lookup.edits "
+                        "off per workload; CPU time per token ratios (see cpu_pairs)")
     args = p.parse_args(argv)
 
     from skulkp2p.engine import blas
@@ -415,6 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded = open_model(ModelStore(test_data_dir()), "smollm2-135m", dtype="float32")
     else:
         loaded = open_model(ModelStore(), args.model)
+    if args.cpu_runs:
+        for name in names:
+            print(json.dumps(cpu_pairs(loaded, name, args.max_tokens, args.cpu_runs)),
+                  flush=True)
+        return 0
     if args.replay:
         kept = json.loads(Path(args.replay).read_text())
         for name, data in kept.items():
