@@ -19,6 +19,13 @@ walks it as it goes (matching statistics: the longest suffix of its text that oc
 memory, O(1) amortised per token) and drafts from it only where its own text has no longer
 match. It holds text of earlier requests in memory only, never on disk.
 
+Edits (`edits=True`, the default; docs/architecture.md, "Drafting edits"): a copy cursor follows
+the text position the drafts come from; after an edit, below an own match of CURSOR_TRUST
+tokens, the draft copies from the occurrence of the last 2 tokens nearest the cursor. A match
+of m tokens drafts up to max(m, MIN_CAP); `context` tells long matches (LONG_MATCH+) from short
+ones so that the gate keeps an estimate for each; `continue_after` continues another drafter's
+one-token guess where the guess makes a match.
+
 Pure Python: no mlx, no numpy. Drafts never change what is emitted (the verifier decides), so
 nothing here can make output wrong, only slower or faster.
 """
