@@ -346,8 +346,9 @@ def replay(loaded: Any, data: dict[str, Any]) -> dict[str, Any]:
 def cpu_pairs(loaded: Any, workload: str, max_tokens: int, runs: int) -> dict[str, Any]:
     """plain, spec and spec with `[speculation.lookup] edits = false`, each on a fresh engine
     (the workload's session requests first, unmeasured), in rotating order, `runs` times: the
-    process's CPU time per generated token of the measured request (all threads' work, which a
-    loaded machine moves far less than wall time), and spec ÷ plain, noedits ÷ plain as
+    process's CPU time per generated token of the measured request from its first token on, as
+    the bench's decode tok/s (all threads' work, which a loaded machine moves far less than
+    wall time), and spec ÷ plain, noedits ÷ plain as
     plain's CPU time over theirs, medians over the runs."""
     import statistics
     import time
@@ -369,15 +370,16 @@ def cpu_pairs(loaded: Any, workload: str, max_tokens: int, runs: int) -> dict[st
                 for _ in engine.generate(engine_request(earlier, max_tokens, speculation)):
                     pass
             gen = engine.generate(engine_request(WORKLOADS[workload], max_tokens, speculation))
-            c0 = time.process_time()
-            for _ in gen:
-                pass
-            cpu = time.process_time() - c0
+            c0 = None
+            for chunk in gen:
+                if chunk.tokens and c0 is None:  # from the first token on, as the bench's
+                    c0 = time.process_time()  # decode tok/s (the prefill left out)
+            cpu = time.process_time() - (c0 if c0 is not None else time.process_time())
         finally:
             loaded.speculation = saved
         spec = gen.result.speculation
         tokens = list(gen.result.tokens)
-        return (cpu / max(len(tokens), 1), tokens, spec.accepted if spec else 0,
+        return (cpu / max(len(tokens) - 1, 1), tokens, spec.accepted if spec else 0,
                 spec.drafted if spec else 0)
 
     names = list(arms)
