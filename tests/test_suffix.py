@@ -283,3 +283,12 @@ def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
     engine = MlxEngine(llama, memory_tokens=4096)
     first = _run(engine, req())
     assert _run(engine, req()).tokens == first.tokens == _run(MlxEngine(llama), req()).tokens
+
+
+def test_draft_trace_oracle_is_the_longest_previous_copy():
+    """tools/draft_trace.py's oracle: at each output position, the longest run that also starts
+    earlier in the text (a copy may run into itself)."""
+    from tools.draft_trace import copyable
+
+    assert copyable([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], 4) == [3, 2, 1, 0, 2, 1]
+    assert copyable([5, 5, 5, 5], 1) == [3, 2, 1]
