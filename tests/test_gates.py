@@ -94,10 +94,11 @@ def test_lookup_stays_on_for_repetitive_output(llama):
 
 
 @pytest.mark.slow
-def test_auto_lookup_on_echo_off_on_novel_smollm2(smollm2_path):
+def test_auto_lookup_on_echo_and_beside_the_head_on_novel_smollm2(smollm2_path):
     """The real model with its card (a trained MTP head): on an echo prompt lookup stays on and
-    accepts many drafts; on a novel prompt lookup starts off (prompt gate) and the head drafts
-    alone. Greedy output is the same with and without speculation."""
+    accepts many drafts; on a novel prompt lookup starts on too beside the head (the prompt
+    gate applies to lookup alone, or with lookup.edits off) and the head drafts where lookup
+    has no match. Greedy output is the same with and without speculation."""
     code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(8))
     echo = {"id": "echo", "messages": [{"role": "user", "content":
             "Copy this code exactly, changing nothing:\n```python\n" + code + "```"}],
@@ -114,10 +115,109 @@ def test_auto_lookup_on_echo_off_on_novel_smollm2(smollm2_path):
     assert e["drafter"] == n["drafter"] == "lookup+mtp" and e["mode"] == "auto"
     assert e["by_drafter"]["lookup"]["accepted"] > 20 and not any(
         ev["event"] == "off" and ev["drafter"] == "lookup" for ev in e["gate_events"])
-    # The prompt gate keeps lookup off on novel text; it may only come back later, when the
-    # output itself turns repetitive. The head drafts there.
-    lookup_events = [ev for ev in n["gate_events"] if ev["drafter"] == "lookup"]
-    assert n["by_drafter"]["lookup"]["drafted"] == 0 or \
-        lookup_events[0]["reason"] == "output turned repetitive"
+    # Beside the head no prompt gate: lookup is on from the start (no event switched it on),
+    # and the head drafts every round lookup has nothing for.
+    assert not any(ev["event"] == "on" and ev["drafter"] == "lookup"
+                   for ev in n["gate_events"])
     assert n["by_drafter"]["mtp"]["drafted"] > 0
     assert res["novel"]["tokens"] == res["plain"]["tokens"]
+
+
+class _ContextDrafter:
+    """Drafts k copies of one token; says which context its round is (set by the test)."""
+
+    name = "lookup"
+    context_priors = {1: 0.95}
+
+    def __init__(self) -> None:
+        self.kind = 0
+
+    def context(self, history: list[int]) -> int:
+        return self.kind
+
+    def begin(self, prompt, forward) -> None:
+        pass
+
+    def propose(self, history, k):
+        return [1] * k, None
+
+    def observe(self, drafted, accepted, emitted, forward) -> None:
+        pass
+
+
+def test_gate_keeps_an_estimate_per_context():
+    """Rounds of one context (short matches, rejected early) do not cut the depth of another
+    (long matches), which starts from its own prior (the drafter's context_priors)."""
+    inner = _ContextDrafter()
+    gate = GatedDrafter(inner, DEFAULT_WIDTH_COSTS["float32"], 16, prior_accept=0.8)
+    first = len(gate.propose([0], 16)[0])
+    for _ in range(6):
+        drafted = len(gate.propose([0], 16)[0])
+        gate.observe(drafted, 1, [1, 2], None)
+    short = len(gate.propose([0], 16)[0])
+    assert 0 < short < first
+    inner.kind = 1
+    assert len(gate.propose([0], 16)[0]) == 16  # a fresh estimate from the 0.95 prior
+    inner.kind = 0
+    assert len(gate.propose([0], 16)[0]) == short
+
+
+class _Guess:
+    """A model drafter that always guesses one token (as a depth-1 MTP head does)."""
+
+    name = "mtp"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def begin(self, prompt, forward) -> None:
+        pass
+
+    def propose(self, history, k):
+        return [self.token], None
+
+    def observe(self, drafted, accepted, emitted, forward) -> None:
+        pass
+
+    def follow(self, accepted, emitted, forward) -> None:
+        pass
+
+
+def test_lookup_continues_the_model_drafters_guess():
+    """Where lookup has no match of its own, the head's one-token guess is continued by lookup
+    when the guess makes a match (gates.LookupThenModel._continued); otherwise it goes alone,
+    and with lookup.edits off it always goes alone."""
+    from skulkp2p.engine.gates import LookupThenModel
+    from skulkp2p.engine.suffix import SuffixDrafter
+
+    costs = DEFAULT_WIDTH_COSTS["float32"]
+    text = [1, 2, 3, 4, 5, 6, 9, 8, 1]
+    for guess, edits, expected in ((2, True, [2, 3, 4]), (7, True, [7]), (2, False, [2])):
+        inner = SuffixDrafter(min_match=2, edits=edits)
+        inner.prepare(text)
+        auto = LookupThenModel(GatedDrafter(inner, costs, 16, prior_accept=0.8),
+                               GatedDrafter(_Guess(guess), costs, 1, prior_accept=0.49,
+                                            prior_weight=8.0))
+        assert auto.propose(text, 16)[0] == expected
+        tree = auto.propose_tree(text, 16)
+        assert tree is not None and tree.tokens == expected
+
+
+def test_prompt_gate_applies_to_lookup_alone(tiny_model, monkeypatch):
+    """On a novel prompt, lookup starts off when it drafts alone (the prompt gate), and on
+    beside a model drafter (the head takes the rounds it has nothing for), unless the card
+    turns lookup.edits off (then the gate applies as before)."""
+    from skulkp2p.engine.gates import LookupThenModel
+    from skulkp2p.engine.generate import _choose_drafter
+    from skulkp2p.engine.request import parse_request
+
+    req = parse_request({"prompt": "x", "max_tokens": 8})
+    prompt = list(range(40, 90))  # nothing repeats: repetition score 0
+    head = load_model(tiny_model("llama", mtp=True), "llama")
+    auto, _, _ = _choose_drafter(head, req, prompt)
+    assert isinstance(auto, LookupThenModel) and auto.lookup.on
+    monkeypatch.setattr(head, "speculation", {**head.speculation, "lookup": {"edits": False}})
+    auto, _, _ = _choose_drafter(head, req, prompt)
+    assert not auto.lookup.on
+    alone, _, _ = _choose_drafter(load_model(tiny_model("llama"), "llama"), req, prompt)
+    assert alone.name == "lookup" and not alone.on

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from skulkp2p.engine.suffix import SuffixAutomaton, SuffixDrafter, SuffixMemory
+from skulkp2p.engine.suffix import MIN_CAP, SuffixAutomaton, SuffixDrafter, SuffixMemory
 
 
 def _longest_earlier_suffix(t: list[int]) -> int:
@@ -50,12 +50,61 @@ def test_walk_prefers_the_continuation_that_followed_most_often():
     assert sam.walk(sam.match, 1) == [7]
 
 
-def test_drafter_caps_the_draft_at_the_match_length():
+def test_drafter_caps_the_draft_at_the_match_length_or_min_cap():
+    assert MIN_CAP == 4
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6]
     d = SuffixDrafter()
-    d.prepare([5, 6, 7, 8, 9, 10, 11, 5, 6])
-    assert d.propose([5, 6, 7, 8, 9, 10, 11, 5, 6], 8)[0] == [7, 8]
-    d.observe(0, 0, [7], None)
-    assert d.propose([5, 6, 7, 8, 9, 10, 11, 5, 6, 7], 8)[0] == [8, 9, 10]
+    d.prepare(text)
+    # a match of 2 drafts MIN_CAP tokens (it drafted 2 before: a 2-token match was followed by
+    # 4 more copyable tokens at most of the code-edit bench's such points)
+    assert d.propose(text, 8)[0] == [7, 8, 9, 10]
+    assert d.propose(text, 3)[0] == [7, 8, 9]
+    d = SuffixDrafter()  # (no copy under way: the copy cursor is test_cursor_...'s)
+    d.prepare(text + [7, 8, 9])
+    assert d.propose(text + [7, 8, 9], 8)[0] == [10, 11, 12, 13, 14]  # a match of 5: 5
+
+
+def test_cursor_resumes_the_copy_after_an_edit():
+    """After an edit (a token its source does not have), the copy resumes at the source's
+    occurrence of the text's last 2 tokens nearest the cursor, not at their most recent
+    occurrence elsewhere (which the automaton's walk takes)."""
+    source = [10, 11, 12, 13, 3, 4, 5, 6, 7, 8]
+    elsewhere = [20, 3, 4, 60, 61, 62]
+    prompt = source + elsewhere + [10, 11, 12]
+    d = SuffixDrafter(min_match=2)
+    d.prepare(prompt)
+    assert d.propose(prompt, 4)[0] == [13, 3, 4, 5]  # the copy of `source` begins
+    d.observe(4, 1, [13, 99], None)  # the edit: 99 where the source has 3
+    d.observe(0, 0, [3, 4], None)  # the copy resumes
+    text = prompt + [13, 99, 3, 4]
+    assert d.sam.match_len == 2  # "3 4": the automaton alone drafts what followed it last
+    assert d.sam.walk(d.sam.match, 4) == [60, 61, 62, 10]
+    assert d.propose(text, 4)[0] == [5, 6, 7, 8] and d.from_cursor == 4
+    # With no copy under way (no cursor), the longest match's latest occurrence as before.
+    fresh = SuffixDrafter(min_match=2)
+    fresh.prepare(text)
+    assert fresh.propose(text, 4)[0] == [60, 61, 62, 10]
+
+
+def test_continue_after_extends_another_drafters_guess_into_a_copy():
+    text = [1, 2, 3, 4, 5, 6, 9, 8, 1]
+    d = SuffixDrafter(min_match=2)
+    d.prepare(text)
+    assert d.propose(text, 4)[0] == []  # its own match is 1 token: below min_match
+    assert d.continue_after(text, 2, 4) == [3, 4]  # "1 2" occurs: CONTINUE_CAP tokens of it
+    assert d.continue_after(text, 7, 4) == []  # "1 7" does not
+    assert SuffixDrafter(min_match=2, edits=False).continue_after(text, 2, 4) == []
+
+
+def test_long_matches_are_their_own_context():
+    d = SuffixDrafter()
+    text = list(range(100, 120)) + [1, 2] + list(range(100, 118))
+    d.prepare(text)
+    assert d.sam.match_len >= 16 and d.context(text) == 1
+    short = [1, 2, 3, 9, 1, 2]
+    d = SuffixDrafter()
+    d.prepare(short)
+    assert d.context(short) == 0
 
 
 def test_memory_is_bounded_lru_and_never_matches_across_entries():
@@ -119,6 +168,37 @@ def test_suffix_drafter_equals_plain(tiny_models, depth):
                            SuffixDrafter(), depth, stats))
         assert spec == plain, fam
         assert stats.drafted > 0
+
+
+@pytest.mark.slow
+def test_smollm2_code_edit_cursor_and_long_matches_exact(smollm2_path):
+    """The bench's code-edit request on SmolLM2-135M with the gated suffix drafter: the copy
+    cursor and the long-match context both draft there, and greedy output equals plain
+    decoding and mlx-lm's generate."""
+    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.workloads import WORKLOADS
+    from skulkp2p.engine.decode import DecodeStats, decode
+    from skulkp2p.engine.forward import LocalForward
+    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
+    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.engine.model import load_model
+    from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from tests.helpers.reference import mlx_lm_tokens
+
+    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32")
+    prompt = prompt_tokens(lm, engine_request(WORKLOADS["code-edit"], 160, "auto"))
+    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 160, make_rng(0)))
+    assert plain == mlx_lm_tokens(lm, prompt, 160)
+    inner = SuffixDrafter(min_match=2)
+    gated = GatedDrafter(inner, DEFAULT_WIDTH_COSTS["float32"], 16, prior_accept=0.8)
+    contexts = []
+    context = inner.context
+    inner.context = lambda history: contexts.append(context(history)) or contexts[-1]
+    stats = DecodeStats()
+    spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 160, make_rng(0),
+                       gated, 16, stats))
+    assert spec == plain
+    assert inner.from_cursor > 0 and 1 in contexts
 
 
 def _request(content: str, speculation, max_tokens: int = 40):
@@ -203,3 +283,12 @@ def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
     engine = MlxEngine(llama, memory_tokens=4096)
     first = _run(engine, req())
     assert _run(engine, req()).tokens == first.tokens == _run(MlxEngine(llama), req()).tokens
+
+
+def test_draft_trace_oracle_is_the_longest_previous_copy():
+    """tools/draft_trace.py's oracle: at each output position, the longest run that also starts
+    earlier in the text (a copy may run into itself)."""
+    from tools.draft_trace import copyable
+
+    assert copyable([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], 4) == [3, 2, 1, 0, 2, 1]
+    assert copyable([5, 5, 5, 5], 1) == [3, 2, 1]

@@ -47,6 +47,7 @@ class Arm:
     # process, beside the ring's or group's arms in the same run (the single-node reference).
     one_node: bool = False
     trees: bool = False  # engine arms: token trees on (card's speculation.lookup.trees)
+    edits: bool = True  # engine arms: the suffix drafter's copy cursor etc. (lookup.edits)
 
     @property
     def peer(self) -> bool:
@@ -62,7 +63,8 @@ ONE_NODE_SPEC = Arm("one_node_spec", "engine", "auto", one_node=True)
 # (spec is suffix + memory, chains unless the card turns trees on).
 ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, lookup="scan"),
              "spec_nomem": Arm("spec_nomem", "engine", "auto", memory=False),
-             "spec_trees": Arm("spec_trees", "engine", "auto", trees=True)}
+             "spec_trees": Arm("spec_trees", "engine", "auto", trees=True),
+             "spec_noedits": Arm("spec_noedits", "engine", "auto", edits=False)}
 
 
 def parse_arm(text: str) -> Arm:
@@ -79,7 +81,7 @@ def parse_arm(text: str) -> Arm:
     m = re.fullmatch(r"([a-z_]+):(\d+)", text)
     if not m or m.group(1) not in DRAFTER_NAMES:
         raise ValueError(f"unknown arm {text!r} (expected plain, spec, spec_scan, spec_nomem, "
-                         "spec_trees, "
+                         "spec_trees, spec_noedits, "
                          "mlx_lm, mlx_lm_draft or "
                          f"DRAFTER:DEPTH with DRAFTER one of {', '.join(DRAFTER_NAMES)})")
     depth = int(m.group(2))
@@ -296,6 +298,8 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
             lookup["drafter"] = arm.lookup
         if arm.trees:
             lookup["trees"] = True
+        if not arm.edits:
+            lookup["edits"] = False
         if lookup != saved.get("lookup", {}):
             loaded.speculation = {**saved, "lookup": lookup}
         try:

@@ -96,7 +96,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra arms beside plain, spec and the peers: comma list of "
                         "DRAFTER:DEPTH (lookup:4, mtp:1, draft:3) and the ablations "
                         "spec_scan (n-gram scan), spec_nomem (suffix drafter alone, chains), "
-                        "spec_trees (suffix + memory + token trees; spec drafts chains unless the card says trees)")
+                        "spec_trees (suffix + memory + token trees; spec drafts chains unless the card says trees), "
+                        "spec_noedits (spec without the suffix drafter's copy cursor, min cap "
+                        "and long-match context: lookup.edits = false)")
     p.add_argument("--no-peers", action="store_true", help="skip the mlx-lm peer arms")
     p.add_argument("--llama-server", metavar="PATH",
                    help="llama-server binary for the peer arms llama_plain, llama_ngram_simple "

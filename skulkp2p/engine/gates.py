@@ -223,6 +223,11 @@ class GatedDrafter:
         self.name = inner.name
         self.controller = DepthController(costs, max_depth, prior_accept=prior_accept,
                                           prior_weight=prior_weight, draft_cost=draft_cost)
+        # One estimate per kind of draft the inner drafter says a round's is (`context`: the
+        # suffix drafter tells long matches from short ones, whose drafts run far shorter);
+        # the round's kind picks the depth and learns from its outcome.
+        self._controllers: dict[int, DepthController] = {0: self.controller}
+        self._active = self.controller
         self.on = start_on
         self.can_return = can_return
         self.events: list[dict] = []
@@ -254,6 +259,7 @@ class GatedDrafter:
         if branch_out is None or not self.trees or not self.on:
             draft, q = self.propose(history, k)
             return DraftTree.chain(draft, q) if draft else None
+        self._choose_controller(history)
         depth = self._depth(k)
         if depth == 0:
             return None
@@ -265,7 +271,7 @@ class GatedDrafter:
             branches = branches + [b for b in extra if b.tokens[0] not in offered]
         # (the rows of this forward price its widths: c(rows x width), as a chain alone)
         rows = len(self.controller.batch().widths) + 1 if self.controller.batch is not None else 1
-        return build_tree(main, branches, self.controller.rates(), self.side_rate,
+        return build_tree(main, branches, self._active.rates(), self.side_rate,
                           self.controller.costs, rows, self.controller.draft_cost)
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
@@ -305,14 +311,27 @@ class GatedDrafter:
     def propose(self, history: list[int], k: int):
         if not self.on:
             return [], None
+        self._choose_controller(history)
         depth = self._depth(k)
         if depth == 0:
             return [], None
         return self.inner.propose(history, depth)
 
+    def _choose_controller(self, history: list[int]) -> None:
+        context = getattr(self.inner, "context", None)
+        kind = context(history) if context is not None else 0
+        active = self._controllers.get(kind)
+        if active is None:
+            c = self.controller
+            priors = getattr(self.inner, "context_priors", {})
+            active = self._controllers[kind] = DepthController(
+                c.costs, c.max_depth, prior_accept=priors.get(kind, c.prior_accept),
+                prior_weight=c.prior_weight, draft_cost=c.draft_cost, batch=c.batch)
+        self._active = active
+
     def _depth(self, k: int) -> int:
-        depth, _ = self.controller.best_depth(k)
-        if depth == 0 and self.controller.best_depth(k, SOLO)[0] > 0:
+        depth, _ = self._active.best_depth(k)
+        if depth == 0 and self._active.best_depth(k, SOLO)[0] > 0:
             return 0  # pays alone but not in this batch: back off for this round only
         if depth == 0:
             # Once the estimate says no depth pays, it cannot change without drafting: the
@@ -340,11 +359,12 @@ class GatedDrafter:
             self.rounds += 1
             self.drafted += drafted
             self.accepted += accepted
-            self.controller.record(*(chain if chain is not None else (drafted, accepted)))
+            self._active.record(*(chain if chain is not None else (drafted, accepted)))
         elif not self.on and self.can_return and repetition_score(self._recent) >= 0.3:
             # Output turned repetitive: give lookup another chance with a fresh estimate.
-            self.controller.accepted.clear()
-            self.controller.tried.clear()
+            for c in self._controllers.values():
+                c.accepted.clear()
+                c.tried.clear()
             self.rounds = 0
             self._switch(True, "output turned repetitive")
         if self.generated >= self._next_log and self.drafted:
@@ -413,7 +433,17 @@ class LookupThenModel:
             self._source = self.lookup
             return drafts, q
         self._source = self.model
-        return self.model.propose(history, k)
+        drafts, q = self.model.propose(history, k)
+        return self._continued(history, drafts, q, k)
+
+    def _continued(self, history: list[int], drafts: list[int], q, k: int):
+        """The model drafter's one-token guess, continued by lookup where the guess makes a
+        match (suffix.SuffixDrafter.continue_after: after an edit, the head's token often
+        resumes a copy that lookup alone had lost)."""
+        more = getattr(self.lookup.inner, "continue_after", None)
+        if len(drafts) != 1 or q is not None or more is None or not self.lookup.on or k < 2:
+            return drafts, q
+        return drafts + more(history, drafts[0], k - 1), q
 
     def propose_tree(self, history: list[int], k: int) -> DraftTree | None:
         """Lookup's tree, with the model drafter's first choice beside it as one more branch
@@ -429,7 +459,12 @@ class LookupThenModel:
         self._source = self.model
         # The model drafter's own tree (an MTP head's top-k where they are close), or its
         # chain with its q (a sampling drafter's chain is verified with q).
-        return self.model.propose_tree(history, k)
+        tree = self.model.propose_tree(history, k)
+        if tree is not None and tree.is_chain and tree.q is None:
+            drafts, _ = self._continued(history, tree.tokens, None, k)
+            if len(drafts) > len(tree.tokens):
+                return DraftTree.chain(drafts)
+        return tree
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
                      forward) -> None:

@@ -76,7 +76,8 @@ def _lookup(loaded: LoadedModel, min_key: int = 1, memory: SuffixMemory | None =
     min_match = max(int(cfg.get("min_key", 1)), min_key)
     if cfg.get("drafter", "suffix") == "scan":
         return PromptLookup(max_key=cfg.get("max_key", 3), min_key=min_match)
-    drafter = SuffixDrafter(min_match=min_match, memory=memory)
+    drafter = SuffixDrafter(min_match=min_match, memory=memory,
+                            edits=bool(cfg.get("edits", True)))
     if prompt is not None:
         drafter.prepare(prompt)
     return drafter
@@ -175,11 +176,19 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # match says so; the scan keeps its old settings (docs/architecture.md, measured constants).
     scan = cfg.get("drafter", "suffix") == "scan"
     depth = int(cfg.get("max_depth", 6 if scan else SUFFIX_MAX_DEPTH))
-    # Prompt gate: lookup starts on when the prompt repeats itself (code, quoted text); on novel
-    # prompts it starts off and comes back only if the output turns repetitive. The 0.02 default
-    # sits between code edits and novel questions (docs/architecture.md).
-    start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", 0.02))
+    # Prompt gate: alone, lookup starts on when the prompt repeats itself (code, quoted text);
+    # on novel prompts it starts off and comes back only if the output turns repetitive. The
+    # 0.02 default sits between code edits and novel questions (docs/architecture.md).
     alone = model_drafter is None
+    # Beside a model drafter (with lookup.edits, the default) lookup starts on whatever the
+    # prompt: the head drafts every round lookup has no match of 2+ tokens for, so a lookup
+    # that is on costs nothing where it finds nothing, and on novel answers that quote their
+    # question it drafts runs the head cannot (tools/draft_trace.py on qa: 45 rounds with a
+    # copy of 2+ tokens there while the gate kept lookup off). Alone, the gate stays: its
+    # rounds would otherwise run pipelined (quiet stretches).
+    edits = bool(cfg.get("edits", True))
+    default_gate = 0.02 if alone or not edits else 0.0
+    start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", default_gate))
     inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
     start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
     prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))

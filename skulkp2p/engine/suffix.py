@@ -19,6 +19,13 @@ walks it as it goes (matching statistics: the longest suffix of its text that oc
 memory, O(1) amortised per token) and drafts from it only where its own text has no longer
 match. It holds text of earlier requests in memory only, never on disk.
 
+Edits (`edits=True`, the default; docs/architecture.md, "Drafting edits"): a copy cursor follows
+the text position the drafts come from; after an edit, below an own match of CURSOR_TRUST
+tokens, the draft copies from the occurrence of the last 2 tokens nearest the cursor. A match
+of m tokens drafts up to max(m, MIN_CAP); `context` tells long matches (LONG_MATCH+) from short
+ones so that the gate keeps an estimate for each; `continue_after` continues another drafter's
+one-token guess where the guess makes a match.
+
 Pure Python: no mlx, no numpy. Drafts never change what is emitted (the verifier decides), so
 nothing here can make output wrong, only slower or faster.
 """
@@ -26,11 +33,26 @@ nothing here can make output wrong, only slower or faster.
 from __future__ import annotations
 
 import threading
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+# The copy cursor (SuffixDrafter): below an own match of CURSOR_TRUST tokens, the occurrence of
+# the text's last 2 tokens nearest the cursor (at most CURSOR_WINDOW past it) is drafted from
+# instead of the longest match's latest one. One-token occurrences and resuming at the cursor
+# after a new token were tried too and lost (tools/draft_trace.py --replay, README #15).
+CURSOR_TRUST = 8
+CURSOR_WINDOW = 64
+# A match of m tokens drafts at most max(m, MIN_CAP) (was m: a 2-token match drafted 2).
+MIN_CAP = 4
+# A match this long is its own context for the gate, starting from a belief of LONG_PRIOR.
+LONG_MATCH = 16
+LONG_PRIOR = 0.95
+# continue_after drafts at most this many tokens past another drafter's guess (more lost on
+# echo in the replay, 2 was the best of 1-6 on code-edit and agent together).
+CONTINUE_CAP = 2
 
 
 class SuffixAutomaton:
@@ -245,8 +267,14 @@ class SuffixDrafter:
     name = "lookup"
 
     def __init__(self, min_match: int = 1, memory: SuffixMemory | None = None,
-                 long_enough: int = 32):
+                 long_enough: int = 32, edits: bool = True):
+        """`edits`: the copy cursor, drafts of at least MIN_CAP and the long-match context
+        (off: each draft continues the longest match, capped at its length, as before #15's
+        second round; the card's `[speculation.lookup] edits = false`, the bench's
+        `spec_noedits` arm)."""
         self.min_match = max(1, min_match)
+        self.edits = edits
+        self._min_cap = MIN_CAP if edits else 0
         self.memory = memory if memory is not None and memory.enabled else None
         self.long_enough = long_enough  # an own match this long is not compared with memory
         self.sam = SuffixAutomaton()
@@ -256,12 +284,20 @@ class SuffixDrafter:
         self.from_memory = 0  # drafted tokens that came from memory
         self._used_memory = False
         self._prompt_len = -1
+        self._ends: dict[tuple[int, int], list[int]] = {}  # 2-grams -> their end positions
+        self.cursor: int | None = None  # where in the text the copy being followed stands
+        self._following = False  # the text still agrees with the source at the cursor
+        self.from_cursor = 0  # drafted tokens that came from the cursor
+        self._last_kind = "none"
 
     def prepare(self, prompt: list[int]) -> None:
         """Index the prompt (done before decoding so the prompt gate can ask about memory)."""
         if self._prompt_len == len(prompt) and len(self.sam) == len(prompt):
             return
         self.sam = SuffixAutomaton()
+        self._ends = {}
+        self.cursor = None
+        self._following = False
         self._mem_sam = self.memory.sam if self.memory is not None else None
         self._mem_state = self._mem_len = 0
         self._feed(prompt)
@@ -275,7 +311,17 @@ class SuffixDrafter:
     def _feed(self, tokens: list[int]) -> None:
         sam = self.sam
         mem = self._mem_sam
+        text, ends = sam.tokens, self._ends
         for t in tokens:
+            if self._following:
+                # The copy goes on while the text says what its source said next; at the
+                # first token that differs (an edit) the cursor stays where the source was.
+                if text[self.cursor] == t:
+                    self.cursor += 1
+                else:
+                    self._following = False
+            if text:
+                ends.setdefault((text[-1], t), []).append(len(text))
             sam.extend(t)
         if mem is not None:
             state, matched = self._mem_state, self._mem_len
@@ -286,22 +332,60 @@ class SuffixDrafter:
     def begin(self, prompt: list[int], forward) -> None:
         self.prepare(prompt)
 
-    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
-        if k <= 0:
-            return [], None
+    def _catch_up(self, history: list[int]) -> None:
         if len(history) != len(self.sam):  # not in step (e.g. observe skipped): catch up
             if len(history) > len(self.sam) and history[:len(self.sam)] == self.sam.tokens:
                 self._feed(history[len(self.sam):])
             else:
                 self._prompt_len = -1
                 self.prepare(history)
-        sam = self.sam
-        own = sam.match_len
+
+    def _plan(self) -> tuple[str, int]:
+        """Where this round's draft comes from: ("cursor", start in the text), ("own", match
+        length), ("memory", match length) or ("none", 0)."""
+        own = self.sam.match_len
         mem = self._mem_len if self._mem_sam is not None else 0
+        if self.edits and 2 <= own < CURSOR_TRUST and self.cursor is not None:
+            at = self._near_cursor()
+            if at is not None:
+                return "cursor", at
         if own >= self.min_match and (own >= mem or own >= self.long_enough):
-            return sam.walk(sam.match, min(k, own)), None
+            return "own", own
         if mem >= self.min_match:
-            draft = self._mem_sam.walk(self._mem_state, min(k, mem))
+            return "memory", mem
+        return "none", 0
+
+    # The gate's starting belief per context: a long match's 16 drafts were all right at 215
+    # of 283 such points of the bench's echo, code-edit and agent outputs (draft_trace.py).
+    context_priors = {1: LONG_PRIOR}
+
+    def context(self, history: list[int]) -> int:
+        """Which kind of draft this round's would be, for the gate to keep a separate
+        acceptance estimate per kind (gates.GatedDrafter): 0 a short match (or the copy
+        cursor), 1 a match of LONG_MATCH tokens or more, whose drafts run far longer."""
+        if not self.edits:
+            return 0
+        self._catch_up(history)
+        kind, n = self._plan()
+        return int(kind in ("own", "memory") and n >= LONG_MATCH)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        if k <= 0:
+            return [], None
+        self._catch_up(history)
+        sam = self.sam
+        kind, n = self._plan()
+        self._last_kind = kind
+        if kind == "cursor":
+            draft = sam.tokens[n:n + k]
+            self.cursor, self._following = n, True
+            self.from_cursor += len(draft)
+            return draft, None
+        if kind == "own":
+            self.cursor, self._following = sam.pos[sam.match] + 1, True
+            return sam.walk(sam.match, min(k, max(n, self._min_cap))), None
+        if kind == "memory":
+            draft = self._mem_sam.walk(self._mem_state, min(k, n))
             if draft:
                 self.from_memory += len(draft)
                 if not self._used_memory:
@@ -311,13 +395,49 @@ class SuffixDrafter:
             return draft, None
         return [], None
 
+    def continue_after(self, history: list[int], token: int, k: int) -> list[int]:
+        """Up to k tokens that would follow `history` + [token], where `token` is another
+        drafter's guess of the next token (an MTP head's, in a round where this drafter has no
+        match of its own): the continuation of the longest match of the text with `token`
+        appended, when that match is 2 tokens or more, at most max(match - 1, CONTINUE_CAP)
+        tokens. After an edit the head's token often picks up a copy that lookup had lost.
+        Empty otherwise (the guess then goes alone)."""
+        if not self.edits or k <= 0:
+            return []
+        self._catch_up(history)
+        sam = self.sam
+        state, matched = sam.step(sam.match, sam.match_len, token)
+        if matched < max(2, self.min_match):
+            return []
+        draft = sam.walk(state, min(k, max(matched - 1, CONTINUE_CAP)))
+        if draft:
+            self.cursor, self._following = sam.pos[state], True
+        return draft
+
+    def _near_cursor(self) -> int | None:
+        """Where the continuation of the text's last 2 tokens starts at their occurrence
+        nearest the cursor (at or after it, within CURSOR_WINDOW): an edit copies its source in
+        order, so after an insertion or a change the copy resumes there, not at the most
+        recent occurrence elsewhere. None: no such occurrence."""
+        text = self.sam.tokens
+        if len(text) < 2:
+            return None
+        ends = self._ends.get((text[-2], text[-1]))
+        if not ends:
+            return None
+        cursor = self.cursor
+        i = bisect_left(ends, cursor - 1)
+        if i < len(ends) and ends[i] < len(text) - 1 and ends[i] <= cursor + CURSOR_WINDOW:
+            return ends[i] + 1
+        return None
+
     def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
         """The chain `propose` gives, and the branches beside it where the continuation counts
         disagree (another token followed the same or a shorter context: see
         SuffixAutomaton.alternatives) and where the memory's continuation differs from the
         request's own: each a `Branch` the gate may add to the tree (gates.build_tree)."""
         main, _ = self.propose(history, k)
-        if not main:
+        if not main or self._last_kind == "cursor":  # (the cursor's copy has no counts)
             return main, []
         sam = self.sam
         own = sam.match_len
