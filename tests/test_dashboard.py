@@ -321,6 +321,8 @@ def test_tensor_group_verify_costs_on_metrics(duo):
     assert sample(m0, "skulkp2p_verify_costs_measured_timestamp_seconds", model="llama",
                   where=costs["where"]) == costs["measured_at"]
     assert metrics(n1.http)["skulkp2p_verify_cost_seconds"]["samples"] == []
+    text = call(n0.http, "GET", "/metrics")[2].decode()
+    print("\n" + "\n".join(line for line in text.splitlines() if "verify_cost" in line))
 
 
 def test_single_node_app_counts_outcomes():
