@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.results import (
     GenerationResult,
 )
@@ -327,6 +328,7 @@ class Telemetry:
         self._models: dict[str, _Model] = {}
         self._queues: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
         self._cluster: Callable[[], Mapping[str, Any] | None] | None = None
+        self._verify_costs: Callable[[], Mapping[str, VerifyCosts]] | None = None
         r = self.registry = Registry()
         p = PREFIX
         self.requests = r.counter(p + "requests_total", "Requests finished, by outcome "
@@ -372,6 +374,11 @@ class Telemetry:
     def watch_cluster(self, fn: Callable[[], Mapping[str, Any] | None]) -> None:
         """`fn()` -> the cluster status (as GET /v1/cluster shows it), or None."""
         self._cluster = fn
+
+    def watch_verify_costs(self, fn: Callable[[], Mapping[str, VerifyCosts]]) -> None:
+        """`fn()` -> {model: VerifyCosts} for this node's engines that report a measured
+        verify-cost table (the seam's `EngineInfo.verify_costs`)."""
+        self._verify_costs = fn
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -485,9 +492,10 @@ class Telemetry:
         """Per model: in flight, recent (newest first), the series and totals (JSON-ready)."""
         now = self.clock()
         live = self._live_models()
+        costs = self._live_verify_costs()
         out: dict[str, Any] = {}
         with self._lock:
-            names = sorted(set(self._models) | set(live))
+            names = sorted(set(self._models) | set(live) | set(costs))
             for name in names:
                 m = self._models.get(name)
                 info = dict(live.get(name, {}))
@@ -523,6 +531,8 @@ class Telemetry:
                 out[name] = {**info, "in_flight": running, "drafters": drafters,
                              "recent": list(reversed(m.recent)) if m else [],
                              "series": series, "totals": totals}
+                if name in costs:
+                    out[name]["verify_costs"] = costs[name].to_json()
         return {"time": now, "window_s": self.window_s, "bucket_s": self.bucket_s,
                 "models": out}
 
@@ -534,6 +544,14 @@ class Telemetry:
         except Exception:
             return {}
 
+    def _live_verify_costs(self) -> Mapping[str, VerifyCosts]:
+        if self._verify_costs is None:
+            return {}
+        try:
+            return self._verify_costs()
+        except Exception:  # an engine going away mid-scrape must not break the page
+            return {}
+
     def _collect_live(self) -> list[Family]:
         fams = []
         waiting = Family(PREFIX + "requests_waiting", "gauge",
@@ -541,6 +559,7 @@ class Telemetry:
         for model, info in sorted(self._live_models().items()):
             waiting.add(int(info.get("waiting") or 0), model=model)
         fams.append(waiting)
+        fams.extend(verify_cost_families(self._live_verify_costs()))
         status = None
         if self._cluster is not None:
             try:
@@ -550,6 +569,26 @@ class Telemetry:
         if status:
             fams.extend(cluster_families(status))
         return fams
+
+
+def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
+    """Each model's measured verify-cost table (what /v1/models shows as `verify_costs`), as
+    gauges labelled by model, width (rows in one verify call) and where it was measured."""
+    seconds = Family(PREFIX + "verify_cost_seconds", "gauge",
+                     "Seconds of one verify call of `width` rows where the model runs, "
+                     "measured there (a tensor-parallel group measures its own when it forms).")
+    relative = Family(PREFIX + "verify_cost_relative", "gauge",
+                      "A verify call's cost relative to one row's (width 1 = 1.0): what the "
+                      "depth controller prices drafts with.")
+    measured = Family(PREFIX + "verify_costs_measured_timestamp_seconds", "gauge",
+                      "Unix time the model's verify costs were measured.")
+    for model, c in sorted(costs.items()):
+        rel = c.relative
+        for width, s in sorted(c.seconds.items()):
+            seconds.add(s, model=model, width=width, where=c.where)
+            relative.add(rel[width], model=model, width=width, where=c.where)
+        measured.add(round(c.measured_at, 3), model=model, where=c.where)  # as /v1/models
+    return [seconds, relative, measured]
 
 
 def cluster_families(st: Mapping[str, Any]) -> list[Family]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from skulkp2p.engine.tensor import READY_TIMEOUT_S
 from tests.helpers.browser import Browser, chromium_binary
 from tests.helpers.http_client import H11Client, call, status_of
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
@@ -25,6 +26,11 @@ ECHO = ("Repeat exactly: the quick brown fox jumps over the lazy dog, the quick 
 LOOKUP = {"drafter": "lookup", "depth": 4}
 # Where the browser test also saves its screenshot (the README's docs/dashboard.png is made so).
 SCREENSHOT_ENV = "SKULKP2P_DASHBOARD_SCREENSHOT"
+
+# A tensor group forms in seconds; on a loaded machine the tests' short timers can move the
+# leadership while it forms, and a member then waits out its rank's formation timeout before
+# the group re-forms: the bound for a group to form and measure its verify costs.
+GROUP_FORMS_S = READY_TIMEOUT_S + 60
 
 cluster_only = pytest.mark.skipif(not loopback_ips_usable(),
                                   reason="needs the 127.0.0.0/8 loopback range (Linux)")
@@ -115,6 +121,11 @@ def test_metrics_scrape(duo):
     assert sample(m1, ttft, ttft + "_count", model="llama") >= 1
     assert sample(m1, ttft, ttft + "_bucket", model="llama", le="+Inf") >= 1
     assert sample(m1, "skulkp2p_requests_waiting", model="llama") == 0
+    # A ring's engine reports no measured verify-cost table (nor does /v1/models show one):
+    # the family is there, without samples.
+    assert m1["skulkp2p_verify_cost_seconds"] == {"type": "gauge", "samples": []}
+    (llama,) = call(duo.nodes[1].http, "GET", "/v1/models")[2]["data"]
+    assert "verify_costs" not in llama
     for fams in (m1, metrics(duo.nodes[0].http)):
         assert sample(fams, "skulkp2p_cluster_members", state="alive") == 2
         assert sample(fams, "skulkp2p_cluster_members", state="dead") == 0
@@ -256,9 +267,23 @@ def test_browser_shows_cluster_model_and_acceptance(duo, tmp_path):
                           "document.querySelector('[data-placement=\"llama\"]'))", 30,
                           "the tensor group")
         assert shown == [["n0 · 1/2", "n1 · 1/2"], "n0"], shown
-        holds = page.eval("document.querySelector('#members tr[data-member=\"n1\"] "
-                          "[data-holds=\"llama\"]').textContent")
+        # (waited for: while the model is re-placed a poll may briefly list no placement)
+        holds = page.wait("(h => h && h.textContent.includes('rank') && h.textContent)("
+                          "document.querySelector('#members tr[data-member=\"n1\"] "
+                          "[data-holds=\"llama\"]'))", 30, "n1's rank in the group")
         assert holds.startswith("llama: rank 2/2, 1/2 of layers 0–"), holds
+        # The group's measured verify costs, in the card of the member that runs its loop:
+        # the table /v1/models shows, row for row.
+        duo.wait(lambda: _verify_costs(n0.http), GROUP_FORMS_S, "the group's verify costs")
+        costs = _verify_costs(n0.http)
+        rows = page.wait("(t => t && [t.dataset.where, [...t.querySelectorAll('tr[data-width]')]"
+                         ".map(r => [Number(r.dataset.width), Number(r.querySelector("
+                         "'[data-seconds]').dataset.seconds), Number(r.querySelector("
+                         "'[data-relative]').dataset.relative)])])(document.querySelector("
+                         "'[data-model=\"llama\"][data-node=\"n0\"] .verify-costs'))", 30,
+                         "the verify-cost table")
+        assert rows == [costs["where"], [[w["width"], w["seconds"], w["relative"]]
+                                         for w in costs["widths"]]], rows
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert width == 1400 and height >= 800, (width, height)
@@ -266,6 +291,46 @@ def test_browser_shows_cluster_model_and_acceptance(duo, tmp_path):
     if target:
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tmp_path / "dashboard.png", target)
+
+
+def _verify_costs(http: str) -> dict | None:
+    """The llama's verify costs as GET /v1/models shows them on that node, once placed as a
+    tensor group n0, n1 (None before: while it is re-placed the listing may lack it)."""
+    listed = [m for m in call(http, "GET", "/v1/models")[2]["data"] if m["id"] == "llama"]
+    if not listed or listed[0]["parallel"] != "tensor":
+        return None
+    return listed[0].get("verify_costs")
+
+
+@cluster_only
+def test_tensor_group_verify_costs_on_metrics(duo):
+    """Placed as a tensor-parallel group (as the browser test leaves it), the group measures
+    its verify costs; /metrics of the member that runs its loop has one gauge per width, the
+    same seconds and relative costs /v1/models shows, labelled with where they were measured;
+    the other member's /metrics has none (its node runs no engine of the model)."""
+    n0, n1 = duo.nodes[0], duo.nodes[1]
+    status, _, out = call(n0.http, "POST", "/v1/cluster/place",
+                          {"model": "llama", "nodes": ["n0", "n1"], "parallel": "tensor"})
+    assert status == 200 and out["placement"]["parallel"] == "tensor", out
+    duo.wait(lambda: _verify_costs(n0.http), GROUP_FORMS_S, "the group's verify costs")
+    costs = _verify_costs(n0.http)
+    assert costs["where"] == "tensor-parallel group n0, n1"
+    m0 = metrics(n0.http)
+    seconds = {int(labels["width"]): v for _, labels, v in
+               m0["skulkp2p_verify_cost_seconds"]["samples"]
+               if labels["model"] == "llama" and labels["where"] == costs["where"]}
+    relative = {int(labels["width"]): v for _, labels, v in
+                m0["skulkp2p_verify_cost_relative"]["samples"] if labels["model"] == "llama"}
+    # (/v1/models rounds the seconds to the microsecond; the gauges keep them whole)
+    assert seconds == {w["width"]: pytest.approx(w["seconds"], abs=1e-6)
+                       for w in costs["widths"]}
+    assert relative == {w["width"]: w["relative"] for w in costs["widths"]}
+    assert len(seconds) > 1 and relative[1] == 1.0
+    assert sample(m0, "skulkp2p_verify_costs_measured_timestamp_seconds", model="llama",
+                  where=costs["where"]) == costs["measured_at"]
+    assert metrics(n1.http)["skulkp2p_verify_cost_seconds"]["samples"] == []
+    text = call(n0.http, "GET", "/metrics")[2].decode()
+    print("\n" + "\n".join(line for line in text.splitlines() if "verify_cost" in line))
 
 
 def test_single_node_app_counts_outcomes():
@@ -308,3 +373,38 @@ def test_single_node_app_counts_outcomes():
         assert [n["node"] for n in cluster["nodes"]] == [stats["node"]]  # no cluster: itself
     finally:
         node.close()
+
+
+def test_single_node_app_shows_its_engines_verify_costs():
+    """What the engine reports on the seam (EngineInfo.verify_costs) is on /metrics and in
+    /v1/stats (the page's model card), through the app's real routes; an engine that reports
+    none has no samples."""
+    from skulkp2p.engine.protocol import EngineInfo, VerifyCosts
+    from tests.helpers.fake_engine import FakeEngine, LiveNode, Script
+
+    costs = VerifyCosts({1: 0.01, 2: 0.011, 4: 0.015}, time.time(), "tensor-parallel group a, b")
+
+    class Measured(FakeEngine):
+        def info(self) -> EngineInfo:
+            return EngineInfo(self.id, "fake", "none", self.context_length,
+                              verify_costs=costs)
+
+    for engine, shown in ((Measured(Script()), True), (FakeEngine(Script()), False)):
+        node = LiveNode(engine=engine)
+        try:
+            node.wait_ready()
+            with H11Client(node.port) as c:
+                r = c.request("GET", "/metrics")
+                stats = c.request("GET", "/v1/stats").json()
+            assert r.status == 200
+            fams = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
+            got = {(s.labels["model"], int(s.labels["width"]), s.labels["where"]): s.value
+                   for s in fams["skulkp2p_verify_cost_seconds"].samples}
+            fake = stats["models"]["fake"]
+            if shown:
+                assert got == {("fake", w, costs.where): s for w, s in costs.seconds.items()}
+                assert fake["verify_costs"] == json.loads(json.dumps(costs.to_json()))
+            else:
+                assert got == {} and "verify_costs" not in fake
+        finally:
+            node.close()

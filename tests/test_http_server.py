@@ -91,6 +91,33 @@ def test_a_broken_ring_is_a_503_to_retry(node):
         assert c.request("GET", "/health").status == 200
 
 
+def test_a_broken_tensor_group_is_a_503_to_retry(node):
+    """A tensor-parallel group breaking under a request (a member killed or frozen, the group
+    torn down by a re-placement) is transient like a broken ring: 503 tensor_group_failed with
+    Retry-After, naming the model and the cause, on every route; a stream already started ends
+    with the same code in its error event."""
+    with H11Client(node.port) as c:
+        r = c.request("POST", "/v1/chat/completions", chat("tokens=5 tensorfail=2"))
+        err = r.json()["error"]
+        assert r.status == 503 and r.headers["retry-after"] == "1", r.json()
+        assert err["code"] == "tensor_group_failed" and err["type"] == "service_unavailable"
+        assert "model fake" in err["message"] and "retry" in err["message"]
+        assert "node n1 is dead" in err["message"]
+        r = c.request("POST", "/v1/completions",
+                      {"model": "fake", "prompt": "tokens=5 tensorfail=0"})
+        assert r.status == 503 and r.json()["error"]["code"] == "tensor_group_failed"
+        r = c.request("POST", "/v1/messages",
+                      {**chat("tokens=5 tensorfail=0"), "max_tokens": 5})
+        assert r.status == 503 and r.headers["retry-after"] == "1" and r.json()["type"] == "error"
+        r = c.request("POST", "/v1/chat/completions", chat("tokens=5 tensorfail=2", stream=True))
+        events = r.sse()
+        assert r.status == 200
+        assert json.loads(events[-1][1])["error"]["code"] == "tensor_group_failed"
+        assert [json.loads(d)["choices"][0]["delta"].get("content") for _, d in events[1:-1]] \
+            == ["w0 ", "w1 "]
+        assert c.request("GET", "/health").status == 200
+
+
 def test_streaming_failure_ends_with_an_error_event(node):
     with H11Client(node.port) as c:
         r = c.request("POST", "/v1/chat/completions", chat("tokens=5 fail=2", stream=True))

@@ -10,6 +10,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.results import (
     DrafterCounts,
     GenerationResult,
@@ -258,3 +259,32 @@ def test_cluster_metrics_from_a_status():
     assert names["skulkp2p_cluster_has_leader"].samples[0].value == 0
     t.watch_cluster(lambda: None)
     assert "skulkp2p_cluster_members" not in parsed(t.registry.render())
+
+
+def test_verify_costs_as_gauges_and_in_stats():
+    """A model's measured verify-cost table (what /v1/models shows) as gauges by model, width
+    and where, and in the stats the page reads; a model without one has no samples."""
+    costs = VerifyCosts({1: 0.004, 2: 0.005, 4: 0.008}, 1_700_000_000.5,
+                        "tensor-parallel group n0, n1")
+    t = Telemetry()
+    t.watch_models(lambda: {"m": {"state": "ready", "waiting": 0},
+                            "plain": {"state": "ready", "waiting": 0}})
+    t.watch_verify_costs(lambda: {"m": costs})
+    fams = parsed(t.registry.render())
+    where = "tensor-parallel group n0, n1"
+    assert fams["skulkp2p_verify_cost_seconds"]["type"] == "gauge"
+    assert fams["skulkp2p_verify_cost_seconds"]["samples"] == {
+        ("skulkp2p_verify_cost_seconds", (("model", "m"), ("where", where), ("width", str(w)))):
+            s for w, s in costs.seconds.items()}
+    assert value(fams, "skulkp2p_verify_cost_relative", model="m", width=4, where=where) == 2.0
+    assert value(fams, "skulkp2p_verify_cost_relative", model="m", width=1, where=where) == 1.0
+    assert value(fams, "skulkp2p_verify_costs_measured_timestamp_seconds", model="m",
+                 where=where) == 1_700_000_000.5
+    stats = t.stats()["models"]
+    assert stats["m"]["verify_costs"] == costs.to_json()
+    assert "verify_costs" not in stats["plain"]
+    # None reported (a single node's or a ring's engine today): the families, no samples.
+    t.watch_verify_costs(lambda: {})
+    fams = parsed(t.registry.render())
+    assert fams["skulkp2p_verify_cost_seconds"]["samples"] == {}
+    assert "verify_costs" not in t.stats()["models"]["m"]

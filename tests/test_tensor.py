@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from skulkp2p.api.errors import engine_error
+from skulkp2p.api.worker import TensorGroupFailed
 from skulkp2p.cluster.placement import (
     ModelSpec,
     NodeOffer,
@@ -222,10 +224,18 @@ def test_killed_rank_ends_the_call_at_once(models):
         generate(group.head, "off", max_tokens=4)
         group.ranks[1].kill()
         t0 = time.monotonic()
-        with pytest.raises(TensorError, match="broke mid-request"):
+        with pytest.raises(TensorError, match="broke mid-request") as raised:
             generate(group.head, "off", max_tokens=4)
         assert time.monotonic() - t0 < group.timeout  # the peer's socket closed: not a timeout
         assert not group.ranks[0].alive()  # the group is over: rank 0 ended too
+        # What a client gets for it (the worker wraps the engine's error, the API maps it):
+        # a 503 to retry with its own code, naming the model and the cause; never a 500.
+        err = engine_error(TensorGroupFailed("llama", raised.value))
+        assert (err.status, err.code, err.type) == (503, "tensor_group_failed",
+                                                    "service_unavailable")
+        assert err.headers == [("Retry-After", "1")]
+        assert err.message.startswith("model llama: its tensor-parallel group broke (")
+        assert "broke mid-request" in err.message and err.message.endswith("retry")
     finally:
         group.close()
 

@@ -1,8 +1,9 @@
 """Tensor-parallel placements in a cluster of real `join` processes on 127.0.0.x: placed with
 `POST /v1/cluster/place {"parallel": "tensor"}`, shown in `/v1/cluster`, each member's rank
 process started and ended by its node; speculative output equals plain output on the group;
-a member killed or frozen mid-request ends the request with a clear error in bounded time, the
-model is placed again and the next request succeeds (the ring failure tests, for groups)."""
+a member killed or frozen mid-request ends the request in bounded time with a 503
+tensor_group_failed to retry (as a broken ring's ring_failed), the model is placed again and
+the next request succeeds (the ring failure tests, for groups)."""
 
 from __future__ import annotations
 
@@ -139,13 +140,15 @@ def _verify_costs(c, i: int) -> dict | None:
 
 
 def _long_request(c, i: int, result: dict) -> threading.Thread:
+    """A long non-streamed completion on node i (forwarded to the member that runs the loop),
+    as an OpenAI client sends it: its reply is (status, headers, body)."""
     def run() -> None:
         body = {"model": "llama", "prompt": ECHO, "max_tokens": 3000, "speculation": "off"}
         try:
-            result["reply"] = call(c.nodes[i].http, "POST", "/v1/cluster/generate", body,
+            result["reply"] = call(c.nodes[i].http, "POST", "/v1/completions", body,
                                    timeout=60)
         except OSError as e:
-            result["reply"] = (0, None, {"error": {"message": f"client: {e}"}})
+            result["reply"] = (0, {}, {"error": {"message": f"client: {e}"}})
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -166,6 +169,21 @@ def _mid_request_on_a_group(c) -> tuple[dict, threading.Thread, dict, int]:
     return reference, t, result, pid
 
 
+def _group_failed(reply: tuple) -> str:
+    """A broken group is transient, like a broken ring: 503 tensor_group_failed with
+    Retry-After, the message naming the model and what broke and saying to retry (through the
+    node that forwarded it); never a 500 "generation failed". Returns the message."""
+    status, headers, out = reply
+    assert status == 503, reply
+    assert headers.get("retry-after") == "1", headers
+    err = out["error"]
+    assert err["code"] == "tensor_group_failed" and err["type"] == "service_unavailable", out
+    message = err["message"]
+    assert message.startswith("model llama: its tensor-parallel group broke"), message
+    assert "broke mid-request" in message and message.endswith("retry"), message
+    return message
+
+
 def _replaced_without_n1(c) -> None:
     _grouped(c, [0, 2], lambda ring: "n1" not in ring)
 
@@ -184,10 +202,8 @@ def test_member_frozen_mid_request(cluster):
         t.join(30)
         took = time.monotonic() - t0
         assert not t.is_alive(), "the request hung on a frozen member"
-        _, _, out = result["reply"]
-        message = out["error"]["message"]
-        assert "tensor-parallel group" in message and "broke mid-request" in message, out
-        assert "n1" in message, out
+        message = _group_failed(result["reply"])
+        assert "n1" in message, message
         assert took < 15, took  # the member declared dead: seconds, not the 20 s timeout
         print(f"\nfrozen member: the request ended {took:.1f} s after SIGSTOP: {message}")
         _replaced_without_n1(c)
@@ -210,8 +226,7 @@ def test_member_killed_mid_request(cluster):
     t0 = time.monotonic()
     t.join(30)
     assert not t.is_alive(), "the request hung on a dead member"
-    _, _, out = result["reply"]
-    assert "tensor-parallel group" in out["error"]["message"], out
+    _group_failed(result["reply"])
     assert time.monotonic() - t0 < 15
     _replaced_without_n1(c)
     assert _pipe(c.nodes[2].http, "plain")["tokens"] == reference["tokens"]

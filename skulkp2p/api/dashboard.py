@@ -22,6 +22,7 @@ import orjson
 
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response, Router
+from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.telemetry import CONTENT_TYPE, Telemetry
 
 PEER_TIMEOUT_S = 1.5
@@ -49,6 +50,21 @@ def worker_info(worker: Any) -> dict[str, Any]:
             "busy": worker.current is not None}
 
 
+def engine_verify_costs(workers: Mapping[str, Any]) -> dict[str, VerifyCosts]:
+    """The measured verify-cost table of each ready model whose engine reports one on the seam
+    (`EngineInfo.verify_costs`: today a tensor-parallel group's, on the member that runs its
+    loop); the others are left out, as /v1/models leaves them out."""
+    out = {}
+    for model, worker in workers.items():
+        engine = worker.engine
+        if engine is None or worker.state != "ready":
+            continue
+        costs = engine.info().verify_costs
+        if costs is not None:
+            out[model] = costs
+    return out
+
+
 def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStatus,
                workers: Workers) -> None:
     """GET /, its assets, /metrics and /v1/stats on `router`. `cluster_status()` returns the
@@ -56,6 +72,7 @@ def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStat
     {model: ModelWorker} this node runs."""
     telemetry.watch_models(lambda: {m: worker_info(w) for m, w in workers().items()})
     telemetry.watch_cluster(cluster_status)
+    telemetry.watch_verify_costs(lambda: engine_verify_costs(workers()))
 
     def status() -> Mapping[str, Any] | None:
         try:

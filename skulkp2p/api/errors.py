@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from skulkp2p.api.worker import RingFailed, WorkerStopped
+from skulkp2p.api.worker import RingFailed, TensorGroupFailed, WorkerStopped
 from skulkp2p.engine.protocol import EngineFailed, EngineUnavailable
 from skulkp2p.engine.request import RequestError
 
@@ -76,6 +76,9 @@ def engine_error(e: BaseException, rename: dict[str, str] | None = None) -> ApiE
         return ApiError(503, str(e), code="model_moved", headers=[("Retry-After", "1")])
     if isinstance(e, RingFailed):  # a member of the model's ring died or moved: transient
         return ApiError(503, str(e), code="ring_failed", headers=[("Retry-After", "1")])
+    if isinstance(e, TensorGroupFailed):  # a member of its tensor group died or moved: same
+        return ApiError(503, str(e), code="tensor_group_failed",
+                        headers=[("Retry-After", "1")])
     if isinstance(e, EngineUnavailable):
         headers = [("Retry-After", str(e.retry_after))] if e.retry_after else []
         return ApiError(503, e.message, code="model_unavailable", headers=headers)

@@ -30,6 +30,7 @@ from skulkp2p.engine.protocol import Cancelled, Engine, Generation, LoopEngine
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
 from skulkp2p.engine.ring_frames import RingError
+from skulkp2p.engine.tensor_errors import TensorError
 from skulkp2p.telemetry import RequestFinished, RequestStarted, Telemetry
 
 log = logging.getLogger("skulkp2p.worker")
@@ -58,6 +59,17 @@ class RingFailed(Exception):
     def __init__(self, model_id: str, cause: RingError):
         super().__init__(f"model {model_id}: its ring of nodes broke ({cause}); the model is "
                          "being re-placed, retry")
+        self.model_id = model_id
+
+
+class TensorGroupFailed(Exception):
+    """The model's tensor-parallel group broke under the job (a member died or froze, or the
+    group was torn down by a re-placement): transient like a broken ring, the client may
+    retry once the leader placed the model again."""
+
+    def __init__(self, model_id: str, cause: TensorError):
+        super().__init__(f"model {model_id}: its tensor-parallel group broke ({cause}); the "
+                         "model is being re-placed, retry")
         self.model_id = model_id
 
 
@@ -338,6 +350,9 @@ class ModelWorker:
         except RingError as e:
             log.warning("job %d: the ring broke: %s", job.id, e)
             job.post(Failed(RingFailed(self.model_id, e)))
+        except TensorError as e:
+            log.warning("job %d: the tensor-parallel group broke: %s", job.id, e)
+            job.post(Failed(TensorGroupFailed(self.model_id, e)))
         except Exception as e:
             log.exception("job %d failed", job.id)
             job.post(Failed(e))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skulkp2p import wire
+from skulkp2p.engine.tensor_errors import TensorError
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -39,11 +40,6 @@ log = logging.getLogger("skulkp2p.tensor")
 
 READY_TIMEOUT_S = 120.0  # load and group formation; a peer that never comes ends it
 _PR_SET_PDEATHSIG = 1
-
-
-class TensorError(RuntimeError):
-    """The tensor-parallel group could not complete a call (a member died, froze, or the
-    placement moved): the request ends with this message."""
 
 
 def tensor_timeout() -> float:

@@ -14,12 +14,14 @@ from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult, Timing, Usage
 from skulkp2p.engine.ring_frames import RingError
+from skulkp2p.engine.tensor_errors import TensorError
 
 
 class Script:
     """What the fake engine does, from the prompt: `tokens=5 prefill=2.0 delay=0.01 fail=3
-    ringfail=3 block` (block: wait for `release` before the first token; ringfail: the
-    engine's RingError, as a broken ring of nodes raises it)."""
+    ringfail=3 tensorfail=3 block` (block: wait for `release` before the first token; ringfail:
+    the engine's RingError, as a broken ring of nodes raises it; tensorfail: its TensorError,
+    as a broken tensor-parallel group raises it)."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -30,7 +32,7 @@ class Script:
     @staticmethod
     def params(text: str) -> dict:
         out = {"tokens": 3, "prefill": 0.0, "delay": 0.0, "fail": -1, "ringfail": -1,
-               "block": False}
+               "tensorfail": -1, "block": False}
         for word in text.split():
             key, _, value = word.partition("=")
             if key in out:
@@ -62,6 +64,9 @@ class Script:
                     raise RuntimeError("the engine broke")
                 if i == p["ringfail"]:
                     raise RingError("a stage dropped the frame")
+                if i == p["tensorfail"]:
+                    raise TensorError("tensor-parallel group of fake (n0, n1) broke "
+                                      "mid-request: node n1 is dead")
                 time.sleep(p["delay"])
                 yield Chunk(f"w{i} ", [i])
         except BaseException:

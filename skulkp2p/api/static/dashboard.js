@@ -233,6 +233,23 @@ function inFlightTable(m) {
       el("td", { text: r.tokens && r.elapsed_s > 0 ? num(r.tokens / r.elapsed_s) : "–" })))));
 }
 
+function verifyCostsTable(m, now) {
+  // The verify-cost table the model's engine measured where it runs (a tensor group's, on the
+  // member running its loop): what one verify call of w rows costs, and relative to one row.
+  const v = m.verify_costs;
+  if (!v) return null;
+  return el("div", { class: "verify-costs", "data-where": v.where },
+    el("h4", { text: "verify cost by width" }),
+    el("div", { class: "muted", text: `${v.where} · measured ${ago(now - v.measured_at)}` }),
+    el("table", {},
+      el("thead", {}, el("tr", {}, ["width (rows)", "ms per call", "relative to 1 row"]
+        .map((h) => el("th", { text: h })))),
+      el("tbody", {}, v.widths.map((w) => el("tr", { "data-width": w.width },
+        el("td", { text: w.width }),
+        el("td", { "data-seconds": w.seconds, text: num(1000 * w.seconds, 2) }),
+        el("td", { "data-relative": w.relative, text: `${num(w.relative, 2)}×` }))))));
+}
+
 function modelCard(node, name, m, now, windowS) {
   const t = m.totals || {};
   const lastTokS = [...m.series].reverse().find((p) => p.tok_s !== null);
@@ -258,7 +275,8 @@ function modelCard(node, name, m, now, windowS) {
           el("span", { class: "muted", text: `last ${Math.round(span / 60)} min` }))),
       el("div", { class: "tables" },
         el("h4", { text: "acceptance by drafter" }), drafterTable(m),
-        el("h4", { text: "in flight" }), inFlightTable(m))),
+        el("h4", { text: "in flight" }), inFlightTable(m),
+        verifyCostsTable(m, now))),
     el("div", { class: "tables" },
       el("h4", { text: m.recent.length > RECENT_ROWS
         ? `recent (newest ${RECENT_ROWS} of ${m.recent.length})` : "recent" }),
