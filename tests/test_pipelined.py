@@ -1,9 +1,9 @@
-"""Pipelined plain greedy (decode._pipelined_greedy: step n+1 built while step n evaluates, as
-mlx-lm's generate_step) with the prefix cache on and in the batch scheduler: the same tokens as
-the round loop and mlx-lm; closed early, the caches end where the round loop's would (the step
-built ahead taken back), so the prefix-cache entry kept after it serves the next turn exactly; a
-request alone on a batching engine runs pipelined on its own caches and joins the batch when
-another request arrives, both decoding what they decode alone."""
+"""Pipelined plain greedy (decode._pipelined with no drafter: step n+1 built while step n
+evaluates, as mlx-lm's generate_step) with the prefix cache on and in the batch scheduler: the
+same tokens as the round loop and mlx-lm; closed early, the caches end where the round loop's
+would (the step built ahead taken back), so the prefix-cache entry kept after it serves the next
+turn exactly; a request alone on a batching engine runs pipelined on its own caches and joins
+the batch when another request arrives, both decoding what they decode alone."""
 
 from __future__ import annotations
 

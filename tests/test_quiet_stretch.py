@@ -1,9 +1,9 @@
-"""Quiet stretches (decode._quiet_stretch): where the drafter has nothing to offer, greedy steps
-run pipelined (step n+1 built while step n is handed out) instead of one synchronous one-token
-round each; the drafter still observes every token, with the step's own hidden row, and is
-asked after every token; when it drafts, the step built ahead is taken back. Checked against
-the round loop (a forward without lazy steps) and mlx-lm: the same tokens, the same drafter
-calls and hidden rows, and caches that end bit for bit where the round loop's end."""
+"""Quiet stretches (decode._pipelined with a drafter): where the drafter has nothing to offer,
+greedy steps run pipelined (step n+1 built while step n is handed out) instead of one
+synchronous one-token round each; the drafter still observes every token, with the step's own
+hidden row, and is asked after every token; when it drafts, the step built ahead is taken back.
+Checked against the round loop (a forward without lazy steps) and mlx-lm: the same tokens, the
+same drafter calls and hidden rows, and caches that end bit for bit where the round loop's end."""
 
 from __future__ import annotations
 

@@ -60,6 +60,7 @@ from skulkp2p.engine.sampling import (
     target_probs,
 )
 from tests.helpers.prefilled import PrefilledForward
+from tests.helpers.sampled import FixedDrafter, probs_after, skewed_sequence
 from tests.helpers.stats import chi2_sf, goodness_of_fit, two_sample
 
 ALPHA = 1e-3
@@ -183,24 +184,6 @@ N_E2E = 2000
 DEPTH = 3
 
 
-class FixedDrafter:
-    """Proposes the same tokens whatever the history: a maximally skewed deterministic drafter."""
-
-    name = "fixed"
-
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens
-
-    def begin(self, prompt, forward) -> None:
-        pass
-
-    def propose(self, history, k):
-        return list(self.tokens[:k]), None
-
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def sharp_llama(tiny_models) -> LoadedModel:
     lm = load_model(tiny_models["llama"], "llama-sharp")
@@ -208,23 +191,6 @@ def sharp_llama(tiny_models) -> LoadedModel:
     lm.model.lm_head.weight = (w.astype(mx.float32) * SHARPEN).astype(w.dtype)
     mx.eval(lm.model.parameters())
     return lm
-
-
-def _probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
-    """The exact distribution plain decoding draws the token after `history` from."""
-    f = LocalForward(model)
-    f.prefill(history[:-1])
-    return target_probs(process_logits(f([history[-1]]), history, params), params)
-
-
-def _skewed_sequence(model, prompt: list[int], params: SamplingParams) -> list[int]:
-    """Drafts [likely, likely, unlikely]: the first two are accepted often enough for chains to
-    happen, the third is the least likely token the target still allows."""
-    a = int(np.argmax(_probs_after(model, prompt, params)))
-    b = int(np.argmax(_probs_after(model, prompt + [a], params)))
-    p3 = _probs_after(model, prompt + [a, b], params)
-    c = int(np.argmin(np.where(p3 > 0, p3, np.inf)))
-    return [a, b, c]
 
 
 def _first_tokens(forward_factory: Callable[[], object], prompt: list[int],
@@ -291,13 +257,13 @@ def _check_against_plain(spec: list[tuple[int, ...]], plain: list[tuple[int, ...
 def test_fixed_skewed_drafts_match_plain(sharp_llama, plain_samples, params):
     lm = sharp_llama
     prompt = _prompt(lm, params)
-    drafts = _skewed_sequence(lm.model, prompt, params)
+    drafts = skewed_sequence(lm.model, prompt, params)
     spec = _spec_samples(lm, prompt, params, lambda i: FixedDrafter(drafts), DEPTH)
     # The drafts were accepted in some samples and rejected in others, at both positions.
     first_two = Counter(s[:2] for s in spec)
     assert 0.1 * N_E2E < sum(v for k, v in first_two.items() if k[0] == drafts[0]) < 0.9 * N_E2E
     assert first_two[tuple(drafts[:2])] > 0.02 * N_E2E
-    _check_against_plain(spec, plain_samples(prompt, params), _probs_after(lm.model, prompt,
+    _check_against_plain(spec, plain_samples(prompt, params), probs_after(lm.model, prompt,
                                                                            params))
 
 
@@ -315,7 +281,7 @@ def test_draft_model_with_skewed_q_matches_plain(sharp_llama, plain_samples):
         return d
 
     spec = _spec_samples(lm, prompt, TOPK, drafter, 2, n=N_E2E * 3 // 4)  # + 2 draft calls each
-    _check_against_plain(spec, plain_samples(prompt, TOPK), _probs_after(lm.model, prompt, TOPK))
+    _check_against_plain(spec, plain_samples(prompt, TOPK), probs_after(lm.model, prompt, TOPK))
 
 
 @pytest.mark.slow
@@ -324,7 +290,7 @@ def test_draft_model_with_skewed_q_matches_plain(sharp_llama, plain_samples):
 def test_end_to_end_test_rejects_wrong_rules(sharp_llama, plain_samples, monkeypatch, wrong):
     lm = sharp_llama
     prompt = _prompt(lm, TOPK)
-    drafts = _skewed_sequence(lm.model, prompt, TOPK)
+    drafts = skewed_sequence(lm.model, prompt, TOPK)
     monkeypatch.setattr(decode_module, "verify_one", wrong)
     spec = _spec_samples(lm, prompt, TOPK, lambda i: FixedDrafter(drafts), DEPTH, n=N_E2E // 3)
     assert two_sample([s[:2] for s in spec], [s[:2] for s in plain_samples(prompt, TOPK)]) < ALPHA
@@ -445,7 +411,7 @@ def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_mo
     lm.model.lm_head.weight = (w.astype(mx.float32) * SHARPEN).astype(w.dtype)
     params = TOPK
     prompt = _prompt(lm, params)
-    drafts = _skewed_sequence(lm.model, prompt, params)
+    drafts = skewed_sequence(lm.model, prompt, params)
     mem = SuffixMemory(1000)
     mem.add(prompt + drafts)
 
@@ -456,7 +422,7 @@ def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_mo
     assert mem.hits > 0.5 * N_E2E
     plain = _first_tokens(lambda: PrefilledForward(lm.model), prompt, params, N_E2E,
                              seed0=0, take=2)
-    _check_against_plain(spec, plain, _probs_after(lm.model, prompt, params))
+    _check_against_plain(spec, plain, probs_after(lm.model, prompt, params))
 
 
 # --- the Gemma 4 assistant (engine/assistant.py) -----------------------------------------------
@@ -504,6 +470,6 @@ def test_gemma4_assistant_sampling_matches_plain(tmp_path_factory):
     spec = run(drafter, 1_000_000)
     assert stats.accepted_at[0] > 0.1 * N_ASSISTANT and stats.accepted_at[1] > 0
     plain = run(None, 0)
-    p1 = _probs_after(model, prompt, params)
+    p1 = probs_after(model, prompt, params)
     assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA
     assert two_sample(spec, plain) > ALPHA

@@ -39,13 +39,13 @@ from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import (
     SamplingParams,
     make_rng,
-    process_logits,
     sample_from,
     target_probs,
 )
 from skulkp2p.engine.tree import DraftTree
 from skulkp2p.engine.tree_accept import accept_child
 from tests.helpers.prefilled import PrefilledForward
+from tests.helpers.sampled import FixedTreeDrafter, exact_joint, fixed_tree, joint_fit
 from tests.helpers.stats import goodness_of_fit
 from tests.helpers.trees import CODE, FREE_WIDTH, tree_drafter, trees_on
 
@@ -139,64 +139,6 @@ def sharp_llama(tiny_models) -> LoadedModel:
     return lm
 
 
-def _probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
-    """The exact distribution plain decoding draws the token after `history` from."""
-    f = LocalForward(model)
-    f.prefill(history[:-1])
-    return target_probs(process_logits(f([history[-1]]), history, params), params)
-
-
-def _exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
-    """p(t1, t2, t3) of plain sampling over the supports of each step."""
-    out = {}
-    p1 = _probs_after(model, prompt, params)
-    for a in np.nonzero(p1)[0].tolist():
-        p2 = _probs_after(model, prompt + [a], params)
-        for b in np.nonzero(p2)[0].tolist():
-            p3 = _probs_after(model, prompt + [a, b], params)
-            for c in np.nonzero(p3)[0].tolist():
-                out[(a, b, c)] = p1[a] * p2[b] * p3[c]
-    return out
-
-
-class FixedTreeDrafter:
-    """Proposes the same tree every round (deterministic nodes, q one-hot)."""
-
-    name = "fixed-tree"
-
-    def __init__(self, tree: DraftTree):
-        self.tree = tree
-
-    def begin(self, prompt, forward) -> None:
-        pass
-
-    def propose(self, history, k):
-        return [], None
-
-    def propose_tree(self, history, k):
-        return self.tree if k >= 2 else None
-
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
-
-    def observe_tree(self, tree, path, emitted, forward) -> None:
-        pass
-
-
-def _fixed_tree(model, prompt: list[int], params: SamplingParams) -> DraftTree:
-    """Root children: p's 2nd, 1st and 5th likeliest; under the first, p(. | it)'s 1st and
-    3rd; under the second, its 2nd. Not in p's order, so the residual decides often."""
-    o1 = np.argsort(-_probs_after(model, prompt, params))
-    a, b, c = int(o1[1]), int(o1[0]), int(o1[4])
-    oa = np.argsort(-_probs_after(model, prompt + [a], params))
-    ob = np.argsort(-_probs_after(model, prompt + [b], params))
-    tree = DraftTree([a, b, c], [0, 0, 0], main=1)
-    tree.add(1, int(oa[0]))
-    tree.add(1, int(oa[2]))
-    tree.add(2, int(ob[1]))
-    return tree
-
-
 TOPK = SamplingParams(temperature=1.0, top_k=8)
 PENALTY = SamplingParams(temperature=1.0, top_k=8, repetition_penalty=1.5)
 
@@ -221,15 +163,6 @@ def _tree_samples(lm: LoadedModel, prompt: list[int], params: SamplingParams,
     return out, stats
 
 
-def _fit(samples: list[tuple[int, ...]], joint: dict[tuple, float]) -> float:
-    cells = list(joint)
-    index = {c: i for i, c in enumerate(cells)}
-    outside = [s for s in samples if s not in index]
-    assert not outside, f"sequences of zero probability were emitted: {outside[:3]}"
-    p = np.array([joint[c] for c in cells])
-    return goodness_of_fit((index[s] for s in samples), p / p.sum())
-
-
 @pytest.fixture(scope="module")
 def cases(sharp_llama):
     memo = {}
@@ -237,8 +170,8 @@ def cases(sharp_llama):
     def get(params):
         if params not in memo:
             prompt = _prompt(sharp_llama, params)
-            memo[params] = (prompt, _fixed_tree(sharp_llama.model, prompt, params),
-                            _exact_joint(sharp_llama.model, prompt, params))
+            memo[params] = (prompt, fixed_tree(sharp_llama.model, prompt, params),
+                            exact_joint(sharp_llama.model, prompt, params))
         return memo[params]
 
     return get
@@ -246,7 +179,7 @@ def cases(sharp_llama):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [TOPK, PENALTY], ids=["topk8", "topk8-penalty1.5"])
-def test_sampled_tree_matches_the_exact_joint(sharp_llama, cases, params):
+def test_sampled_tree_matches_theexact_joint(sharp_llama, cases, params):
     prompt, tree, joint = cases(params)
     samples, stats = _tree_samples(sharp_llama, prompt, params, tree, N_E2E)
     # every round of the first three tokens' was a tree; each root child and a depth-2 node
@@ -256,7 +189,7 @@ def test_sampled_tree_matches_the_exact_joint(sharp_llama, cases, params):
     for child in tree.tokens[:3]:
         assert firsts.count(child) > 0.01 * N_E2E
     assert sum(s[:2] == (tree.tokens[0], tree.tokens[3]) for s in samples) > 0.02 * N_E2E
-    assert _fit(samples, joint) > ALPHA
+    assert joint_fit(samples, joint) > ALPHA
 
 
 @pytest.mark.slow
@@ -264,7 +197,7 @@ def test_end_to_end_test_rejects_a_rule_without_the_residual(sharp_llama, cases,
     prompt, tree, joint = cases(TOPK)
     monkeypatch.setattr(tree_accept, "accept_child", _no_residual)
     samples, _ = _tree_samples(sharp_llama, prompt, TOPK, tree, N_E2E // 3)
-    assert _fit(samples, joint) < ALPHA  # (about 1e-9 from these 1,000 runs)
+    assert joint_fit(samples, joint) < ALPHA  # (about 1e-9 from these 1,000 runs)
 
 
 def test_sampled_tree_round_is_seeded(sharp_llama, cases):

@@ -174,7 +174,7 @@ def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: 
     """Back-to-back pairs on one LocalForward each: pipelined against the round loop (a
     forward without lazy steps). Plain greedy, or with `quiet` a gated suffix drafter that
     starts off (what `auto` runs on a novel prompt on a model without a head of its own):
-    quiet stretches (decode._quiet_stretch) against one-token rounds. Wall tok/s and CPU time
+    quiet stretches (decode._pipelined with a drafter) against one-token rounds. Wall tok/s and CPU time
     per token (process_time: every thread's work, which load moves less)."""
     from skulkp2p.bench.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
@@ -187,7 +187,7 @@ def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: 
 
     class RoundLoop(LocalForward):  # no lazy steps: decode() runs its round loop
         def __getattribute__(self, name: str) -> Any:
-            if name in ("lazy_logits", "lazy_step"):
+            if name == "lazy_step":
                 raise AttributeError(name)
             return super().__getattribute__(name)
 

@@ -53,7 +53,7 @@ class Drafter(Protocol):
 class QuietDrafter(Drafter, Protocol):
     """A drafter that says when it expects to offer nothing for a while (a gate switched off):
     the loop then runs greedy steps pipelined, asking it for a draft after every token
-    (decode._quiet_stretch). Taking back the step built ahead costs a whole step, so a drafter
+    (decode._pipelined). Taking back the step built ahead costs a whole step, so a drafter
     that merely found no match this round (it likely will next round) is not quiet."""
 
     def quiet(self) -> bool: ...
@@ -192,14 +192,13 @@ def decode(
     trees = (drafter is not None and hasattr(drafter, "propose_tree")
              and getattr(forward, "trees", False))
     produced = 0
-    if drafter is None and plain_rows and max_tokens > 0 and _may_pipeline(forward, keeps):
-        produced, pending = yield from _pipelined_greedy(forward, pending, max_tokens, history,
-                                                         keeps, stats)
-    # With a drafter, the stretches where it has nothing to offer and expects to stay so (its
-    # gate is off) run pipelined too (see _quiet_stretch); a step built ahead is taken back
-    # when a draft turns up, so the caches must trim exactly.
+    # Rounds with nothing to verify run pipelined (_pipelined): plain greedy from its first
+    # token, and with a drafter the stretches where it expects to offer nothing for a while (its
+    # gate is off). A step built ahead is taken back when a draft turns up, or when the caller
+    # keeps the caches (the prefix cache), so then the caches must trim exactly.
     said_quiet = getattr(drafter, "quiet", None)
-    quiet = said_quiet is not None and plain_rows and hasattr(forward, "lazy_step")
+    may_stretch = plain_rows and (drafter is None or said_quiet is not None)
+    trims = keeps or drafter is not None
     offered: Proposal | None = None
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
@@ -207,8 +206,9 @@ def decode(
             offered = _propose(drafter, history, k, trees)
         draft, q, tree = offered
         offered = None
-        if not draft and quiet and said_quiet() and _may_pipeline(forward, trims=True):
-            produced, pending, offered = yield from _quiet_stretch(
+        if (not draft and may_stretch and (said_quiet is None or said_quiet())
+                and _may_pipeline(forward, trims)):
+            produced, pending, offered = yield from _pipelined(
                 forward, drafter, pending, produced, max_tokens, depth, history, keeps, stats,
                 trees)
             continue
@@ -278,7 +278,7 @@ def _may_pipeline(forward: Forward, trims: bool) -> bool:
     may run ahead now (a batch row only while it decodes alone), and, when a step built ahead
     may have to be taken back (the caller keeps the caches afterwards, or a draft may turn
     up), its caches trim exactly."""
-    if not hasattr(forward, "lazy_logits"):
+    if not hasattr(forward, "lazy_step"):
         return False
     may_run_ahead = getattr(forward, "may_run_ahead", None)
     if may_run_ahead is not None and not may_run_ahead():
@@ -302,23 +302,37 @@ def _propose(drafter: Drafter | None, history: list[int], k: int, trees: bool) -
     return draft, q, None
 
 
-def _quiet_stretch(forward: Any, drafter: Drafter, pending: int, produced: int,
-                   max_tokens: int, depth: int, history: list[int], keeps: bool,
-                   stats: DecodeStats, trees: bool
-                   ) -> Generator[int, None, tuple[int, int, Proposal | None]]:
-    """Greedy steps while the drafter has nothing to offer (its gate off), pipelined as
-    `_pipelined_greedy`'s instead of one synchronous one-token round each. The drafter still
-    sees every token as such a round would show it (`observe(0, 0, [token])`, `last_hidden`
-    the step's own row) and is asked for a draft after every token; when it has one, the step
-    built ahead (on that token) is taken back, so the caches hold what the round loop's would,
-    bit for bit, and the round loop verifies the draft. Returns (tokens produced so far, the
-    pending token, the draft offered or None when the stretch stopped for another reason)."""
+def _pipelined(forward: Any, drafter: Drafter | None, pending: int, produced: int,
+               max_tokens: int, depth: int, history: list[int], keeps: bool,
+               stats: DecodeStats, trees: bool
+               ) -> Generator[int, None, tuple[int, int, Proposal | None]]:
+    """Greedy steps the way mlx-lm's generate_step runs them: the next step's graph is built on
+    the current token as an unevaluated array and evaluated asynchronously while the current
+    token goes out, so Python's per-token work overlaps the model's. Same ops, same tokens as
+    the round loop (tests/test_decode.py, tests/test_quiet_stretch.py check against mlx-lm and
+    the loop). Plain greedy is such a stretch with no drafter, from the first token to the last.
+
+    With a drafter (its gate off: `quiet()`), the drafter still sees every token as a
+    one-token round would show it (`observe(0, 0, [token])`, `last_hidden` the step's own row)
+    and is asked for a draft after every token; when it has one, the step built ahead (on that
+    token) is taken back, so the caches hold what the round loop's would, bit for bit, and the
+    round loop verifies the draft.
+
+    At every yield `history` holds the tokens handed out; the caches hold one more position
+    (the step built ahead) until this generator is closed, which takes that step back when the
+    caller keeps the caches, so they end where the round loop's would: all of `history` but
+    its last token. It stops running ahead when the forward says so (another request came to
+    the batch). Returns (tokens produced so far, the pending token, the draft offered or None
+    when the stretch stopped for another reason)."""
     import mlx.core as mx
 
     def step(token: mx.array) -> tuple[mx.array, mx.array | None]:
         logits, hidden = forward.lazy_step(token)
         y = mx.argmax(log_probs(logits), axis=-1)
-        mx.async_eval(*(a for a in (y, hidden) if a is not None))
+        if hidden is None:
+            mx.async_eval(y)
+        else:
+            mx.async_eval(y, hidden)
         return y, hidden
 
     may_run_ahead = getattr(forward, "may_run_ahead", None)
@@ -331,9 +345,10 @@ def _quiet_stretch(forward: Any, drafter: Drafter, pending: int, produced: int,
         if produced < max_tokens and (may_run_ahead is None or may_run_ahead()):
             ahead = step(y)
         token = int(y.item())
-        if hidden is not None:
-            forward.last_hidden = hidden  # the row of the token this step ran, as a round's
-        drafter.observe(0, 0, [token], forward)
+        if drafter is not None:
+            if hidden is not None:
+                forward.last_hidden = hidden  # the row of the token this step ran, as a round's
+            drafter.observe(0, 0, [token], forward)
         history.append(token)
         stats.pipelined += 1
         try:
@@ -348,57 +363,13 @@ def _quiet_stretch(forward: Any, drafter: Drafter, pending: int, produced: int,
             if settled is not None:
                 settled()
             return produced, token, None
-        offered = _propose(drafter, history, min(depth, max_tokens - produced - 1), trees)
-        if offered[0]:
-            mx.eval(ahead[0])  # its cache entry is written before it is cut
-            forward.rollback(keep=0, dropped=1)
-            stats.taken_back += 1
-            if settled is not None:
-                settled()
-            return produced, token, offered
+        if drafter is not None:
+            offered = _propose(drafter, history, min(depth, max_tokens - produced - 1), trees)
+            if offered[0]:
+                mx.eval(ahead[0])  # its cache entry is written before it is cut
+                forward.rollback(keep=0, dropped=1)
+                stats.taken_back += 1
+                if settled is not None:
+                    settled()
+                return produced, token, offered
         y, hidden = ahead
-
-
-def _pipelined_greedy(forward: Any, pending: int, max_tokens: int, history: list[int],
-                      keeps: bool, stats: DecodeStats) -> Generator[int, None, tuple[int, int]]:
-    """Plain greedy decoding the way mlx-lm's generate_step runs it: the next step's graph is
-    built on the current token as an unevaluated array and evaluated asynchronously while the
-    current token goes out, so Python's per-token work overlaps the model's. Same ops, same
-    tokens as the round loop (tests/test_decode.py checks against mlx-lm and the loop).
-
-    At every yield `history` holds the tokens handed out; the caches hold one more position
-    (the step built ahead) until this generator is closed, which takes that step back when the
-    caller keeps the caches, so they end where the round loop's would: all of `history` but
-    its last token. It stops running ahead when the forward says so (another request came to
-    the batch) and returns (tokens produced, the pending token) for the round loop to go on."""
-    import mlx.core as mx
-
-    def step(token: mx.array) -> mx.array:
-        return mx.argmax(log_probs(forward.lazy_logits(token)), axis=-1)
-
-    may_run_ahead = getattr(forward, "may_run_ahead", None)
-    y = step(mx.array([pending]))
-    mx.async_eval(y)
-    produced = 0
-    token = pending
-    while produced < max_tokens:
-        produced += 1
-        nxt = None
-        if produced < max_tokens and (may_run_ahead is None or may_run_ahead()):
-            nxt = step(y)
-            mx.async_eval(nxt)
-        token = int(y.item())
-        history.append(token)
-        stats.pipelined += 1
-        try:
-            yield token
-        except GeneratorExit:
-            if nxt is not None:
-                mx.eval(nxt)  # nothing left running once the caller moves on
-                if keeps:
-                    forward.rollback(keep=0, dropped=1)
-            raise
-        if nxt is None:
-            break
-        y = nxt
-    return produced, token

@@ -184,15 +184,11 @@ class LocalForward:
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[mx.array([0, *path])]
 
-    def lazy_logits(self, token: mx.array) -> mx.array:
-        """Logits [1, V] of one token given as an mx array [1], appended to the cache, NOT
-        evaluated: plain greedy decoding builds step n+1 while step n runs (as mlx-lm's
-        generate_step does). Never rolled back; the cache may hold one token past the last one
-        the caller consumed."""
-        return self.local.stage.run(token, self.local.cache, logits=True)[0]
-
     def lazy_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
-        """As `lazy_logits`, with the trunk's hidden row of the token when this forward keeps
-        them (`hidden`), also not evaluated: decode's quiet stretches hand it to the drafter
-        as `last_hidden` once the step has run."""
+        """Logits [1, V] of one token given as an mx array [1], appended to the cache, and the
+        trunk's hidden row of the token when this forward keeps them (`hidden`), NOT evaluated:
+        decode's pipelined greedy steps build step n+1 while step n runs (as mlx-lm's
+        generate_step does), and hand the hidden row to a quiet drafter as `last_hidden` once
+        the step has run. The cache may hold one token past the last one the caller consumed
+        (decode takes it back with a rollback when it must)."""
         return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)

@@ -518,18 +518,13 @@ class RowForward:
             self.scheduler.cond.notify_all()
         return ok
 
-    def lazy_logits(self, token: mx.array) -> mx.array:
-        """One lazy step on the row's own caches (see LocalForward.lazy_logits), while alone."""
-        return self.lazy_step(token, hidden=False)[0]
-
-    def lazy_step(self, token: mx.array, hidden: bool = True) -> tuple[mx.array, mx.array | None]:
-        """One lazy step (see LocalForward.lazy_step), while alone: until `end_run_ahead`, an
-        arriving request waits for it (BatchScheduler.wait_settled)."""
+    def lazy_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        """One lazy step on the row's own caches (see LocalForward.lazy_step), while alone:
+        until `end_run_ahead`, an arriving request waits for it (BatchScheduler.wait_settled)."""
         sched = self.scheduler
         sched.ahead = self
         sched.lazy_steps += 1
-        return self.local.stage.run(token, self.local.cache, logits=True,
-                                    hidden=self.hidden if hidden else None)
+        return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
 
     def end_run_ahead(self) -> None:
         """Nothing of this row is in flight any more (decode left a pipelined stretch)."""

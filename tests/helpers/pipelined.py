@@ -29,6 +29,6 @@ class RoundLoopForward(LocalForward):
     pipelined plain greedy, no quiet stretches)."""
 
     def __getattribute__(self, name: str):
-        if name in ("lazy_logits", "lazy_step"):
+        if name == "lazy_step":
             raise AttributeError(name)
         return super().__getattribute__(name)
