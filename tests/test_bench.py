@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -74,10 +75,13 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
 
 def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
     proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path), "--max-tokens", "4",
-                   "--runs", "1", "--workloads", "qa", "--no-peers", timeout=120)
+                   "--runs", "2", "--workloads", "qa", "--no-peers", timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert [r["arm"] for r in doc["results"]] == ["plain", "spec"]
+    # Each run starts at another arm, so no arm always runs first after the warm-up.
+    order = re.findall(r"run (\d)/2 qa\s+(\S+)", proc.stderr)
+    assert order == [("1", "plain"), ("1", "spec"), ("2", "spec"), ("2", "plain")], order
     # a model folder has no GGUF card for the llama-server arms: skipped, with the reason
     assert {s["arm"] for s in doc["skipped"]} <= {"mlx_lm", "mlx_lm_draft", "llama_*"}
     assert {"mlx_lm", "mlx_lm_draft"} <= {s["arm"] for s in doc["skipped"]}

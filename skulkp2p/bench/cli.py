@@ -241,8 +241,12 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         }, mismatched
 
     for r in range(args.runs):
+        # Run r starts at arm r: on a loaded machine the arm that runs first after another
+        # workload (or the warm-up) is not always the one favoured, so no arm holds one place.
+        shift = r % len(arms) if arms else 0
+        order = [*arms[shift:], *arms[:shift]]
         for wl in workloads:
-            for arm in arms:
+            for arm in order:
                 cell = cells[(wl, arm.name)]
                 if cell.skip:
                     continue
