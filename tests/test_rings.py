@@ -269,17 +269,15 @@ def test_rings_of_processes_equal_single_node(ring_cluster, models):
 
 
 def _mid_request_on_a_three_stage_ring(c):
-    """llama on the ring n0 -> n1 -> n2, a long request running through it for 1.5 s:
+    """llama on the ring n0 -> n1 -> n2, a long request under way through it (16 tokens in):
     (single-node reference output, the request's thread, the dict its reply lands in)."""
-    import time
-
     reference = _pipe(c.nodes[0].http, "llama", "plain")
     _place(c, "llama", ["n0", "n1", "n2"])
     _served_by(c, "llama", ["n0", "n1", "n2"])
     _pipe(c.nodes[2].http, "llama", "plain")  # the ring is loaded and serving
     result: dict = {}
     t = _long_request(c, 2, result)
-    time.sleep(1.5)
+    c.wait_decoding("llama", 16)  # the ring is mid-request, not queued or prefilling
     return reference, t, result
 
 

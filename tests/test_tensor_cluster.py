@@ -156,7 +156,7 @@ def _long_request(c, i: int, result: dict) -> threading.Thread:
 
 
 def _mid_request_on_a_group(c) -> tuple[dict, threading.Thread, dict, int]:
-    """llama tensor-parallel on n0 (runs the loop) + n1, a long request running for 1.5 s:
+    """llama tensor-parallel on n0 (runs the loop) + n1, a long request under way (16 tokens in):
     (reference output, the request's thread, its reply, n1's rank pid)."""
     _place_tensor(c, ["n0", "n1"])
     _grouped(c, [0, 1, 2], lambda ring: ring == ["n0", "n1"])
@@ -165,7 +165,7 @@ def _mid_request_on_a_group(c) -> tuple[dict, threading.Thread, dict, int]:
     pid = _rank_pids(c, c.nodes[0].http)["n1"]
     result: dict = {}
     t = _long_request(c, 2, result)
-    time.sleep(1.5)
+    c.wait_decoding("llama", 16)  # the group is mid-request, not queued or prefilling
     return reference, t, result, pid
 
 

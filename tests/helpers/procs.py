@@ -22,7 +22,7 @@ from typing import Any
 from skulkp2p.cluster.node import fetch_status
 from skulkp2p.netfault import FaultProxy, loopback_ips_usable  # noqa: F401  (re-exported)
 from tests.helpers import ROOT
-from tests.helpers.http_client import H11Client
+from tests.helpers.http_client import H11Client, call
 
 SECRET = "test-cluster-secret"
 
@@ -279,6 +279,22 @@ class ProcCluster:
             time.sleep(0.1)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
                              + self.diagnostics())
+
+    def wait_decoding(self, model: str, tokens: int, timeout: float = 60.0) -> None:
+        """Wait until some node's /v1/stats shows a request on `model` that has generated at
+        least `tokens` tokens (a request is under way mid-decode, not queued or prefilling)."""
+        def under_way() -> bool:
+            for node in self.nodes.values():
+                try:
+                    status, _, body = call(node.http, "GET", "/v1/stats", timeout=2)
+                except OSError:
+                    continue
+                running = (body.get("models", {}).get(model, {}).get("in_flight", [])
+                           if status == 200 else [])
+                if any((r.get("tokens") or 0) >= tokens for r in running):
+                    return True
+            return False
+        self.wait(under_way, timeout, f"a request on {model} {tokens} tokens into decoding")
 
     def agreed(self, among: list[int]) -> dict[str, Any] | None:
         """The common status of ``among`` if they all answer, follow one leader in one term,
