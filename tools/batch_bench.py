@@ -63,18 +63,23 @@ def _run(engine, reqs, concurrent: bool):
     return out, time.perf_counter() - t0
 
 
+def chat_requests(n: int, max_tokens: int, spec: str) -> list:
+    """n chat requests over QUESTIONS (ids 0..n-1), each with this speculation setting."""
+    from skulkp2p.engine.request import parse_request
+    return [parse_request({"id": i, "messages": [{"role": "user", "content": QUESTIONS[
+        i % len(QUESTIONS)]}], "max_tokens": max_tokens, "speculation": spec})
+        for i in range(n)]
+
+
 def concurrency(n: int, max_tokens: int, arms: list[str]) -> None:
     from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.request import parse_request
 
     lm = _load()
     fifo = MlxEngine(lm, 0, memory_tokens=0, max_batch=1)
     batch = MlxEngine(lm, 0, memory_tokens=0, max_batch=n)
 
     def reqs(spec: str):
-        return [parse_request({"id": i, "messages": [{"role": "user", "content": QUESTIONS[
-            i % len(QUESTIONS)]}], "max_tokens": max_tokens, "speculation": spec})
-            for i in range(n)]
+        return chat_requests(n, max_tokens, spec)
 
     _run(fifo, reqs("off")[:1], False)  # warm up
     for spec in arms:

@@ -42,7 +42,6 @@ def main(reps: int) -> None:
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from skulkp2p.engine.gates import DepthController
     from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.request import parse_request
     from tools import batch_bench
 
     new_best_depth = DepthController.best_depth
@@ -52,9 +51,7 @@ def main(reps: int) -> None:
     batch = MlxEngine(lm, 0, memory_tokens=0, max_batch=n)
 
     def reqs(spec: str) -> list:
-        return [parse_request({"id": i, "messages": [{"role": "user", "content":
-                batch_bench.QUESTIONS[i % len(batch_bench.QUESTIONS)]}],
-                "max_tokens": max_tokens, "speculation": spec}) for i in range(n)]
+        return batch_bench.chat_requests(n, max_tokens, spec)
 
     alone, _ = batch_bench._run(fifo, reqs("auto"), False)  # (also warms up)
     times: dict[str, list[float]] = {"fifo-auto": [], "batched-off": [], "batched-auto-old": [],

@@ -69,7 +69,6 @@ def main(spec: str, n: int) -> None:
     )
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.mtp_drafter import MtpDrafter
-    from skulkp2p.engine.request import parse_request
     from tools import batch_bench
 
     _timed(scheduler.BatchScheduler, "_step", "step (all of it)")
@@ -103,9 +102,7 @@ def main(spec: str, n: int) -> None:
     engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=n)
 
     def reqs() -> list:
-        return [parse_request({"id": i, "messages": [{"role": "user", "content":
-                batch_bench.QUESTIONS[i % len(batch_bench.QUESTIONS)]}],
-                "max_tokens": 100, "speculation": spec}) for i in range(n)]
+        return batch_bench.chat_requests(n, 100, spec)
 
     batch_bench._run(engine, reqs(), True)  # warm-up
     spent.clear()
