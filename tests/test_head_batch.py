@@ -50,6 +50,17 @@ def _head_model(tiny_model, tmp_path_factory, family: str, style: str):
     return _heads[key]
 
 
+def _batched_equal_to_solo(lm, reqs) -> tuple[MlxEngine, list]:
+    """Serve reqs alone, then together in a batch of 4: every output must be its solo output.
+    Returns the batching engine and the batched results."""
+    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
+    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=4)
+    batched = together(engine, reqs)
+    for a, b in zip(alone, batched, strict=True):
+        assert b.tokens == a.tokens and b.text == a.text
+    return engine, batched
+
+
 class DraftLog:
     """The drafts each MtpDrafter proposed, by the history they were proposed at (a recording
     wrapper around the real `propose`)."""
@@ -120,11 +131,7 @@ def test_batched_head_auto_and_trees_match_solo(tiny_model, tmp_path_factory, sa
     lm = _head_model(tiny_model, tmp_path_factory, "llama", "eagle")
     reqs = [*requests(SAMPLINGS[sampling], "auto", 2),
             *requests(SAMPLINGS[sampling], {"drafter": "mtp", "depth": 2}, 4)[2:]]
-    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
-    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=4)
-    batched = together(engine, reqs)
-    for a, b in zip(alone, batched, strict=True):
-        assert b.tokens == a.tokens and b.text == a.text
+    engine, batched = _batched_equal_to_solo(lm, reqs)
     (head,) = engine.scheduler.heads.values()
     assert head.peak >= 2 and not head.members
     if sampling == "seeded":  # (here the gate switches two heads off mid-batch: they leave)
@@ -266,11 +273,7 @@ def test_real_eagle_head_rows_draft_together(smollm2_path: Path):
                  "Write a haiku about rain.", "Explain what a linked list is."]
     reqs = [parse_request({"messages": [{"role": "user", "content": q}], "max_tokens": 24,
                            "speculation": {"drafter": "mtp", "depth": 2}}) for q in questions]
-    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
-    engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=4)
-    batched = together(engine, reqs)
-    for a, b in zip(alone, batched, strict=True):
-        assert b.tokens == a.tokens and b.text == a.text
+    engine, batched = _batched_equal_to_solo(lm, reqs)
     (head,) = engine.scheduler.heads.values()
     assert head.peak == 4
     assert sum(r.speculation.accepted for r in batched) > 0
