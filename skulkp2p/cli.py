@@ -112,7 +112,8 @@ def cmd_pipe(args) -> int:
         from skulkp2p.cluster.client import PeerError, run_pipe_remote
         try:
             return run_pipe_remote(args.peer, args.secret or os.environ.get("SKULKP2P_SECRET"),
-                                   args.model, sys.stdin, sys.stdout)
+                                   args.model, sys.stdin, sys.stdout,
+                                   retry_s=args.retry_for)
         except PeerError as e:
             raise CliError(str(e)) from None
     model = args.model or DEFAULT_MODEL
@@ -188,6 +189,17 @@ def _megabytes(value: str) -> float:
     return mb
 
 
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got "
+                                         f"{value!r}")
+    return seconds
+
+
 def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
     from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB  # no mlx
 
@@ -238,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send the requests through the cluster node at this cluster address "
                          "(its --host:--port) instead of loading a model here")
     pp.add_argument("--secret", help="the cluster secret for --peer (or SKULKP2P_SECRET)")
+    from skulkp2p.cluster.client import DEFAULT_RETRY_S  # stdlib + msgpack: no mlx
+
+    pp.add_argument("--retry-for", type=_seconds, default=DEFAULT_RETRY_S, metavar="S",
+                    help="with --peer: how long a line the cluster answers 503 (loading, being "
+                         "placed again, its ring or tensor group broken) is retried before it "
+                         f"gets an error result (default {DEFAULT_RETRY_S:.0f}; 0: never)")
     add_prefix_cache_argument(pp)
     _draft_memory_argument(pp)
     _max_batch_argument(pp)

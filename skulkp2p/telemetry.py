@@ -1,13 +1,10 @@
-"""What a node measures, with no HTTP and no mlx: a metrics registry rendered in Prometheus'
-text format (0.0.4), and a recorder of each model's requests.
-
-- `Registry`: counters, gauges and histograms with labels, updated from any thread, plus
-  collectors called at scrape time (queue depth and the cluster's state are read, not pushed).
-- `Telemetry`: fed typed events — `RequestStarted` when a job starts on a model's worker and
-  `RequestFinished` (carrying the engine's `GenerationResult`) when it ends — it keeps per model
-  the requests in flight, the last N finished (bounded) and a time series of acceptance and decode
-  speed over the last minutes (a bounded ring of buckets), and counts everything into its
-  registry under the names `/metrics` documents (speculation named like vLLM's `spec_decode_*`).
+"""What a node measures about its requests, with no HTTP and no mlx: `Telemetry`, fed typed
+events — `RequestStarted` when a job starts on a model's worker and `RequestFinished` (carrying
+the engine's `GenerationResult`) when it ends — keeps per model the requests in flight, the last N
+finished (bounded) and a time series of acceptance and decode speed over the last minutes (a
+bounded ring of buckets), and counts everything into its registry (metrics.py) under the names
+`/metrics` documents (speculation named like vLLM's `spec_decode_*`); at scrape time it adds the
+queue depth and the families read from the node's state (state_metrics.py).
 
 The HTTP side (api/dashboard.py) renders `Telemetry.registry` and `Telemetry.stats()`.
 """
@@ -16,245 +13,18 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.results import (
     GenerationResult,
 )
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PREFIX = "skulkp2p_"
-
-_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-
-# ---------------------------------------------------------------------------------------------
-# The registry
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str  # the full sample name (a counter's ends in _total, a histogram's in _bucket...)
-    labels: tuple[tuple[str, str], ...]
-    value: float
-
-
-@dataclass
-class Family:
-    """One metric as scraped: `# HELP`, `# TYPE`, then its samples."""
-    name: str
-    type: str  # counter | gauge | histogram
-    help: str
-    samples: list[Sample] = field(default_factory=list)
-
-    def add(self, value: float, suffix: str = "", **labels: Any) -> Family:
-        self.samples.append(Sample(self.name + suffix,
-                                   tuple((k, str(v)) for k, v in labels.items()), value))
-        return self
-
-
-def format_value(v: float) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
-
-
-def _escape_label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def render(families: Iterable[Family]) -> str:
-    """Prometheus' text exposition format, version 0.0.4."""
-    out: list[str] = []
-    for fam in families:
-        out.append(f"# HELP {fam.name} {_escape_help(fam.help)}")
-        out.append(f"# TYPE {fam.name} {fam.type}")
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in s.labels)
-            out.append(f"{s.name}{{{labels}}} {format_value(s.value)}" if labels
-                       else f"{s.name} {format_value(s.value)}")
-    return "\n".join(out) + "\n"
-
-
-class _Metric:
-    type = ""
-
-    def __init__(self, registry: Registry, name: str, help: str, labels: Sequence[str]):
-        if not _NAME.match(name):
-            raise ValueError(f"bad metric name {name!r}")
-        for lab in labels:
-            if not _LABEL.match(lab) or lab.startswith("__") or lab == "le":
-                raise ValueError(f"bad label name {lab!r} for {name}")
-        self.registry = registry
-        self.name = name
-        self.help = help
-        self.labelnames = tuple(labels)
-        self._values: dict[tuple[str, ...], Any] = {}
-
-    def _key(self, labels: Mapping[str, Any]) -> tuple[str, ...]:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {sorted(labels)}")
-        return tuple(str(labels[k]) for k in self.labelnames)
-
-    def _pairs(self, key: tuple[str, ...]) -> dict[str, str]:
-        return dict(zip(self.labelnames, key, strict=True))
-
-    def family(self) -> Family:
-        raise NotImplementedError
-
-
-class _Scalar(_Metric):
-    """One number per label set (counters and gauges)."""
-
-    def value(self, **labels: Any) -> float:
-        with self.registry.lock:
-            return self._values.get(self._key(labels), 0)
-
-    def family(self) -> Family:
-        fam = Family(self.name, self.type, self.help)
-        for key, v in sorted(self._values.items()):
-            fam.add(v, **self._pairs(key))
-        return fam
-
-
-class Counter(_Scalar):
-    """Only goes up. Its samples are named NAME (which must end in _total)."""
-    type = "counter"
-
-    def __init__(self, registry: Registry, name: str, help: str, labels: Sequence[str]):
-        if not name.endswith("_total"):
-            raise ValueError(f"a counter's name ends in _total: {name!r}")
-        super().__init__(registry, name, help, labels)
-
-    def inc(self, amount: float = 1, **labels: Any) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter cannot go down ({amount})")
-        key = self._key(labels)
-        with self.registry.lock:
-            self._values[key] = self._values.get(key, 0) + amount
-
-    def touch(self, **labels: Any) -> None:
-        """Make the series exist at 0 (so a rate() sees it from the start)."""
-        key = self._key(labels)
-        with self.registry.lock:
-            self._values.setdefault(key, 0)
-
-class Gauge(_Scalar):
-    type = "gauge"
-
-    def set(self, value: float, **labels: Any) -> None:
-        key = self._key(labels)
-        with self.registry.lock:
-            self._values[key] = value
-
-    def inc(self, amount: float = 1, **labels: Any) -> None:
-        key = self._key(labels)
-        with self.registry.lock:
-            self._values[key] = self._values.get(key, 0) + amount
-
-class Histogram(_Metric):
-    """Cumulative buckets (`le`), `_sum` and `_count`, as Prometheus expects."""
-    type = "histogram"
-
-    def __init__(self, registry: Registry, name: str, help: str, labels: Sequence[str],
-                 buckets: Sequence[float]):
-        super().__init__(registry, name, help, labels)
-        bs = sorted(float(b) for b in buckets)
-        if not bs or len(set(bs)) != len(bs):
-            raise ValueError(f"{name}: buckets must be distinct and not empty")
-        if bs[-1] != math.inf:
-            bs.append(math.inf)
-        self.buckets = tuple(bs)
-
-    def observe(self, value: float, count: int = 1, **labels: Any) -> None:
-        """`count` observations of `value` (e.g. one per token at a request's mean pace)."""
-        if count <= 0:
-            return
-        key = self._key(labels)
-        with self.registry.lock:
-            state = self._values.get(key)
-            if state is None:
-                state = self._values[key] = [[0] * len(self.buckets), 0.0, 0]
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    state[0][i] += count
-                    break
-            state[1] += value * count
-            state[2] += count
-
-    def count(self, **labels: Any) -> int:
-        with self.registry.lock:
-            state = self._values.get(self._key(labels))
-            return state[2] if state else 0
-
-    def family(self) -> Family:
-        fam = Family(self.name, self.type, self.help)
-        for key, (counts, total, n) in sorted(self._values.items()):
-            pairs = self._pairs(key)
-            cum = 0
-            for b, c in zip(self.buckets, counts, strict=True):
-                cum += c
-                fam.add(cum, "_bucket", **pairs, le=format_value(b))
-            fam.add(total, "_sum", **pairs)
-            fam.add(n, "_count", **pairs)
-        return fam
-
-
-Collector = Callable[[], Iterable[Family]]
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._metrics: dict[str, _Metric] = {}
-        self._collectors: list[Collector] = []
-
-    def _add(self, metric: _Metric) -> Any:
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name} is already registered")
-        self._metrics[metric.name] = metric
-        return metric
-
-    def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
-        return self._add(Counter(self, name, help, labels))
-
-    def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
-        return self._add(Gauge(self, name, help, labels))
-
-    def histogram(self, name: str, help: str, labels: Sequence[str] = (),
-                  buckets: Sequence[float] = (0.1, 1, 10)) -> Histogram:
-        return self._add(Histogram(self, name, help, labels, buckets))
-
-    def collector(self, fn: Collector) -> None:
-        """`fn` is called at every scrape and returns families of its own."""
-        self._collectors.append(fn)
-
-    def collect(self) -> list[Family]:
-        with self.lock:
-            fams = [m.family() for m in self._metrics.values()]
-        for fn in self._collectors:
-            fams.extend(fn())
-        return fams
-
-    def render(self) -> str:
-        return render(self.collect())
-
+from skulkp2p.metrics import PREFIX, Family, Registry
+from skulkp2p.state_metrics import cluster_families, verify_cost_families
 
 # ---------------------------------------------------------------------------------------------
 # Events
@@ -281,9 +51,6 @@ OUTCOMES = ("ok", "error", "cancelled")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-WIRE_REASONS = ("oversize", "unsigned", "bad-signature", "undecodable", "not-a-map", "no-type",
-                "version", "array")
-MEMBER_STATES = ("alive", "suspect", "dead", "left")
 
 
 @dataclass
@@ -569,68 +336,3 @@ class Telemetry:
         if status:
             fams.extend(cluster_families(status))
         return fams
-
-
-def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
-    """Each model's measured verify-cost table (what /v1/models shows as `verify_costs`), as
-    gauges labelled by model, width (rows in one verify call) and where it was measured."""
-    seconds = Family(PREFIX + "verify_cost_seconds", "gauge",
-                     "Seconds of one verify call of `width` rows where the model runs, "
-                     "measured there (a tensor-parallel group measures its own when it forms).")
-    relative = Family(PREFIX + "verify_cost_relative", "gauge",
-                      "A verify call's cost relative to one row's (width 1 = 1.0): what the "
-                      "depth controller prices drafts with.")
-    measured = Family(PREFIX + "verify_costs_measured_timestamp_seconds", "gauge",
-                      "Unix time the model's verify costs were measured.")
-    for model, c in sorted(costs.items()):
-        rel = c.relative
-        for width, s in sorted(c.seconds.items()):
-            seconds.add(s, model=model, width=width, where=c.where)
-            relative.add(rel[width], model=model, width=width, where=c.where)
-        measured.add(round(c.measured_at, 3), model=model, where=c.where)  # as /v1/models
-    return [seconds, relative, measured]
-
-
-def cluster_families(st: Mapping[str, Any]) -> list[Family]:
-    """Cluster metrics from a node's status (GET /v1/cluster's object, plus `data_metrics`:
-    the data plane's counters), read at scrape time."""
-    p = PREFIX + "cluster_"
-    states = collections.Counter(m.get("state") for m in st.get("members") or ())
-    members = Family(p + "members", "gauge", "Members this node knows, by state.")
-    for s in MEMBER_STATES:
-        members.add(states.get(s, 0), state=s)
-    metrics = st.get("metrics") or {}
-    data = st.get("data_metrics") or {}
-    rejected = Family(PREFIX + "wire_frames_rejected_total", "counter",
-                      "Frames refused (and their connection closed), by plane and reason.")
-    for plane, counts in (("control", metrics), ("data", data)):
-        for reason in WIRE_REASONS:
-            rejected.add(int(counts.get(f"wire_error_{reason}", 0)), plane=plane, reason=reason)
-    frames = Family(PREFIX + "wire_frames_total", "counter",
-                    "Control frames received and sent.")
-    frames.add(int(metrics.get("frames_in", 0)), direction="in")
-    frames.add(int(metrics.get("frames_out", 0)), direction="out")
-    return [
-        members,
-        Family(p + "is_leader", "gauge", "1 when this node leads the cluster.").add(
-            int(st.get("leader") is not None and st.get("leader") == st.get("node"))),
-        Family(p + "has_leader", "gauge", "1 when this node knows a leader.").add(
-            int(st.get("leader") is not None)),
-        Family(p + "term", "gauge", "The election term this node is in.").add(
-            int(st.get("term") or 0)),
-        Family(p + "leader_changes_total", "counter",
-               "Times this node learnt of a new leader (a new term with a leader; the first "
-               "one included).").add(int(metrics.get("leader_changes", 0))),
-        Family(p + "placements", "gauge", "Models placed in the cluster.").add(
-            len(st.get("placements") or ())),
-        Family(p + "placement_errors", "gauge", "Models asked for that fit nowhere now.").add(
-            len(st.get("errors") or ())),
-        rejected,
-        frames,
-        Family(PREFIX + "wire_frames_dropped_total", "counter",
-               "Control frames dropped on the way out (full queue, failed connect).").add(
-            int(metrics.get("frames_dropped", 0))),
-        Family(PREFIX + "cluster_messages_failed_total", "counter",
-               "Signed messages the control plane failed to handle.").add(
-            int(metrics.get("bad_messages", 0))),
-    ]

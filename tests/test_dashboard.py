@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skulkp2p.engine.tensor import READY_TIMEOUT_S
 from tests.helpers.browser import Browser, chromium_binary
 from tests.helpers.http_client import H11Client, call, status_of
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
@@ -28,9 +27,10 @@ LOOKUP = {"drafter": "lookup", "depth": 4}
 SCREENSHOT_ENV = "SKULKP2P_DASHBOARD_SCREENSHOT"
 
 # A tensor group forms in seconds; on a loaded machine the tests' short timers can move the
-# leadership while it forms, and a member then waits out its rank's formation timeout before
-# the group re-forms: the bound for a group to form and measure its verify costs.
-GROUP_FORMS_S = READY_TIMEOUT_S + 60
+# leadership while it forms, and its members then re-form it within a few gossip rounds
+# (node/tensor_roles.py; tests/test_tensor_formation.py): the bound for a group to form and
+# measure its verify costs.
+GROUP_FORMS_S = 60
 
 cluster_only = pytest.mark.skipif(not loopback_ips_usable(),
                                   reason="needs the 127.0.0.0/8 loopback range (Linux)")

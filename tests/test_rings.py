@@ -306,6 +306,14 @@ def _long_request(c, i: int, result: dict):
     return t
 
 
+def _ring_failed(status: int, headers: dict, out: dict) -> None:
+    """The pipe's route answers a broken ring as the other routes do (503 ring_failed with
+    Retry-After, to retry), in the pipe's error shape with the code as its type."""
+    assert status == 503 and headers.get("retry-after") == "1", (status, headers, out)
+    assert out["error"]["type"] == "ring_failed" == out["error"]["code"], out
+    assert out["error"]["message"].endswith("retry"), out
+
+
 @pytest.mark.slow
 def test_stage_frozen_mid_request(ring_cluster):
     """A stage that stops answering (SIGSTOP) mid-request: the request ends with a clear error
@@ -322,9 +330,10 @@ def test_stage_frozen_mid_request(ring_cluster):
         t.join(30)
         took = time.monotonic() - t0
         assert not t.is_alive(), "the request hung on a frozen stage"
-        status, _, out = result["reply"]
+        status, headers, out = result["reply"]
         assert "error" in out and "ring" in out["error"]["message"], out
         assert "n1" in out["error"]["message"], out
+        _ring_failed(status, headers, out)
         assert took < 15, took  # suspect 1 s then dead: seconds, not the 20 s ring timeout
         print(f"\nfrozen stage: the request ended {took:.1f} s after SIGSTOP: "
               f"{out['error']['message']}")
@@ -347,8 +356,9 @@ def test_stage_killed_mid_request(ring_cluster):
     t0 = time.monotonic()
     t.join(30)
     assert not t.is_alive(), "the request hung on a dead stage"
-    status, _, out = result["reply"]
+    status, headers, out = result["reply"]
     assert "error" in out and "ring" in out["error"]["message"], out
+    _ring_failed(status, headers, out)
     assert time.monotonic() - t0 < 15
     # The leader re-places llama on the survivors; the next request succeeds.
     _wait_replaced_without_n1(c)

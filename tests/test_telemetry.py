@@ -1,5 +1,5 @@
-"""skulkp2p.telemetry: the metrics registry's text format (read back with prometheus_client's own
-parser), the request recorder (in flight, recent, the time series, the window) fed typed results,
+"""skulkp2p.metrics, telemetry and state_metrics: the metrics registry's text format (read back
+with prometheus_client's own parser), the request recorder (in flight, recent, the time series, the window) fed typed results,
 and the cluster metrics read from a node's status. No HTTP, no mlx here; the routes and a real
 `join` are in test_dashboard.py."""
 
@@ -18,14 +18,9 @@ from skulkp2p.engine.results import (
     Timing,
     Usage,
 )
-from skulkp2p.telemetry import (
-    Registry,
-    RequestFinished,
-    RequestStarted,
-    Telemetry,
-    cluster_families,
-    render,
-)
+from skulkp2p.metrics import Registry, render
+from skulkp2p.state_metrics import cluster_families
+from skulkp2p.telemetry import RequestFinished, RequestStarted, Telemetry
 
 
 def parsed(text: str) -> dict[str, dict]:
@@ -93,7 +88,7 @@ def test_registry_renders_what_prometheus_parses():
 
 
 def render_family_from_collector():
-    from skulkp2p.telemetry import Family
+    from skulkp2p.metrics import Family
     return Family("demo_collected", "gauge", "From a collector.").add(4, plane="x")
 
 

@@ -7,16 +7,20 @@ the next request succeeds (the ring failure tests, for groups)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.helpers.http_client import call, status_of
-from tests.helpers.procs import ProcCluster, loopback_ips_usable
+from tests.helpers.procs import SECRET, ProcCluster, loopback_ips_usable
 
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 ARMS = {
@@ -214,6 +218,56 @@ def test_member_frozen_mid_request(cluster):
                 os.kill(p, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+    c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
+        m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
+
+
+@pytest.mark.slow
+def test_pipe_peer_line_is_retried_across_a_frozen_member(cluster):
+    """A `pipe --peer` line under way on the group when a member freezes: the group's failure
+    reaches the pipe as a 503 tensor_group_failed (not an internal_error result), the pipe
+    retries the line as Retry-After says, and the line is answered once the model is placed
+    again without the member."""
+    c = cluster
+    _place_tensor(c, ["n0", "n1"])
+    _grouped(c, [0, 1, 2], lambda ring: ring == ["n0", "n1"])
+    _pipe(c.nodes[2].http, "plain")  # the group formed and serves
+    c.wait(lambda: _rank_pids(c, c.nodes[0].http).get("n1"), 10, "n1's rank reported")
+    pid = _rank_pids(c, c.nodes[0].http)["n1"]
+    line = {"id": "long", "model": "llama", "prompt": ECHO, "max_tokens": 3000,
+            "speculation": "off"}
+    pipe = subprocess.Popen([sys.executable, "-m", "skulkp2p", "pipe", "--peer", c.nodes[2].addr],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT,
+                            env={**os.environ, "SKULKP2P_SECRET": SECRET}, text=True)
+    got: dict = {}
+    talk = threading.Thread(target=lambda: got.update(zip(
+        ("out", "err"), pipe.communicate(json.dumps(line) + "\n"), strict=True)), daemon=True)
+    talk.start()
+    try:
+        c.wait_decoding("llama", 16)
+        c.signal(1, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            talk.join(150)
+            assert not talk.is_alive(), "the pipe line was never answered"
+        finally:
+            for p in (pid, c.nodes[1].pid):
+                try:
+                    os.kill(p, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+    finally:
+        if pipe.poll() is None:
+            pipe.kill()
+            pipe.wait()
+    out, err = got["out"], got["err"]
+    assert pipe.returncode == 0, err
+    (result,) = [json.loads(row) for row in out.splitlines()]
+    assert result["id"] == "long" and "error" not in result, result
+    assert result["usage"]["completion_tokens"] > 0
+    assert "cluster busy (tensor_group_failed)" in err, err[-3000:]
+    assert "internal_error" not in err
     c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
         m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
 

@@ -23,7 +23,8 @@ import orjson
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response, Router
 from skulkp2p.engine.protocol import VerifyCosts
-from skulkp2p.telemetry import CONTENT_TYPE, Telemetry
+from skulkp2p.metrics import CONTENT_TYPE
+from skulkp2p.telemetry import Telemetry
 
 PEER_TIMEOUT_S = 1.5
 MAX_PEER_BODY = 4 << 20

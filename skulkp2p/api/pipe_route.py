@@ -1,5 +1,12 @@
 """POST /v1/cluster/generate: one JSONL-pipe request over HTTP, answered with the pipe's own
-result (or error) object (used by `pipe --peer`)."""
+result (or error) object (used by `pipe --peer`).
+
+A failure the caller should retry (the model's ring or tensor group broke, the model moved, it
+is loading or its group is forming) is a 503 with Retry-After, as on the other routes, with
+the pipe's error object: its `type` is the HTTP API's code (`ring_failed`,
+`tensor_group_failed`, `model_moved`, `model_unavailable`), so a pipe line that gives up
+retrying says what the HTTP API would have. Other failures are the pipe's error object with
+status 200 (a bad request, as the local pipe answers it; a failed engine)."""
 
 from __future__ import annotations
 
@@ -11,14 +18,27 @@ from skulkp2p.api.server import HttpRequest, Response
 from skulkp2p.api.worker import Failed, Finished
 from skulkp2p.engine.request import RequestError, parse_request
 
+# The pipe's error type for a failure that is not the caller's to retry, by HTTP status (the
+# local pipe calls a failed engine model_unavailable too).
+_PIPE_TYPE_BY_STATUS = {502: "model_unavailable"}
+
+
+def pipe_error(req_id: Any, type_: str, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The pipe's error object ({"id", "error": {"type", "message", "param"}}), with the HTTP
+    API's `code` beside them when it has one."""
+    err: dict[str, Any] = {"type": type_, "message": message, "param": param}
+    if code:
+        err["code"] = code
+    return {"id": req_id, "error": err} if req_id is not None else {"error": err}
+
 
 async def pipe_generate(endpoint: ModelEndpoint, req: HttpRequest) -> Response:
     obj = req.json()
     req_id = obj.get("id") if isinstance(obj, dict) else None
 
     def error(type_: str, message: str, param: str | None = None) -> Response:
-        out: dict[str, Any] = {"error": {"type": type_, "message": message, "param": param}}
-        return Response.json(200, {"id": req_id, **out} if req_id is not None else out)
+        return Response.json(200, pipe_error(req_id, type_, message, param))
 
     try:
         greq = parse_request(obj)
@@ -33,6 +53,11 @@ async def pipe_generate(endpoint: ModelEndpoint, req: HttpRequest) -> Response:
             if isinstance(event, Failed):
                 if isinstance(event.error, RequestError):
                     return error(event.error.type, event.error.message, event.error.param)
-                return error("internal_error", engine_error(event.error).message)
+                api = engine_error(event.error)
+                if api.status == 503:  # transient: the caller retries as Retry-After says
+                    return Response.json(503, pipe_error(req_id, api.code, api.message,
+                                                         code=api.code), api.headers)
+                return error(_PIPE_TYPE_BY_STATUS.get(api.status, "internal_error"),
+                             api.message)
     finally:
         job.cancel()

@@ -4,9 +4,11 @@ The peer is a node's cluster address (HOST:PORT, as for ``join --peer``); its st
 the signed control protocol, names its HTTP address. Each line then goes to POST
 /v1/cluster/generate there, which any node answers (forwarding to the node that serves the
 model). Request and result lines are exactly the local pipe's. While the cluster cannot answer
-(no leader, model loading or being placed again after a failure) the line is retried as the
-503's Retry-After says, for up to ``retry_s`` seconds; then the line gets an error result and
-the pipe goes on.
+(no leader, model loading or being placed again after a failure, its ring or tensor group
+broken under the request) the line is retried as the 503's Retry-After says, for up to
+``retry_s`` seconds (`--retry-for`, default two minutes); then the line gets an error result
+whose `type` is the 503's code (`ring_failed`, `tensor_group_failed`, `model_unavailable`...)
+and the pipe goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import orjson
 from skulkp2p.cluster.node import fetch_status, parse_addr, split_addr
 
 log = logging.getLogger("skulkp2p.pipe")
+
+DEFAULT_RETRY_S = 120.0  # how long a line the cluster answers 503 is retried
 
 
 class PeerError(Exception):
@@ -61,7 +65,8 @@ def _post(addr: str, body: bytes, timeout: float) -> tuple[int, dict[str, str], 
         conn.close()
 
 
-def ask(addr: str, obj: Any, retry_s: float = 120.0, timeout: float = 600.0) -> dict[str, Any]:
+def ask(addr: str, obj: Any, retry_s: float = DEFAULT_RETRY_S,
+        timeout: float = 600.0) -> dict[str, Any]:
     """One request object -> one result object (retrying what the cluster says to retry)."""
     req_id = obj.get("id") if isinstance(obj, dict) else None
     body = orjson.dumps(obj)
@@ -76,7 +81,7 @@ def ask(addr: str, obj: Any, retry_s: float = 120.0, timeout: float = 600.0) -> 
         try:
             err = orjson.loads(data).get("error", {})
             message = err.get("message") or data.decode(errors="replace")
-            code = err.get("code") or "unavailable"
+            code = err.get("code") or err.get("type") or "unavailable"
         except (orjson.JSONDecodeError, AttributeError):
             message, code = data.decode(errors="replace") or f"HTTP {status}", "unavailable"
         retryable = status in (0, 429, 502, 503)
@@ -89,7 +94,7 @@ def ask(addr: str, obj: Any, retry_s: float = 120.0, timeout: float = 600.0) -> 
 
 
 def run_pipe_remote(peer: str, secret: str | None, model: str | None, stdin: IO[str],
-                    stdout: IO[str], retry_s: float = 120.0) -> int:
+                    stdout: IO[str], retry_s: float = DEFAULT_RETRY_S) -> int:
     addr = http_address(peer, secret)
     for line in stdin:
         if not line.strip():

@@ -12,6 +12,14 @@ member gossip the next generation; every member that sees a higher generation th
 kills its process and starts over on a fresh port, so the group re-forms with no leader
 involved. A re-placement (other members, another kind) retires the role: its process is killed
 by pid and the new placement forms a new group.
+
+A formation is (key, generation, every member's address): a rank process belongs to the
+formation its host file names. A member that started its process and then sees a peer of the
+same placement publish another address at that generation, or a lower generation (the peer's
+role started over: its agent restarted, or it retired and took up the same placement again
+while leadership moved), knows the peer will never join that formation: it moves everyone to
+the next generation at once instead of waiting out its rank's formation timeout (a rank whose
+peer never connects waits for ever in `mx.distributed.init`).
 """
 
 from __future__ import annotations
@@ -57,9 +65,15 @@ class TensorRole:
         self.gen = 0
         self.addr = ""
         self.proc: Any = None  # engine.tensor.RankProcess, when started
+        # The formation this member's process (starting or started) joined: every member's
+        # address at this generation, in rank order.
+        self.formed_with: list[str] | None = None
         self.ready = False
         self._task: asyncio.Task | None = None
-        self._starting = False
+        # Starting a rank and waiting for its group (up to READY_TIMEOUT_S) runs as its own
+        # task: supervision keeps stepping meanwhile, so a formation that can no longer
+        # complete is seen and abandoned at once, not when its rank gives up.
+        self._forming: asyncio.Task | None = None
         self.failures = 0
 
     # ---------------------------------------------------------------- facts
@@ -95,14 +109,16 @@ class TensorRole:
         self._task = asyncio.get_running_loop().create_task(self._supervise())
 
     def stop(self, publish: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._forming):
+            if task is not None:
+                task.cancel()
         self._kill()
         if publish:
             self._publish(remove=True)
 
     def _kill(self) -> None:
         proc, self.proc, self.ready = self.proc, None, False
+        self.formed_with = None
         if proc is not None:
             proc.kill()
 
@@ -135,25 +151,59 @@ class TensorRole:
                         self.rank, self.proc.why_dead())
             self._new_generation(self.gen + 1)
             return
-        if self.proc is not None or self._starting:
+        left = self._left_formation(peers)
+        if left is not None:
+            log.info("tensor: %s: %s; re-forming the group (generation %d)", self.model, left,
+                     self.gen + 1)
+            self._new_generation(self.gen + 1)
             return
-        if not all(p and int(p.get("gen") or 0) == self.gen and p.get("addr") for p in peers):
+        if self.proc is not None or (self._forming is not None and not self._forming.done()):
+            return
+        addrs = self._formation(peers)
+        if addrs is None:
             return  # not every member has published this generation yet
-        addrs = [str(p["addr"]) for p in peers]
-        self._starting = True
-        try:
-            await self._start_process(addrs)
-        finally:
-            self._starting = False
+        self.formed_with = addrs
+        self._forming = asyncio.get_running_loop().create_task(self._start_process(addrs))
+
+    def _formation(self, peers: list[dict[str, Any] | None]) -> list[str] | None:
+        """Every member's address at this generation, once every member published one."""
+        if not all(p and int(p.get("gen") or 0) == self.gen and p.get("addr") for p in peers):
+            return None
+        return [str(p["addr"]) for p in peers if p]
+
+    def _left_formation(self, peers: list[dict[str, Any] | None]) -> str | None:
+        """Why the formation this member's process joined can no longer complete (a peer of
+        the same placement now shows another address at this generation, or an earlier
+        generation: its role started over), or None. A peer not heard from (suspect, dead,
+        or on another placement already) is membership's and placement's business."""
+        formed = self.formed_with
+        if formed is None:
+            return None
+        for name, p, addr in zip(self.ring, peers, formed, strict=True):
+            if p is None or name == self.node.config.name:
+                continue
+            gen = int(p.get("gen") or 0)
+            if gen < self.gen or (gen == self.gen and p.get("addr") != addr):
+                return (f"member {name} started over (generation {gen} at {p.get('addr')}, "
+                        f"this formation had {addr})")
+        return None
 
     async def _start_process(self, addrs: list[str]) -> None:
+        try:
+            await self._form(addrs)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # (a task's error would otherwise go unseen)
+            log.exception("tensor: %s: forming the group failed", self.model)
+
+    async def _form(self, addrs: list[str]) -> None:
         from skulkp2p.engine.tensor import RankProcess, TensorError
 
         loop = asyncio.get_running_loop()
         gen = self.gen
         path = await loop.run_in_executor(None, self.model_path)
-        if gen != self.gen:
-            return
+        if gen != self.gen or self.formed_with != addrs:
+            return  # the formation moved on while the model was pulled
         proc = RankProcess(path, self.rank, addrs, self.dtype(),
                            label=f"rank {self.rank} of {self.model}",
                            prefix_cache_mb=self.prefix_cache_mb)
@@ -163,9 +213,16 @@ class TensorRole:
         try:
             ready = await loop.run_in_executor(None, proc.wait_ready)
         except TensorError as e:
+            if self.proc is not proc:  # abandoned by supervision (a new generation)
+                log.info("tensor: %s: rank %d left generation %d unformed", self.model,
+                         self.rank, gen)
+                return
             log.warning("tensor: %s: rank %d did not form its group: %s", self.model,
                         self.rank, e)
-            return  # the next step sees the process dead (or kills it on a new generation)
+            # Timed out, the process may still wait in the collective's set-up: end it, so
+            # the next step sees it dead and moves the group to the next generation.
+            proc.kill()
+            return
         prepare = self.prepare
         if prepare is not None and self.proc is proc:
             try:

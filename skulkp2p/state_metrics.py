@@ -1,0 +1,83 @@
+"""Metric families read from a node's state at scrape time, with no HTTP and no mlx: the
+cluster's view (members, leadership, placements, the wire's counters) from its status object,
+and each model's measured verify-cost table. `Telemetry` (telemetry.py) collects them into its
+registry at every scrape.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+from skulkp2p.engine.protocol import VerifyCosts
+from skulkp2p.metrics import PREFIX, Family
+
+WIRE_REASONS = ("oversize", "unsigned", "bad-signature", "undecodable", "not-a-map", "no-type",
+                "version", "array")
+MEMBER_STATES = ("alive", "suspect", "dead", "left")
+
+
+def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
+    """Each model's measured verify-cost table (what /v1/models shows as `verify_costs`), as
+    gauges labelled by model, width (rows in one verify call) and where it was measured."""
+    seconds = Family(PREFIX + "verify_cost_seconds", "gauge",
+                     "Seconds of one verify call of `width` rows where the model runs, "
+                     "measured there (a tensor-parallel group measures its own when it forms).")
+    relative = Family(PREFIX + "verify_cost_relative", "gauge",
+                      "A verify call's cost relative to one row's (width 1 = 1.0): what the "
+                      "depth controller prices drafts with.")
+    measured = Family(PREFIX + "verify_costs_measured_timestamp_seconds", "gauge",
+                      "Unix time the model's verify costs were measured.")
+    for model, c in sorted(costs.items()):
+        rel = c.relative
+        for width, s in sorted(c.seconds.items()):
+            seconds.add(s, model=model, width=width, where=c.where)
+            relative.add(rel[width], model=model, width=width, where=c.where)
+        measured.add(round(c.measured_at, 3), model=model, where=c.where)  # as /v1/models
+    return [seconds, relative, measured]
+
+
+def cluster_families(st: Mapping[str, Any]) -> list[Family]:
+    """Cluster metrics from a node's status (GET /v1/cluster's object, plus `data_metrics`:
+    the data plane's counters), read at scrape time."""
+    p = PREFIX + "cluster_"
+    states = collections.Counter(m.get("state") for m in st.get("members") or ())
+    members = Family(p + "members", "gauge", "Members this node knows, by state.")
+    for s in MEMBER_STATES:
+        members.add(states.get(s, 0), state=s)
+    metrics = st.get("metrics") or {}
+    data = st.get("data_metrics") or {}
+    rejected = Family(PREFIX + "wire_frames_rejected_total", "counter",
+                      "Frames refused (and their connection closed), by plane and reason.")
+    for plane, counts in (("control", metrics), ("data", data)):
+        for reason in WIRE_REASONS:
+            rejected.add(int(counts.get(f"wire_error_{reason}", 0)), plane=plane, reason=reason)
+    frames = Family(PREFIX + "wire_frames_total", "counter",
+                    "Control frames received and sent.")
+    frames.add(int(metrics.get("frames_in", 0)), direction="in")
+    frames.add(int(metrics.get("frames_out", 0)), direction="out")
+    return [
+        members,
+        Family(p + "is_leader", "gauge", "1 when this node leads the cluster.").add(
+            int(st.get("leader") is not None and st.get("leader") == st.get("node"))),
+        Family(p + "has_leader", "gauge", "1 when this node knows a leader.").add(
+            int(st.get("leader") is not None)),
+        Family(p + "term", "gauge", "The election term this node is in.").add(
+            int(st.get("term") or 0)),
+        Family(p + "leader_changes_total", "counter",
+               "Times this node learnt of a new leader (a new term with a leader; the first "
+               "one included).").add(int(metrics.get("leader_changes", 0))),
+        Family(p + "placements", "gauge", "Models placed in the cluster.").add(
+            len(st.get("placements") or ())),
+        Family(p + "placement_errors", "gauge", "Models asked for that fit nowhere now.").add(
+            len(st.get("errors") or ())),
+        rejected,
+        frames,
+        Family(PREFIX + "wire_frames_dropped_total", "counter",
+               "Control frames dropped on the way out (full queue, failed connect).").add(
+            int(metrics.get("frames_dropped", 0))),
+        Family(PREFIX + "cluster_messages_failed_total", "counter",
+               "Signed messages the control plane failed to handle.").add(
+            int(metrics.get("bad_messages", 0))),
+    ]
