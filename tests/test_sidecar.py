@@ -410,6 +410,38 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     assert _decode(lq, lq.mtp, 2) == _decode(lq)
 
 
+def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
+    """--skip-batches: a broad batch held for validation (tools/validation_shards.py answers it)
+    is never answered into a training shard, and a folder that already trained on it, or an
+    index past the list, is refused."""
+    import random
+
+    from skulkp2p.engine.model import load_model as load
+    base = tiny_models["llama"]
+    out = tmp_path / "trained"
+    common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "4",
+              "--prompt-tokens", "96", "--max-batches", "3", "--heldout-batches", "1",
+              "--generate-only", "--resume"]
+    assert train_sidecar.main([*common, "--skip-batches", "1"]) == 0
+    work = out / ".train"
+    assert sorted(f.name for f in work.glob("train-*")) == ["train-0000.npz", "train-0002.npz"]
+    # The skipped batch is the one validation_shards answers at --batch-index 1: its prompts are
+    # in no training shard.
+    tok = load(base, "tiny", dtype="float32").tokenizer
+    train_p, _, _ = train_sidecar.build_broad_prompts(tok, 0)
+    batches = train_sidecar.batches_of(train_p, 4, 96, train_sidecar._tail_length(tok))
+    random.Random(0).shuffle(batches)
+    held_back = {tuple(p) for p in batches[1]}
+    for f in work.glob("train-*"):
+        s = np.load(f)
+        trained = {tuple(row[:int(s["prompt_len"])]) for row in s["tokens"].tolist()}
+        assert trained and not trained & held_back, f.name
+    with pytest.raises(SystemExit, match="already answered"):
+        train_sidecar.main([*common, "--skip-batches", "0"])
+    with pytest.raises(SystemExit, match="must be below 3"):
+        train_sidecar.main([*common, "--skip-batches", "3"])
+
+
 def test_terse_prompts_are_fresh_and_deterministic():
     from skulkp2p.bench.workloads import WORKLOADS
     from tools.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts
