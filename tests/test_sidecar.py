@@ -442,6 +442,20 @@ def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
         train_sidecar.main([*common, "--skip-batches", "3"])
 
 
+def test_broad_training_prompts_hold_no_heldout_validation_or_bench_text():
+    """What acceptance is measured on stays out of the training list: the held-out and validation
+    prompts and the bench's messages are none of the broad list's prompts, nor inside one."""
+    from skulkp2p.bench.workloads import WORKLOADS
+    from tools.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
+    bench = [m["content"] for msgs in WORKLOADS.values() for m in msgs
+             if isinstance(m.get("content"), str) and m["content"].strip()]
+    training = train_prompts(0)
+    assert len(training) > 2000 and bench
+    measured = [*HELDOUT_PROMPTS, *VALIDATION_PROMPTS, *bench]
+    for text in training:
+        assert all(text not in m and m not in text for m in measured), text
+
+
 def test_terse_prompts_are_fresh_and_deterministic():
     from skulkp2p.bench.workloads import WORKLOADS
     from tools.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts
