@@ -410,6 +410,52 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     assert _decode(lq, lq.mtp, 2) == _decode(lq)
 
 
+def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
+    """--skip-batches: a broad batch held for validation (tools/validation_shards.py answers it)
+    is never answered into a training shard, and a folder that already trained on it, or an
+    index past the list, is refused."""
+    import random
+
+    from skulkp2p.engine.model import load_model as load
+    base = tiny_models["llama"]
+    out = tmp_path / "trained"
+    common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "4",
+              "--prompt-tokens", "96", "--max-batches", "3", "--heldout-batches", "1",
+              "--generate-only", "--resume"]
+    assert train_sidecar.main([*common, "--skip-batches", "1"]) == 0
+    work = out / ".train"
+    assert sorted(f.name for f in work.glob("train-*")) == ["train-0000.npz", "train-0002.npz"]
+    # The skipped batch is the one validation_shards answers at --batch-index 1: its prompts are
+    # in no training shard.
+    tok = load(base, "tiny", dtype="float32").tokenizer
+    train_p, _, _ = train_sidecar.build_broad_prompts(tok, 0)
+    batches = train_sidecar.batches_of(train_p, 4, 96, train_sidecar._tail_length(tok))
+    random.Random(0).shuffle(batches)
+    held_back = {tuple(p) for p in batches[1]}
+    for f in work.glob("train-*"):
+        s = np.load(f)
+        trained = {tuple(row[:int(s["prompt_len"])]) for row in s["tokens"].tolist()}
+        assert trained and not trained & held_back, f.name
+    with pytest.raises(SystemExit, match="already answered"):
+        train_sidecar.main([*common, "--skip-batches", "0"])
+    with pytest.raises(SystemExit, match="must be below 3"):
+        train_sidecar.main([*common, "--skip-batches", "3"])
+
+
+def test_broad_training_prompts_hold_no_heldout_validation_or_bench_text():
+    """What acceptance is measured on stays out of the training list: the held-out and validation
+    prompts and the bench's messages are none of the broad list's prompts, nor inside one."""
+    from skulkp2p.bench.workloads import WORKLOADS
+    from tools.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
+    bench = [m["content"] for msgs in WORKLOADS.values() for m in msgs
+             if isinstance(m.get("content"), str) and m["content"].strip()]
+    training = train_prompts(0)
+    assert len(training) > 2000 and bench
+    measured = [*HELDOUT_PROMPTS, *VALIDATION_PROMPTS, *bench]
+    for text in training:
+        assert all(text not in m and m not in text for m in measured), text
+
+
 def test_terse_prompts_are_fresh_and_deterministic():
     from skulkp2p.bench.workloads import WORKLOADS
     from tools.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts

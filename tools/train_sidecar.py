@@ -804,6 +804,14 @@ def train(args: argparse.Namespace) -> Path:
     random.Random(args.seed).shuffle(train_b)
     if args.max_batches:
         train_b = train_b[:args.max_batches]
+    skip = set(args.skip_batches)
+    if any(not 0 <= i < len(train_b) for i in skip):
+        raise SystemExit(f"train_sidecar: --skip-batches must be below {len(train_b)} "
+                         f"(the training batches), got {sorted(skip)}")
+    made = [i for i in sorted(skip) if (work / f"train-{i:04d}.npz").exists()]
+    if made:
+        raise SystemExit(f"train_sidecar: --skip-batches {made} already answered in {work} "
+                         f"(train-{made[0]:04d}.npz): a skipped batch must stay out of training")
     # Terse numbered answers (--terse) are a list of their own, in shards train-terse-*: adding
     # them leaves the broad list's batches, and so the shards already generated, as they were.
     terse_b: list[list[list[int]]] = []
@@ -830,6 +838,8 @@ def train(args: argparse.Namespace) -> Path:
         path = work / f"{kind}-{i:04d}.npz"
         if path.exists():
             continue
+        if kind == "train" and i in skip:
+            continue  # held for validation (tools/validation_shards.py): never trained on
         training = kind != "heldout"
         if training and time.monotonic() > gen_deadline and any(work.glob("train-*")):
             break
@@ -1048,6 +1058,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generate-only", action="store_true",
                    help="stop after generating the data (continue with --resume)")
     p.add_argument("--max-batches", type=int, default=0, help="cap on training batches")
+    p.add_argument("--skip-batches", type=lambda v: [int(x) for x in v.split(",") if x],
+                   default=[], metavar="I,J",
+                   help="broad-list batches never to answer (their prompts are held for "
+                        "validation, e.g. tools/validation_shards.py --batch-index 30)")
     p.add_argument("--limit-files", type=int, default=None, help="cap on source files read")
     p.add_argument("--train-batch", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=1e-3)
