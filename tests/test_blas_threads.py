@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from skulkp2p.engine import blas_threads as bt
-from tests.test_blas import child_env, fast_path_available
+from tests.helpers.blas import child_env, fast_path_available
 
 
 class RecordingBlas:
