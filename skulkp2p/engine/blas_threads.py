@@ -222,19 +222,23 @@ class ThreadPolicy:
 
     # ---------------------------------------------------------------- deciding
 
-    def _narrow_because(self, now: float) -> bool:
-        """Whether this forward must run narrow whatever the timings say."""
+    def _note_thread(self, now: float) -> None:
+        """A forward from another thread than the last one's, within SHARED_HOLD_S: shared."""
         me = threading.get_ident()
-        if self._owner != me and self._owner is not None and now - self._owner_seen < \
-                SHARED_HOLD_S:
+        if self._owner is not None and self._owner != me and \
+                now - self._owner_seen < SHARED_HOLD_S:
             self._shared_until = now + SHARED_HOLD_S
         self._owner, self._owner_seen = me, now
+
+    def _narrow_because(self, now: float) -> bool:
+        """Whether a forward the timings would run wide must run narrow: another thread runs
+        forwards, the guard is tripped, or another process has a task runnable."""
         if now < self._shared_until:
             self.counters.shared += 1
             return True
         if now < self._trip_until:
             return True
-        if self._runnable() > 0:
+        if self._runnable() > 0:  # read only here: /proc costs ~0.1 ms a call
             self._busy_until = now + BUSY_HOLD_S
         if now < self._busy_until:
             self.counters.busy += 1
@@ -261,9 +265,12 @@ class ThreadPolicy:
             return self.narrow
         t = self.timings.setdefault(key, Timings())
         t.calls += 1
-        if self._narrow_because(self._clock()):
+        now = self._clock()
+        self._note_thread(now)
+        choice = self._choose(t, baseline, explore_every)
+        if choice != self.narrow and self._narrow_because(now):
             return self.narrow
-        return self._choose(t, baseline, explore_every)
+        return choice
 
     def _observe(self, key: Any, threads: int, seconds: float) -> None:
         t = self.timings.setdefault(key, Timings())
