@@ -301,9 +301,12 @@ def test_busy_machine_keeps_one_thread(smollm2_path):
     finally:
         hog.kill()
         hog.wait(timeout=30)
+    p = report["policy"]
+    if p["wide"] == p["narrow"]:
+        pytest.skip("one core: nothing to decide")
     counts = [said for said, _ in report["seen"]]
     # The hog is runnable at nearly every probe; a probe that missed it costs at most a forward
     # or two before the guard trips, never a request's worth.
-    assert counts.count(2) <= 4, report["policy"]
+    assert counts.count(p["wide"]) <= 4, p
     assert report["policy"]["busy"] > 0
     assert report["spec"] == report["plain"] == report["reference"]
