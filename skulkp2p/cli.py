@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -29,9 +30,13 @@ def _store(args):
 def _prepare_engine_process() -> None:
     """Before mlx is imported: arrange the fast BLAS (may re-exec this process once)."""
     try:
-        from skulkp2p.engine import blas
+        from skulkp2p.engine import blas, blas_threads
     except ImportError:
         return
+    try:  # a bad setting fails here, not at the first forward
+        blas_threads.parse_setting(os.environ.get(blas_threads.ENV))
+    except ValueError as e:
+        raise CliError(str(e)) from None
     blas.ensure_fast_blas()
 
 

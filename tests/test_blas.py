@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from skulkp2p.engine import blas
+from tests.helpers.blas import child_env, fast_path_available
 
 REPO = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -39,16 +40,6 @@ print("REPORT " + json.dumps(report), flush=True)
 """
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SKULKP2P_")
-           and k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
-                         "OMP_NUM_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
-
-
 def run_child(env: dict[str, str], args: list[str] | None = None) -> tuple[int, dict, str]:
     """(how many times the child started, its report, its stderr)."""
     cmd = [sys.executable, *(args or ["-c", CHILD])]
@@ -58,19 +49,6 @@ def run_child(env: dict[str, str], args: list[str] | None = None) -> tuple[int, 
     report_lines = [ln for ln in lines if ln.startswith("REPORT ")]
     assert len(report_lines) == 1, out.stdout
     return lines.count("START"), json.loads(report_lines[0][len("REPORT "):]), out.stderr
-
-
-def fast_path_available() -> None:
-    """Skip only when OpenBLAS genuinely cannot run here (not installed, or wrong CPU)."""
-    if not LINUX:
-        pytest.skip("the OpenBLAS preload is for Linux only")
-    lib = blas.find_openblas()
-    if lib is None:
-        pytest.skip("cmeel-openblas is not installed")
-    env, why = blas._fast_env(lib)
-    if env is None and "SIGILL" in (why or ""):
-        pytest.skip(f"this CPU cannot run the cmeel-openblas build: {why}")
-    assert env is not None, f"libopenblas should be usable here: {why}"
 
 
 def test_reexec_turns_openblas_on() -> None:

@@ -179,14 +179,27 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                              f"{', '.join(doc['mismatched'])}")
         return 0
 
+    # The mlx-lm arms run in this process: every one of their forwards gets a fixed OpenBLAS
+    # thread count (--peer-blas-threads, default the start count); ours, the engine's policy.
+    from skulkp2p.engine import blas_threads
+
+    threads = blas_threads.policy()
+    peer_threads = getattr(args, "peer_blas_threads", None) or (
+        threads.narrow if threads is not None else None)
+
+    def arm_threads(arm: Arm) -> Any:
+        return blas_threads.pinned(peer_threads if arm.kind in ("mlx_lm", "mlx_lm_draft")
+                                   else None)
+
     # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
     # cannot run on this model at all.
     for arm in list(arms):
         if arm.kind == "llama":
             continue  # a fresh server per measured request: nothing to warm
         try:
-            execute(arm, model_of(arm), draft, WARMUP_MESSAGES,
-                    min(WARMUP_TOKENS, args.max_tokens), args.draft_tokens)
+            with arm_threads(arm):
+                execute(arm, model_of(arm), draft, WARMUP_MESSAGES,
+                        min(WARMUP_TOKENS, args.max_tokens), args.draft_tokens)
         except SkipArm as e:
             log.warning("arm %s skipped: %s", arm.name, e)
             skipped.append({"arm": arm.name, "reason": str(e)})
@@ -233,7 +246,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
             "complete": complete,
             "machine": {**machine_info(), "loadavg_before": load_before,
                         "loadavg_after": loadavg()},
-            "engine": engine,
+            "engine": {**engine, "blas_threads": None if threads is None else {
+                **threads.describe(), "peer_arms": peer_threads}},
             "model": {"id": loaded.id, "path": str(loaded.path), "dtype": loaded.dtype},
             "settings": {**settings, "plain_text": plain_text},
             "results": results,
@@ -251,11 +265,12 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                 if cell.skip:
                     continue
                 try:
-                    run = execute(arm, model_of(arm), draft, WORKLOADS[wl], args.max_tokens,
-                                  args.draft_tokens, SESSIONS.get(wl, ()),
-                                  getattr(args, "draft_memory_tokens", None),
-                                  getattr(args, "peer", None),
-                                  Sampling(temperature, args.seed + r) if sampled else None)
+                    with arm_threads(arm):
+                        run = execute(arm, model_of(arm), draft, WORKLOADS[wl],
+                                      args.max_tokens, args.draft_tokens, SESSIONS.get(wl, ()),
+                                      getattr(args, "draft_memory_tokens", None),
+                                      getattr(args, "peer", None),
+                                      Sampling(temperature, args.seed + r) if sampled else None)
                 except SkipArm as e:
                     cell.skip = str(e)
                     continue

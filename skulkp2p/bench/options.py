@@ -100,6 +100,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "spec_noedits (spec without the suffix drafter's copy cursor, min cap "
                         "and long-match context: lookup.edits = false)")
     p.add_argument("--no-peers", action="store_true", help="skip the mlx-lm peer arms")
+    p.add_argument("--peer-blas-threads", type=_positive, default=None, metavar="N",
+                   help="OpenBLAS threads for every forward of the mlx-lm arms (default: the "
+                        "count the process started with, OPENBLAS_NUM_THREADS); our arms use "
+                        "the engine's per-forward policy (SKULKP2P_BLAS_THREADS)")
     p.add_argument("--llama-server", metavar="PATH",
                    help="llama-server binary for the peer arms llama_plain, llama_ngram_simple "
                         "and llama_ngram_mod (default: SKULKP2P_LLAMA_SERVER_BIN or the "

@@ -91,10 +91,22 @@ def write_document(doc: dict[str, Any], table: str, json_out: str | None) -> Non
 # Tables and plot
 
 
+def _threads(engine: dict[str, Any]) -> str:
+    """The OpenBLAS threads the arms ran with, for the table's title."""
+    t = engine.get("blas_threads")
+    if not t:
+        return ""
+    ours = (f"{t['mode']} {t['narrow']}-{t['wide']}" if t["mode"] == "auto"
+            else f"fixed {t['wide']}")
+    used = ", ".join(f"{n}: {c}" for n, c in t["forwards_per_count"].items())
+    return (f"; threads: ours {ours} (forwards per count {used}; {t['trips']} trips), "
+            f"mlx-lm {t['peer_arms']}")
+
+
 def markdown_tables(doc: dict[str, Any]) -> str:
     m, e, s = doc["model"], doc["engine"], doc["settings"]
-    lines = [f"bench: {m['id']} {m['dtype']} (blas {e.get('blas')}), {s['max_tokens']} tokens, "
-             f"median of {s['runs']} run(s)", "",
+    lines = [f"bench: {m['id']} {m['dtype']} (blas {e.get('blas')}{_threads(e)}), "
+             f"{s['max_tokens']} tokens, median of {s['runs']} run(s)", "",
              "| workload | arm | tok/s | × plain | TTFT s | drafted | accepted | acceptance "
              "| per position | identical |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from skulkp2p.engine import caches
+from skulkp2p.engine import blas_threads, caches
 from skulkp2p.engine.stage import StageModel, StageSpan
 from skulkp2p.engine.tree import check_path, compact_kv, tree_capable
 from skulkp2p.engine.trunk import Trunk
@@ -78,16 +78,20 @@ class StageCache:
                 raise ValueError(f"a tree of {len(tree)} parents for {width} inputs")
             self._tree_start = self.cache[0].offset
             self._tree = list(tree)
-            out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
-            mx.eval([a for a in (out, h) if a is not None])
+            with blas_threads.waited(width):
+                out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
+                mx.eval([a for a in (out, h) if a is not None])
             return out, h
         if verify and width > 1 and caches.needs_snapshot(self.cache, width):
             self._snapshot = caches.snapshot(self.cache, width)
             self._inputs = x
-        out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
-        results = [a for a in (out, h) if a is not None]
-        # A call with nothing to return (prefill) still evaluates its caches now, chunk by chunk.
-        mx.eval(results or [c.state for c in self.cache])
+        # The OpenBLAS thread count for this forward (blas_threads.py): this thread waits on it.
+        with blas_threads.waited(width):
+            out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
+            results = [a for a in (out, h) if a is not None]
+            # A call with nothing to return (prefill) still evaluates its caches now, chunk by
+            # chunk.
+            mx.eval(results or [c.state for c in self.cache])
         return out, h
 
     def rollback(self, keep: int, dropped: int) -> None:
@@ -191,4 +195,5 @@ class LocalForward:
         generate_step does), and hand the hidden row to a quiet drafter as `last_hidden` once
         the step has run. The cache may hold one token past the last one the caller consumed
         (decode takes it back with a rollback when it must)."""
+        blas_threads.step()  # the OpenBLAS thread count for pipelined steps (blas_threads.py)
         return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)

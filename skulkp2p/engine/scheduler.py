@@ -60,6 +60,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from skulkp2p.engine import blas_threads
 from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
 from skulkp2p.engine.gates import BatchView
@@ -358,21 +359,23 @@ class BatchScheduler:
         for layer in self.recurrent:
             layer.begin_step(widths)
         try:
-            if self.through is not None:  # the layers before this stage: one traversal
-                x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
-                                          [r.submitted for r in rows],  # type: ignore[misc]
-                                          [r.submitted_tree for r in rows])
-                t0 = time.perf_counter()
-                logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x,
-                                                tree=tree)
-            else:
-                logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden,
-                                                tree=tree)
-            mx.eval([a for a in (logits, h) if a is not None])
-            if self.through is not None:  # this stage's compute, for the rings' reports
-                own = time.perf_counter() - t0
-                for r in rows:
-                    r.ring.compute_s += own  # type: ignore[union-attr]
+            # The OpenBLAS thread count (blas_threads.py): rows' threads take turns here.
+            with blas_threads.waited(width * len(rows), "batch"):
+                if self.through is not None:  # the layers before this stage: one traversal
+                    x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
+                                              [r.submitted for r in rows],  # type: ignore[misc]
+                                              [r.submitted_tree for r in rows])
+                    t0 = time.perf_counter()
+                    logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x,
+                                                    tree=tree)
+                else:
+                    logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden,
+                                                    tree=tree)
+                mx.eval([a for a in (logits, h) if a is not None])
+                if self.through is not None:  # this stage's compute, for the rings' reports
+                    own = time.perf_counter() - t0
+                    for r in rows:
+                        r.ring.compute_s += own  # type: ignore[union-attr]
         except BaseException as e:  # every waiting row fails with it, not only this one
             for r in rows:
                 r.submitted, r.error = None, e
@@ -524,6 +527,7 @@ class RowForward:
         sched = self.scheduler
         sched.ahead = self
         sched.lazy_steps += 1
+        blas_threads.step()  # the OpenBLAS thread count for pipelined steps (blas_threads.py)
         return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
 
     def end_run_ahead(self) -> None:

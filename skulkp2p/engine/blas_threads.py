@@ -1,0 +1,376 @@
+"""How many OpenBLAS threads each forward runs with on a CPU node.
+
+A process starts with ``OPENBLAS_NUM_THREADS`` = cores - 1 (engine/blas.py: with as many spinning
+workers as cores, a product whose worker is descheduled stalls). On a quiet 2-core node a second
+thread still pays off where Python waits on the forward (a verify round, prefill): nothing of
+ours needs the second core then. On a loaded node (other processes runnable: a 3-node CI cluster,
+other jobs, even niced ones) two threads are a cliff: a 4-token forward of a 135M model took
+2.2-2.9 s instead of 70 ms (tools/blas_threads_probe.py). So this module raises the count per
+forward only while it pays, and the forward calls it without knowing what it decides:
+
+* ``waited(width)``: a forward whose result the calling thread waits for. Two threads when the
+  machine looks quiet (no other runnable task, per /proc/loadavg, now and for the last
+  ``BUSY_HOLD_S``), and when the forwards of that width measured faster with two than with one.
+  The first ``BASELINE`` forwards of each width class run with one thread (the reference), the
+  next ``BASELINE`` with two; then the faster count, the other re-timed every ``EXPLORE_EVERY``
+  forwards (while quiet).
+* ``step()``: a one-token step of a pipelined greedy stretch (decode._pipelined: evaluated
+  asynchronously while Python hands out the previous token). Timed as the interval between
+  successive steps, chosen the same way.
+* A two-thread forward slower than ``TRIP_RATIO`` x the one-thread reference of its class trips
+  the guard: one thread everywhere for ``TRIP_S`` seconds (doubled on each trip, up to
+  ``TRIP_MAX_S``), so a load that /proc/loadavg missed costs one forward, not a request.
+
+The count only changes between forwards, after ``mx.synchronize()`` (nothing of mlx's is then
+in a BLAS call), and only while one thread runs forwards: a second thread's forward (a server
+running two requests' forwards side by side) pins one thread until it has been idle for
+``SHARED_HOLD_S``.
+
+``SKULKP2P_BLAS_THREADS``: ``auto`` (default: the policy above), or a number (every forward
+runs with that many threads; ``1`` is what the engine ran before this policy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV = "SKULKP2P_BLAS_THREADS"
+AUTO = "auto"
+
+BASELINE = 2  # forwards per width class timed at each count before choosing
+EXPLORE_EVERY = 32  # then the count not chosen is re-timed once every this many forwards
+STEP_BASELINE = 6  # pipelined steps: intervals are noisier (the consumer's Python is in them)
+STEP_EXPLORE_EVERY = 96
+EMA = 0.25  # weight of a new timing in a class's running figure
+TRIP_RATIO = 1.6  # a wide forward this much slower than the narrow reference trips the guard
+TRIP_S = 2.0
+TRIP_MAX_S = 60.0
+BUSY_HOLD_S = 1.0  # after another runnable task was seen, stay narrow this long
+SHARED_HOLD_S = 1.0  # after a second thread ran a forward, stay narrow this long
+
+
+def width_class(width: int) -> int:
+    """Forwards of similar cost share timings: 1, 2, 4, 8, ... (the power of two at or above)."""
+    return 1 << max(0, width - 1).bit_length()
+
+
+@dataclass
+class Timings:
+    """One width class's running figures (seconds) per thread count."""
+    seconds: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)
+    calls: int = 0
+
+    def record(self, threads: int, seconds: float) -> None:
+        old = self.seconds.get(threads)
+        self.seconds[threads] = seconds if old is None else old + EMA * (seconds - old)
+        self.samples[threads] = self.samples.get(threads, 0) + 1
+
+
+@dataclass
+class Counters:
+    """What the policy did, for the bench's report and the tests."""
+    forwards: dict[int, int] = field(default_factory=dict)  # forwards (and steps) per count
+    switches: int = 0
+    trips: int = 0
+    busy: int = 0  # decisions made narrow because another task was runnable
+    shared: int = 0  # decisions made narrow because another thread ran forwards
+
+
+def _running(stat_path: str) -> int:
+    """1 if the task of this /proc stat file is running or runnable (state R), else 0."""
+    try:
+        with open(stat_path, "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return 0  # the thread ended meanwhile
+    return int(text[text.rfind(b")") + 2:text.rfind(b")") + 3] == b"R")
+
+
+def other_runnable() -> int:
+    """Tasks of other processes running or waiting for a CPU at this moment: /proc/loadavg's
+    count of runnable tasks less this process's own (its BLAS workers may be spinning); 0
+    where /proc cannot be read."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as fh:
+            running = int(fh.read().split()[3].split("/")[0])
+        tasks = os.listdir("/proc/self/task")
+    except (OSError, ValueError, IndexError):
+        return 0
+    own = sum(_running(f"/proc/self/task/{t}/stat") for t in tasks)
+    return max(0, running - own)
+
+
+class OpenBlasThreads:
+    """The calls into the preloaded libopenblas (ctypes, symbols found in the process)."""
+
+    def __init__(self, lib: Any):
+        self._set = lib.openblas_set_num_threads
+        self._set.argtypes = [ctypes.c_int]
+        self._set.restype = None
+        self._get = lib.openblas_get_num_threads
+        self._get.restype = ctypes.c_int
+
+    @classmethod
+    def find(cls) -> OpenBlasThreads | None:
+        """The OpenBLAS this process runs, or None (no preload: reference BLAS, macOS)."""
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            lib = ctypes.CDLL(None)
+            lib.openblas_set_num_threads  # noqa: B018  (AttributeError when absent)
+            lib.openblas_get_num_threads  # noqa: B018
+        except (OSError, AttributeError):
+            return None
+        return cls(lib)
+
+    def get(self) -> int:
+        return int(self._get())
+
+    def set(self, n: int) -> None:
+        self._set(n)
+
+
+def parse_setting(text: str | None) -> int | None:
+    """``SKULKP2P_BLAS_THREADS``: None for auto, else the fixed count (a clear error if bad)."""
+    value = (text or "").strip().lower()
+    if value in ("", AUTO):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV}={text!r}: expected 'auto' or a thread count >= 1")
+    return n
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class ThreadPolicy:
+    """Per-forward OpenBLAS thread counts (see the module's docstring)."""
+
+    def __init__(self, blas: OpenBlasThreads, narrow: int, wide: int, fixed: int | None,
+                 sync: Callable[[], None], runnable: Callable[[], int] = other_runnable,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.blas = blas
+        self.narrow = narrow
+        self.wide = max(wide, narrow)
+        self.fixed = fixed
+        self._sync = sync
+        self._runnable = runnable
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.current = blas.get()
+        self.timings: dict[Any, Timings] = {}
+        self.counters = Counters()
+        self._trip_until = 0.0
+        self._trip_s = TRIP_S
+        self._busy_until = 0.0
+        self._owner: int | None = None
+        self._owner_seen = 0.0
+        self._shared_until = 0.0
+        self._step_last: tuple[float, int] | None = None  # (when, count) of the last step
+        self._pinned: int | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.fixed is None and self.wide > self.narrow
+
+    def describe(self) -> dict[str, Any]:
+        """The policy's settings and what it did, for reports."""
+        c = self.counters
+        return {"mode": AUTO if self.fixed is None else "fixed",
+                "narrow": self.narrow, "wide": self.wide if self.fixed is None else self.fixed,
+                "forwards_per_count": {str(k): v for k, v in sorted(c.forwards.items())},
+                "switches": c.switches, "trips": c.trips, "busy": c.busy, "shared": c.shared}
+
+    # ---------------------------------------------------------------- switching
+
+    def _use(self, n: int) -> None:
+        if n != self.current:
+            self._sync()  # nothing of mlx's is in a BLAS call while the count changes
+            self.blas.set(n)
+            self.current = n
+            self.counters.switches += 1
+        self.counters.forwards[n] = self.counters.forwards.get(n, 0) + 1
+
+    @contextmanager
+    def pinned(self, n: int) -> Iterator[None]:
+        """Every forward runs with ``n`` threads inside (the bench's static peer arms)."""
+        with self._lock:
+            self._pinned = n
+            self._use(n)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pinned = None
+
+    # ---------------------------------------------------------------- deciding
+
+    def _note_thread(self, now: float) -> None:
+        """A forward from another thread than the last one's, within SHARED_HOLD_S: shared."""
+        me = threading.get_ident()
+        if self._owner is not None and self._owner != me and \
+                now - self._owner_seen < SHARED_HOLD_S:
+            self._shared_until = now + SHARED_HOLD_S
+        self._owner, self._owner_seen = me, now
+
+    def _narrow_because(self, now: float) -> bool:
+        """Whether a forward the timings would run wide must run narrow: another thread runs
+        forwards, the guard is tripped, or another process has a task runnable."""
+        if now < self._shared_until:
+            self.counters.shared += 1
+            return True
+        if now < self._trip_until:
+            return True
+        if self._runnable() > 0:  # read only here: /proc costs ~0.1 ms a call
+            self._busy_until = now + BUSY_HOLD_S
+        if now < self._busy_until:
+            self.counters.busy += 1
+            return True
+        return False
+
+    def _choose(self, t: Timings, baseline: int, explore_every: int) -> int:
+        narrow_n = t.samples.get(self.narrow, 0)
+        wide_n = t.samples.get(self.wide, 0)
+        if narrow_n < baseline:
+            return self.narrow
+        if wide_n < baseline:
+            return self.wide
+        best = self.wide if t.seconds[self.wide] < t.seconds[self.narrow] else self.narrow
+        other = self.narrow if best == self.wide else self.wide
+        return other if t.calls % explore_every == 0 else best
+
+    def _decide(self, key: Any, baseline: int, explore_every: int) -> int:
+        if self._pinned is not None:
+            return self._pinned
+        if self.fixed is not None:
+            return self.fixed
+        if not self.auto:
+            return self.narrow
+        t = self.timings.setdefault(key, Timings())
+        t.calls += 1
+        now = self._clock()
+        self._note_thread(now)
+        choice = self._choose(t, baseline, explore_every)
+        if choice != self.narrow and self._narrow_because(now):
+            return self.narrow
+        return choice
+
+    def _observe(self, key: Any, threads: int, seconds: float) -> None:
+        t = self.timings.setdefault(key, Timings())
+        reference = t.seconds.get(self.narrow)
+        if threads == self.wide and reference is not None and seconds > TRIP_RATIO * reference:
+            # Slower than one thread by a margin: the machine got busy; one thread for a while.
+            self._trip_until = self._clock() + self._trip_s
+            self._trip_s = min(2 * self._trip_s, TRIP_MAX_S)
+            self.counters.trips += 1
+            return  # an outlier: it would hold the class at narrow long after the load went
+        if threads == self.wide and reference is not None:
+            self._trip_s = max(TRIP_S, self._trip_s / 2)
+        t.record(threads, seconds)
+
+    # ---------------------------------------------------------------- the forward's calls
+
+    @contextmanager
+    def waited(self, width: int, kind: str = "forward") -> Iterator[None]:
+        """Around a forward of ``width`` tokens that the calling thread evaluates and waits for."""
+        key = (kind, width_class(width))
+        with self._lock:
+            n = self._decide(key, BASELINE, EXPLORE_EVERY)
+            self._use(n)
+            self._step_last = None  # the next step's interval would include this forward
+        start = self._clock()
+        yield
+        elapsed = self._clock() - start
+        if self._pinned is None and self.fixed is None:
+            with self._lock:
+                self._observe(key, n, elapsed)
+
+    def step(self) -> None:
+        """Before building a pipelined one-token step (the previous one may still be running)."""
+        key = ("step", 1)
+        with self._lock:
+            now = self._clock()
+            last, self._step_last = self._step_last, None
+            if last is not None and last[1] == self.current and self._pinned is None \
+                    and self.fixed is None:
+                self._observe(key, self.current, now - last[0])
+            n = self._decide(key, STEP_BASELINE, STEP_EXPLORE_EVERY)
+            switched = n != self.current
+            self._use(n)
+            # An interval that began before a switch (a drained pipeline) times neither count.
+            self._step_last = None if switched else (self._clock(), n)
+
+
+_policy: ThreadPolicy | None = None
+_policy_lock = threading.Lock()
+_NO_POLICY = object()
+
+
+def policy() -> ThreadPolicy | None:
+    """This process's policy, made on first use (after mlx and OpenBLAS are loaded); None when
+    no OpenBLAS runs here."""
+    global _policy
+    if _policy is None:
+        with _policy_lock:
+            if _policy is None:
+                _policy = _make() or _NO_POLICY  # type: ignore[assignment]
+    return None if _policy is _NO_POLICY else _policy
+
+
+def _make() -> ThreadPolicy | None:
+    fixed = parse_setting(os.environ.get(ENV))
+    blas = OpenBlasThreads.find()
+    if blas is None:
+        return None
+    import mlx.core as mx
+
+    start = blas.get()
+    narrow = start
+    wide = max(start, cores())
+    return ThreadPolicy(blas, narrow, wide, fixed, mx.synchronize)
+
+
+@contextmanager
+def waited(width: int, kind: str = "forward") -> Iterator[None]:
+    """Around a forward the calling thread waits for (no-op without OpenBLAS)."""
+    p = policy()
+    if p is None:
+        yield
+        return
+    with p.waited(width, kind):
+        yield
+
+
+def step() -> None:
+    """Before a pipelined step is built (no-op without OpenBLAS)."""
+    p = policy()
+    if p is not None:
+        p.step()
+
+
+@contextmanager
+def pinned(n: int | None) -> Iterator[None]:
+    """Run what is inside with ``n`` threads for every forward (None: the policy decides)."""
+    p = policy()
+    if p is None or n is None:
+        yield
+        return
+    with p.pinned(n):
+        yield

@@ -1,0 +1,312 @@
+"""Per-forward OpenBLAS thread counts (skulkp2p.engine.blas_threads).
+
+The decisions are tested on a ThreadPolicy with a clock the test advances (a forward "takes" what
+the test says) and a load probe the test sets; the calls into OpenBLAS are recorded. Whether the
+real libopenblas runs with the count the policy says, and whether greedy decoding stays exact
+whatever the count, is tested in child interpreters with OpenBLAS preloaded (the preload only
+counts at process start), on SmolLM2-135M: a tiny model's products are too small for OpenBLAS
+to split across threads at all.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from skulkp2p.engine import blas_threads as bt
+from tests.helpers.blas import child_env, fast_path_available
+
+
+class RecordingBlas:
+    """Stands in for libopenblas's two calls; keeps what was set, in order, with the syncs."""
+
+    def __init__(self, start: int = 1):
+        self.n = start
+        self.calls: list[str] = []
+
+    def get(self) -> int:
+        return self.n
+
+    def set(self, n: int) -> None:
+        self.calls.append(f"set {n}")
+        self.n = n
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(fixed: int | None = None, busy: list[int] | None = None
+         ) -> tuple[bt.ThreadPolicy, RecordingBlas, Clock]:
+    blas, clock = RecordingBlas(), Clock()
+    others = busy if busy is not None else [0]
+    policy = bt.ThreadPolicy(blas, narrow=1, wide=2, fixed=fixed,  # type: ignore[arg-type]
+                             sync=lambda: blas.calls.append("sync"),
+                             runnable=lambda: others[0], clock=clock)
+    return policy, blas, clock
+
+
+def forward(policy: bt.ThreadPolicy, clock: Clock, width: int, seconds: float) -> int:
+    """One waited forward that takes `seconds`; the count it ran with."""
+    with policy.waited(width):
+        used = policy.blas.get()
+        assert used == policy.current
+        clock.t += seconds
+    return used
+
+
+def test_parse_setting() -> None:
+    assert bt.parse_setting(None) is None
+    assert bt.parse_setting(" Auto ") is None
+    assert bt.parse_setting("2") == 2
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ValueError, match="SKULKP2P_BLAS_THREADS"):
+            bt.parse_setting(bad)
+
+
+def test_width_classes() -> None:
+    assert [bt.width_class(w) for w in (1, 2, 3, 4, 5, 9, 16, 17, 512)] == \
+        [1, 2, 4, 4, 8, 16, 16, 32, 512]
+
+
+def test_fixed_count_for_every_forward() -> None:
+    policy, blas, clock = make(fixed=2)
+    used = [forward(policy, clock, w, 0.05) for w in (1, 9, 300, 1)]
+    policy.step()
+    assert used == [2, 2, 2, 2] and blas.n == 2
+    assert blas.calls == ["sync", "set 2"]  # switched once, after draining mlx's stream
+
+
+def test_quiet_baseline_then_the_faster_count_and_exploring() -> None:
+    policy, blas, clock = make()
+    # Two threads take 40 ms where one takes 50 (a quiet 2-core node, w = 1).
+    cost = {1: 0.050, 2: 0.040}
+    used = []
+    for _ in range(2 * bt.BASELINE + 2 * bt.EXPLORE_EVERY):
+        with policy.waited(1):
+            n = blas.get()
+            clock.t += cost[n]
+        used.append(n)
+    assert used[:2 * bt.BASELINE] == [1] * bt.BASELINE + [2] * bt.BASELINE
+    rest = used[2 * bt.BASELINE:]
+    assert rest.count(1) == 2 and rest.count(2) == len(rest) - 2  # one re-timing per period
+    # Every switch drains mlx's stream first.
+    assert all(blas.calls[i - 1] == "sync" for i, c in enumerate(blas.calls)
+               if c.startswith("set"))
+
+
+def test_two_threads_slower_keeps_one() -> None:
+    policy, blas, clock = make()
+    cost = {1: 0.050, 2: 0.060}  # slower but within the trip margin: chosen against, no trip
+    used = []
+    for _ in range(2 * bt.BASELINE + 10):
+        with policy.waited(4):
+            n = blas.get()
+            clock.t += cost[n]
+        used.append(n)
+    assert used[2 * bt.BASELINE:] == [1] * 10
+    assert policy.counters.trips == 0
+
+
+def test_widths_choose_separately() -> None:
+    policy, blas, clock = make()
+    cost = {(1, 1): 0.050, (1, 2): 0.060, (16, 1): 0.090, (16, 2): 0.060}
+    for _ in range(2 * bt.BASELINE + 3):
+        for w in (1, 16):
+            with policy.waited(w):
+                clock.t += cost[(w, blas.get())]
+    assert forward(policy, clock, 1, 0.05) == 1
+    assert forward(policy, clock, 16, 0.06) == 2
+
+
+def test_a_cliff_trips_to_one_thread_and_backs_off() -> None:
+    policy, blas, clock = make()
+    for _ in range(bt.BASELINE):
+        assert forward(policy, clock, 4, 0.070) == 1
+    # The machine got busy between two probes of /proc/loadavg: a two-thread forward takes 2 s.
+    assert forward(policy, clock, 4, 2.0) == 2
+    assert policy.counters.trips == 1
+    assert forward(policy, clock, 4, 0.070) == 1  # one thread at once, for TRIP_S
+    clock.t += bt.TRIP_S
+    assert forward(policy, clock, 4, 2.5) == 2  # re-tried after the trip: still a cliff
+    assert policy.counters.trips == 2
+    clock.t += bt.TRIP_S  # the second trip lasts twice as long
+    assert forward(policy, clock, 4, 0.070) == 1
+    clock.t += bt.TRIP_S
+    assert forward(policy, clock, 4, 0.060) == 2  # load gone: two threads again
+    assert policy.timings[("forward", 4)].samples[2] == 1  # the cliffs were not averaged in
+
+
+def test_another_runnable_task_means_one_thread() -> None:
+    busy = [0]
+    policy, blas, clock = make(busy=busy)
+    cost = {1: 0.050, 2: 0.040}
+    for _ in range(2 * bt.BASELINE):
+        with policy.waited(1):
+            clock.t += cost[blas.get()]
+    assert forward(policy, clock, 1, 0.04) == 2
+    busy[0] = 1
+    assert forward(policy, clock, 1, 0.05) == 1
+    busy[0] = 0
+    assert forward(policy, clock, 1, 0.05) == 1  # held for BUSY_HOLD_S after it was seen
+    clock.t += bt.BUSY_HOLD_S
+    assert forward(policy, clock, 1, 0.04) == 2
+    assert policy.counters.busy == 2
+
+
+def test_a_second_thread_running_forwards_means_one_thread() -> None:
+    policy, blas, clock = make()
+    cost = {1: 0.050, 2: 0.040}
+    for _ in range(2 * bt.BASELINE):
+        with policy.waited(1):
+            clock.t += cost[blas.get()]
+    assert forward(policy, clock, 1, 0.04) == 2
+    seen: list[int] = []
+    other = threading.Thread(target=lambda: seen.append(forward(policy, clock, 1, 0.05)))
+    other.start()
+    other.join(timeout=30)
+    assert seen == [1]
+    assert forward(policy, clock, 1, 0.05) == 1  # both threads narrow while they overlap
+    clock.t += bt.SHARED_HOLD_S + 0.1
+    assert forward(policy, clock, 1, 0.04) == 2
+
+
+def test_pipelined_steps_time_their_intervals() -> None:
+    policy, blas, clock = make()
+    interval = {1: 0.050, 2: 0.045}
+    used = []
+    for _ in range(2 * bt.STEP_BASELINE + 6):
+        policy.step()
+        used.append(blas.get())
+        clock.t += interval[blas.get()]
+    t = policy.timings[("step", 1)]
+    # A step's interval is timed from the previous step; the first interval after a switch
+    # (the pipeline was drained for it) times neither count.
+    assert used[:bt.STEP_BASELINE + 1] == [1] * bt.STEP_BASELINE + [2]
+    assert t.samples[1] == bt.STEP_BASELINE
+    assert t.samples[2] == used.count(2) - 2
+    assert used[-1] == 2
+    assert t.seconds[2] == pytest.approx(0.045) and t.seconds[1] == pytest.approx(0.050)
+    # A waited forward in between breaks the chain of intervals.
+    forward(policy, clock, 4, 0.5)
+    before = dict(t.samples)
+    policy.step()
+    assert t.samples == before
+
+
+def test_pinned_overrides_and_is_not_timed() -> None:
+    policy, blas, clock = make()
+    with policy.pinned(2):
+        assert forward(policy, clock, 1, 5.0) == 2
+        policy.step()
+        assert blas.n == 2
+    assert policy.counters.trips == 0 and ("forward", 1) not in policy.timings
+    assert forward(policy, clock, 1, 0.05) == 1  # the policy again (baseline: narrow)
+
+
+def test_other_runnable_reads_proc() -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc is Linux's")
+    n = bt.other_runnable()
+    assert isinstance(n, int) and n >= 0
+
+
+# --------------------------------------------------------------------------------------------
+# Real OpenBLAS, preloaded in a child interpreter
+
+CHILD = r"""
+import json, os, sys
+from skulkp2p.engine import blas
+blas.ensure_fast_blas()
+import mlx.core as mx
+from skulkp2p.engine import blas_threads
+from skulkp2p.engine.decode import DecodeStats, decode
+from skulkp2p.engine.drafters import PromptLookup
+from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.model import load_model
+from skulkp2p.engine.sampling import SamplingParams, make_rng
+from tests.helpers.reference import mlx_lm_tokens
+
+lm = load_model(sys.argv[1], "smollm2", dtype="float32")
+policy = blas_threads.policy()
+assert policy is not None, "no OpenBLAS in the child"
+if os.environ.get("QUIET") == "1":
+    policy._runnable = lambda: 0  # decide as on a quiet machine, whatever runs beside the test
+seen = []
+real_use = policy._use
+def use(n):
+    real_use(n)
+    seen.append((n, policy.blas.get()))  # what the policy set, what libopenblas says it runs
+policy._use = use
+text = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
+prompt = lm.tokenizer.encode(text)
+n = int(sys.argv[2])
+plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), n, make_rng(0)))
+stats = DecodeStats()
+spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), n, make_rng(0),
+                   PromptLookup(), 4, stats))
+decoding = list(seen)  # (mlx-lm's reference below runs pinned to the start count)
+with blas_threads.pinned(policy.narrow):
+    reference = mlx_lm_tokens(lm, prompt, n)
+print("REPORT " + json.dumps({"plain": plain, "spec": spec, "reference": reference,
+                              "drafted": stats.drafted, "seen": decoding,
+                              "start": int(os.environ.get("OPENBLAS_NUM_THREADS", "0")),
+                              "policy": policy.describe()}))
+"""
+
+
+def run_child(model, tokens: int, **env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model), str(tokens)],
+                         env=child_env(**env), capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["1", "2", "auto"])
+def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(smollm2_path, setting):
+    fast_path_available()
+    report = run_child(smollm2_path, 24, SKULKP2P_BLAS_THREADS=setting, QUIET="1")
+    # Every count the policy set is the count libopenblas reports.
+    assert report["seen"] and all(said == runs for said, runs in report["seen"])
+    counts = {said for said, _ in report["seen"]}
+    if setting == "auto":
+        # Quiet (as the child says): the start count (cores - 1, engine/blas.py) for the
+        # baseline, one thread per core after it.
+        p = report["policy"]
+        assert p["narrow"] == report["start"] and counts == {p["narrow"], p["wide"]}, p
+    else:
+        assert counts == {int(setting)}
+    assert report["drafted"] > 0
+    assert report["spec"] == report["plain"] == report["reference"]
+
+
+@pytest.mark.slow
+def test_busy_machine_keeps_one_thread(smollm2_path):
+    """With the real /proc probe and a CPU-bound process beside it, auto keeps one thread."""
+    fast_path_available()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        report = run_child(smollm2_path, 12, SKULKP2P_BLAS_THREADS="auto")
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
+    p = report["policy"]
+    if p["wide"] == p["narrow"]:
+        pytest.skip("one core: nothing to decide")
+    counts = [said for said, _ in report["seen"]]
+    # The hog is runnable at nearly every probe; a probe that missed it costs at most a forward
+    # or two before the guard trips, never a request's worth.
+    assert counts.count(p["wide"]) <= 4, p
+    assert report["policy"]["busy"] > 0
+    assert report["spec"] == report["plain"] == report["reference"]
