@@ -188,6 +188,20 @@ def _group_failed(reply: tuple) -> str:
     return message
 
 
+def _thaw(c, rank_pid: int) -> None:
+    """SIGCONT to n1 and its rank process (either may have gone meanwhile)."""
+    for p in (rank_pid, c.nodes[1].pid):
+        try:
+            os.kill(p, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _n1_back(c) -> None:
+    c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
+        m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
+
+
 def _replaced_without_n1(c) -> None:
     _grouped(c, [0, 2], lambda ring: "n1" not in ring)
 
@@ -213,13 +227,8 @@ def test_member_frozen_mid_request(cluster):
         _replaced_without_n1(c)
         assert _pipe(c.nodes[2].http, "plain")["tokens"] == reference["tokens"]
     finally:
-        for p in (pid, c.nodes[1].pid):
-            try:
-                os.kill(p, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-    c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
-        m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
+        _thaw(c, pid)
+    _n1_back(c)
 
 
 @pytest.mark.slow
@@ -252,11 +261,7 @@ def test_pipe_peer_line_is_retried_across_a_frozen_member(cluster):
             talk.join(150)
             assert not talk.is_alive(), "the pipe line was never answered"
         finally:
-            for p in (pid, c.nodes[1].pid):
-                try:
-                    os.kill(p, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            _thaw(c, pid)
     finally:
         if pipe.poll() is None:
             pipe.kill()
@@ -268,8 +273,7 @@ def test_pipe_peer_line_is_retried_across_a_frozen_member(cluster):
     assert result["usage"]["completion_tokens"] > 0
     assert "cluster busy (tensor_group_failed)" in err, err[-3000:]
     assert "internal_error" not in err
-    c.wait(lambda: (s := c.agreed([0, 1, 2])) and all(
-        m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
+    _n1_back(c)
 
 
 @pytest.mark.slow
