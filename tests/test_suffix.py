@@ -270,19 +270,23 @@ def test_pipe_retry_drafts_from_memory_unless_the_flag_turns_it_off(tiny_models,
 
 
 def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
-    """Sampled output depends on which drafts were offered, so seeded requests never draft from
-    memory: the same seed gives the same text on a fresh engine and after other requests."""
+    """A seeded sampled request drafts from memory (its drafts are deterministic, so plain
+    sampling's own draw decides every token): the same seed gives the same text on a fresh
+    engine, after itself (drafting its earlier output from memory) and with speculation off."""
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.request import parse_request
 
-    def req():
+    def req(spec=None):
         return parse_request({"prompt": "Tell me about the sea.", "max_tokens": 24,
                               "temperature": 1.0, "seed": 7,
-                              "speculation": {"drafter": "lookup", "depth": 6}})
+                              "speculation": spec or {"drafter": "lookup", "depth": 6}})
 
     engine = MlxEngine(llama, memory_tokens=4096)
     first = _run(engine, req())
-    assert _run(engine, req()).tokens == first.tokens == _run(MlxEngine(llama), req()).tokens
+    again = _run(engine, req())
+    assert again.tokens == first.tokens == _run(MlxEngine(llama), req()).tokens
+    assert again.tokens == _run(MlxEngine(llama), req("off")).tokens
+    assert again.speculation.accepted > first.speculation.accepted  # from memory
 
 
 def test_draft_trace_oracle_is_the_longest_previous_copy():

@@ -33,6 +33,7 @@ import pytest
 from skulkp2p.engine import tree_accept
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.gates import GatedDrafter
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import LoadedModel, load_model
 from skulkp2p.engine.request import parse_request
@@ -42,10 +43,11 @@ from skulkp2p.engine.sampling import (
     sample_from,
     target_probs,
 )
+from skulkp2p.engine.suffix import SuffixDrafter
 from skulkp2p.engine.tree import DraftTree
 from skulkp2p.engine.tree_accept import accept_child
 from tests.helpers.prefilled import PrefilledForward
-from tests.helpers.sampled import FixedTreeDrafter, exact_joint, fixed_tree, joint_fit
+from tests.helpers.sampled import FixedDrafter, FixedTreeDrafter, exact_joint, fixed_tree, joint_fit
 from tests.helpers.stats import goodness_of_fit
 from tests.helpers.trees import CODE, FREE_WIDTH, tree_drafter, trees_on
 
@@ -111,21 +113,44 @@ def test_unit_test_rejects_a_rule_without_the_residual():
     assert goodness_of_fit(emitted, p) < 1e-10
 
 
+def _no_residual_draw(p, tokens, rng):
+    """The same wrong rule in draw_child's shape (deterministic children)."""
+    pick, rest = _no_residual(p, tokens, [None] * len(tokens), rng)
+    return pick, (tokens[pick] if pick is not None else sample_from(rest, rng))
+
+
 def test_one_child_is_the_chain_rule():
-    """A node with one child draws what decode.verify_one draws, uniform for uniform."""
+    """A node with one child draws what decode.verify_one draws, uniform for uniform, and both
+    emit the token plain decoding's draw gives (the coupling that makes seeded sampled output
+    independent of the drafts)."""
     from skulkp2p.engine.decode import verify_one
 
     raw = np.random.default_rng(5).normal(0.0, 2.0, 64).astype(np.float32)
     row = mx.array(raw)[None]
     params = SamplingParams(temperature=0.9)
     p = target_probs(row, params)
+    accepted = 0
     for seed in range(200):
-        draft = seed % 64
-        a, b = make_rng(seed), make_rng(seed)
+        draft = seed % 64 if seed % 2 else int(np.argmax(p))
+        a, b, c = make_rng(seed), make_rng(seed), make_rng(seed)
         token, ok = verify_one(row, draft, None, params, a)
-        pick, residual = accept_child(p, [draft], [None], b)
-        assert ok == (pick == 0)
-        assert token == (draft if ok else sample_from(residual, b))
+        pick, drawn = tree_accept.draw_child(p, [draft], b)
+        assert (ok, token) == (pick == 0, drawn) == (drawn == draft, sample_from(p, c))
+        accepted += ok
+    assert 0 < accepted < 200
+
+
+def test_draw_child_emits_p_and_takes_each_child_with_its_p():
+    p = _unit_p()
+    order = np.argsort(-p)
+    tokens = [int(order[1]), int(order[0]), int(order[3])]
+    rng = make_rng(0)
+    draws = [tree_accept.draw_child(p, tokens, rng) for _ in range(N_UNIT)]
+    assert all(pick is None or tokens[pick] == t for pick, t in draws)
+    assert goodness_of_fit([t for _, t in draws], p) > ALPHA
+    taken = [pick for pick, _ in draws]
+    for i, t in enumerate(tokens):  # each child kept in a share p(t) of the draws
+        assert abs(taken.count(i) / N_UNIT - p[t]) < 5 * np.sqrt(p[t] * (1 - p[t]) / N_UNIT)
 
 
 # --- end to end through decode() -------------------------------------------------------------
@@ -195,7 +220,7 @@ def test_sampled_tree_matches_theexact_joint(sharp_llama, cases, params):
 @pytest.mark.slow
 def test_end_to_end_test_rejects_a_rule_without_the_residual(sharp_llama, cases, monkeypatch):
     prompt, tree, joint = cases(TOPK)
-    monkeypatch.setattr(tree_accept, "accept_child", _no_residual)
+    monkeypatch.setattr(tree_accept, "draw_child", _no_residual_draw)  # its nodes are one-hot
     samples, _ = _tree_samples(sharp_llama, prompt, TOPK, tree, N_E2E // 3)
     assert joint_fit(samples, joint) < ALPHA  # (about 1e-9 from these 1,000 runs)
 
@@ -231,6 +256,31 @@ def test_greedy_with_a_repetition_penalty_takes_trees_exactly(tiny_models):
     out = list(decode(LocalForward(lm.model), prompt, params, 48, make_rng(0), tree_drafter(),
                       8, stats))
     assert out == plain and stats.tree_rounds > 0
+
+
+@pytest.mark.parametrize("drafting", ["suffix-chains", "suffix-trees", "skewed-fixed-chain"])
+def test_seeded_sampled_output_does_not_depend_on_the_drafts(sharp_llama, drafting):
+    """With deterministic drafts a sampled request emits the tokens plain sampling with the same
+    seed emits, draft or no draft, accepted or not: the output of a seeded request does not
+    depend on the drafter, the gates' timing or the placement."""
+    lm = sharp_llama
+    prompt = lm.tokenizer.encode(CODE)
+    params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    stats = DecodeStats()
+    first = []
+    for seed in range(6):
+        plain = list(decode(LocalForward(lm.model), prompt, params, 40, make_rng(seed)))
+        first = first or plain[:6]  # seed 0's opening, drafted every round of every seed
+        if drafting == "skewed-fixed-chain":
+            drafter = FixedDrafter(first)
+        else:
+            drafter = tree_drafter() if drafting == "suffix-trees" else GatedDrafter(
+                SuffixDrafter(), FREE_WIDTH, 8, prior_accept=0.8)
+        out = list(decode(LocalForward(lm.model), prompt, params, 40, make_rng(seed), drafter,
+                          4, stats))
+        assert out == plain, (drafting, seed)
+    assert stats.drafted > stats.accepted > 0
+    assert (stats.tree_rounds > 0) == (drafting == "suffix-trees")
 
 
 def _run(engine: MlxEngine, bodies: list[dict], together: bool):

@@ -39,6 +39,7 @@ from skulkp2p.bench.mlx_arms import (
     Cell,
     Sampling,
     SkipArm,
+    drafts_deterministic,
     execute,
     open_draft,
     prompt_len,
@@ -239,7 +240,9 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         settings["ring"] = ring.settings  # filled in as the ring runs: compute vs link seconds
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
-        results, cell_skips, mismatched = cell_results(cells, arms, workloads, sampled)
+        results, cell_skips, mismatched = cell_results(
+            cells, arms, workloads, sampled,
+            frozenset(a.name for a in arms if drafts_deterministic(a, loaded)))
         plain_text = {wl: cells[(wl, "plain")].runs[0].text[:400]
                       for wl in workloads if cells[(wl, "plain")].runs}
         return {

@@ -67,6 +67,21 @@ ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, looku
              "spec_noedits": Arm("spec_noedits", "engine", "auto", edits=False)}
 
 
+def drafts_deterministic(arm: Arm, loaded: Any) -> bool:
+    """Whether the arm's sampled requests draft deterministically (lookup, an MTP head), so
+    that a seeded request emits plain sampling's text; draft models and the Gemma assistant
+    draw their drafts from a q, and then the text depends on the drafts."""
+    if arm.kind != "engine":
+        return False
+    spec = arm.speculation
+    if isinstance(spec, dict):
+        return spec.get("drafter") not in ("draft", "assistant")
+    if spec == "off":
+        return True
+    return getattr(loaded, "mtp", None) is not None or (
+        getattr(loaded, "assistant", None) is None and getattr(loaded, "draft", None) is None)
+
+
 def parse_arm(text: str) -> Arm:
     """One arm name: plain, spec, mlx_lm, mlx_lm_draft, or DRAFTER:DEPTH (lookup:4)."""
     text = text.strip()

@@ -81,10 +81,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         f"per turn, default {DEFAULT_AGENT_MAX_TOKENS})")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sample every engine request at this temperature (default 0: greedy, "
-                        "outputs checked identical to plain); sampled outputs differ between "
-                        "arms by design, so the bench compares speed and acceptance, not "
-                        "tokens (exactness is tested statistically); the peer arms are "
-                        "greedy only and are skipped")
+                        "outputs checked identical to plain); run r of every arm uses the "
+                        "same seed, and arms that draft deterministically (lookup, an MTP "
+                        "head) are checked identical to plain's run r; arms that sample their "
+                        "drafts (draft models) are not compared (exactness is tested "
+                        "statistically); the peer arms are greedy only and are skipped")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature: run r of every arm uses seed SEED + r (default 0)")
     p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,

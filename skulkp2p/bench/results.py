@@ -22,11 +22,13 @@ from skulkp2p.bench.report import (
 
 
 def cell_results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: list[str],
-                 sampled: bool = False
+                 sampled: bool = False, coupled: frozenset[str] = frozenset()
                  ) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
     """Per arm and workload: medians, speedup, acceptance, exactness; the cells that were
-    skipped; and the arm/workload pairs whose greedy tokens differ from plain's. `sampled`:
-    outputs are not compared (identical_to_plain is None) and acceptance sums every run's."""
+    skipped; and the arm/workload pairs whose tokens differ from plain's. `sampled`: acceptance
+    sums every run's, and only the arms in `coupled` (deterministic drafts: a seeded request
+    emits plain sampling's text) are compared, run r with plain's run r (the same seed); the
+    others' identical_to_plain is None."""
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     mismatched: list[str] = []
@@ -64,8 +66,14 @@ def cell_results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads:
                 med_base = base
             first = cell.runs[0]
             ref = one_reference if arm.one_node else reference
-            identical = None if ref is None or sampled else all(x.tokens == ref
-                                                                for x in cell.runs)
+            if sampled:
+                ref_runs = one_runs if arm.one_node else plain_runs
+                # a partial document may hold fewer runs of plain than of this arm
+                identical = all(x.tokens == r.tokens for x, r in
+                                zip(cell.runs, ref_runs, strict=False)) \
+                    if arm.name in coupled and ref_runs else None
+            else:
+                identical = None if ref is None else all(x.tokens == ref for x in cell.runs)
             if arm.kind == "llama":  # against the peer's own plain, by text
                 identical = all(x.text == llama_runs[0].text for x in cell.runs) \
                     if llama_runs else None

@@ -25,7 +25,7 @@ from skulkp2p.engine.sampling import (
     target_probs,
 )
 from skulkp2p.engine.tree import DraftTree, greedy_walk
-from skulkp2p.engine.tree_accept import walk_tree
+from skulkp2p.engine.tree_accept import draw_child, walk_tree
 
 
 class Drafter(Protocol):
@@ -123,23 +123,25 @@ def verify_one(row, draft: int, q: np.ndarray | None, params: SamplingParams,
                rng: np.random.Generator) -> tuple[int, bool]:
     """Decide one draft token against the target row: (token to emit, accepted?).
 
-    Greedy: accept when the draft is the plain choice. Sampled: accept with min(1, p/q) and on
-    rejection draw from norm(max(0, p - q)), which keeps the emitted token distributed exactly as p
-    (Leviathan et al. 2023). A deterministic drafter has q one-hot on its token.
+    Greedy: accept when the draft is the plain choice. Sampled with a deterministic draft (q
+    one-hot, q None here): draw the token exactly as plain decoding does, one uniform through
+    the same inverse CDF, and accept when it is the draft. That is exact (the emitted token is
+    p-distributed and the draft is accepted with probability p(draft), as Leviathan's rule), and
+    it is coupled to plain decoding: a seeded request emits the same tokens whatever was drafted,
+    so its output does not depend on the gates' timing, the node, or the placement. Sampled with
+    a draft distribution q: accept with min(1, p/q) and on rejection draw from
+    norm(max(0, p - q)) (Leviathan et al. 2023), exact in distribution but not coupled.
     """
     if params.greedy:
         token = greedy_token(row)
         return token, token == draft
     p = target_probs(row, params)
     if q is None:
-        if rng.random() < p[draft]:
-            return draft, True
-        residual = p.copy()
-        residual[draft] = 0.0
-    else:
-        if rng.random() * q[draft] < p[draft]:  # u < p/q without dividing by a zero q
-            return draft, True
-        residual = np.maximum(p - q, 0.0)
+        pick, token = draw_child(p, [draft], rng)
+        return token, pick is not None
+    if rng.random() * q[draft] < p[draft]:  # u < p/q without dividing by a zero q
+        return draft, True
+    residual = np.maximum(p - q, 0.0)
     total = residual.sum()
     if total <= 0.0:  # p == q on the support: any rejection is measure-zero; fall back to p
         return sample_from(p, rng), False

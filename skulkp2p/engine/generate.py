@@ -106,6 +106,14 @@ def speculation_allowed(loaded: LoadedModel) -> bool:
     return not multi_node or bool(loaded.speculation.get("speculative_multi_node", True))
 
 
+def _drafts_sampled(loaded: LoadedModel, spec) -> bool:
+    """Whether a sampled request's drafts would be drawn from a draft distribution q (a draft
+    model, the Gemma assistant) rather than chosen deterministically (lookup, an MTP head)."""
+    if spec.mode == "explicit":
+        return spec.drafter in ("draft", "assistant")
+    return loaded.mtp is None and (_assistant_usable(loaded) or loaded.draft is not None)
+
+
 def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int],
                     memory: SuffixMemory | None = None):
     """(drafter or None, depth, which trunk hidden state the forward must keep).
@@ -117,9 +125,13 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     spec = req.speculation
     if spec.mode == "off" or not speculation_allowed(loaded):
         return None, 0, None
-    if memory is not None and not req.sampling.greedy and req.sampling.seed is not None:
-        # Sampled output depends on which drafts were offered (never on its distribution): a
-        # seeded request must give the same text whatever ran before it, so no memory there.
+    # A seeded sampled request must give the same text whatever ran before it and whatever
+    # runs beside it. With deterministic drafts it does (decode.verify_one: plain sampling's own
+    # draw decides), but drafts drawn from a q change the text, so such a request then neither
+    # drafts from memory nor sizes its drafts by the batch.
+    fixed_text = (req.sampling.greedy or req.sampling.seed is None
+                  or not _drafts_sampled(loaded, spec))
+    if not fixed_text:
         memory = None
     if spec.mode == "explicit":
         if spec.drafter == "lookup":
@@ -138,9 +150,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
                                "speculation.draft_model)", "speculation")
         return _draft_drafter(loaded, req), spec.depth or 3, None
     costs = _costs(loaded)
-    # A seeded sampled request's text depends on which drafts were offered: its depths must
-    # not follow the batch it runs in (greedy text does not depend on them).
-    weigh = req.sampling.greedy or req.sampling.seed is None
+    weigh = fixed_text
     model_drafter, model_depth, hidden = None, 0, None
     cfg = loaded.speculation.get("lookup", {})
     # Token trees (engine/tree.py) where the counts disagree (lookup) or the MTP head's top two

@@ -1,18 +1,20 @@
 """Which path of a verified token tree a request keeps: the exact multi-draft rule.
 
 Greedy requests keep the children the target's own choices name (tree.greedy_walk; with a
-repetition penalty each node's row is processed with its path first). Sampled requests use
-recursive rejection sampling over a node's children (SpecInfer, Miao et al. 2023; "multi-draft
-speculative sampling"): with p the target distribution at the node (the request's own
-temperature, top-p/top-k/min-p and repetition penalty over the history along the path), try the
-children in order; child c with draft distribution q_c is accepted with min(1, p(c) / q_c(c)),
-and on rejection p <- norm(max(p - q_c, 0)) before the next child; when every child is
-rejected the token is drawn from the last residual. A deterministic drafter (the suffix
-drafter's branches, an MTP head's top-k) has q_c one-hot, so a child t is accepted with p(t)
-and on rejection p(t) is zeroed and p renormalised. Either way the emitted token is
+repetition penalty each node's row is processed with its path first). Sampled requests whose
+node's children are all deterministic (the suffix drafter's branches, an MTP head's top-k: q
+one-hot) draw the node's token exactly as plain decoding does (one uniform, the same inverse
+CDF over p, the target distribution at the node with the request's own temperature,
+top-p/top-k/min-p and repetition penalty over the history along the path) and follow the child
+that names it, if any. The emitted token is p-distributed and child t is kept with probability
+p(t), and the draw is the one plain decoding makes, so a seeded request's output does not depend
+on what was drafted (decode.verify_one is the same rule for a chain). Children with draft
+distributions q_c use recursive rejection sampling (SpecInfer, Miao et al. 2023; "multi-draft
+speculative sampling"): try the children in order; child c is accepted with
+min(1, p(c) / q_c(c)), and on rejection p <- norm(max(p - q_c, 0)) before the next child; when
+every child is rejected the token is drawn from the last residual. The emitted token is
 distributed exactly as p (by induction over the children: each rejection leaves the
-distribution of what is emitted next equal to the residual). A node with one child is the
-chain's rule (decode.verify_one) and draws the same uniforms in the same order.
+distribution of what is emitted next equal to the residual), though not coupled to plain's draw.
 
 Stochastic children (q not one-hot) are exact only when each was drawn from its q given the
 earlier ones; the drafters here give trees of deterministic nodes and chains with q.
@@ -30,6 +32,14 @@ from skulkp2p.engine.sampling import (
     sample_from,
     target_probs,
 )
+
+
+def draw_child(p: np.ndarray, tokens: list[int], rng: np.random.Generator
+               ) -> tuple[int | None, int]:
+    """Deterministic children (q one-hot): (index of the child whose token plain decoding's own
+    draw from p names, or None; that token). One uniform, as plain decoding draws."""
+    token = sample_from(p, rng)
+    return (tokens.index(token) if token in tokens else None), token
 
 
 def accept_child(p: np.ndarray, tokens: list[int], qs: list[np.ndarray | None],
@@ -88,6 +98,13 @@ def walk_tree(logits: mx.array, tokens: list[int], parents: list[int],
         if not kids:
             return path, sample_from(p, rng)
         kid_qs = [None if qs is None else qs[c - 1] for c in kids]
+        if all(q is None for q in kid_qs):  # deterministic children: plain's own draw decides
+            pick, token = draw_child(p, [tokens[c] for c in kids], rng)
+            if pick is None:
+                return path, token
+            path.append(kids[pick])
+            node = kids[pick]
+            continue
         pick, residual = accept_child(p, [tokens[c] for c in kids], kid_qs, rng)
         if pick is None:
             return path, sample_from(residual, rng)
