@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -217,6 +218,137 @@ def test_other_runnable_reads_proc() -> None:
         pytest.skip("/proc is Linux's")
     n = bt.other_runnable()
     assert isinstance(n, int) and n >= 0
+
+
+class FakeProc:
+    """A /proc with loadavg and this process's tasks (self/task/<tid>/stat), as files."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        (root / "self" / "task").mkdir(parents=True)
+        self.running(1)
+
+    def running(self, n: int) -> None:
+        """/proc/loadavg's runnable count (the machine's, ours included)."""
+        (self.root / "loadavg").write_text(f"0.50 0.40 0.30 {n}/321 4567\n")
+
+    def task(self, tid: int, state: str, comm: str = "python3") -> None:
+        d = self.root / "self" / "task" / str(tid)
+        d.mkdir(exist_ok=True)
+        (d / "stat").write_text(f"{tid} ({comm}) {state} 1 {tid} {tid} 0 -1 4194560 0 0\n")
+
+    def gone(self, tid: int) -> None:
+        d = self.root / "self" / "task" / str(tid)
+        (d / "stat").unlink()
+        d.rmdir()
+
+
+EVERY = 1.01 * bt.LoadProbe.EVERY_S  # one reading interval of the probe (and a hair: floats)
+
+
+def probe_on(root: Path) -> tuple[bt.LoadProbe, FakeProc, Clock]:
+    clock = Clock()
+    return bt.LoadProbe(str(root), clock), FakeProc(root), clock
+
+
+def test_probe_subtracts_our_running_threads(tmp_path: Path) -> None:
+    probe, proc, _ = probe_on(tmp_path)
+    proc.task(10, "R")  # the calling thread
+    proc.task(11, "R", "mlx stream")  # ours: running a step
+    proc.task(12, "S", "openblas")
+    proc.running(2)
+    assert probe.read() == 0
+    proc.running(3)  # one task more than ours runnable: another process's
+    assert probe.read() == 1
+    proc.task(12, "R")  # ... or our BLAS worker woke: ours, not another's
+    assert probe.read() == 0
+    proc.gone(12)  # a thread that ended between listing and reading counts as not running
+    proc.running(2)
+    assert probe.read() == 0
+
+
+def test_probe_counts_a_thread_of_ours_that_slept_after_loadavg_as_ours(tmp_path: Path
+                                                                         ) -> None:
+    """Our thread ran when loadavg was read and slept before its state was read: ours all the
+    same (the probe before, loadavg then our states, called it another process's task)."""
+    proc = FakeProc(tmp_path)
+    proc.task(10, "R")
+    proc.task(11, "R", "mlx stream")
+    proc.running(2)
+
+    class SleepsAfterLoadavg(bt.LoadProbe):
+        def _machine_running(self) -> int:
+            n = super()._machine_running()
+            proc.task(11, "S", "mlx stream")  # the step finished right after the read
+            return n
+
+    assert SleepsAfterLoadavg(str(tmp_path), Clock()).read() == 0
+    # The same moment read loadavg-then-ours, as before: one "other" task that was ours.
+    proc.task(11, "R", "mlx stream")
+    running = 2
+    proc.task(11, "S", "mlx stream")
+    assert running - bt.LoadProbe(str(tmp_path)).own_running() == 1
+
+
+def test_probe_confirms_a_load_before_reporting_it(tmp_path: Path) -> None:
+    probe, proc, clock = probe_on(tmp_path)
+    proc.task(10, "R")
+    proc.running(2)  # a transient: one reading sees another task, the next does not
+    assert probe() == 0
+    clock.t += EVERY
+    proc.running(1)
+    assert probe() == 0
+    clock.t += EVERY
+    proc.running(3)  # a lasting load: reported from its CONFIRM-th reading on
+    answers = []
+    for _ in range(bt.LoadProbe.CONFIRM + 1):
+        answers.append(probe())
+        clock.t += EVERY
+    assert answers == [0] * (bt.LoadProbe.CONFIRM - 1) + [2, 2]
+    proc.running(1)
+    assert probe() == 0  # gone: reported gone at once
+
+
+def test_probe_reads_proc_at_most_every_interval(tmp_path: Path) -> None:
+    probe, proc, clock = probe_on(tmp_path)
+    proc.task(10, "R")
+    proc.running(2)
+    for _ in range(bt.LoadProbe.CONFIRM):
+        probe()
+        clock.t += EVERY
+    assert probe() == 1 and probe.readings == bt.LoadProbe.CONFIRM + 1
+    proc.running(1)
+    clock.t += 0.4 * EVERY
+    assert probe() == 1 and probe.readings == bt.LoadProbe.CONFIRM + 1  # the last answer stands
+    clock.t += 0.7 * EVERY
+    assert probe() == 0 and probe.readings == bt.LoadProbe.CONFIRM + 2
+
+
+def test_probe_without_proc_says_quiet(tmp_path: Path) -> None:
+    probe = bt.LoadProbe(str(tmp_path / "absent"), Clock())
+    assert probe.read() == 0 and probe() == 0
+
+
+def test_policy_on_a_fake_proc_goes_narrow_only_for_a_lasting_load(tmp_path: Path) -> None:
+    blas, clock = RecordingBlas(), Clock()
+    proc = FakeProc(tmp_path)
+    proc.task(10, "R")
+    proc.running(1)
+    policy = bt.ThreadPolicy(blas, narrow=1, wide=2, fixed=None,  # type: ignore[arg-type]
+                             sync=lambda: None, runnable=bt.LoadProbe(str(tmp_path), clock),
+                             clock=clock)
+    cost = {1: 0.050, 2: 0.040}
+    for _ in range(2 * bt.BASELINE):
+        with policy.waited(1):
+            clock.t += cost[blas.get()]
+    proc.running(2)  # a kernel thread, once
+    assert forward(policy, clock, 1, 0.04) == 2
+    proc.running(1)
+    assert forward(policy, clock, 1, 0.04) == 2 and policy.counters.busy == 0
+    proc.running(2)  # another process's task, lasting
+    used = [forward(policy, clock, 1, 0.05) for _ in range(bt.LoadProbe.CONFIRM + 2)]
+    assert used == [2] * (bt.LoadProbe.CONFIRM - 1) + [1] * 3
+    assert policy.counters.busy == 3
 
 
 # --------------------------------------------------------------------------------------------
