@@ -4,12 +4,13 @@
         --no-llama-server --no-peers
 
 Runs ``python -m skulkp2p bench`` (the arguments after ``--``) in this process with the policy's
-load probe (engine/blas_threads.py) wrapped: every call reads the probe's answer, and when it
-says "another task runnable" the wrapper scans /proc/*/task/*/stat for every task in state R
-and records who they were (this process's threads by name, other processes' by command and
-nice value, kernel threads). The scan takes a few milliseconds, so it sees the machine a moment
-after the probe did: a task the probe counted may have gone ("nobody" below). Writes a JSON
-summary: how many calls, how many busy, and per busy call who was running.
+load probe (engine/blas_threads.LoadProbe) wrapped: at every reading it also takes the naive
+reading (loadavg's runnable count, then our threads' states: the probe before LoadProbe) and
+the bracketed one (our threads before and after loadavg), and when either sees another task
+it scans /proc/*/task/*/stat for every task in state R and records who they were (this
+process's threads, other processes' by command and nice value, kernel threads). The scan takes
+a few milliseconds, so it sees the machine a moment after the probe did: a task the probe
+counted may have gone ("nobody else" below). Writes a JSON summary.
 """
 
 from __future__ import annotations
@@ -66,41 +67,62 @@ def running_tasks() -> list[dict[str, Any]]:
     return out
 
 
+def naive_reading(proc: Any) -> int:
+    """The probe as it was before LoadProbe: loadavg's runnable count, then our threads'."""
+    try:
+        running = proc._machine_running()
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, running - proc.own_running())
+
+
 class Recorder:
-    """Wraps the probe: counts its answers, and on a busy one records who was running."""
+    """Wraps the policy's probe: at every reading also takes the naive one (loadavg, then our
+    threads) and the bracketed one (LoadProbe.read), and when either sees another task, scans
+    /proc for who was running."""
 
     def __init__(self, probe: Any):
         self.probe = probe
         self.calls = 0
+        self.counts: Counter[str] = Counter()
         self.busy: list[dict[str, Any]] = []
 
     def __call__(self) -> int:
-        n = self.probe()
+        before = self.probe.readings
+        answer = self.probe()
         self.calls += 1
-        if n > 0:
-            tasks = running_tasks()
-            self.busy.append({"t": time.monotonic(), "probe": n, "tasks": tasks})
-        return n
+        if self.probe.readings == before:
+            return answer  # the probe's rate limit: nothing read this time
+        naive = naive_reading(self.probe)
+        bracketed = self.probe.read()
+        self.counts["readings"] += 1
+        self.counts["naive saw another"] += naive > 0
+        self.counts["bracketed saw another"] += bracketed > 0
+        self.counts["confirmed (the policy's answer)"] += answer > 0
+        if naive > 0 or bracketed > 0:
+            self.busy.append({"t": time.monotonic(), "naive": naive, "bracketed": bracketed,
+                              "answer": answer, "tasks": running_tasks()})
+        return answer
 
     def summary(self) -> dict[str, Any]:
         who: Counter[str] = Counter()
         kinds: Counter[str] = Counter()
         for b in self.busy:
             others = [t for t in b["tasks"] if t["kind"] != "ours"]
+            ours = [t for t in b["tasks"] if t["kind"] == "ours"]
+            kinds[f"ours running at the scan: {len(ours)}"] += 1
             if not others:
                 kinds["nobody else running at the scan"] += 1
+            elif all(t["kind"] == "kernel" for t in others):
+                kinds["only kernel threads"] += 1
+            elif any(t["kind"] == "other" and t["nice"] <= 0 for t in others):
+                kinds["another process's task at nice <= 0"] += 1
+            else:
+                kinds["only niced other processes (and kernel threads)"] += 1
             for t in others:
-                key = f"{t['kind']} nice={t['nice']} {t['comm']} {t['cmd'][:60]}".strip()
-                who[key] += 1
-            kinds["with another process's task (nice <= 0)"] += any(
-                t["kind"] == "other" and t["nice"] <= 0 for t in others)
-            kinds["with only niced other tasks"] += bool(others) and all(
-                t["kind"] != "other" or t["nice"] > 0 for t in others) and any(
-                t["kind"] == "other" for t in others)
-            kinds["with only kernel threads"] += bool(others) and all(
-                t["kind"] == "kernel" for t in others)
-        return {"probe_calls": self.calls, "busy_calls": len(self.busy),
-                "busy_breakdown": dict(kinds), "tasks_seen": dict(who.most_common(25))}
+                who[f"{t['kind']} nice={t['nice']} {t['comm']} | {t['cmd'][:70]}"] += 1
+        return {"probe_calls": self.calls, "counts": dict(self.counts),
+                "seen_breakdown": dict(kinds), "tasks_seen": dict(who.most_common(30))}
 
 
 def main() -> int:
