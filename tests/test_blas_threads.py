@@ -324,6 +324,22 @@ def test_probe_reads_proc_at_most_every_interval(tmp_path: Path) -> None:
     assert probe() == 0 and probe.readings == bt.LoadProbe.CONFIRM + 2
 
 
+def test_probe_confirms_at_the_next_call_not_the_next_interval(tmp_path: Path) -> None:
+    probe, proc, clock = probe_on(tmp_path)
+    proc.task(10, "R")
+    assert probe() == 0 and probe.readings == 1
+    proc.running(2)
+    clock.t += EVERY
+    answers = [probe()]  # seen once: not yet a load
+    for _ in range(bt.LoadProbe.CONFIRM - 1):
+        clock.t += 0.001  # the next forward, well within the interval: read again all the same
+        answers.append(probe())
+    assert answers == [0] * (bt.LoadProbe.CONFIRM - 1) + [1]
+    assert probe.readings == 1 + bt.LoadProbe.CONFIRM
+    clock.t += 0.001
+    assert probe() == 1 and probe.readings == 1 + bt.LoadProbe.CONFIRM  # confirmed: cached
+
+
 def test_probe_without_proc_says_quiet(tmp_path: Path) -> None:
     probe = bt.LoadProbe(str(tmp_path / "absent"), Clock())
     assert probe.read() == 0 and probe() == 0
@@ -341,11 +357,13 @@ def test_policy_on_a_fake_proc_goes_narrow_only_for_a_lasting_load(tmp_path: Pat
     for _ in range(2 * bt.BASELINE):
         with policy.waited(1):
             clock.t += cost[blas.get()]
+    clock.t += EVERY  # (each forward below comes a probe interval after the last reading)
     proc.running(2)  # a kernel thread, once
     assert forward(policy, clock, 1, 0.04) == 2
     proc.running(1)
     assert forward(policy, clock, 1, 0.04) == 2 and policy.counters.busy == 0
-    proc.running(2)  # another process's task, lasting
+    clock.t += EVERY
+    proc.running(2)  # another process's task, lasting: confirmed at the next forward
     used = [forward(policy, clock, 1, 0.05) for _ in range(bt.LoadProbe.CONFIRM + 2)]
     assert used == [2] * (bt.LoadProbe.CONFIRM - 1) + [1] * 3
     assert policy.counters.busy == 3
