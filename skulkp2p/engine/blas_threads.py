@@ -111,7 +111,7 @@ class LoadProbe:
     * one excess is noise until seen again: a load counts when the last ``CONFIRM`` readings
       all saw one (a CPU-bound process is runnable at every reading; a transient is not);
     * readings are at most one per ``EVERY_S`` (0.1-0.3 ms each, on the decode's path: a
-      reading per 50 ms step was 0.3-0.6% of it): in between, the last answer stands, except
+      reading per 50 ms step was up to 0.3% of it): in between, the last answer stands, except
       that a reading which saw a load not yet confirmed is followed by another at the next
       call, so a lasting load is confirmed one forward after it is first seen.
 
