@@ -55,6 +55,8 @@ def test_batched_requests_match_solo(tiny_models, family, sampling, spec):
     if spec == "lookup":
         drafted = sum(r.speculation.drafted for r in batched)
         assert drafted > 0 and sched.ragged > 0  # rows of different widths in one forward
+        # ... which ran their MLPs and head on the real tokens only (engine/packed.py)
+        assert sched.packed_steps > 0 and sched.padding_skipped > 0
         assert [r.speculation.drafted for r in batched] == [
             r.speculation.drafted for r in alone]
 
@@ -123,6 +125,7 @@ def test_prompts_prefilled_together_match_solo(tiny_models, sampling):
         assert b.text == a.text
     assert batched[0].usage.cached_tokens > 0  # the hit: its row joined the forward at its length
     assert sched.prefill_peak == 4  # the four prompts' first chunks ran as one forward
+    assert sched.packed_prefills > 0  # ragged chunks: MLPs on their real tokens (packed.py)
     # Fewer prefill forwards than the chunks the prompts hold (each alone runs one forward per
     # chunk).
     assert sched.prefills - before < sum(chunks)
