@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PATTERNS = [(2, 1, 1, 1), (4, 1, 1, 1), (7, 1, 1, 1), (4, 4, 1, 1), (7, 3, 2, 1), (4, 4, 4, 4)]
+PATTERNS = [(2, 1, 1, 1), (3, 1, 1, 1), (4, 1, 1, 1), (7, 1, 1, 1), (4, 4, 1, 1), (3, 2, 2, 1),
+            (7, 3, 2, 1), (4, 4, 4, 4)]
 
 
 def steps(lm, reps: int) -> None:
@@ -35,8 +36,9 @@ def steps(lm, reps: int) -> None:
             sched._join(row)
             row.joined = True
 
-    def step(widths: tuple[int, ...], packed: bool) -> float:
-        sched.pack_ragged = packed
+    def step(widths: tuple[int, ...], mode: str) -> float:
+        sched.pack_ragged = mode != "padded"
+        sched.pack_mlps_from = 10**9 if mode == "head" else 0
         with sched.cond:
             for row, w in zip(rows, widths, strict=True):
                 row.submitted = [5] * w
@@ -48,20 +50,23 @@ def steps(lm, reps: int) -> None:
                 row.result = None
         return dt
 
-    times: dict[tuple[tuple[int, ...], bool], list[float]] = {
-        (p, k): [] for p in PATTERNS for k in (False, True)}
+    modes = ["padded", "head", "packed"]
+    times: dict[tuple[tuple[int, ...], str], list[float]] = {
+        (p, k): [] for p in PATTERNS for k in modes}
     for rep in range(reps + 1):
         for p in PATTERNS:
-            for k in ((False, True) if rep % 2 else (True, False)):
+            for k in (modes if rep % 2 else modes[::-1]):
                 dt = step(p, k)
                 if rep:  # the first round warms up
                     times[(p, k)].append(dt)
     med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
     print("one batched step of 4 rows, 128 tokens of context each (median of "
-          f"{reps} reps, ms): widths, real/padded token rows, padded, packed, packed/padded")
+          f"{reps} reps, ms): widths, real/padded token rows, padded, head only packed, "
+          "MLPs and head packed, their ratios to padded")
     for p in PATTERNS:
-        a, b = med[(p, False)], med[(p, True)]
-        print(f"  {p}: {sum(p)}/{4 * max(p)}  {a * 1e3:6.1f}  {b * 1e3:6.1f}  {b / a:.2f}")
+        a, h, b = (med[(p, k)] for k in modes)
+        print(f"  {p}: {sum(p)}/{4 * max(p)}  {a * 1e3:6.1f}  {h * 1e3:6.1f}  {b * 1e3:6.1f}"
+              f"  {h / a:.2f}  {b / a:.2f}")
 
 
 def runs(lm, n: int, max_tokens: int) -> None:

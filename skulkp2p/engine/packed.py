@@ -35,6 +35,7 @@ class PackedRows:
     index: mx.array
     inverse: mx.array
     offsets: tuple[int, ...]
+    mlps: bool = True  # the MLPs too, not only the final norm and head
 
     @property
     def tokens(self) -> int:
@@ -55,9 +56,10 @@ class PackedRows:
         return packed[self.offsets[i]:self.offsets[i] + self.widths[i]]
 
 
-def packed_rows(widths: list[int]) -> PackedRows | None:
+def packed_rows(widths: list[int], mlps_from: int = 0) -> PackedRows | None:
     """The packing of a step whose rows have these widths, or None when no row is padded
-    (every row as wide as the widest: nothing to save)."""
+    (every row as wide as the widest: nothing to save). The MLPs are packed only when at least
+    `mlps_from` token rows are padding (below it their gathers cost about what they save)."""
     width = max(widths)
     if all(w == width for w in widths):
         return None
@@ -69,7 +71,8 @@ def packed_rows(widths: list[int]) -> PackedRows | None:
         offsets.append(len(index))
         inverse += list(range(len(index), len(index) + w)) + [n] * (width - w)
         index += [i * width + j for j in range(w)]
-    return PackedRows(tuple(widths), width, mx.array(index), mx.array(inverse), tuple(offsets))
+    return PackedRows(tuple(widths), width, mx.array(index), mx.array(inverse), tuple(offsets),
+                      mlps=len(widths) * width - n >= mlps_from)
 
 
 class _PackedMlp(nn.Module):

@@ -81,6 +81,10 @@ if TYPE_CHECKING:
 # what else runs.
 BATCH_PREFILL_CHUNK = 512
 
+# A ragged step's MLPs run on its real tokens only from this many padded token rows on
+# (engine/packed.py; its head always does): below it the gathers cost about what they save.
+PACK_MLPS_FROM = 0
+
 
 @dataclasses.dataclass
 class PrefillChunk:
@@ -184,6 +188,7 @@ class BatchScheduler:
         # Ragged steps run the layers' MLPs and the head on their real tokens only
         # (engine/packed.py); False runs every padded position through them (A/B in tools).
         self.pack_ragged = packs_mlps(self.stage.trunk.body.layers)
+        self.pack_mlps_from = PACK_MLPS_FROM
         self.packed_steps = 0  # ragged steps run packed
         self.padding_skipped = 0  # padded token rows those steps left out of the MLPs and head
         self.packed_prefills = 0  # prefill forwards of ragged chunks run packed
@@ -366,7 +371,7 @@ class BatchScheduler:
             shapes = [r.submitted_tree or list(range(-1, len(r.submitted) - 1))  # type: ignore
                       for r in rows]
             tree = tree_inputs(self.rows.lengths, shapes, width)
-        packed = packed_rows(widths) if self.pack_ragged else None
+        packed = packed_rows(widths, self.pack_mlps_from) if self.pack_ragged else None
         for layer in self.recurrent:
             layer.begin_step(widths)
         try:

@@ -247,14 +247,14 @@ class StageModel:
                 return self.run_rows(inputs, [TreeView(c, tree.mask) for c in cache],
                                      logits=logits, hidden=hidden, embeddings=embeddings,
                                      per_layer_inputs=per_layer_inputs, packed=packed)
-        if packed is not None:
+        if packed is not None and packed.mlps:
             with packed_mlps(self.trunk.body.layers, packed):
                 out, h = self._run_rows(inputs, cache, logits=logits, hidden=hidden,
                                         embeddings=embeddings, per_layer_inputs=per_layer_inputs,
                                         packed=packed)
             return out, h
         return self._run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=embeddings,
-                              per_layer_inputs=per_layer_inputs, packed=None)
+                              per_layer_inputs=per_layer_inputs, packed=packed)
 
     def _run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool,
                   hidden: str | None, embeddings: mx.array | None,
