@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced
+from skulkp2p.engine import scheduler
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.request import parse_request
@@ -38,7 +39,9 @@ def mtp_llama(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("spec", list(SPECULATION))
-def test_batched_requests_match_solo(tiny_models, family, sampling, spec):
+def test_batched_requests_match_solo(tiny_models, family, sampling, spec, monkeypatch):
+    # every ragged step runs its MLPs packed too (engine/packed.py), however little it pads
+    monkeypatch.setattr(scheduler, "PACK_MLPS_FROM", 0)
     lm = _loaded(tiny_models[family])
     reqs = requests(SAMPLINGS[sampling], SPECULATION[spec])
     alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
@@ -55,6 +58,8 @@ def test_batched_requests_match_solo(tiny_models, family, sampling, spec):
     if spec == "lookup":
         drafted = sum(r.speculation.drafted for r in batched)
         assert drafted > 0 and sched.ragged > 0  # rows of different widths in one forward
+        # ... which ran their MLPs and head on the real tokens only (engine/packed.py)
+        assert sched.packed_steps > 0 and sched.padding_skipped > 0
         assert [r.speculation.drafted for r in batched] == [
             r.speculation.drafted for r in alone]
 
@@ -82,8 +87,10 @@ def test_a_row_with_nothing_prefilled_joining_first_keeps_the_rows_aligned():
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
-def test_batched_mtp_rows_match_solo(mtp_llama, sampling):
-    """Each row drafts with its own MTP head, which reads its row's hidden states."""
+def test_batched_mtp_rows_match_solo(mtp_llama, sampling, monkeypatch):
+    """Each row drafts with its own MTP head, which reads its row's hidden states (of ragged
+    steps run packed too: engine/packed.py)."""
+    monkeypatch.setattr(scheduler, "PACK_MLPS_FROM", 0)
     lm = _loaded(mtp_llama)
     reqs = requests(SAMPLINGS[sampling], {"drafter": "mtp", "depth": 2})
     alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
@@ -96,13 +103,15 @@ def test_batched_mtp_rows_match_solo(mtp_llama, sampling):
     assert sum(r.speculation.drafted for r in batched) > 0
     assert engine.scheduler.peak == 4
     assert engine.scheduler.prefill_peak >= 2  # hidden rows of prompts prefilled together
+    assert engine.scheduler.packed_steps > 0
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
-def test_prompts_prefilled_together_match_solo(tiny_models, sampling):
+def test_prompts_prefilled_together_match_solo(tiny_models, sampling, monkeypatch):
     """Requests that arrive together prefill in ONE forward per chunk round (ragged prompts,
     right padding; one of them resumes from a prefix-cache hit, so rows start at different
     lengths) and each decodes exactly what it decodes alone."""
+    monkeypatch.setattr(scheduler, "PACK_MLPS_FROM", 0)  # ragged chunks' MLPs packed
     base = _loaded(tiny_models["llama"])
     lm = dataclasses.replace(base, runtime={**base.runtime, "prefill_step": 8})
     prompts = [PROMPTS[0] + " four five six seven eight", " ".join(PROMPTS),
@@ -123,6 +132,7 @@ def test_prompts_prefilled_together_match_solo(tiny_models, sampling):
         assert b.text == a.text
     assert batched[0].usage.cached_tokens > 0  # the hit: its row joined the forward at its length
     assert sched.prefill_peak == 4  # the four prompts' first chunks ran as one forward
+    assert sched.packed_prefills > 0  # ragged chunks: MLPs on their real tokens (packed.py)
     # Fewer prefill forwards than the chunks the prompts hold (each alone runs one forward per
     # chunk).
     assert sched.prefills - before < sum(chunks)

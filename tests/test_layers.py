@@ -26,7 +26,8 @@ FORBIDDEN = {
 MLX_MODULES = {"caches", "decode", "draft_model", "forward", "generate", "loader", "mlx_engine",
                "model", "mtp_head", "mtp_drafter", "prefix_cache", "sampling", "stage", "trunk",
                "drafters", "gates", "blas", "width_costs", "batch_cache", "scheduler", "assistant",
-               "tensor_shard", "ring_batch", "tree", "tree_accept", "arrays", "head_batch"}
+               "tensor_shard", "ring_batch", "tree", "tree_accept", "arrays", "head_batch",
+               "packed"}
 
 
 def _modules() -> dict[str, Path]:

@@ -109,6 +109,8 @@ def main(spec: str, n: int) -> None:
     calls.clear()
     by_size.clear()
     steps = engine.scheduler.steps
+    ragged0, packed0 = engine.scheduler.ragged, engine.scheduler.packed_steps
+    skipped0 = engine.scheduler.padding_skipped
     out, seconds = batch_bench._run(engine, reqs(), True)
     tokens = sum(len(r.tokens) for r in out)
     print(f"{n} rows, speculation {spec}: {seconds:.3f} s, {tokens / seconds:.1f} tok/s, "
@@ -118,6 +120,11 @@ def main(spec: str, n: int) -> None:
     spent["head drafting, all of it"] = head
     for label, s in spent.items():
         print(f"{label:38s} {s:7.3f} s {100 * s / seconds:5.1f}%  calls {calls[label]}")
+    sched = engine.scheduler
+    rows_run = sum(size * len(ts) for size, ts in by_size.items())
+    print(f"ragged steps {sched.ragged - ragged0}, packed {sched.packed_steps - packed0}: "
+          f"{sched.padding_skipped - skipped0} padded token rows of {rows_run} run left out "
+          "of the head (and the MLPs, from PACK_MLPS_FROM padded rows)")
     for h in engine.scheduler.heads.values():
         print(f"batched head: {h.forwards} forwards ran {h.calls} row calls "
               f"({h.calls / max(h.forwards, 1):.2f} rows each, at most {h.peak})")

@@ -65,6 +65,7 @@ from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
 from skulkp2p.engine.gates import BatchView
 from skulkp2p.engine.head_batch import HeadRows
+from skulkp2p.engine.packed import packed_rows, packs_mlps
 from skulkp2p.engine.ring_frames import RingError
 from skulkp2p.engine.stage import StageModel
 from skulkp2p.engine.ticket_lock import TicketLock
@@ -79,6 +80,11 @@ if TYPE_CHECKING:
 # between chunks. The same chunks whether alone or not, so a request's caches do not depend on
 # what else runs.
 BATCH_PREFILL_CHUNK = 512
+
+# A ragged step's MLPs run on its real tokens only from this many padded token rows on
+# (engine/packed.py; its head always does): below it the gathers cost about what they save
+# (tools/packed_ab.py: 3 padded rows of 8 cost 1.08x padded, 9 of 16 0.99x, 18 of 28 0.82x).
+PACK_MLPS_FROM = 8
 
 
 @dataclasses.dataclass
@@ -180,6 +186,13 @@ class BatchScheduler:
         # The drafting rows' MTP/EAGLE head caches, per head, drafted in one forward per depth
         # (engine/head_batch.py).
         self.heads: dict[int, HeadRows] = {}
+        # Ragged steps run the layers' MLPs and the head on their real tokens only
+        # (engine/packed.py); False runs every padded position through them (A/B in tools).
+        self.pack_ragged = packs_mlps(self.stage.trunk.body.layers)
+        self.pack_mlps_from = PACK_MLPS_FROM
+        self.packed_steps = 0  # ragged steps run packed
+        self.padding_skipped = 0  # padded token rows those steps left out of the MLPs and head
+        self.packed_prefills = 0  # prefill forwards of ragged chunks run packed
 
     def arrive(self) -> None:
         """A request starts (before it first takes the lock): no row may run alone from now."""
@@ -327,7 +340,10 @@ class BatchScheduler:
             if isinstance(layer, RowsArraysCache):
                 layer.begin_step(widths)  # the padding must not reach a row's state
         tokens = [c.tokens + [c.tokens[-1]] * (width - len(c.tokens)) for c in group]
-        _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden)
+        packed = packed_rows(widths) if self.pack_ragged else None
+        _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden,
+                                   packed=packed)
+        self.packed_prefills += packed is not None
         out = []
         for i, (c, n, w) in enumerate(zip(group, lengths, widths, strict=True)):
             c.row.local.adopt([layer.extract(i, n + w) for layer in layers])
@@ -356,6 +372,7 @@ class BatchScheduler:
             shapes = [r.submitted_tree or list(range(-1, len(r.submitted) - 1))  # type: ignore
                       for r in rows]
             tree = tree_inputs(self.rows.lengths, shapes, width)
+        packed = packed_rows(widths, self.pack_mlps_from) if self.pack_ragged else None
         for layer in self.recurrent:
             layer.begin_step(widths)
         try:
@@ -367,10 +384,10 @@ class BatchScheduler:
                                               [r.submitted_tree for r in rows])
                     t0 = time.perf_counter()
                     logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x,
-                                                    tree=tree)
+                                                    tree=tree, packed=packed)
                 else:
                     logits, h = self.stage.run_rows(mx.array(tokens), self.layers, hidden=hidden,
-                                                    tree=tree)
+                                                    tree=tree, packed=packed)
                 mx.eval([a for a in (logits, h) if a is not None])
                 if self.through is not None:  # this stage's compute, for the rings' reports
                     own = time.perf_counter() - t0
@@ -387,7 +404,7 @@ class BatchScheduler:
         self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
         out = []
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
-            r.result = logits[i, :w]
+            r.result = logits[i, :w] if packed is None else packed.row(logits, i)
             r.result_hidden = h[i, :w] if h is not None and r.hidden is not None else None
             r.submitted = r.submitted_tree = None
             out += [a for a in (r.result, r.result_hidden) if a is not None]
@@ -399,6 +416,9 @@ class BatchScheduler:
         self.widths = widths
         self.peak = max(self.peak, len(rows))
         self.ragged += len(set(widths)) > 1
+        if packed is not None:
+            self.packed_steps += 1
+            self.padding_skipped += len(rows) * width - packed.tokens
         self.cond.notify_all()
 
 

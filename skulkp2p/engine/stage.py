@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from skulkp2p.engine.packed import PackedRows, packed_mlps
 from skulkp2p.engine.tree import TreeInputs, TreeView, tree_inputs, tree_ropes, validate_parents
 from skulkp2p.engine.trunk import Trunk, _Identity
 
@@ -233,27 +234,46 @@ class StageModel:
 
     def run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool = True,
                  hidden: str | None = None, embeddings: mx.array | None = None,
-                 per_layer_inputs: mx.array | None = None, tree: TreeInputs | None = None
+                 per_layer_inputs: mx.array | None = None, tree: TreeInputs | None = None,
+                 packed: PackedRows | None = None
                  ) -> tuple[mx.array | None, mx.array | None]:
         """The last stage on a batch: token rows [B, W] (or hidden rows [B, W, H]) in; logits
         [B, W, V] and the trunk rows [B, W, H] a drafter reads out. One request is B = 1.
-        `tree`: the rows are token trees (engine/tree.py): their mask and positions."""
+        `tree`: the rows are token trees (engine/tree.py): their mask and positions.
+        `packed`: the rows are ragged; the layers' MLPs and the head run on their real tokens
+        only (engine/packed.py), and the logits come back packed, [N, V] (`packed.row`)."""
         if tree is not None:
             with tree_ropes(self.trunk.body.layers, tree.positions):
                 return self.run_rows(inputs, [TreeView(c, tree.mask) for c in cache],
                                      logits=logits, hidden=hidden, embeddings=embeddings,
-                                     per_layer_inputs=per_layer_inputs)
+                                     per_layer_inputs=per_layer_inputs, packed=packed)
+        if packed is not None and packed.mlps:
+            with packed_mlps(self.trunk.body.layers, packed):
+                out, h = self._run_rows(inputs, cache, logits=logits, hidden=hidden,
+                                        embeddings=embeddings, per_layer_inputs=per_layer_inputs,
+                                        packed=packed)
+            return out, h
+        return self._run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=embeddings,
+                              per_layer_inputs=per_layer_inputs, packed=packed)
+
+    def _run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool,
+                  hidden: str | None, embeddings: mx.array | None,
+                  per_layer_inputs: mx.array | None, packed: PackedRows | None
+                  ) -> tuple[mx.array | None, mx.array | None]:
         body = self.trunk.body
         emb = embeddings
         extra = {} if per_layer_inputs is None else {"per_layer_inputs": per_layer_inputs}
-        if hidden == "before":
+        if hidden == "before" or (packed is not None and logits):
+            # (packed: the final norm too runs on the real tokens only, before the head)
             norm = body.norm
             body.norm = _Identity()
             try:
                 h = body(inputs, cache, input_embeddings=emb, **extra)
             finally:
                 body.norm = norm
-            normed = norm(h)
+            normed = norm(h if packed is None else packed.gather(h))
+            if hidden != "before":
+                h = None if not hidden else norm(h)
         else:
             h = normed = body(inputs, cache, input_embeddings=emb, **extra)
         out = self.trunk.head(normed) if logits else None

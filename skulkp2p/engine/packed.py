@@ -1,0 +1,112 @@
+"""A ragged batched step's per-token work over its real tokens only.
+
+A batched step runs B rows padded on the right to the widest row's W tokens (scheduler.py), so a
+step where one row verifies 6 drafts and three rows verify one token runs 4 x 7 = 28 token rows
+for 10 real ones. Attention needs the [B, W] layout (each row reads its own cache), but a
+layer's MLP and the output head work token by token: they run here on the real tokens gathered
+into one [N, H] block (N = the sum of the rows' widths), and the MLP's output goes back into the
+[B, W] layout with zeros at the padded positions. A padded position's hidden row only feeds its
+own key and value, which sit past its row's length, are masked from every real query, and are
+overwritten by the row's next step, so what it holds never reaches a real token.
+
+On this CPU a forward over many token rows is compute-bound (README, "Concurrent requests"): the
+MLPs are about three quarters of a SmolLM2 layer's weights and the head a fifth of the model's,
+so the padded rows' share of them is what this saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Where a ragged step's real tokens sit: `index` picks them out of the flattened [B * W]
+    positions (row by row, in order); `inverse` maps each of the B * W positions to its row in
+    the packed block, or to N (a zero row) for a padded position; `offsets[i]` is where row i's
+    tokens start in the packed block."""
+    widths: tuple[int, ...]
+    width: int
+    index: mx.array
+    inverse: mx.array
+    offsets: tuple[int, ...]
+    mlps: bool = True  # the MLPs too, not only the final norm and head
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.widths)
+
+    def gather(self, x: mx.array) -> mx.array:
+        """[B, W, ...] -> the real tokens' rows [N, ...]."""
+        return x.reshape(-1, *x.shape[2:])[self.index]
+
+    def scatter(self, packed: mx.array) -> mx.array:
+        """[N, H] -> [B, W, H], zeros at the padded positions."""
+        zero = mx.zeros((1, packed.shape[-1]), dtype=packed.dtype)
+        full = mx.concatenate([packed, zero], axis=0)[self.inverse]
+        return full.reshape(len(self.widths), self.width, packed.shape[-1])
+
+    def row(self, packed: mx.array, i: int) -> mx.array:
+        """Row i's own rows of a packed block."""
+        return packed[self.offsets[i]:self.offsets[i] + self.widths[i]]
+
+
+def packed_rows(widths: list[int], mlps_from: int = 0) -> PackedRows | None:
+    """The packing of a step whose rows have these widths, or None when no row is padded
+    (every row as wide as the widest: nothing to save). The MLPs are packed only when at least
+    `mlps_from` token rows are padding (below it their gathers cost about what they save)."""
+    width = max(widths)
+    if all(w == width for w in widths):
+        return None
+    index: list[int] = []
+    inverse: list[int] = []
+    offsets: list[int] = []
+    n = sum(widths)
+    for i, w in enumerate(widths):
+        offsets.append(len(index))
+        inverse += list(range(len(index), len(index) + w)) + [n] * (width - w)
+        index += [i * width + j for j in range(w)]
+    return PackedRows(tuple(widths), width, mx.array(index), mx.array(inverse), tuple(offsets),
+                      mlps=len(widths) * width - n >= mlps_from)
+
+
+class _PackedMlp(nn.Module):
+    """A layer's MLP run on the real tokens only (see the module's docstring)."""
+
+    def __init__(self, inner: nn.Module, rows: PackedRows):
+        super().__init__()
+        self.inner = inner
+        self.rows = rows
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.shape[:2] != (len(self.rows.widths), self.rows.width):
+            raise ValueError(f"packed MLP got rows {x.shape[:2]}, its step has "
+                             f"{(len(self.rows.widths), self.rows.width)}")
+        return self.rows.scatter(self.inner(self.rows.gather(x)[None])[0])
+
+
+def packs_mlps(layers: list[nn.Module]) -> bool:
+    """Whether every layer has an `mlp` that this module may run on packed tokens: a module
+    called on the hidden rows alone (dense or mixture-of-experts, token by token)."""
+    return bool(layers) and all(isinstance(getattr(la, "mlp", None), nn.Module)
+                                for la in layers)
+
+
+@contextlib.contextmanager
+def packed_mlps(layers: list[nn.Module], rows: PackedRows) -> Iterator[None]:
+    """Every layer's MLP runs on the step's real tokens for the duration of one forward (the
+    model's lock is held: nothing else builds a graph on these modules meanwhile)."""
+    saved: list[tuple[nn.Module, nn.Module]] = []
+    try:
+        for layer in layers:
+            saved.append((layer, layer.mlp))
+            layer.mlp = _PackedMlp(layer.mlp, rows)
+        yield
+    finally:
+        for layer, mlp in saved:
+            layer.mlp = mlp
