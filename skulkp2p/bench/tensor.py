@@ -20,8 +20,10 @@ other (on a loaded CPU, for a peer to be scheduled). The older estimate, calls x
 all-sum is as cheap as the CPU is idle, so it says little when the machine is shared.
 
 The depth controller uses the group's own verify-width table, measured when the group is open
-(`engine/tensor.measure_group_widths`, as a cluster's group does when it forms); the table one
-process would have used is recorded beside it. With `--one-node` the bench also runs plain and
+(`engine/tensor.measure_group_widths`, as a cluster's group does when it forms) as the seed of
+a live table that every verify call of the bench's requests is timed into
+(`engine/call_costs.py`), warm-up included; each run records its calls by width and the table
+after it. The table one process would have used is recorded beside it. With `--one-node` the bench also runs plain and
 spec on the whole model in its own process, in the same run (bench/cli.py).
 """
 
