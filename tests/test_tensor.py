@@ -23,6 +23,7 @@ from skulkp2p.cluster.placement import (
     place_model,
     plan,
 )
+from skulkp2p.engine.call_costs import LiveWidthCosts
 from skulkp2p.engine.generate import stream
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
@@ -137,8 +138,10 @@ class Group:
         self.forwards: list[TensorForward] = []
 
         def make(req, hidden, interrupt):
+            live = self.head.width_costs  # a live table is timed into, as a cluster's group
             fwd = TensorForward(self.head.model, self.ranks[0], hidden=hidden,
-                                interrupt=interrupt, timeout=self.timeout, prefill_step=16)
+                                interrupt=interrupt, timeout=self.timeout, prefill_step=16,
+                                call_costs=live if isinstance(live, LiveWidthCosts) else None)
             self.forwards.append(fwd)
             return fwd
 
@@ -375,5 +378,38 @@ def test_group_measures_its_own_verify_width_costs(models):
         group.head.width_costs = costs
         after = generate(group.head, ARMS["lookup"], max_tokens=24)
         assert after.tokens == before.tokens
+    finally:
+        group.close()
+
+
+def test_group_times_its_verify_calls_into_its_live_width_table(models):
+    """Seeded by the group's probe, the table then holds every verify call the requests make
+    (not the prefill's), by width; greedy output is the same with it as without (depth never
+    changes greedy tokens), plain and speculative."""
+    from skulkp2p.engine.tensor import measure_group_widths
+
+    group = Group(models["llama"], 2)
+    try:
+        plain_static = generate(group.head, "off", max_tokens=24)
+        spec_static = generate(group.head, ARMS["lookup"], max_tokens=24)
+        seconds = measure_group_widths(group.head.model, group.head.tokenizer, group.ranks[0])
+        live = group.head.width_costs = LiveWidthCosts(seconds)
+        assert dict(live) == {w: round(s / seconds[1], 4) for w, s in seconds.items()}
+        for speculation, static in (("off", plain_static), (ARMS["lookup"], spec_static)):
+            before = live.calls()
+            got = generate(group.head, speculation, max_tokens=24)
+            assert got.tokens == static.tokens and got.text == static.text
+            assert got.tokens == plain_static.tokens
+            fwd = group.forwards[-1]
+            seen = {w: n - before.get(w, 0) for w, n in live.calls().items()}
+            prefill_rows = got.usage.prompt_tokens - 1
+            prefill_calls = -(-prefill_rows // 16)  # the group's prefill_step
+            assert sum(seen.values()) == fwd.calls - prefill_calls
+            assert sum(w * n for w, n in seen.items()) == fwd.rows - prefill_rows
+            if speculation == "off":
+                assert set(seen) == {1}
+            else:
+                assert got.speculation.drafted > 0 and max(seen) > 1
+        assert all(s > 0 for s in live.seconds().values())
     finally:
         group.close()

@@ -181,7 +181,8 @@ def plot_speedups(doc: dict[str, Any], path: Path) -> None:
 def ring_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm and workload: the median run's split of the time (medians of each field), and
     link time per traversal."""
-    keys = [k for k in runs[0] if all(k in r for r in runs)]
+    keys = [k for k in runs[0] if all(k in r for r in runs)
+            and all(isinstance(r[k], int | float) for r in runs)]
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 4) for k in keys}
     if out.get("traversals"):
         out["link_ms_per_traversal"] = round(out["link_s"] * 1e3 / out["traversals"], 3)

@@ -20,8 +20,10 @@ other (on a loaded CPU, for a peer to be scheduled). The older estimate, calls x
 all-sum is as cheap as the CPU is idle, so it says little when the machine is shared.
 
 The depth controller uses the group's own verify-width table, measured when the group is open
-(`engine/tensor.measure_group_widths`, as a cluster's group does when it forms); the table one
-process would have used is recorded beside it. With `--one-node` the bench also runs plain and
+(`engine/tensor.measure_group_widths`, as a cluster's group does when it forms) as the seed of
+a live table that every verify call of the bench's requests is timed into
+(`engine/call_costs.py`), warm-up included; each run records its calls by width and the table
+after it. The table one process would have used is recorded beside it. With `--one-node` the bench also runs plain and
 spec on the whole model in its own process, in the same run (bench/cli.py).
 """
 
@@ -69,6 +71,8 @@ class TensorBench:
         self._bytes_seen = 0
         self._closed = False
         self.per_call_collectives = 0
+        self.live: Any = None  # the group's LiveWidthCosts, once measured (_measure_widths)
+        self._calls_seen: dict[int, int] = {}
         self.allsum_s = 0.0  # one all-sum of one row, alone (probe)
         self.compute_one_s = 0.0  # a rank's slice over one row with no collective
         self.compute_row_s = 0.0  # each row more
@@ -153,6 +157,7 @@ class TensorBench:
         """The group's own verify-width costs, for the depth controller (as a cluster's group
         measures them when it forms, node/serving.py); the table one process measured (or the
         default) is recorded beside them."""
+        from skulkp2p.engine.call_costs import LiveWidthCosts
         from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS
         from skulkp2p.engine.tensor import TensorError, measure_group_widths
         from skulkp2p.engine.width_costs import relative_costs
@@ -163,10 +168,12 @@ class TensorBench:
                                            check=self._broken, timeout=self.timeout_s)
         except TensorError as e:
             raise TensorBenchError(f"tensor-parallel group: measuring its widths: {e}") from None
-        loaded.width_costs = relative_costs(seconds)
+        # Seeded by the probe, then following the group's verify calls (as a cluster's group).
+        self.live = LiveWidthCosts(seconds, where="the bench's tensor-parallel group")
+        loaded.width_costs = self.live
         self.settings.update(
             group_width_seconds={str(w): round(s, 5) for w, s in seconds.items()},
-            group_width_costs={str(w): c for w, c in loaded.width_costs.items()},
+            group_width_costs={str(w): c for w, c in relative_costs(seconds).items()},
             single_process_width_costs=None if before is None else {
                 str(w): c for w, c in sorted(before.items())})
 
@@ -205,7 +212,8 @@ class TensorBench:
             fwd = TensorForward(loaded.model, self.ranks[0],
                                 prefill_step=int(loaded.runtime.get("prefill_step", 2048)),
                                 hidden=hidden, interrupt=interrupt, check=self._broken,
-                                timeout=self.timeout_s, label="the bench's model")
+                                timeout=self.timeout_s, label="the bench's model",
+                                call_costs=self.live)
             self._forwards.append(fwd)
             return fwd
 
@@ -238,6 +246,8 @@ class TensorBench:
                "pipe_s": round(max(0.0, wait - ranks), 4), "link_s": round(coll, 4),
                "bytes": seen - self._bytes_seen}
         self._bytes_seen = seen
+        if self.live is not None:
+            self._take_widths(run)
         if total_s is not None:
             run["loop_s"] = round(max(0.0, total_s - wait - head), 4)
             run["total_s"] = round(total_s, 4)
@@ -246,6 +256,20 @@ class TensorBench:
                         "ranks_compute_est_s", "pipe_s", "loop_s"):
                 s[key] = round(s[key] + run[key], 4)
         return run
+
+    def _take_widths(self, run: dict[str, Any]) -> None:
+        # The verify calls of this run by width, and the live table after it (what the depth
+        # controller priced the next run's drafts with).
+        now = self.live.calls()
+        run["verify_calls_by_width"] = {str(w): n - self._calls_seen.get(w, 0)
+                                        for w, n in now.items() if n > self._calls_seen.get(w, 0)}
+        self._calls_seen = now
+        run["width_costs_after"] = {str(w): round(c, 3) for w, c in self.live.items()}
+        self.settings.update(
+            group_width_costs_live={str(w): round(c, 4) for w, c in self.live.items()},
+            group_width_seconds_live={str(w): round(x, 5)
+                                      for w, x in self.live.seconds().items()},
+            group_verify_calls_by_width={str(w): n for w, n in now.items()})
 
     def close(self) -> None:
         if self._closed:

@@ -11,7 +11,7 @@ measured acceptance says it cannot pay; lookup may come back when the output tur
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +29,7 @@ DEFAULT_WIDTH_COSTS = {
 }
 
 
-def width_cost(costs: dict[int, float], w: int) -> float:
+def width_cost(costs: Mapping[int, float], w: int) -> float:
     """c(w), linearly interpolated between measured widths, extrapolated past the widest."""
     if w in costs:
         return costs[w]
@@ -67,7 +67,7 @@ SOLO = BatchView()
 @dataclass
 class DepthController:
     """Per-position acceptance estimates (Beta prior + counts) and the best depth given costs."""
-    costs: dict[int, float]
+    costs: Mapping[int, float]
     max_depth: int
     prior_accept: float = 0.5
     prior_weight: float = 2.0
@@ -150,7 +150,7 @@ MODEL_BRANCHES = 2
 
 
 def build_tree(main: list[int], branches: list, rates: list[float], side_rate: float,
-               costs: dict[int, float], rows: int = 1, draft_cost: float = 0.0) -> DraftTree:
+               costs: Mapping[int, float], rows: int = 1, draft_cost: float = 0.0) -> DraftTree:
     """The chain plus the side branches that pay for their width.
 
     The chain's node at depth d is reached with r_d = a_1 ... a_d; a branch standing in for the
@@ -209,7 +209,7 @@ class GatedDrafter:
     cache in step with the trunk); a drafter gated off for good is no longer run at all.
     """
 
-    def __init__(self, inner, costs: dict[int, float], max_depth: int, *,
+    def __init__(self, inner, costs: Mapping[int, float], max_depth: int, *,
                  start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, log_every: int = 64,
                  request_id=None, weigh_batch: bool = True, trees: bool = False):

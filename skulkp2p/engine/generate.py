@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import mlx.nn as nn
@@ -93,7 +93,7 @@ SUFFIX_PRIOR_ACCEPT = 0.8
 MEMORY_START_MATCH = 16
 
 
-def _costs(loaded: LoadedModel) -> dict[int, float]:
+def _costs(loaded: LoadedModel) -> Mapping[int, float]:
     return loaded.width_costs or DEFAULT_WIDTH_COSTS.get(loaded.dtype, DEFAULT_WIDTH_COSTS[
         "bfloat16"])
 

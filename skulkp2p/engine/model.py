@@ -4,7 +4,7 @@ serving dtype, optionally cut to one ring stage's layers, with its MTP head besi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,8 @@ class LoadedModel:
     runtime: dict[str, Any] = field(default_factory=dict)
     speculation: dict[str, Any] = field(default_factory=dict)  # the card's [speculation]
     chat: dict[str, Any] = field(default_factory=dict)  # the card's [chat] (tool_parser)
-    width_costs: dict[int, float] | None = None  # measured verify costs, when bench has run
+    # Measured verify costs, when bench has run; a tensor group's live table (call_costs.py)
+    width_costs: Mapping[int, float] | None = None
     # The seconds behind width_costs when measured where the model runs (a tensor group's)
     verify_costs: VerifyCosts | None = None
     mtp: Any = None  # a loaded MTP head, when the model has one

@@ -36,6 +36,8 @@ from skulkp2p.engine.tensor_errors import TensorError
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from skulkp2p.engine.call_costs import LiveWidthCosts
+
 log = logging.getLogger("skulkp2p.tensor")
 
 READY_TIMEOUT_S = 120.0  # load and group formation; a peer that never comes ends it
@@ -188,7 +190,10 @@ class TensorForward:
     def __init__(self, head: Any, rank0: RankProcess, *, prefill_step: int = 2048,
                  hidden: str | None = None, interrupt: Callable[[], None] | None = None,
                  check: Callable[[], str | None] | None = None, timeout: float | None = None,
-                 label: str = "model"):
+                 label: str = "model", call_costs: LiveWidthCosts | None = None):
+        """`call_costs`: the group's live width table (engine/call_costs.py), which every
+        verify call of this forward is timed into, so that the depth controller prices the
+        next rounds by what the group's calls really cost."""
         from skulkp2p.engine.trunk import Trunk
 
         if hidden not in (None, "after", "before"):
@@ -201,6 +206,7 @@ class TensorForward:
         self.check = check
         self.timeout = timeout or tensor_timeout()
         self.label = label
+        self.call_costs = call_costs
         self.last_hidden: mx.array | None = None
         # The caches live in the ranks; a prefix-cache entry here is only the index (its
         # slices are kept by the ranks, `keep_in_group`).
@@ -295,7 +301,11 @@ class TensorForward:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
 
     def __call__(self, tokens: list[int]) -> mx.array:
-        return self._finish(self._run(tokens), logits=True)
+        t0 = time.perf_counter()
+        logits = self._finish(self._run(tokens), logits=True)
+        if self.call_costs is not None:  # the whole call as the loop waits for it
+            self.call_costs.observe(len(tokens), time.perf_counter() - t0)
+        return logits
 
     def rollback(self, keep: int, dropped: int) -> None:
         if dropped > 0:

@@ -248,8 +248,8 @@ class ClusterServing:
                               ring: tuple[str, ...]) -> VerifyCosts | None:
         """The group's verify costs, measured now (None when that failed: the costs from
         before stay the controller's, and nothing is shown for this generation)."""
+        from skulkp2p.engine.call_costs import LiveWidthCosts
         from skulkp2p.engine.tensor import TensorError, measure_group_widths
-        from skulkp2p.engine.width_costs import relative_costs
 
         loaded.verify_costs = None
         try:
@@ -257,9 +257,11 @@ class ClusterServing:
         except TensorError as e:
             log.warning("tensor: %s: measuring the group's widths failed: %s", model, e)
             return None
-        loaded.width_costs = relative_costs(seconds)
-        loaded.verify_costs = VerifyCosts(seconds, time.time(),
-                                          f"tensor-parallel group {', '.join(ring)}")
+        where = f"tensor-parallel group {', '.join(ring)}"
+        # Seeded by the probe, then following the group's own verify calls (every request's
+        # TensorForward times its calls into it: engine/call_costs.py).
+        loaded.width_costs = LiveWidthCosts(seconds, where=where)
+        loaded.verify_costs = VerifyCosts(seconds, time.time(), where)
         log.info("tensor: %s: the group's verify costs (relative to one row): %s", model,
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())))
         return loaded.verify_costs
@@ -273,6 +275,7 @@ class ClusterServing:
 
     def _tensor_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel,
                                 role: Any):
+        from skulkp2p.engine.call_costs import LiveWidthCosts
         from skulkp2p.engine.protocol import EngineUnavailable
         from skulkp2p.engine.tensor import TensorError, TensorForward
 
@@ -300,10 +303,12 @@ class ClusterServing:
                     return "the group re-formed; retry"
                 return None
 
+            live = loaded.width_costs  # this generation's table, when it measured one
             return TensorForward(loaded.model, proc,
                                  prefill_step=int(loaded.runtime.get("prefill_step", 2048)),
                                  hidden=hidden, interrupt=interrupt, check=broken,
-                                 label=f"{model} ({', '.join(ring)})")
+                                 label=f"{model} ({', '.join(ring)})",
+                                 call_costs=live if isinstance(live, LiveWidthCosts) else None)
 
         return make
 

@@ -1,0 +1,157 @@
+"""Verify-width costs that follow the calls a forward really makes.
+
+The depth controller and the gates (gates.py) price a draft of k tokens by c(k + 1), the cost of
+a verify call of k + 1 rows relative to one row. Where that table comes from a single probe (a
+tensor-parallel group times its widths once, when it forms: engine/tensor.py), it holds whatever
+state the machine was in that minute: on a shared CPU the group's probe read nearly flat (w16 =
+1.05x w1) while its decode calls later cost 77 / 127 / 214 / 340 ms at 1 / 4 / 8 / 16 rows, so
+the controller drafted as deep as where wide verifies really are cheap.
+
+A `LiveWidthCosts` is that table, seeded by the probe's seconds and then following the seconds
+of the forward's own verify calls: the forward that runs them records each (`observe`), the
+controllers read the table (it is a Mapping {w: relative cost}, as the static tables are), so
+the decode loop never learns where its forward runs or that it is being timed.
+
+Per width, the estimate is the median of the last `window` calls together with the probe's
+time counted as `prior_calls` calls: one slow call (another process scheduled in) moves nothing,
+three calls of a width outvote the probe. Relative costs divide by the one-row estimate. Widths
+with no call yet are interpolated between the observed ones; past the widest observed, each row
+more costs what the observed rows cost on average (the line through (1, 1) and the widest
+observed), never less than the probe said. Finally each width costs at least every narrower one
+(a call of more rows never costs less: a width that looks cheaper is noise).
+
+No mlx here: plain numbers, so the tests feed recorded call times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+
+# The last this many calls of a width make its estimate (with the probe's prior).
+WINDOW = 16
+# The probe's time weighs as much as this many calls: a single call moves nothing, three do.
+PRIOR_CALLS = 2
+# Calls wider than this are not verify rounds (a prefill chunk): not recorded.
+MAX_WIDTH = 64
+
+
+def _interp(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class LiveWidthCosts(Mapping[int, float]):
+    """{width: cost of a call of that many rows relative to one row}, from a probe's seconds
+    and then the calls observed. Thread-safe: one forward records, any thread reads (the table
+    read is a dict replaced whole on each observation)."""
+
+    def __init__(self, seed_seconds: Mapping[int, float], *, window: int = WINDOW,
+                 prior_calls: int = PRIOR_CALLS, max_width: int = MAX_WIDTH,
+                 where: str = ""):
+        seed = {int(w): float(s) for w, s in seed_seconds.items()}
+        if 1 not in seed:
+            raise ValueError("the seed needs the time of a one-row call (width 1)")
+        if any(s <= 0 for s in seed.values()) or any(w < 1 for w in seed):
+            raise ValueError(f"seed seconds must be positive at widths >= 1: {seed}")
+        if window < 1 or prior_calls < 0:
+            raise ValueError("window must be >= 1 and prior_calls >= 0")
+        self.seed = dict(sorted(seed.items()))
+        self.window = window
+        self.prior_calls = prior_calls
+        self.max_width = max_width
+        self.where = where
+        self.seeded_at = time.time()
+        self.updated_at = self.seeded_at  # Unix time of the last observed call
+        self._calls: dict[int, deque[float]] = {}
+        self._count: dict[int, int] = {}  # calls observed per width, all time
+        self._lock = threading.Lock()
+        self._seconds, self._relative = self._estimate()
+
+    # -- Mapping over the relative costs (what gates.width_cost reads) ---------------------
+    def __getitem__(self, width: int) -> float:
+        return self._relative[width]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._relative)
+
+    def __len__(self) -> int:
+        return len(self._relative)
+
+    def __contains__(self, width: object) -> bool:
+        return width in self._relative
+
+    # -- recording ---------------------------------------------------------------------------
+    def observe(self, width: int, seconds: float) -> None:
+        """One verify call of `width` rows took `seconds` (as the decode loop waited for it)."""
+        if width < 1 or width > self.max_width or not seconds > 0:
+            return
+        with self._lock:
+            self._calls.setdefault(width, deque(maxlen=self.window)).append(float(seconds))
+            self._count[width] = self._count.get(width, 0) + 1
+            self.updated_at = time.time()
+            self._seconds, self._relative = self._estimate()
+
+    def seconds(self) -> dict[int, float]:
+        """The current estimate of one call's seconds per width (the table's widths)."""
+        return dict(self._seconds)
+
+    def relative(self) -> dict[int, float]:
+        return dict(self._relative)
+
+    def calls(self) -> dict[int, int]:
+        """How many calls of each width were observed (all time)."""
+        with self._lock:
+            return dict(sorted(self._count.items()))
+
+    # -- the estimate --------------------------------------------------------------------------
+    def _seed_at(self, width: int) -> float:
+        """The probe's seconds at any width (linear between its widths, past the widest along
+        its last segment)."""
+        ws = list(self.seed)
+        if width in self.seed:
+            return self.seed[width]
+        if len(ws) == 1:
+            return self.seed[ws[0]]
+        if width > ws[-1]:
+            return max(self.seed[ws[-1]], _interp(width, ws[-2], self.seed[ws[-2]], ws[-1],
+                                                  self.seed[ws[-1]]))
+        hi = next(w for w in ws if w > width)
+        lo = max(w for w in ws if w < width)
+        return _interp(width, lo, self.seed[lo], hi, self.seed[hi])
+
+    def _median(self, width: int) -> float:
+        calls = list(self._calls.get(width, ()))
+        return statistics.median([self._seed_at(width)] * self.prior_calls + calls)
+
+    def _estimate(self) -> tuple[dict[int, float], dict[int, float]]:
+        observed = {w: self._median(w) for w in sorted(self._calls)}
+        one = observed.get(1, self.seed[1])
+        if 1 not in observed:
+            observed = {1: one, **observed}
+        rel_obs = {w: s / one for w, s in observed.items()}
+        seed_one = self.seed[1]
+        widths = sorted(set(self.seed) | set(observed))
+        obs_ws = sorted(rel_obs)
+        widest = obs_ws[-1]
+        rel: dict[int, float] = {}
+        for w in widths:
+            if w in rel_obs:
+                r = rel_obs[w]
+            elif w < widest:  # between two observed widths
+                lo = max(x for x in obs_ws if x < w)
+                hi = min(x for x in obs_ws if x > w)
+                r = _interp(w, lo, rel_obs[lo], hi, rel_obs[hi])
+            else:  # past every observed width: the observed rows' average per row, or the probe
+                per_row = (rel_obs[widest] - 1.0) / (widest - 1) if widest > 1 else 0.0
+                r = max(self._seed_at(w) / seed_one, rel_obs[widest] + per_row * (w - widest))
+            rel[w] = r
+        out: dict[int, float] = {}
+        floor = 0.0
+        for w in widths:  # a call of more rows never costs less than a narrower one
+            floor = max(floor, rel[w])
+            out[w] = round(floor, 4)
+        out[1] = 1.0
+        return {w: out[w] * one for w in widths}, out

@@ -1,0 +1,119 @@
+"""The live verify-width table (engine/call_costs.py): seeded by a probe, it follows the seconds
+of the calls a forward really makes, robust to a slow call, and the depth controller drafts
+shallower once wide calls turn out dear. Recorded call times, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from skulkp2p.engine.call_costs import LiveWidthCosts
+from skulkp2p.engine.gates import DepthController, width_cost
+
+# A group's probe at formation on a busy CPU: every width's fastest call about the same
+# (README, tensor-parallel placements: "flat at 07:01").
+FLAT_PROBE = {w: 0.076 for w in (1, 2, 3, 4, 6, 8, 12, 16)}
+# What the group's decode calls then cost (tools/tensor_call_widths.py, same README section).
+REAL_CALLS = {1: 0.077, 4: 0.127, 8: 0.214, 16: 0.340}
+
+
+def _observe(table: LiveWidthCosts, calls: dict[int, float], times: int = 5) -> None:
+    for _ in range(times):
+        for w, s in calls.items():
+            table.observe(w, s)
+
+
+def test_the_seed_is_the_table_until_calls_are_seen():
+    table = LiveWidthCosts({1: 0.010, 2: 0.012, 4: 0.015, 8: 0.020})
+    assert dict(table) == {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.0}
+    assert table.calls() == {}
+    assert width_cost(table, 6) == pytest.approx(1.75)  # gates read it as any table
+    table.observe(4, 0.050)  # one call against the probe's two: not yet
+    assert table[4] == 1.5
+
+
+def test_the_table_moves_to_the_observed_call_costs():
+    table = LiveWidthCosts(FLAT_PROBE)
+    assert set(table.values()) == {1.0}
+    _observe(table, REAL_CALLS)
+    assert table[1] == 1.0
+    assert table[4] == pytest.approx(0.127 / 0.077, abs=1e-3)
+    assert table[8] == pytest.approx(0.214 / 0.077, abs=1e-3)
+    assert table[16] == pytest.approx(0.340 / 0.077, abs=1e-3)
+    # Widths no call was seen at lie between the observed ones, not at the probe's flat 1.0.
+    assert table[2] == pytest.approx(1 + (0.127 / 0.077 - 1) / 3, abs=1e-3)
+    assert table[12] == pytest.approx((0.214 + 0.340) / 2 / 0.077, abs=1e-3)
+    assert table.seconds()[8] == pytest.approx(0.214, abs=1e-4)
+    assert table.calls() == {1: 5, 4: 5, 8: 5, 16: 5}
+
+
+def test_a_slow_call_does_not_swing_the_table():
+    table = LiveWidthCosts(FLAT_PROBE)
+    _observe(table, REAL_CALLS)
+    before = dict(table)
+    table.observe(8, 2.0)  # another process took the core for one call
+    table.observe(1, 1.5)
+    assert dict(table) == before
+    table.observe(4, 0.001)  # nor a fast one
+    assert dict(table) == before
+
+
+def test_the_table_follows_a_change_of_load_within_its_window():
+    table = LiveWidthCosts(FLAT_PROBE, window=8)
+    _observe(table, REAL_CALLS, times=8)
+    busier = {w: s * 2 for w, s in REAL_CALLS.items()}
+    busier[8] = 0.600  # wide calls got dearer still
+    _observe(table, busier, times=8)
+    assert table.seconds()[1] == pytest.approx(0.154, abs=1e-4)
+    assert table[8] == pytest.approx(0.600 / 0.154, abs=1e-3)
+
+
+def test_past_the_widest_observed_each_row_costs_what_the_observed_ones_did():
+    table = LiveWidthCosts(FLAT_PROBE)
+    _observe(table, {1: 0.100, 5: 0.180})
+    per_row = (1.8 - 1.0) / 4
+    assert table[5] == pytest.approx(1.8)
+    assert table[8] == pytest.approx(1.8 + 3 * per_row)
+    assert table[16] == pytest.approx(1.8 + 11 * per_row)
+    # Never below what the probe said, where it said more.
+    steep = LiveWidthCosts({1: 0.1, 2: 0.11, 16: 0.9})
+    _observe(steep, {1: 0.1, 2: 0.11})
+    assert steep[16] == pytest.approx(9.0)
+
+
+def test_a_wider_call_never_costs_less():
+    table = LiveWidthCosts(FLAT_PROBE)
+    _observe(table, {1: 0.10, 2: 0.20, 3: 0.15, 4: 0.25})
+    widths = sorted(table)
+    assert all(table[a] <= table[b] for a, b in zip(widths, widths[1:], strict=False))
+    assert table[3] == table[2] == pytest.approx(2.0)
+
+
+def test_calls_that_are_not_verify_rounds_are_ignored_and_bad_seeds_refused():
+    table = LiveWidthCosts(FLAT_PROBE, max_width=32)
+    for _ in range(5):
+        table.observe(200, 3.0)  # a prefill chunk
+        table.observe(0, 0.1)
+        table.observe(4, 0.0)
+        table.observe(4, float("nan"))
+    assert table.calls() == {} and set(table.values()) == {1.0}
+    with pytest.raises(ValueError, match="width 1"):
+        LiveWidthCosts({2: 0.1, 4: 0.2})
+    with pytest.raises(ValueError, match="positive"):
+        LiveWidthCosts({1: 0.1, 2: 0.0})
+
+
+def test_the_controller_drafts_shallower_once_wide_calls_are_dear():
+    """The same table object the controller was built with: what later calls show changes
+    the depth of the next rounds of the same request."""
+    table = LiveWidthCosts(FLAT_PROBE)
+    controller = DepthController(table, max_depth=16, prior_accept=0.8)
+    deep, deep_gain = controller.best_depth(16)
+    assert deep == 16  # flat: every extra draft looks free
+    _observe(table, REAL_CALLS)
+    shallow, gain = controller.best_depth(16)
+    assert 1 <= shallow <= 4
+    assert gain < deep_gain
+    # Dearer still: speculation at 40% acceptance stops paying at all.
+    low = DepthController(table, max_depth=16, prior_accept=0.4)
+    _observe(table, {1: 0.077, 2: 0.160, 4: 0.300, 8: 0.600, 16: 1.2}, times=16)
+    assert low.best_depth(16)[0] == 0
