@@ -230,7 +230,23 @@ def test_failover_frozen_node_rejoin_and_killed_leader(tmp_path, tiny_models):
         c.close()
 
 
+# Loading a model placed again takes seconds on a quiet machine and took more than 26 s on a
+# loaded one: the client's own retries (8, with backoff) gave up on the 503s while it loaded.
+SERVED_AGAIN_S = 120.0
+
+
 def greedy_retry(addr: str) -> str:
-    r = client(addr, retries=8).chat.completions.create(messages=CHAT, max_tokens=24,
-                                                        temperature=0, model="llama")
-    return r.choices[0].message.content
+    """The greedy answer through `addr`, retried (bounded in time) while the model loads: 503
+    with Retry-After, as the node says."""
+    import openai
+
+    deadline = time.monotonic() + SERVED_AGAIN_S
+    while True:
+        try:
+            r = client(addr).chat.completions.create(messages=CHAT, max_tokens=24,
+                                                     temperature=0, model="llama")
+            return r.choices[0].message.content
+        except openai.APIStatusError as e:
+            if e.status_code != 503 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)  # 503 while the placement loads

@@ -311,3 +311,45 @@ def test_founder_keeps_the_lead_as_nodes_join(seed):
         net.run(net.rng.uniform(0, 3))
     assert net.run(15, lambda: net.agreed_leader() == "n0" and net.views_agree())
     assert founder.term == 1 and not net.safety_violations()
+
+
+def test_a_leader_elected_again_never_publishes_its_old_placements():
+    """A node that led, followed another leader meanwhile, and wins again: its first heartbeats
+    carry what it plans in the new term, not the placements of its previous leadership
+    (followers once adopted those for a heartbeat, and a tensor group's member stopped its rank
+    for a placement from terms ago)."""
+    small = ModelSpec("small", layers=8, size_bytes=60_000_000, context_length=512,
+                      hidden_size=64, kv_heads=1)
+    net = SimNet(seed=26)  # (a seed where n1, not n2, wins the last election)
+    facts = {"memory": 100_000_000}
+    # n1 founds the cluster (no seed answers before it stands); priorities then make n0 win
+    # while n1 is away, and n1 (above n2) win when n0 is away.
+    n0 = net.add("n0", 0, [SimNet.addr(1)], facts, priority=10)
+    first = net.add("n1", 1, [SimNet.addr(0)], facts, priority=5)
+    n2 = net.add("n2", 2, [SimNet.addr(0)], facts)
+    nodes, others = [n0, first, n2], [n0, n2]
+    assert net.run(15, lambda: net.agreed_leader() == "n1" and net.views_agree())
+    # n1 pauses; another leads and places "small" (n1's own payload never had it).
+    net.pause(first)
+    assert net.run(15, lambda: net.agreed_leader(others) in ("n0", "n2"))
+    second = next(c for c in others if c.is_leader)
+    follower = next(c for c in others if c is not second)
+    net.send(follower.addr, follower.request_placement(small, ["n2"], now=net.now))
+    assert net.run(5, lambda: all("small" in c.placements() for c in others))
+    net.resume(first)
+    assert net.run(10, lambda: all("small" in c.placements() for c in nodes)
+                   and net.agreed_leader() == second.name)
+    # The second leader pauses: n1 (above n2) wins again. From here on, no live node that
+    # follows a leader may lose "small" for a moment.
+    net.pause(second)
+    lost: list[tuple[float, str]] = []
+
+    def watch() -> bool:
+        lost.extend((net.now, c.name) for c in net.live()  # (no leader: no placements at all)
+                    if c.leader is not None and "small" not in c.placements())
+        return False
+
+    net.run(10, watch)
+    assert first.is_leader, (first.leader, first.term)
+    assert not lost, lost[:5]
+    assert first.placements()["small"].ring == ("n2",)

@@ -220,7 +220,11 @@ def _generate(addr: str, i: int) -> dict:
     from tests.helpers.http_client import call
 
     body = {"model": "llama", "prompt": PROMPTS[i], "max_tokens": 24 + 4 * i, **ARMS[i]}
-    for _ in range(60):  # bounded: 503 while the placement loads
+    # Bounded in time, not in tries (503 while the placement loads): on a loaded box one model
+    # load took 26 s, and 60 tries (~30 s) could end before the stages loaded.
+    deadline = time.monotonic() + 120
+    status, out = 0, None
+    while time.monotonic() < deadline:
         try:
             status, _, out = call(addr, "POST", "/v1/cluster/generate", body, timeout=60)
         except OSError:

@@ -176,11 +176,15 @@ PIPE_ARMS = {
 }
 
 
-def _pipe(addr: str, model: str, arm: str, max_tokens: int = 32, retries: int = 60) -> dict:
+def _pipe(addr: str, model: str, arm: str, max_tokens: int = 32, bound_s: float = 120) -> dict:
     import time
 
     body = {"model": model, "prompt": ECHO, "max_tokens": max_tokens, **PIPE_ARMS[arm]}
-    for _ in range(retries):
+    # Bounded in time, not in tries: on a loaded box one model load took 26 s, and 60 tries
+    # of 503 (~30 s) could end before the ring's stages loaded.
+    deadline = time.monotonic() + bound_s
+    status, out = 0, None
+    while time.monotonic() < deadline:
         try:  # every request ends within the ring timeout (20 s here) plus a margin
             status, _, out = call(addr, "POST", "/v1/cluster/generate", body, timeout=35)
         except OSError as e:

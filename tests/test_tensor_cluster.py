@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from skulkp2p.engine.tensor import READY_TIMEOUT_S
 from tests.helpers import ROOT
 from tests.helpers.http_client import call, status_of
 from tests.helpers.procs import SECRET, ProcCluster, loopback_ips_usable
@@ -51,10 +52,17 @@ def cluster(llama, tmp_path_factory):
         c.close()
 
 
-def _pipe(addr: str, arm: str, max_tokens: int = 32, retries: int = 120) -> dict:
+# A group answers 503 while it forms, for as long as the code allows forming to take (each rank
+# loads, connects and the first measures the verify costs): wait that long plus a margin. A count
+# of tries (~75 s) gave up on a starved box while the group was still forming inside its bound.
+FORMS_WITHIN_S = READY_TIMEOUT_S + 60
+
+
+def _pipe(addr: str, arm: str, max_tokens: int = 32, bound_s: float = FORMS_WITHIN_S) -> dict:
     body = {"model": "llama", "prompt": ECHO, "max_tokens": max_tokens, **ARMS[arm]}
     status, out = 0, None
-    for _ in range(retries):
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
         try:
             status, _, out = call(addr, "POST", "/v1/cluster/generate", body, timeout=60)
         except OSError:
@@ -62,7 +70,7 @@ def _pipe(addr: str, arm: str, max_tokens: int = 32, retries: int = 120) -> dict
         if status == 200 and "error" not in out:
             return out
         time.sleep(0.5)  # 503 while a group forms; an error right after a re-placement
-    raise AssertionError(f"no answer from {addr}: {status} {out}")
+    raise AssertionError(f"no answer from {addr} within {bound_s:.0f} s: {status} {out}")
 
 
 def _place_tensor(c, nodes: list[str]) -> dict:

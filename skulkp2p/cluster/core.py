@@ -129,7 +129,17 @@ class ClusterCore:
         self._sync_view()
         out += self.election.tick(now)
         self._after(now)
-        return out
+        return self._fresh_heartbeats(out)
+
+    def _fresh_heartbeats(self, outs: list[Out]) -> list[Out]:
+        """A node elected within this call sent its first heartbeats before it planned: they
+        carry the plan made just now. (They once carried the payload of its previous
+        leadership, and followers briefly adopted placements from terms ago.)"""
+        for _addr, msg in outs:
+            if msg.get("t") == "lead" and msg.get("term") == self.election.term \
+                    and self.election.role == LEADER:
+                msg["payload"] = self.election.payload
+        return outs
 
     def _stamp_term(self, outs: list[Out]) -> list[Out]:
         for _addr, msg in outs:
@@ -156,7 +166,7 @@ class ClusterCore:
         elif kind == "place":
             out = self._on_place(msg, now)
         self._after(now)
-        return out
+        return self._fresh_heartbeats(out)
 
     def request_placement(self, spec: ModelSpec, nodes: Sequence[str] = (),
                           now: float = 0.0) -> list[Out]:
@@ -244,7 +254,11 @@ class ClusterCore:
             self._adopt_payload(el.leader_payload)
 
     def _adopt_payload(self, payload: Mapping[str, Any]) -> None:
-        if payload.get("version") == self.placement_version and self._plan_term == self.term:
+        version = payload.get("version")
+        if (self._plan_term == self.term and isinstance(version, int)
+                and version <= self.placement_version):
+            # Same term, not newer: a repeat, or an older heartbeat of this leader arriving late
+            # (held while this node was paused); adopting it would undo newer placements.
             return
         placements: dict[str, Placement] = {}
         for d in payload.get("placements") or ():

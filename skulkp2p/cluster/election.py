@@ -244,6 +244,9 @@ class Election:
         if self.role == CANDIDATE:
             self.role = LEADER
             self.leader = self.name
+            # What this node published when it last led is stale now: its first heartbeats
+            # carry what it plans in this term (the owner fills it in), never that.
+            self.payload = {}
             self._leader_since = now
             self._acks = {}
             self._next_heartbeat = now
