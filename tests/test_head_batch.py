@@ -142,7 +142,7 @@ def test_a_head_switched_off_mid_batch_leaves_it(tiny_model, tmp_path_factory, m
     the gate switches two heads off mid-batch: they leave the head batch, outputs still solo's."""
     from skulkp2p.engine import generate
 
-    monkeypatch.setattr(generate, "_drafts_sampled", lambda loaded, spec: True)
+    monkeypatch.setattr(generate, "drafts_sampled", lambda loaded, spec: True)
     lm = _head_model(tiny_model, tmp_path_factory, "llama", "eagle")
     reqs = [*requests(SAMPLINGS["seeded"], "auto", 2),
             *requests(SAMPLINGS["seeded"], {"drafter": "mtp", "depth": 2}, 4)[2:]]

@@ -67,19 +67,15 @@ ABLATIONS = {"spec_scan": Arm("spec_scan", "engine", "auto", memory=False, looku
              "spec_noedits": Arm("spec_noedits", "engine", "auto", edits=False)}
 
 
-def drafts_deterministic(arm: Arm, loaded: Any) -> bool:
+def drafts_deterministic(arm: Arm, loaded: LoadedModel) -> bool:
     """Whether the arm's sampled requests draft deterministically (lookup, an MTP head), so
-    that a seeded request emits plain sampling's text; draft models and the Gemma assistant
-    draw their drafts from a q, and then the text depends on the drafts."""
-    if arm.kind != "engine":
-        return False
-    spec = arm.speculation
-    if isinstance(spec, dict):
-        return spec.get("drafter") not in ("draft", "assistant")
-    if spec == "off":
-        return True
-    return getattr(loaded, "mtp", None) is not None or (
-        getattr(loaded, "assistant", None) is None and getattr(loaded, "draft", None) is None)
+    that a seeded request emits plain sampling's text (the engine's own decision); draft
+    models and the Gemma assistant draw their drafts from a q, and then the text depends on
+    the drafts."""
+    from skulkp2p.engine.generate import drafts_sampled
+    from skulkp2p.engine.request import parse_speculation
+
+    return arm.kind == "engine" and not drafts_sampled(loaded, parse_speculation(arm.speculation))
 
 
 def parse_arm(text: str) -> Arm:

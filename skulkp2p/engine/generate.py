@@ -22,7 +22,7 @@ from skulkp2p.engine.gates import (
 )
 from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.prefix_cache import PrefixCache
-from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.request import GenerationRequest, RequestError, Speculation
 from skulkp2p.engine.results import (
     Chunk,
     DrafterCounts,
@@ -106,9 +106,12 @@ def speculation_allowed(loaded: LoadedModel) -> bool:
     return not multi_node or bool(loaded.speculation.get("speculative_multi_node", True))
 
 
-def _drafts_sampled(loaded: LoadedModel, spec) -> bool:
+def drafts_sampled(loaded: LoadedModel, spec: Speculation) -> bool:
     """Whether a sampled request's drafts would be drawn from a draft distribution q (a draft
-    model, the Gemma assistant) rather than chosen deterministically (lookup, an MTP head)."""
+    model, the Gemma assistant) rather than chosen deterministically (lookup, an MTP head); a
+    request that does not draft has none."""
+    if spec.mode == "off":
+        return False
     if spec.mode == "explicit":
         return spec.drafter in ("draft", "assistant")
     return loaded.mtp is None and (_assistant_usable(loaded) or loaded.draft is not None)
@@ -130,7 +133,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # draw decides), but drafts drawn from a q change the text, so such a request then neither
     # drafts from memory nor sizes its drafts by the batch.
     fixed_text = (req.sampling.greedy or req.sampling.seed is None
-                  or not _drafts_sampled(loaded, spec))
+                  or not drafts_sampled(loaded, spec))
     if not fixed_text:
         memory = None
     if spec.mode == "explicit":

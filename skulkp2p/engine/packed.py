@@ -17,11 +17,12 @@ so the padded rows' share of them is what this saves.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from skulkp2p.engine.swapped import swapped
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,7 @@ def packs_mlps(layers: list[nn.Module]) -> bool:
                                 for la in layers)
 
 
-@contextlib.contextmanager
-def packed_mlps(layers: list[nn.Module], rows: PackedRows) -> Iterator[None]:
-    """Every layer's MLP runs on the step's real tokens for the duration of one forward (the
-    model's lock is held: nothing else builds a graph on these modules meanwhile)."""
-    saved: list[tuple[nn.Module, nn.Module]] = []
-    try:
-        for layer in layers:
-            saved.append((layer, layer.mlp))
-            layer.mlp = _PackedMlp(layer.mlp, rows)
-        yield
-    finally:
-        for layer, mlp in saved:
-            layer.mlp = mlp
+def packed_mlps(layers: list[nn.Module], rows: PackedRows
+                ) -> contextlib.AbstractContextManager[None]:
+    """Every layer's MLP runs on the step's real tokens for the duration of one forward."""
+    return swapped(layers, "mlp", lambda mlp: _PackedMlp(mlp, rows))

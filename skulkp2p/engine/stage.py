@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from skulkp2p.engine.packed import PackedRows, packed_mlps
+from skulkp2p.engine.swapped import swapped
 from skulkp2p.engine.tree import TreeInputs, TreeView, tree_inputs, tree_ropes, validate_parents
 from skulkp2p.engine.trunk import Trunk, _Identity
 
@@ -266,11 +267,8 @@ class StageModel:
         if hidden == "before" or (packed is not None and logits):
             # (packed: the final norm too runs on the real tokens only, before the head)
             norm = body.norm
-            body.norm = _Identity()
-            try:
+            with swapped([body], "norm", lambda _: _Identity()):
                 h = body(inputs, cache, input_embeddings=emb, **extra)
-            finally:
-                body.norm = norm
             normed = norm(h if packed is None else packed.gather(h))
             if hidden != "before":
                 h = None if not hidden else norm(h)

@@ -19,13 +19,14 @@ hold plain KV caches and rotate with `self_attn.rope(x, offset=cache.offset)` ta
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from skulkp2p.engine.swapped import swapped
 
 # Families whose attention is verified to rotate with `self_attn.rope(x, offset=cache.offset)`
 # and to take its mask from the cache (mlx-lm's llama, qwen2, qwen3; SmolLM2 is llama).
@@ -167,19 +168,11 @@ class TreeView:
         return self.mask
 
 
-@contextlib.contextmanager
-def tree_ropes(layers: list[nn.Module], positions: mx.array) -> Iterator[None]:
+def tree_ropes(layers: list[nn.Module], positions: mx.array
+               ) -> contextlib.AbstractContextManager[None]:
     """Every layer rotates at the tree's positions for the duration of one forward."""
-    saved = []
-    try:
-        for layer in layers:
-            attn = layer.self_attn
-            saved.append((attn, attn.rope))
-            attn.rope = TreeRope(attn.rope, positions)
-        yield
-    finally:
-        for attn, rope in saved:
-            attn.rope = rope
+    return swapped([layer.self_attn for layer in layers], "rope",
+                   lambda rope: TreeRope(rope, positions))
 
 
 def tree_capable(model: nn.Module) -> bool:

@@ -13,6 +13,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from skulkp2p.engine.swapped import swapped
+
 
 class _Identity(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
@@ -52,9 +54,5 @@ class Trunk:
 
     def hidden_before_norm(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         """The last layer's output, before the final norm (the norm is bypassed for this call)."""
-        norm = self.body.norm
-        self.body.norm = _Identity()
-        try:
+        with swapped([self.body], "norm", lambda _: _Identity()):
             return self.body(inputs, cache)
-        finally:
-            self.body.norm = norm
