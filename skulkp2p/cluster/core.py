@@ -110,12 +110,17 @@ class ClusterCore:
     def request_state(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> str:
         """ABSENT, HELD or COMMITTED: whether this node's plan holds this place request, and
         whether a majority of the voters is known to hold a plan with it."""
-        got = self._held_since.get(spec.id)
-        if self.leader is None or got is None or got[0] != Request(spec, tuple(nodes)):
+        if self.leader is None or not self.holds_request(spec, nodes):
             return ABSENT
+        got = self._held_since[spec.id]
         term, version = got[1]
         c_term, c_version = self.committed()
         return COMMITTED if c_term == term and c_version >= version else HELD
+
+    def holds_request(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> bool:
+        """Whether the plan this node holds (led or adopted) has this place request."""
+        got = self._held_since.get(spec.id)
+        return got is not None and got[0] == Request(spec, tuple(nodes))
 
     def plan_holders(self) -> tuple[int, int, int]:
         """Leader: (voters known to hold its current plan, voters, the majority); a follower
