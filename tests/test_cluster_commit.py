@@ -65,6 +65,11 @@ def test_the_leader_commits_only_once_a_majority_holds_the_plan():
     assert seen and all(len(h) >= 2 for _, h in seen), seen
     # The followers learn the commit from the next heartbeats.
     assert net.run(2, lambda: all(c.request_state(m) == COMMITTED for c in (n0, n1, n2)))
+    # /v1/cluster's "plan": the same plan everywhere, committed up to its version.
+    term, version = n0.plan_id
+    assert net.run(2, lambda: all(c.status()["plan"] == {"term": term, "version": version,
+                                                         "committed": version}
+                                  for c in (n0, n1, n2)))
 
 
 def test_a_request_sent_through_a_follower_commits_there_too():

@@ -152,7 +152,14 @@ class ClusterCore:
             "role": self.election.role, "members": members,
             "placements": [self._placement_view(p) for _, p in sorted(self.placements().items())],
             "errors": [e for _, e in sorted(self.placement_errors().items())],
+            # The plan this node holds and how much of it a majority is known to hold.
+            "plan": {"term": self._plan_term, "version": self.placement_version,
+                     "committed": self._committed_of_held()},
         }
+
+    def _committed_of_held(self) -> int | None:
+        c_term, c_version = self.committed()
+        return c_version if c_term == self._plan_term else None
 
     def _placement_view(self, p: Placement) -> dict[str, Any]:
         d = p.to_dict()
