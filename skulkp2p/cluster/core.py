@@ -122,12 +122,15 @@ class ClusterCore:
         got = self._held_since.get(spec.id)
         return got is not None and got[0] == Request(spec, tuple(nodes))
 
-    def plan_holders(self) -> tuple[int, int, int]:
-        """Leader: (voters known to hold its current plan, voters, the majority); a follower
-        knows none of it: (0, voters, majority)."""
+    def request_holders(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> tuple[int, int, int]:
+        """(voters known to hold a plan with this request, voters, the majority). Only the
+        leader knows who holds what; elsewhere the first number is 0."""
         el = self.election
         voters = len(self.membership.voters()) or 1
-        held = el.holders(self.placement_version) if el.role == LEADER else 0
+        got = self._held_since.get(spec.id)
+        held = 0
+        if el.role == LEADER and self.holds_request(spec, nodes) and got[1][0] == el.term:
+            held = el.holders(got[1][1])
         return held, voters, el.quorum
 
     def member_addr(self, name: str) -> str | None:

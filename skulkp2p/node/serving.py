@@ -634,21 +634,27 @@ class ClusterServing:
                 self.node.request_placement(spec, nodes)
                 resend_at = now + PLACE_RESEND_S
             await asyncio.sleep(PLACE_POLL_S)
-        raise _unavailable(self._unconfirmed(spec, state), "placement_unconfirmed")
+        raise _unavailable(self._unconfirmed(spec, nodes, state), "placement_unconfirmed")
 
-    def _unconfirmed(self, spec: ModelSpec, state: str) -> str:
+    def _unconfirmed(self, spec: ModelSpec, nodes: list[str], state: str) -> str:
         core = self._core()
+        within = f"within {PLACE_WAIT_S:g} s"
         if state == ABSENT:
-            return (f"the placement of {spec.id} was not confirmed within {PLACE_WAIT_S:g} s: "
-                    f"{'no leader is known' if core.leader is None else 'leader ' + core.leader}"
-                    " has not shown it to this node; it may not have taken effect, or may "
-                    "still; repeating the same request is safe")
-        held, voters, majority = core.plan_holders()
+            who = "no leader is known" if core.leader is None else \
+                f"the plan of leader {core.leader} does not show it here"
+            return (f"the placement of {spec.id} was not confirmed {within} ({who}): it may not "
+                    "have taken effect, or may still; repeating the same request is safe")
+        if state == COMMITTED:  # held by a majority, but its ring is not (yet) the one asked
+            return (f"the request to place {spec.id} is held by a majority of the cluster's "
+                    f"voters, but its placement did not become the one asked for {within} (a "
+                    "node it names may be dead); see GET /v1/cluster")
+        held, voters, majority = core.request_holders(spec, nodes)
         known = f" ({held} of {voters} hold it)" if core.is_leader else ""
-        return (f"the placement of {spec.id} was planned (term {core.plan_id[0]}, plan version "
-                f"{core.plan_id[1]}) but not confirmed by a majority of the cluster's voters "
-                f"({majority} of {voters}) within {PLACE_WAIT_S:g} s{known}: it may still take "
-                "effect, or be lost if the leader fails now; repeating the same request is safe")
+        term, version = core.plan_id
+        return (f"the placement of {spec.id} was planned (term {term}, plan version {version}) "
+                f"but not confirmed by a majority of the cluster's voters ({majority} of "
+                f"{voters}) {within}{known}: it may still take effect, or be lost if the leader "
+                "fails now; repeating the same request is safe")
 
     def _placement_of(self, spec: ModelSpec, nodes: list[str]) -> Response | None:
         core = self._core()
