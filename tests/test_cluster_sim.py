@@ -232,7 +232,12 @@ def test_election_safety_under_chaos(seed):
     for c in nodes:
         if c.addr in net.paused:
             net.resume(c)
-    joined = [c for c in nodes if c.membership.bootstrapped and c.addr not in net.crashed]
+    # Those in the cluster: a node that joined through a node that never joined itself (a
+    # crashed or isolated newcomer) forms a leaderless island with it, by design (see
+    # test_node_with_unreachable_seeds_never_elects_itself); nobody in the cluster knows it.
+    known = {n for c in nodes[:5] if c.addr not in net.crashed for n in c.membership.members}
+    joined = [c for c in nodes if c.membership.bootstrapped and c.addr not in net.crashed
+              and c.name in known]
     assert net.run(30, lambda: net.agreed_leader(joined) is not None)
     assert not net.safety_violations()
 
@@ -276,12 +281,15 @@ def test_place_request_and_not_fitting_error_reach_every_node():
                     hidden_size=64, kv_heads=1)
     small = ModelSpec("small", layers=8, size_bytes=60_000_000, context_length=512,
                       hidden_size=64, kv_heads=1)
+    # One after the other: the error counts the memory free when it was planned (with
+    # "small" placed first it would say 221 MB).
     net.send(follower.addr, follower.request_placement(big, now=net.now))
+    assert net.run(5, lambda: all("big" in c.placement_errors() for c in nodes))
+    err = follower.placement_errors()["big"]["error"]
+    assert "needs 1.30 GB" in err and "300 MB" in err
     net.send(follower.addr, follower.request_placement(small, ["n2", "n1"], now=net.now))
     assert net.run(5, lambda: all("big" in c.placement_errors() and "small" in c.placements()
                                   for c in nodes))
-    err = follower.placement_errors()["big"]["error"]
-    assert "needs 1.30 GB" in err and "300 MB" in err
     assert follower.placements()["small"].ring == ("n2", "n1")
 
 

@@ -185,7 +185,7 @@ def test_requests_during_replacement_all_end(tiny_model, tmp_path):
         def placed() -> bool:
             status, _, out = call(c.nodes[0].http, "POST", "/v1/cluster/place",
                                   {"model": "llama", "nodes": ring}, timeout=15)
-            return status == 200  # 503 placement_pending while the leader confirms
+            return status == 200  # 503 placement_unconfirmed until a majority holds it
         c.wait(placed, 30, f"llama placed on {ring}")
         c.wait(lambda: all((s := c.status(i)) and any(
             p["model"] == "llama" and p["ring"] == ring for p in s["placements"])

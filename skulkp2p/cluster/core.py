@@ -28,6 +28,11 @@ from skulkp2p.cluster.timers import Timers
 
 MEMBERSHIP_TYPES = frozenset({"ping", "ack", "ping-req", "sync"})
 
+# Where a place request stands on this node (``request_state``).
+ABSENT = "absent"  # this node's plan lacks it (not asked yet, not arrived, or no leader known)
+HELD = "held"  # the plan holds it; a majority of voters is not known to hold it yet
+COMMITTED = "committed"  # a plan holding it is held by a majority: any future leader keeps it
+
 
 def _error_dict(e: PlacementError) -> dict[str, Any]:
     return {"model": e.model, "error": str(e), "needs": e.needs, "available": e.available}
@@ -53,6 +58,8 @@ class ClusterCore:
         self._plan_inputs: Any = None
         self._plan_term = -1
         self.placement_version = 0
+        # model -> (its explicit request, the plan (term, version) that first held it)
+        self._held_since: dict[str, tuple[Request, tuple[int, int]]] = {}
         self._sync_view()
         if not self.membership.seeds:
             # A founder (no seeds) has nobody to wait for: lead at once, so a single node
@@ -84,6 +91,48 @@ class ClusterCore:
         """Every model asked for (placed, failed to place, or waiting for a leader)."""
         return set(self._requests())
 
+    @property
+    def plan_id(self) -> tuple[int, int]:
+        """The plan this node holds: (term of the leader that made it, its version)."""
+        return (self._plan_term, self.placement_version)
+
+    def committed(self) -> tuple[int, int]:
+        """The newest plan (term, version) this node knows a majority of voters hold: the
+        leader counts its followers' acks, a follower has its leader's word; (-1, 0) when no
+        leader is known."""
+        el = self.election
+        if el.role == LEADER:
+            return (el.term, el.committed())
+        if el.leader is not None:
+            return (el.term, el.leader_commit)
+        return (-1, 0)
+
+    def request_state(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> str:
+        """ABSENT, HELD or COMMITTED: whether this node's plan holds this place request, and
+        whether a majority of the voters is known to hold a plan with it."""
+        if self.leader is None or not self.holds_request(spec, nodes):
+            return ABSENT
+        got = self._held_since[spec.id]
+        term, version = got[1]
+        c_term, c_version = self.committed()
+        return COMMITTED if c_term == term and c_version >= version else HELD
+
+    def holds_request(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> bool:
+        """Whether the plan this node holds (led or adopted) has this place request."""
+        got = self._held_since.get(spec.id)
+        return got is not None and got[0] == Request(spec, tuple(nodes))
+
+    def request_holders(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> tuple[int, int, int]:
+        """(voters known to hold a plan with this request, voters, the majority). Only the
+        leader knows who holds what; elsewhere the first number is 0."""
+        el = self.election
+        voters = len(self.membership.voters()) or 1
+        got = self._held_since.get(spec.id)
+        held = 0
+        if el.role == LEADER and self.holds_request(spec, nodes) and got[1][0] == el.term:
+            held = el.holders(got[1][1])
+        return held, voters, el.quorum
+
     def member_addr(self, name: str) -> str | None:
         m = self.membership.get(name)
         return m.addr if m is not None else None
@@ -106,7 +155,14 @@ class ClusterCore:
             "role": self.election.role, "members": members,
             "placements": [self._placement_view(p) for _, p in sorted(self.placements().items())],
             "errors": [e for _, e in sorted(self.placement_errors().items())],
+            # The plan this node holds and how much of it a majority is known to hold.
+            "plan": {"term": self._plan_term, "version": self.placement_version,
+                     "committed": self._committed_of_held()},
         }
+
+    def _committed_of_held(self) -> int | None:
+        c_term, c_version = self.committed()
+        return c_version if c_term == self._plan_term else None
 
     def _placement_view(self, p: Placement) -> dict[str, Any]:
         d = p.to_dict()
@@ -166,7 +222,16 @@ class ClusterCore:
         elif kind == "place":
             out = self._on_place(msg, now)
         self._after(now)
-        return self._fresh_heartbeats(out)
+        return self._stamp_held(self._fresh_heartbeats(out))
+
+    def _stamp_held(self, outs: list[Out]) -> list[Out]:
+        """A heartbeat's ack says which plan this node holds once it has taken the heartbeat's
+        (the election replied before the payload was adopted): the leader counts it towards
+        the commit."""
+        for _addr, msg in outs:
+            if msg.get("t") == "lead-ack" and msg.get("ok"):
+                msg["have"] = list(self.plan_id)
+        return outs
 
     def request_placement(self, spec: ModelSpec, nodes: Sequence[str] = (),
                           now: float = 0.0) -> list[Out]:
@@ -249,9 +314,22 @@ class ClusterCore:
         """Keep placements in step: the leader plans; followers take the leader's."""
         el = self.election
         if el.role == LEADER:
+            before = self.plan_id
             self._plan(now)
+            if self.plan_id != before:
+                el.heartbeat_now()  # a new plan: to the followers at once, to commit it
         elif el.leader is not None and el.leader_payload:
             self._adopt_payload(el.leader_payload)
+        el.held = self.plan_id
+
+    def _note_held(self) -> None:
+        """Remember the plan each explicit request first appeared in (in this plan's term)."""
+        since = {}
+        for model, r in self._explicit.items():
+            old = self._held_since.get(model)
+            keep = old is not None and old[0] == r and old[1][0] == self._plan_term
+            since[model] = old if keep else (r, self.plan_id)
+        self._held_since = since
 
     def _adopt_payload(self, payload: Mapping[str, Any]) -> None:
         version = payload.get("version")
@@ -280,6 +358,7 @@ class ClusterCore:
         self._explicit = explicit  # a future leader keeps honouring them
         self.placement_version = int(payload.get("version") or 0)
         self._plan_term = self.term
+        self._note_held()
 
     def check_request(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> PlacementError | None:
         """Why a placement request would fail on the current state (None: it would not)."""
@@ -324,13 +403,19 @@ class ClusterCore:
                     got = dataclasses.replace(got, term=self.term,
                                               serial=self.placement_version + 1)
                 placements[model] = got
-        if placements != self._placements or errors != self._errors or self._plan_term != self.term:
+        requests = [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
+                    for _, r in sorted(self._explicit.items())]
+        # A new request is a new version even when the placements come out the same: the
+        # version is what followers ack, and an ack must mean they hold the request too.
+        if (placements != self._placements or errors != self._errors
+                or self._plan_term != self.term
+                or requests != self.election.payload.get("requests")):
             self.placement_version += 1
         self._placements, self._errors, self._plan_term = placements, errors, self.term
         self.election.payload = {
             "version": self.placement_version,
             "placements": [p.to_dict() for _, p in sorted(placements.items())],
             "errors": [e for _, e in sorted(errors.items())],
-            "requests": [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
-                         for _, r in sorted(self._explicit.items())],
+            "requests": requests,
         }
+        self._note_held()

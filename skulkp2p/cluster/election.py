@@ -17,6 +17,12 @@ Raft's election without its log:
   name) keeps the lead.
 - A voter also refuses a candidate that does not know every voter it knows: a node that joined
   a moment ago cannot win with a quorum computed over a stale, smaller member list.
+- Raft's commit, over the owner's state instead of a log: the owner says which version of its
+  state it holds (``held``: the term of the leader that made it, and its version), followers
+  report theirs in heartbeat acks, and the leader's ``committed()`` is the newest version of
+  its term that a majority of voters hold; heartbeats carry it to followers
+  (``leader_commit``). A voter refuses (pre-)votes to a candidate whose held state is older than
+  its own, so whatever a majority held is held by every future leader.
 
 Drive it with ``set_view``, ``tick(now)`` and ``on_message(msg, now)``; the latter two return
 ``[(addr, msg), ...]`` to send.
@@ -53,6 +59,12 @@ class Election:
         # What the leader attaches to every heartbeat (placements), and what we last received.
         self.payload: dict[str, Any] = {}
         self.leader_payload: dict[str, Any] = {}
+        # The state this node holds, (term of the leader that made it, version): the owner keeps
+        # it current. Votes carry it; heartbeat acks carry it (the owner stamps them).
+        self.held: tuple[int, int] = (-1, 0)
+        self.leader_commit = 0  # follower: the committed version its leader last announced
+        self._match: dict[str, int] = {}  # leader: version of this term each voter holds
+        self._commit = 0  # leader: the newest version of this term a majority holds
         self.events: list[tuple[str, int, str | None]] = []  # (role, term, leader)
         self._voters: dict[str, str] = {name: addr}  # name -> addr; quorum is over these
         self._priority: dict[str, int] = {name: priority}
@@ -132,9 +144,35 @@ class Election:
             elif self.role == LEADER and term == self.term:
                 if msg.get("ok"):
                     self._acks[sender] = now
+                    have = _held_of(msg.get("have"))
+                    if have is not None and have[0] == self.term:
+                        self._match[sender] = max(self._match.get(sender, 0), have[1])
                 elif msg.get("conflict"):
                     self._step_down(now)
         return []
+
+    def committed(self) -> int:
+        """Leader: the newest version of this term's state that a majority of voters (itself
+        included) hold; it never goes back within the term. 0 when not leading."""
+        if self.role != LEADER:
+            return 0
+        if self.held[0] == self.term:
+            versions = sorted([self.held[1]] + [self._match.get(n, 0) for n in self._voters
+                                                if n != self.name], reverse=True)
+            self._commit = max(self._commit, versions[self.quorum - 1])
+        return self._commit
+
+    def holders(self, version: int) -> int:
+        """Leader: how many voters (itself included) are known to hold ``version`` of this
+        term."""
+        mine = 1 if self.held[0] == self.term and self.held[1] >= version else 0
+        return mine + sum(1 for n in self._voters
+                          if n != self.name and self._match.get(n, 0) >= version)
+
+    def heartbeat_now(self) -> None:
+        """Leader: send the next heartbeat at the next tick (new state to publish)."""
+        if self.role == LEADER:
+            self._next_heartbeat = 0.0
 
     # ---------------------------------------------------------------- internals
 
@@ -153,6 +191,7 @@ class Election:
         msg.update({"from": self.name, "addr": self.addr, "prio": self.priority})
         if msg["t"] == "vote":
             msg["voters"] = sorted(self._voters)
+            msg["held"] = list(self.held)
         return [(addr, dict(msg)) for name, addr in sorted(self._voters.items())
                 if name != self.name]
 
@@ -173,6 +212,7 @@ class Election:
         self.voted_for = None
         self.role = FOLLOWER
         self.leader = None
+        self.leader_commit = 0
         if was != (FOLLOWER, None):
             self._deadline = now + self._timeout()
         self._event()
@@ -187,6 +227,12 @@ class Election:
         theirs = msg.get("voters")
         return isinstance(theirs, list) and set(self._voters) <= set(theirs)
 
+    def _held_ok(self, msg: Mapping[str, Any]) -> bool:
+        """Raft's up-to-date check: the candidate holds state at least as new as ours (a
+        candidate that says nothing holds nothing)."""
+        theirs = _held_of(msg.get("held")) or (-1, 0)
+        return theirs >= self.held
+
     def _on_vote(self, msg: Mapping[str, Any], cand: str, term: int, reply_to: str,
                  now: float) -> list[Out]:
         pre = bool(msg.get("pre"))
@@ -195,7 +241,7 @@ class Election:
                                           "for_term": term, "granted": False})
         if pre:
             granted = (term > self.term and not self._leader_recent(now)
-                       and self._view_ok(msg))
+                       and self._view_ok(msg) and self._held_ok(msg))
             return self._reply(reply_to, {"t": "vote-reply", "pre": True, "term": self.term,
                                           "for_term": term, "granted": granted})
         if self._leader_recent(now) and self.leader != cand:
@@ -206,7 +252,7 @@ class Election:
         if term > self.term:
             self._adopt(term, now)
         granted = (term == self.term and self.voted_for in (None, cand)
-                   and self._view_ok(msg))
+                   and self._view_ok(msg) and self._held_ok(msg))
         if granted:
             self.voted_for = cand
             self._deadline = now + self._timeout()
@@ -249,6 +295,8 @@ class Election:
             self.payload = {}
             self._leader_since = now
             self._acks = {}
+            self._match = {}
+            self._commit = 0
             self._next_heartbeat = now
             self._event()
             return self._lead_tick(now)
@@ -274,7 +322,7 @@ class Election:
             return []
         self._next_heartbeat = now + self.timers.heartbeat
         return self._broadcast({"t": "lead", "term": self.term, "leader": self.name,
-                                "payload": self.payload})
+                                "payload": self.payload, "commit": self.committed()})
 
     def _on_lead(self, msg: Mapping[str, Any], sender: str, term: int, reply_to: str,
                  now: float) -> list[Out]:
@@ -296,6 +344,18 @@ class Election:
         self._deadline = now + self._timeout()
         payload = msg.get("payload")
         self.leader_payload = dict(payload) if isinstance(payload, dict) else {}
+        commit = msg.get("commit")
+        if isinstance(commit, int) and not isinstance(commit, bool):
+            # A late heartbeat must not take the commit back.
+            self.leader_commit = commit if changed else max(self.leader_commit, commit)
         if changed:
             self._event()
         return self._reply(reply_to, {"t": "lead-ack", "term": self.term, "ok": True})
+
+
+def _held_of(value: Any) -> tuple[int, int] | None:
+    """A ``[term, version]`` pair off the wire, or None when it is not one."""
+    if (isinstance(value, list | tuple) and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+        return (value[0], value[1])
+    return None

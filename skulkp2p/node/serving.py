@@ -41,7 +41,7 @@ from skulkp2p.api.forward import is_forwarded
 from skulkp2p.api.pipe_route import pipe_generate
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router
 from skulkp2p.api.worker import ModelWorker
-from skulkp2p.cluster.core import ClusterCore
+from skulkp2p.cluster.core import ABSENT, COMMITTED, ClusterCore
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode, NodeConfig, model_spec, parse_addr, split_addr
 from skulkp2p.cluster.placement import PARALLEL, ModelSpec, Placement
@@ -58,7 +58,9 @@ log = logging.getLogger("skulkp2p.node")
 
 RETRY_AFTER = "2"
 NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
-PLACE_WAIT_S = 5.0
+PLACE_WAIT_S = 5.0  # a place request waits at most this long for a majority to hold it
+PLACE_RESEND_S = 1.0  # asked the leader again this often while it has not shown the request
+PLACE_POLL_S = 0.05
 
 def _unavailable(message: str, code: str, retry_after: str = RETRY_AFTER) -> ApiError:
     return ApiError(503, message, code=code, headers=[("Retry-After", retry_after)])
@@ -603,20 +605,56 @@ class ClusterServing:
             if err is not None:  # refused here: the placement that works stays
                 raise ApiError(422, str(err), param="nodes" if nodes else "model",
                                code="model_does_not_fit")
-        version = core.placement_version
+        return await self._place_durably(spec, nodes)
+
+    async def _place_durably(self, spec: ModelSpec, nodes: list[str]) -> Response:
+        """Ask the leader, then answer 200 only once a majority of the voters hold a plan with
+        the request (a leader that fails right after cannot lose it); 422 as soon as the plan
+        says it cannot fit; past PLACE_WAIT_S a 503 saying whether it may still take effect."""
+        core = self._core()
         self.node.request_placement(spec, nodes)
-        deadline = time.monotonic() + PLACE_WAIT_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-            if core.placement_version != version or core.is_leader:
-                got = self._placement_of(spec, nodes)
-                if got is not None:
-                    return got
-        got = self._placement_of(spec, nodes)
-        if got is not None:
-            return got
-        raise _unavailable(f"the leader has not confirmed a placement of {spec.id} yet",
-                           "placement_pending")
+        start = time.monotonic()
+        resend_at = start + PLACE_RESEND_S
+        while True:
+            state = core.request_state(spec, nodes)
+            if state != ABSENT:
+                err = core.placement_errors().get(spec.id)
+                if err is not None:  # it fits nowhere: no need to wait for a majority to say so
+                    raise ApiError(422, err["error"], param="model", code="model_does_not_fit")
+                if state == COMMITTED:
+                    got = self._placement_of(spec, nodes)
+                    if got is not None:
+                        return got
+            now = time.monotonic()
+            if now - start >= PLACE_WAIT_S:
+                break
+            if state == ABSENT and now >= resend_at:
+                # The request frame may be lost, or the leader changed: asking again is safe
+                # (the same request to the same leader changes nothing).
+                self.node.request_placement(spec, nodes)
+                resend_at = now + PLACE_RESEND_S
+            await asyncio.sleep(PLACE_POLL_S)
+        raise _unavailable(self._unconfirmed(spec, nodes, state), "placement_unconfirmed")
+
+    def _unconfirmed(self, spec: ModelSpec, nodes: list[str], state: str) -> str:
+        core = self._core()
+        within = f"within {PLACE_WAIT_S:g} s"
+        if state == ABSENT:
+            who = "no leader is known" if core.leader is None else \
+                f"the plan of leader {core.leader} does not show it here"
+            return (f"the placement of {spec.id} was not confirmed {within} ({who}): it may not "
+                    "have taken effect, or may still; repeating the same request is safe")
+        if state == COMMITTED:  # held by a majority, but its ring is not (yet) the one asked
+            return (f"the request to place {spec.id} is held by a majority of the cluster's "
+                    f"voters, but its placement did not become the one asked for {within} (a "
+                    "node it names may be dead); see GET /v1/cluster")
+        held, voters, majority = core.request_holders(spec, nodes)
+        known = f" ({held} of {voters} hold it)" if core.is_leader else ""
+        term, version = core.plan_id
+        return (f"the placement of {spec.id} was planned (term {term}, plan version {version}) "
+                f"but not confirmed by a majority of the cluster's voters ({majority} of "
+                f"{voters}) {within}{known}: it may still take effect, or be lost if the leader "
+                "fails now; repeating the same request is safe")
 
     def _placement_of(self, spec: ModelSpec, nodes: list[str]) -> Response | None:
         core = self._core()
