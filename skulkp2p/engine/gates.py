@@ -194,14 +194,17 @@ MODEL_BRANCHES = 2
 
 
 def build_tree(main: list[int], branches: list, rates: list[float], side_rate: float,
-               costs: Mapping[int, float], rows: int = 1, draft_cost: float = 0.0) -> DraftTree:
+               costs: Mapping[int, float], rows: int = 1, draft_cost: float = 0.0,
+               packing: StepPacking | None = None) -> DraftTree:
     """The chain plus the side branches that pay for their width.
 
     The chain's node at depth d is reached with r_d = a_1 ... a_d; a branch standing in for the
     chain's token d + 1 is taken with about r_d (1 - a_{d+1}) s share-weighted (s: the measured
     chance a branch is taken when the chain is rejected there), and then emits its tokens at
     the chain's rates. A branch (or its first token alone) goes in only when the round's
-    expected tokens per unit of forward cost, E / c(rows x width), goes up with it."""
+    expected tokens per unit of forward cost, E / c(rows x width), goes up with it; with
+    `packing` (a batch whose ragged steps run packed) the forward is priced as it runs,
+    step_cost of this row at the tree's width among rows - 1 plain ones."""
     tree = DraftTree.chain(main)
     m = len(main)
     reach = [1.0]
@@ -209,9 +212,10 @@ def build_tree(main: list[int], branches: list, rates: list[float], side_rate: f
         reach.append(reach[-1] * a)
     expected = sum(reach[:m + 1])
     base = width_cost(costs, rows)
+    plain = [1] * (rows - 1)
 
     def value(e: float, width: int) -> float:
-        step = width_cost(costs, rows * width) + draft_cost * (width - 1)
+        step = step_cost(costs, plain + [width], packing) + draft_cost * (width - 1)
         return (rows - 1 + e) * base / (rows * step)
 
     scored = []
@@ -313,10 +317,11 @@ class GatedDrafter:
         if extra:
             offered = {b.tokens[0] for b in branches if b.depth == 0} | {main[0]}
             branches = branches + [b for b in extra if b.tokens[0] not in offered]
-        # (the rows of this forward price its widths: c(rows x width), as a chain alone)
-        rows = len(self.controller.batch().widths) + 1 if self.controller.batch is not None else 1
+        # (the rows of this forward price its widths, as the step runs: gates.step_cost)
+        view = self.controller.batch() if self.controller.batch is not None else SOLO
         return build_tree(main, branches, self._active.rates(), self.side_rate,
-                          self.controller.costs, rows, self.controller.draft_cost)
+                          self.controller.costs, len(view.widths) + 1,
+                          self.controller.draft_cost, view.packing)
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
                      forward) -> None:
