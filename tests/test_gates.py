@@ -9,9 +9,12 @@ from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.gates import (
     DEFAULT_WIDTH_COSTS,
+    BatchView,
     DepthController,
     GatedDrafter,
+    StepPacking,
     repetition_score,
+    step_cost,
     width_cost,
 )
 from skulkp2p.engine.model import load_model
@@ -49,6 +52,63 @@ def test_depth_controller_follows_acceptance():
             dc.record(drafted=3, accepted=2)
             dc.record(drafted=3, accepted=1)
     assert mid_f32.best_depth(8)[0] >= mid_bf16.best_depth(8)[0]
+
+
+# A recorded cost table (seconds of a forward of n token rows / one row's) and the shares of
+# SmolLM2-135M (packed.step_packing: MLPs 0.59, head 0.21 of its weights).
+RECORDED = {1: 1.0, 2: 1.1, 4: 1.25, 8: 1.45, 16: 1.9, 32: 2.8}
+SMOL = StepPacking(head=0.21, mlps=0.59, mlps_from=8)
+
+
+def test_step_cost_prices_the_padded_part_at_the_widest_and_the_packed_part_at_the_real():
+    # Rows of one width, or no packing: every row at the widest, c(B W).
+    assert step_cost(RECORDED, [2, 2, 2, 2], SMOL) == RECORDED[8]
+    assert step_cost(RECORDED, [8, 1, 1, 1]) == RECORDED[32]
+    # (8, 1, 1, 1): 11 real tokens of 32 padded, 21 padded rows >= 8: the MLPs pack too.
+    ragged = step_cost(RECORDED, [8, 1, 1, 1], SMOL)
+    assert ragged == pytest.approx(0.2 * RECORDED[32] + 0.8 * width_cost(RECORDED, 11))
+    # (4, 4, 1, 1): 6 padded rows, below mlps_from: only the head runs on the real tokens.
+    head_only = step_cost(RECORDED, [4, 4, 1, 1], SMOL)
+    assert head_only == pytest.approx(0.79 * RECORDED[16] + 0.21 * width_cost(RECORDED, 10))
+    assert width_cost(RECORDED, 10) < head_only < RECORDED[16]
+    # Packing a ragged step never prices it above the padded step.
+    for widths in ([3, 1], [5, 2, 2, 1], [7, 7, 7, 1], [1, 16]):
+        assert step_cost(RECORDED, widths, SMOL) <= step_cost(RECORDED, widths)
+    with pytest.raises(ValueError, match="at least one row"):
+        step_cost(RECORDED, [])
+
+
+def test_step_packing_refuses_shares_that_are_not_shares():
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        StepPacking(head=0.6, mlps=0.6)
+    with pytest.raises(ValueError, match=">= 0"):
+        StepPacking(head=-0.1, mlps=0.5)
+    with pytest.raises(ValueError, match="mlps_from"):
+        StepPacking(head=0.2, mlps=0.5, mlps_from=-1)
+
+
+def test_packed_price_lets_the_widest_row_draft_and_charges_rows_under_it():
+    """Priced padded, a row among plain rows widens everyone's forward (it needs ~70%
+    acceptance in a batch of 4) and a row under a wide one drafts up to its width for free
+    whatever its acceptance; priced as the step runs packed, the first pays for its own
+    tokens' MLPs and head only (it drafts from ~40%), the second pays for them too (a row that
+    is rarely accepted stays plain, one accepted at 30% drafts less deep)."""
+    f32 = DEFAULT_WIDTH_COSTS["float32"]
+    packed = StepPacking(head=0.21, mlps=0.59, mlps_from=0)
+    plain_rows = (1, 1, 1)
+    for accept, padded_k, packed_k in ((0.4, 0, 1), (0.6, 0, 2)):
+        c = DepthController(f32, 4, prior_accept=accept, prior_weight=1e6)
+        assert c.best_depth(4, BatchView(plain_rows, 0))[0] == padded_k
+        assert c.best_depth(4, BatchView(plain_rows, 0, packed))[0] == packed_k
+    under_wide = (6, 1, 1)
+    rare = DepthController(f32, 6, prior_accept=0.05, prior_weight=1e6)
+    assert rare.best_depth(6, BatchView(under_wide, 0))[0] == 5  # free up to the widest
+    assert rare.best_depth(6, BatchView(under_wide, 0, packed)) == (0, 1.0)
+    some = DepthController(f32, 6, prior_accept=0.3, prior_weight=1e6)
+    assert some.best_depth(6, BatchView(under_wide, 0))[0] == 5
+    assert 0 < some.best_depth(6, BatchView(under_wide, 0, packed))[0] < 5
+    # Alone, the packing changes nothing (one row is never ragged).
+    assert some.best_depth(6, BatchView((), 0, packed)) == some.best_depth(6)
 
 
 class WrongDrafter:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
+from skulkp2p.engine.gates import step_cost
 from skulkp2p.engine.packed import packed_rows, packs_mlps
 from skulkp2p.engine.scheduler import BatchScheduler
 from tests.helpers.batch import loaded
@@ -91,3 +93,34 @@ def test_a_packed_step_gives_the_padded_steps_logits_and_caches(tiny_models, fam
     for w, g in zip(_step(padded_sched, padded_rows, after),
                     _step(packed_sched, packed_rows_, after), strict=True):
         assert mx.allclose(g, w, atol=1e-4).item()
+
+
+def test_the_gates_see_the_packing_by_the_models_weights(tiny_models):
+    """The shares a ragged step runs packed are the MLPs' and the head's shares of the model's
+    weights; every row's batch view carries them (the gates price a ragged step with them),
+    and none when the scheduler does not pack or is told to price padded."""
+    lm = loaded(tiny_models["llama"])
+    sched, rows = _batch(lm, [5, 9])
+    packing = rows[0].batch_view().packing
+    assert packing is not None and packing.mlps_from == sched.pack_mlps_from
+
+    def weights(m) -> int:
+        return sum(a.size for _, a in tree_flatten(m.parameters()))
+
+    layers = lm.model.model.layers
+    mlps = sum(weights(la.mlp) for la in layers)
+    body = sum(weights(la) for la in layers)
+    head = weights(lm.model.model.embed_tokens if "lm_head" not in dict(lm.model.children())
+                   else lm.model.lm_head)
+    assert packing.mlps == pytest.approx(mlps / (body + head))
+    assert packing.head == pytest.approx(head / (body + head))
+    costs = {1: 1.0, 16: 2.0}
+    assert step_cost(costs, [8, 1], packing) < step_cost(costs, [8, 1])
+    sched.price_packed = False
+    assert rows[1].batch_view().packing is None
+    sched.price_packed = True
+    sched.pack_ragged = False
+    assert rows[1].batch_view().packing is None
+    sched.pack_ragged = True
+    sched.pack_mlps_from = 3
+    assert rows[1].batch_view().packing.mlps_from == 3

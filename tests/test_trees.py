@@ -14,7 +14,7 @@ import pytest
 
 from skulkp2p.engine.decode import DecodeStats, decode
 from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, build_tree
+from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, StepPacking, build_tree
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
@@ -157,6 +157,22 @@ def test_build_tree_adds_branches_only_where_they_pay():
     # nor does anything when each extra row costs as much as a step
     linear = {1: 1.0, 2: 2.0, 64: 64.0}
     assert build_tree(main, branches, [0.5] * 4, 0.5, linear).is_chain
+
+
+def test_build_tree_in_a_packed_batch_prices_a_branch_as_the_step_runs():
+    """Among 3 plain rows a branch widens every row's forward when the step is priced padded,
+    and only its own MLPs and head when priced packed: there it pays; alone, packing changes
+    nothing (one row is never ragged)."""
+    main = [1, 2, 3, 4]
+    branches = [Branch(0, [7, 8, 9], 0.5), Branch(1, [5], 0.5)]
+    f32 = DEFAULT_WIDTH_COSTS["float32"]
+    packing = StepPacking(head=0.21, mlps=0.59)
+    assert build_tree(main, branches, [0.6] * 4, 0.5, f32, rows=4).is_chain
+    packed = build_tree(main, branches, [0.6] * 4, 0.5, f32, rows=4, packing=packing)
+    assert not packed.is_chain and packed.tokens[:4] == main
+    alone = build_tree(main, branches, [0.6] * 4, 0.5, f32)
+    assert alone.tokens == build_tree(main, branches, [0.6] * 4, 0.5, f32,
+                                      packing=packing).tokens
 
 
 def _engine_tokens(engine: MlxEngine, reqs: list, together: bool) -> list[list[int]]:

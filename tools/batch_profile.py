@@ -3,7 +3,13 @@ store): 4 chat requests of 100 tokens decode together on one MlxEngine, and ever
 under the scheduler's lock is timed by wrapping it (the lock serialises them, so their wall times
 add up):
 
-    python tools/batch_profile.py [auto|off] [ROWS]
+    python tools/batch_profile.py [auto|off] [ROWS] [packed|padded]
+
+The third argument is how the gates price a ragged step (`BatchScheduler.price_packed`): as it
+runs packed (the default) or padded to the widest (as before packing), for an A/B of the gates.
+After the parts, every step of the run grouped by its rows' widths: real and padded token rows,
+median seconds, and the price the gates' cost model gives it, padded and packed
+(gates.step_cost), then the depths the gates chose in the batch.
 
 Parts: the batched forward (graph building in run_rows, its KV writes and masks, and mx.eval of
 the step), each row's drafting (the gate's depth choice and the drafter), the batched head
@@ -54,7 +60,7 @@ def _timed(owner: object, name: str, label: str, apart: bool = False) -> None:
     setattr(owner, name, wrapper)
 
 
-def main(spec: str, n: int) -> None:
+def main(spec: str, n: int, price: str = "packed") -> None:
     from skulkp2p.engine import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from skulkp2p.engine import (
@@ -76,12 +82,31 @@ def main(spec: str, n: int) -> None:
     by_size: collections.defaultdict[int, list[float]] = collections.defaultdict(list)
     step = scheduler.BatchScheduler._step
 
+    # Every step as it ran: its rows' widths and seconds (the per-step log, `--steps`).
+    step_log: list[tuple[tuple[int, ...], float]] = []
+
     def sized(self) -> None:
-        size = len(self.active) * max(len(r.submitted) for r in self.active)
+        widths = tuple(len(r.submitted) for r in self.active)
+        size = len(widths) * max(widths)
         t0 = time.perf_counter()
         step(self)
-        by_size[size].append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        by_size[size].append(took)
+        step_log.append((widths, took))
     scheduler.BatchScheduler._step = sized
+    # Every depth the gates chose in the batch: (rows in the forward, the others' widest,
+    # drafting rows, depth chosen, depth it would choose alone).
+    choices: list[tuple[int, int, int, int, int]] = []
+    choose = gates.GatedDrafter._depth
+
+    def chosen(self, k: int) -> int:
+        depth = choose(self, k)
+        c = self._active
+        view = c.batch() if c.batch is not None else gates.SOLO
+        choices.append((len(view.widths) + 1, max(view.widths, default=1), view.drafting,
+                        depth, c.best_depth(k, gates.SOLO)[0]))
+        return depth
+    gates.GatedDrafter._depth = chosen
     _timed(stage.StageModel, "run_rows", "  step: graph building (run_rows)")
     _timed(batch_cache.RowsKVCache, "update_and_fetch", "    of it: KV writes")
     _timed(batch_cache.RowsKVCache, "make_mask", "    of it: masks")
@@ -100,6 +125,9 @@ def main(spec: str, n: int) -> None:
 
     lm = batch_bench._load()
     engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=n)
+    if price not in ("packed", "padded"):
+        raise SystemExit(f"batch_profile: the price is 'packed' or 'padded', got {price!r}")
+    engine.scheduler.price_packed = price == "packed"
 
     def reqs() -> list:
         return batch_bench.chat_requests(n, 100, spec)
@@ -108,6 +136,8 @@ def main(spec: str, n: int) -> None:
     spent.clear()
     calls.clear()
     by_size.clear()
+    step_log.clear()
+    choices.clear()
     steps = engine.scheduler.steps
     ragged0, packed0 = engine.scheduler.ragged, engine.scheduler.packed_steps
     skipped0 = engine.scheduler.padding_skipped
@@ -140,10 +170,52 @@ def main(spec: str, n: int) -> None:
               f"{gates.width_cost(costs, size) / gates.width_cost(costs, n):.2f}")
     print("drafted/accepted:", [(r.speculation.drafted, r.speculation.accepted)
                                 if r.speculation else None for r in out])
+    _steps_report(step_log, choices, costs, n, engine.scheduler)
+
+
+def _steps_report(step_log, choices, costs, n: int, sched) -> None:
+    """Steps grouped by their rows' widths (sorted): how many, real and padded token rows,
+    median seconds against as many rows of one token, and what the cost model prices them at
+    against those (gates.step_cost: padded, and packed as the step ran); then the depths the
+    gates chose in the batch against what they would choose alone."""
+    import dataclasses
+    import statistics
+
+    from skulkp2p.engine import gates
+    packing = dataclasses.replace(sched._packing, mlps_from=sched.pack_mlps_from)
+    plain: dict[int, list[float]] = {}
+    for w, t in step_log:
+        if max(w) == 1:
+            plain.setdefault(len(w), []).append(t)
+    base = {b: statistics.median(ts) for b, ts in plain.items()}
+    groups: dict[tuple[int, ...], list[float]] = {}
+    for w, t in step_log:
+        groups.setdefault(tuple(sorted(w, reverse=True)), []).append(t)
+    print(f"steps by rows' widths ({len(step_log)} steps; plain steps' median ms by rows: "
+          + ", ".join(f"{b}: {t * 1e3:.1f}" for b, t in sorted(base.items()))
+          + "; measured and priced relative to the same rows plain):")
+    for w, ts in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:24]:
+        b, real, padded = len(w), sum(w), len(w) * max(w)
+        med = statistics.median(ts)
+        rel = f"{med / base[b]:.2f}" if b in base else "  - "
+        one = gates.width_cost(costs, b)
+        print(f"  {str(w):16s} x{len(ts):<4d} real {real:3d} padded {padded:3d}  "
+              f"{med * 1e3:6.1f} ms  measured {rel}  priced padded "
+              f"{gates.step_cost(costs, w) / one:.2f} packed "
+              f"{gates.step_cost(costs, w, packing) / one:.2f}")
+    batch = [c for c in choices if c[0] > 1]
+    if batch:
+        drafted = [c for c in batch if c[3] > 0]
+        backed = [c for c in batch if c[3] == 0 and c[4] > 0]
+        print(f"gate choices in a batch: {len(batch)}; drafted {len(drafted)} (mean depth "
+              f"{statistics.mean(c[3] for c in drafted) if drafted else 0:.2f}), backed off "
+              f"where alone it would draft {len(backed)} (alone's mean depth "
+              f"{statistics.mean(c[4] for c in backed) if backed else 0:.2f})")
 
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "auto",
-         int(sys.argv[2]) if len(sys.argv) > 2 else 4)
+         int(sys.argv[2]) if len(sys.argv) > 2 else 4,
+         sys.argv[3] if len(sys.argv) > 3 else "packed")
     sys.stdout.flush()
     os._exit(0)  # (see tools/batch_bench.py: MLX's native threads at exit)

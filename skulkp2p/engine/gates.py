@@ -11,7 +11,7 @@ measured acceptance says it cannot pay; lookup may come back when the output tur
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,10 +55,46 @@ def repetition_score(tokens: list[int], n: int = 3) -> float:
 
 
 @dataclass(frozen=True)
+class StepPacking:
+    """How a batched step whose rows verify different widths runs (engine/packed.py): which
+    shares of one token row's work run on the rows' real tokens only, not on every position of
+    the rows padded to the widest. The rest (attention and its projections) stays padded."""
+    head: float  # the final norm and output head: packed in every ragged step
+    mlps: float  # the layers' MLPs: packed once at least `mlps_from` token rows are padding
+    mlps_from: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.head and 0.0 <= self.mlps and self.head + self.mlps <= 1.0):
+            raise ValueError(f"packed shares must be >= 0 and sum to at most 1: head "
+                             f"{self.head}, mlps {self.mlps}")
+        if self.mlps_from < 0:
+            raise ValueError(f"mlps_from must be >= 0, got {self.mlps_from}")
+
+
+def step_cost(costs: Mapping[int, float], widths: Sequence[int],
+              packing: StepPacking | None = None) -> float:
+    """Cost of one batched forward over rows of these widths, relative to one token row.
+
+    Padded (no `packing`): every row runs the widest width, c(B W). Packed: the packed share s
+    of the work runs on the N real tokens and the rest on the B W padded positions,
+    (1 - s) c(B W) + s c(N): the table prices each part by the token rows it multiplies."""
+    if not widths:
+        raise ValueError("a step needs at least one row")
+    padded = len(widths) * max(widths)
+    real = sum(widths)
+    full = width_cost(costs, padded)
+    if packing is None or real == padded:
+        return full
+    share = packing.head + (packing.mlps if padded - real >= packing.mlps_from else 0.0)
+    return (1.0 - share) * full + share * width_cost(costs, real)
+
+
+@dataclass(frozen=True)
 class BatchView:
     """The other rows of the batched forward a row runs in, as the row decides its draft."""
     widths: tuple[int, ...] = ()  # their widths this step (the last step's, if not handed in)
     drafting: int = 0  # how many of them draft (and so may widen the forward too)
+    packing: StepPacking | None = None  # how a ragged step runs (None: padded to the widest)
 
 
 SOLO = BatchView()
@@ -99,28 +135,35 @@ class DepthController:
     def best_depth(self, limit: int, batch: BatchView | None = None) -> tuple[int, float]:
         """(k, expected speed-up over plain) for k in 0..limit.
 
-        In a batch of B rows (engine/scheduler.py) one forward runs every row padded to the
-        widest, costing c(B W) for width W (the table prices a forward by the token rows it
-        multiplies). A draft of k is priced by what it adds to THIS step's forward, given the
-        other rows' widths (`batch`): widening it from their widest W_o to k + 1 costs
-        c(B max(W_o, k + 1)) against c(B W_o), nothing when the others already verify as wide,
+        In a batch of B rows (engine/scheduler.py) one forward runs every row; its cost is
+        `step_cost` of the rows' widths: padded to the widest, c(B W) (the table prices a
+        forward by the token rows it multiplies), or, where the step runs packed
+        (`batch.packing`: MLPs and head on the real tokens only), that part at the real tokens.
+        A draft of k is priced by what it adds to THIS step's forward, given the other rows'
+        widths (`batch`): the step with this row at k + 1 against it at 1 (padded: nothing
+        when the others already verify as wide; packed: the MLPs and head of its k tokens),
         plus its drafter's own cost d k.
         The gain is the batch's tokens per unit of time against this row plain, counting one
-        token for each other row: ((B - 1) + E(k)) c(B W_o) / (B (c(B max(W_o, k + 1)) + d k)).
+        token for each other row: ((B - 1) + E(k)) cost(others, 1) / (B (cost(others, k + 1)
+        + d k)).
 
         Priced only that way, rows that all went plain would each find drafting alone too dear
         and stay plain for good, although drafting together may pay (each widening costs the
-        same c(B (k + 1)) for every drafting row's E(k)). So a draft is also priced as one of
-        the D drafting rows (this one included) all drafting k:
-        ((B - D) + D E(k)) c(B) / (B (c(B (k + 1)) + D d k)); the others then follow for free
-        up to its width. The better of the two decides. For B = 1 both are
+        same for every drafting row's E(k)). So a draft is also priced as one of the D drafting
+        rows (this one included) all drafting k, the other B - D plain:
+        ((B - D) + D E(k)) c(B) / (B (cost(D x (k + 1), (B - D) x 1) + D d k)); the others then
+        follow up to its width. The better of the two decides. For B = 1 both are
         E(k) / (c(k + 1) + d k). A drafter run per row costs the D rows D d k; one whose rows
         draft in one forward per depth (`shared_drafts`: a batched MTP head) d k c(D)."""
         view = batch if batch is not None else self.batch() if self.batch is not None else SOLO
-        rows = len(view.widths) + 1
-        widest = max(view.widths, default=1)
+        others = list(view.widths)
+        rows = len(others) + 1
         drafting = min(view.drafting, rows - 1) + 1
-        base = width_cost(self.costs, rows * widest)
+
+        def step(widths: list[int]) -> float:
+            return step_cost(self.costs, widths, view.packing)
+
+        base = step(others + [1])
         together = width_cost(self.costs, rows)
         best_k, best_gain = 0, 1.0
         expected, reach = 1.0, 1.0
@@ -128,9 +171,10 @@ class DepthController:
             reach *= a
             expected += reach
             drafting_cost = self.draft_cost * k  # one row's drafter
-            alone = width_cost(self.costs, rows * max(widest, k + 1)) + drafting_cost
+            alone = step(others + [k + 1]) + drafting_cost
             drafters = width_cost(self.costs, drafting) if self.shared_drafts else drafting
-            all_of_us = width_cost(self.costs, rows * (k + 1)) + drafters * drafting_cost
+            all_of_us = step([k + 1] * drafting + [1] * (rows - drafting)) \
+                + drafters * drafting_cost
             gain = max((rows - 1 + expected) * base / (rows * alone),
                        (rows - drafting + drafting * expected) * together / (rows * all_of_us))
             if gain > best_gain:
@@ -150,14 +194,17 @@ MODEL_BRANCHES = 2
 
 
 def build_tree(main: list[int], branches: list, rates: list[float], side_rate: float,
-               costs: Mapping[int, float], rows: int = 1, draft_cost: float = 0.0) -> DraftTree:
+               costs: Mapping[int, float], rows: int = 1, draft_cost: float = 0.0,
+               packing: StepPacking | None = None) -> DraftTree:
     """The chain plus the side branches that pay for their width.
 
     The chain's node at depth d is reached with r_d = a_1 ... a_d; a branch standing in for the
     chain's token d + 1 is taken with about r_d (1 - a_{d+1}) s share-weighted (s: the measured
     chance a branch is taken when the chain is rejected there), and then emits its tokens at
     the chain's rates. A branch (or its first token alone) goes in only when the round's
-    expected tokens per unit of forward cost, E / c(rows x width), goes up with it."""
+    expected tokens per unit of forward cost, E / c(rows x width), goes up with it; with
+    `packing` (a batch whose ragged steps run packed) the forward is priced as it runs,
+    step_cost of this row at the tree's width among rows - 1 plain ones."""
     tree = DraftTree.chain(main)
     m = len(main)
     reach = [1.0]
@@ -165,9 +212,10 @@ def build_tree(main: list[int], branches: list, rates: list[float], side_rate: f
         reach.append(reach[-1] * a)
     expected = sum(reach[:m + 1])
     base = width_cost(costs, rows)
+    plain = [1] * (rows - 1)
 
     def value(e: float, width: int) -> float:
-        step = width_cost(costs, rows * width) + draft_cost * (width - 1)
+        step = step_cost(costs, plain + [width], packing) + draft_cost * (width - 1)
         return (rows - 1 + e) * base / (rows * step)
 
     scored = []
@@ -269,10 +317,11 @@ class GatedDrafter:
         if extra:
             offered = {b.tokens[0] for b in branches if b.depth == 0} | {main[0]}
             branches = branches + [b for b in extra if b.tokens[0] not in offered]
-        # (the rows of this forward price its widths: c(rows x width), as a chain alone)
-        rows = len(self.controller.batch().widths) + 1 if self.controller.batch is not None else 1
+        # (the rows of this forward price its widths, as the step runs: gates.step_cost)
+        view = self.controller.batch() if self.controller.batch is not None else SOLO
         return build_tree(main, branches, self._active.rates(), self.side_rate,
-                          self.controller.costs, rows, self.controller.draft_cost)
+                          self.controller.costs, len(view.widths) + 1,
+                          self.controller.draft_cost, view.packing)
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
                      forward) -> None:

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
+from skulkp2p.engine.gates import StepPacking
 from skulkp2p.engine.swapped import swapped
 
 
@@ -102,3 +104,25 @@ def packed_mlps(layers: list[nn.Module], rows: PackedRows
                 ) -> contextlib.AbstractContextManager[None]:
     """Every layer's MLP runs on the step's real tokens for the duration of one forward."""
     return swapped(layers, "mlp", lambda mlp: _PackedMlp(mlp, rows))
+
+
+def _weights(module: nn.Module) -> int:
+    return sum(int(a.size) for _, a in tree_flatten(module.parameters()))
+
+
+def step_packing(layers: list[nn.Module], head: nn.Module | None, mlps_from: int
+                 ) -> StepPacking:
+    """The shares of one token row's work that a packed step runs on the real tokens only (the
+    gates price a ragged step with them: gates.step_cost), by weights: a forward over a few
+    dozen token rows on a CPU multiplies every weight once per row, so a module's share of the
+    weights is its share of the work (SmolLM2-135M: MLPs 0.59, head 0.21). A mixture of experts
+    routes each token to a few of its experts: its MLPs' share is overstated (the gates then
+    expect a little more from packing than it saves). Attention's own products over the context
+    are left out (small at the context lengths of a chat)."""
+    mlps = sum(_weights(layer.mlp) for layer in layers)
+    rest = sum(_weights(layer) for layer in layers) - mlps
+    out = _weights(head) if head is not None else 0
+    total = mlps + rest + out
+    if total <= 0:
+        return StepPacking(0.0, 0.0, mlps_from)
+    return StepPacking(head=out / total, mlps=mlps / total, mlps_from=mlps_from)

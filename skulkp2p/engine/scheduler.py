@@ -63,9 +63,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from skulkp2p.engine import blas_threads
 from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.forward import StageCache, whole_model_stage
-from skulkp2p.engine.gates import BatchView
+from skulkp2p.engine.gates import BatchView, StepPacking
 from skulkp2p.engine.head_batch import HeadRows
-from skulkp2p.engine.packed import packed_rows, packs_mlps
+from skulkp2p.engine.packed import packed_rows, packs_mlps, step_packing
 from skulkp2p.engine.ring_frames import RingError
 from skulkp2p.engine.stage import StageModel
 from skulkp2p.engine.ticket_lock import TicketLock
@@ -190,9 +190,25 @@ class BatchScheduler:
         # (engine/packed.py); False runs every padded position through them (A/B in tools).
         self.pack_ragged = packs_mlps(self.stage.trunk.body.layers)
         self.pack_mlps_from = PACK_MLPS_FROM
+        # The gates price a ragged step as it runs packed (gates.step_cost); False prices it
+        # padded to the widest, as before packing (A/B in tools/batch_profile.py).
+        self.price_packed = True
+        trunk = self.stage.trunk
+        head = trunk.body.embed_tokens if trunk.tied else getattr(trunk.text, "lm_head", None)
+        self._packing = step_packing(list(trunk.body.layers), head, PACK_MLPS_FROM) \
+            if self.pack_ragged else None
         self.packed_steps = 0  # ragged steps run packed
         self.padding_skipped = 0  # padded token rows those steps left out of the MLPs and head
         self.packed_prefills = 0  # prefill forwards of ragged chunks run packed
+
+    @property
+    def packing(self) -> StepPacking | None:
+        """How a ragged step runs, for the gates' price of it (None: padded to the widest)."""
+        if self._packing is None or not self.pack_ragged or not self.price_packed:
+            return None
+        if self._packing.mlps_from != self.pack_mlps_from:
+            self._packing = dataclasses.replace(self._packing, mlps_from=self.pack_mlps_from)
+        return self._packing
 
     def arrive(self) -> None:
         """A request starts (before it first takes the lock): no row may run alone from now."""
@@ -483,7 +499,8 @@ class RowForward:
         for it, else the widths of their last verify."""
         others = [r for r in self.scheduler.active if r is not self]
         return BatchView(tuple(r.width if r.submitted is None else len(r.submitted)
-                               for r in others), sum(r.drafts for r in others))
+                               for r in others), sum(r.drafts for r in others),
+                         self.scheduler.packing)
 
     @property
     def index(self) -> int:
