@@ -220,3 +220,26 @@ def test_three_joins_killed_together_come_back_with_the_acknowledged_placement(t
         assert "restored term" in c.nodes[0].log.read_text(errors="replace")
     finally:
         c.close()
+
+
+def test_a_restored_placement_on_a_node_that_never_comes_back_is_placed_again():
+    """After a full restart the node a placement was on stays away: the restarted cluster does
+    not know it at all, and the existing re-placement (a placement on a node that is not a live
+    member is not kept) puts the model on a node that is there."""
+    net = SimNet(seed=14, durable=True)
+    a = [SimNet.addr(i) for i in range(3)]
+    cores = [net.add("n0", 0, [], MEMORY), net.add("n1", 1, [a[0], a[2]], MEMORY),
+             net.add("n2", 2, [a[0], a[1]], MEMORY)]
+    assert net.run(15, lambda: net.agreed_leader() == "n0" and net.views_agree())
+    m = spec("m")
+    net.send(cores[0].addr, cores[0].request_placement(m, now=net.now))
+    assert net.run(2, lambda: all(c.request_state(m) == COMMITTED for c in cores))
+    (gone,) = cores[0].placements()["m"].ring
+    for c in cores:
+        net.crash(c)
+    back = [net.restart(c) for c in cores if c.name != gone]
+    assert all(c.holds_request(m) for c in back)
+    assert net.run(20, lambda: net.agreed_leader(back) is not None
+                   and all("m" in c.placements() for c in back)
+                   and all(gone not in c.placements()["m"].ring for c in back))
+    assert not net.double_votes()
