@@ -243,3 +243,64 @@ def test_a_restored_placement_on_a_node_that_never_comes_back_is_placed_again():
                    and all("m" in c.placements() for c in back)
                    and all(gone not in c.placements()["m"].ring for c in back))
     assert not net.double_votes()
+
+
+def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_path, caplog):
+    """Two real nodes on loopback sockets in this process; b's state file cannot be written
+    (its directory is a file). b adopts a's plans but never acks them, so a new request stays
+    uncommitted (1 of 2); once b's disk works again the commit comes."""
+    import asyncio
+    import time
+
+    from skulkp2p.cluster.node import ClusterNode, NodeConfig
+    from skulkp2p.cluster.timers import Timers
+    from tests.helpers.procs import free_port
+
+    blocker = tmp_path / "b-data"
+    blocker.write_text("a file where the cluster dir should be")
+    good = tmp_path / "a-data"
+
+    async def until(pred, seconds: float, what: str) -> None:
+        deadline = time.monotonic() + seconds
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+    async def run() -> None:
+        timers = Timers()
+        pa = free_port()
+        a = ClusterNode(NodeConfig("a", port=pa, timers=timers, memory_limit=4_000_000_000,
+                                   state_file=state_path(good, "a")))
+        await a.start()
+        b = ClusterNode(NodeConfig("b", port=free_port(), peers=[f"127.0.0.1:{pa}"],
+                                   timers=timers, memory_limit=4_000_000_000,
+                                   state_file=state_path(blocker, "b")))
+        try:
+            await until(lambda: a.core.is_leader, 10, "a to lead")
+            await b.start()
+            await until(lambda: b.core.leader == "a" and len(a.core.membership.voters()) == 2,
+                        20, "b to follow a")
+            await until(lambda: b.metrics["state_save_errors"] > 0, 10, "b to fail a save")
+            assert not b.state_saved and a.state_saved
+            m = spec("m")
+            a.request_placement(m)
+            await until(lambda: b.core.holds_request(m), 10, "b to adopt the plan")
+            # A few heartbeats go by: b holds the plan, never says so.
+            beats = a.metrics["frames_out"] + 10
+            await until(lambda: a.metrics["frames_out"] > beats, 10, "more heartbeats")
+            assert a.core.request_state(m) == "held"
+            assert a.core.request_holders(m)[0] == 1
+            blocker.unlink()  # the disk works again
+            await until(lambda: a.core.request_state(m) == "committed", 10, "the commit")
+            assert b.state_saved and state_path(blocker, "b").exists()
+            saved = load_state(state_path(blocker, "b"), "b", durable.cluster_id(b.key))
+            assert saved is not None and (saved.plan_term, saved.plan_version) == b.core.plan_id
+        finally:
+            await b.close(leave=False)
+            await a.close(leave=False)
+
+    with caplog.at_level(logging.ERROR, logger="skulkp2p.cluster"):
+        asyncio.run(run())
+    errors = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.ERROR and r.name == "skulkp2p.cluster"]
+    assert len(errors) == 1 and "cannot save the cluster state" in errors[0], errors

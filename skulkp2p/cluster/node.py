@@ -431,6 +431,13 @@ class ClusterNode:
     def placements(self) -> dict[str, Placement]:
         return self.core.placements() if self.core else {}
 
+    @property
+    def state_saved(self) -> bool:
+        """Whether what this node holds is on disk (always, for a node without a state file).
+        A single node commits without sending anything, so a place request is acknowledged
+        only while this holds."""
+        return self._save_error is None
+
     def request_placement(self, spec: ModelSpec, nodes: Iterable[str] = ()) -> None:
         self._send(self._saved(self.core.request_placement(spec, list(nodes), self._now())))
 
