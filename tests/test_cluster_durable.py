@@ -311,9 +311,10 @@ def test_a_restored_placement_on_a_node_that_never_comes_back_is_placed_again():
 
 
 def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_path, caplog):
-    """Two real nodes on loopback sockets in this process; b's state file cannot be written
-    (its directory is a file). b adopts a's plans but never acks them, so a new request stays
-    uncommitted (1 of 2); once b's disk works again the commit comes."""
+    """Three real nodes on loopback sockets in this process; b's state file cannot be written
+    (its directory is a file). b adopts a's plans but never acks them: a commits with c alone
+    and counts 2 holders, heartbeat after heartbeat; once b's disk works again b's ack counts
+    (3 holders) and its file holds the plan."""
     import asyncio
     import time
 
@@ -323,7 +324,6 @@ def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_p
 
     blocker = tmp_path / "b-data"
     blocker.write_text("a file where the cluster dir should be")
-    good = tmp_path / "a-data"
 
     async def until(pred, seconds: float, what: str) -> None:
         deadline = time.monotonic() + seconds
@@ -334,35 +334,39 @@ def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_p
     async def run() -> None:
         timers = Timers()
         pa = free_port()
-        a = ClusterNode(NodeConfig("a", port=pa, timers=timers, memory_limit=4_000_000_000,
-                                   state_file=state_path(good, "a")))
+        mem = 4_000_000_000
+        a = ClusterNode(NodeConfig("a", port=pa, timers=timers, memory_limit=mem,
+                                   state_file=state_path(tmp_path / "a-data", "a")))
         await a.start()
         b = ClusterNode(NodeConfig("b", port=free_port(), peers=[f"127.0.0.1:{pa}"],
-                                   timers=timers, memory_limit=4_000_000_000,
+                                   timers=timers, memory_limit=mem,
                                    state_file=state_path(blocker, "b")))
+        c = ClusterNode(NodeConfig("c", port=free_port(), peers=[f"127.0.0.1:{pa}"],
+                                   timers=timers, memory_limit=mem,
+                                   state_file=state_path(tmp_path / "c-data", "c")))
         try:
             await until(lambda: a.core.is_leader, 10, "a to lead")
             await b.start()
-            await until(lambda: b.core.leader == "a" and len(a.core.membership.voters()) == 2,
-                        20, "b to follow a")
+            await c.start()
+            await until(lambda: b.core.leader == "a" and c.core.leader == "a"
+                        and len(a.core.membership.voters()) == 3, 20, "b and c to follow a")
             await until(lambda: b.metrics["state_save_errors"] > 0, 10, "b to fail a save")
-            assert not b.state_saved and a.state_saved
+            assert not b.state_saved and a.state_saved and c.state_saved
             m = spec("m")
             a.request_placement(m)
-            await until(lambda: b.core.holds_request(m), 10, "b to adopt the plan")
-            # A few heartbeats go by: b holds the plan, never says so.
-            beats = a.metrics["frames_out"] + 10
+            await until(lambda: a.core.request_state(m) == "committed"
+                        and b.core.holds_request(m), 10, "a commit with c, b holding the plan")
+            beats = a.metrics["frames_out"] + 20  # a few heartbeat rounds: b never says so
             await until(lambda: a.metrics["frames_out"] > beats, 10, "more heartbeats")
-            assert a.core.request_state(m) == "held"
-            assert a.core.request_holders(m)[0] == 1
+            assert a.core.is_leader and a.core.request_holders(m) == (2, 3, 2)
             blocker.unlink()  # the disk works again
-            await until(lambda: a.core.request_state(m) == "committed", 10, "the commit")
-            assert b.state_saved and state_path(blocker, "b").exists()
+            await until(lambda: a.core.request_holders(m)[0] == 3, 10, "b's ack")
+            assert b.state_saved
             saved = load_state(state_path(blocker, "b"), "b", durable.cluster_id(b.key))
             assert saved is not None and (saved.plan_term, saved.plan_version) == b.core.plan_id
         finally:
-            await b.close(leave=False)
-            await a.close(leave=False)
+            for n in (c, b, a):
+                await n.close(leave=False)
 
     with caplog.at_level(logging.ERROR, logger="skulkp2p.cluster"):
         asyncio.run(run())
