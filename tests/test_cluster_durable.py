@@ -244,49 +244,6 @@ def test_a_restored_node_drops_the_plans_member_wants_but_keeps_place_requests()
     assert again.plan_id == solo.plan_id
 
 
-# --------------------------------------------------------------------------------------------
-# Real processes
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not loopback_ips_usable(),
-                    reason="needs the 127.0.0.0/8 loopback range (Linux)")
-def test_three_joins_killed_together_come_back_with_the_acknowledged_placement(tmp_path,
-                                                                               tiny_models):
-    c = ProcCluster(tmp_path)
-    try:
-        for i in range(3):
-            c.start_join(i, str(tiny_models["llama"]), args=["--memory-limit", "2GB"])
-        c.wait(lambda: (s := c.agreed([0, 1, 2])) and s["placements"], 90,
-               "3 joins to agree on a placement")
-        qwen = str(tiny_models["qwen3"])
-        status, _, body = call(c.nodes[2].http, "POST", "/v1/cluster/place",
-                               {"model": qwen, "nodes": ["n1"]}, timeout=30)
-        assert status == 200, body
-        term_before = c.status(0)["term"]
-        files = {i: c.status(i)["state_file"] for i in range(3)}
-        assert all(files[i] == str(c.data_dir / "cluster" / f"n{i}.json") for i in range(3))
-
-        for i in range(3):  # a power cut: nobody leaves, nobody writes a last word
-            c.signal(i, signal.SIGKILL)
-        for i in range(3):
-            c.nodes[i].proc.wait(10)
-        for i in range(3):
-            c.start_join(i, str(tiny_models["llama"]), args=["--memory-limit", "2GB"])
-
-        def placed_again() -> bool:
-            s = c.agreed([0, 1, 2])
-            return bool(s) and any(p["model"] == "qwen3" and p["ring"] == ["n1"]
-                                   for p in s["placements"])
-
-        c.wait(placed_again, 90, "the restarted joins to hold the placed qwen3 on n1 again")
-        st = c.status(0)
-        assert st["term"] > term_before
-        assert "restored term" in c.nodes[0].log.read_text(errors="replace")
-    finally:
-        c.close()
-
-
 def test_a_restored_placement_on_a_node_that_never_comes_back_is_placed_again():
     """After a full restart the node a placement was on stays away: the restarted cluster does
     not know it at all, and the existing re-placement (a placement on a node that is not a live
@@ -373,3 +330,46 @@ def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_p
     errors = [r.getMessage() for r in caplog.records
               if r.levelno == logging.ERROR and r.name == "skulkp2p.cluster"]
     assert len(errors) == 1 and "cannot save the cluster state" in errors[0], errors
+
+
+# --------------------------------------------------------------------------------------------
+# Real processes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not loopback_ips_usable(),
+                    reason="needs the 127.0.0.0/8 loopback range (Linux)")
+def test_three_joins_killed_together_come_back_with_the_acknowledged_placement(tmp_path,
+                                                                               tiny_models):
+    c = ProcCluster(tmp_path)
+    try:
+        for i in range(3):
+            c.start_join(i, str(tiny_models["llama"]), args=["--memory-limit", "2GB"])
+        c.wait(lambda: (s := c.agreed([0, 1, 2])) and s["placements"], 90,
+               "3 joins to agree on a placement")
+        qwen = str(tiny_models["qwen3"])
+        status, _, body = call(c.nodes[2].http, "POST", "/v1/cluster/place",
+                               {"model": qwen, "nodes": ["n1"]}, timeout=30)
+        assert status == 200, body
+        term_before = c.status(0)["term"]
+        files = {i: c.status(i)["state_file"] for i in range(3)}
+        assert all(files[i] == str(c.data_dir / "cluster" / f"n{i}.json") for i in range(3))
+
+        for i in range(3):  # a power cut: nobody leaves, nobody writes a last word
+            c.signal(i, signal.SIGKILL)
+        for i in range(3):
+            c.nodes[i].proc.wait(10)
+        for i in range(3):
+            c.start_join(i, str(tiny_models["llama"]), args=["--memory-limit", "2GB"])
+
+        def placed_again() -> bool:
+            s = c.agreed([0, 1, 2])
+            return bool(s) and any(p["model"] == "qwen3" and p["ring"] == ["n1"]
+                                   for p in s["placements"])
+
+        c.wait(placed_again, 90, "the restarted joins to hold the placed qwen3 on n1 again")
+        st = c.status(0)
+        assert st["term"] > term_before
+        assert "restored term" in c.nodes[0].log.read_text(errors="replace")
+    finally:
+        c.close()
