@@ -104,7 +104,7 @@ def _start_node(name: str, mode: str, model: str, data_dir: str | None, extra: l
     root = str(Path(skulkp2p.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     args = ["join", "--model", model, "--http-port", str(port), "--port", "0",
-            "--name", f"bench-{name}", *extra]
+            "--name", f"bench-{name}", "--no-cluster-state", *extra]  # a throwaway cluster
     if data_dir:
         args += ["--data-dir", data_dir]
     log_path = tmp / f"{name}.log"

@@ -211,7 +211,8 @@ def _start_agent(arm: str, card_id: str, data_dir: str | None, tmp: Path) -> Age
     # slot's cached prompt; with several slots it lands in another and the measured request
     # would be served from the cache its twin (proxy or direct) left.
     cmd = [sys.executable, "-m", "skulkp2p", "--log-level", "info", "join", "--model", card_id,
-           "--http-port", str(port), "--port", "0", "--name", f"bench-{arm}", "--max-batch", "1"]
+           "--http-port", str(port), "--port", "0", "--name", f"bench-{arm}", "--max-batch", "1",
+           "--no-cluster-state"]  # a throwaway cluster: no plan of an earlier run comes back
     if data_dir:
         cmd += ["--data-dir", data_dir]
     log_path = tmp / f"{arm}.log"

@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from skulkp2p.cluster.durable import DurableState
 from skulkp2p.cluster.election import ELECTION_TYPES, LEADER, Election
 from skulkp2p.cluster.membership import ALIVE, DEAD, LEFT, SUSPECT, Membership, Out
 from skulkp2p.cluster.placement import (
@@ -42,7 +43,7 @@ class ClusterCore:
     def __init__(self, name: str, addr: str, *, facts: Mapping[str, Any] | None = None,
                  seeds: Iterable[str] = (), priority: int = 0, timers: Timers | None = None,
                  rng: random.Random | None = None, now: float = 0.0,
-                 instance: str | None = None):
+                 instance: str | None = None, restored: DurableState | None = None):
         self.timers = timers or Timers()
         rng = rng or random.Random()
         facts = {**(facts or {}), "priority": priority}
@@ -60,6 +61,14 @@ class ClusterCore:
         self.placement_version = 0
         # model -> (its explicit request, the plan (term, version) that first held it)
         self._held_since: dict[str, tuple[Request, tuple[int, int]]] = {}
+        # (plan term, version) of the newest commit this node has seen of the plan it holds:
+        # saved with the plan, so a restart still knows how much of it a majority held.
+        self._commit_seen: tuple[int, int] | None = None
+        # A restored plan keeps only its place requests: the leader's copy of that same version
+        # must still be adopted in full (see _adopt_payload).
+        self._partial_plan = False
+        if restored is not None:
+            self._restore(restored)
         self._sync_view()
         if not self.membership.seeds:
             # A founder (no seeds) has nobody to wait for: lead at once, so a single node
@@ -162,7 +171,67 @@ class ClusterCore:
 
     def _committed_of_held(self) -> int | None:
         c_term, c_version = self.committed()
-        return c_version if c_term == self._plan_term else None
+        if c_term == self._plan_term:
+            return c_version
+        seen = self._commit_seen  # no leader now: what was last known (saved across restarts)
+        return seen[1] if seen is not None and seen[0] == self._plan_term else None
+
+    # ---------------------------------------------------------------- durable state
+
+    def durable_state(self) -> DurableState:
+        """What a restart must keep (see cluster/durable.py): saved before anything that
+        depends on it is sent."""
+        el = self.election
+        payload = {"placements": [p.to_dict() for _, p in sorted(self._placements.items())],
+                   "errors": [e for _, e in sorted(self._errors.items())],
+                   "requests": [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
+                                for _, r in sorted(self._explicit.items())]}
+        return DurableState(self.name, el.term, el.voted_for, self._plan_term,
+                            self.placement_version, self._committed_of_held(),
+                            tuple(payload["requests"]), tuple(payload["placements"]),
+                            tuple(payload["errors"]))
+
+    def durable_key(self) -> tuple[Any, ...]:
+        """Cheap stand-in for ``durable_state().key()``: compared after every step, the full
+        state is built and written only when this changes."""
+        el = self.election
+        return (el.term, el.voted_for, self._plan_term, self.placement_version,
+                self._committed_of_held())
+
+    def _restore(self, st: DurableState) -> None:
+        """Take back the term, the vote and the plan saved before a restart. Only the plan's
+        place requests (what POST /v1/cluster/place acknowledged) and their placements come
+        back: models asked for by a member's --model are asked for again by the members as they
+        rejoin, so a node restarted with another --model does not bring its old one back."""
+        el = self.election
+        el.term = max(0, st.term)
+        el.voted_for = st.voted_for
+        explicit: dict[str, Request] = {}
+        for d in st.requests:
+            try:
+                spec = ModelSpec.from_dict(d["spec"])
+                explicit[spec.id] = Request(spec, tuple(str(n) for n in d.get("nodes") or ()))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+        placements: dict[str, Placement] = {}
+        for d in st.placements:
+            try:
+                p = Placement.from_dict(d)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+            if p.model in explicit:
+                placements[p.model] = p
+        self._explicit = explicit
+        self._placements = placements
+        self._errors = {str(e["model"]): dict(e) for e in st.errors
+                        if isinstance(e.get("model"), str) and e["model"] in explicit}
+        self._plan_term = st.plan_term
+        self.placement_version = max(0, st.plan_version)
+        if st.committed is not None:
+            self._commit_seen = (st.plan_term, st.committed)
+        self._partial_plan = True
+        el.held = self.plan_id
+        self._note_held()
 
     def _placement_view(self, p: Placement) -> dict[str, Any]:
         d = p.to_dict()
@@ -321,6 +390,9 @@ class ClusterCore:
         elif el.leader is not None and el.leader_payload:
             self._adopt_payload(el.leader_payload)
         el.held = self.plan_id
+        committed = self._committed_of_held()
+        if committed is not None:
+            self._commit_seen = (self._plan_term, committed)
 
     def _note_held(self) -> None:
         """Remember the plan each explicit request first appeared in (in this plan's term)."""
@@ -334,7 +406,8 @@ class ClusterCore:
     def _adopt_payload(self, payload: Mapping[str, Any]) -> None:
         version = payload.get("version")
         if (self._plan_term == self.term and isinstance(version, int)
-                and version <= self.placement_version):
+                and (version < self.placement_version
+                     or (version == self.placement_version and not self._partial_plan))):
             # Same term, not newer: a repeat, or an older heartbeat of this leader arriving late
             # (held while this node was paused); adopting it would undo newer placements.
             return
@@ -356,6 +429,7 @@ class ClusterCore:
             except (ValueError, TypeError, KeyError):
                 continue
         self._explicit = explicit  # a future leader keeps honouring them
+        self._partial_plan = False
         self.placement_version = int(payload.get("version") or 0)
         self._plan_term = self.term
         self._note_held()
@@ -411,6 +485,7 @@ class ClusterCore:
                 or self._plan_term != self.term
                 or requests != self.election.payload.get("requests")):
             self.placement_version += 1
+        self._partial_plan = False
         self._placements, self._errors, self._plan_term = placements, errors, self.term
         self.election.payload = {
             "version": self.placement_version,

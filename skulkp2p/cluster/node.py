@@ -37,6 +37,8 @@ from typing import Any
 
 from skulkp2p import wire
 from skulkp2p.cluster.core import ClusterCore
+from skulkp2p.cluster.durable import cluster_id, load_state, save_state, state_path
+from skulkp2p.cluster.election import ELECTION_TYPES
 from skulkp2p.cluster.placement import ModelSpec, Placement, tail_start_of
 from skulkp2p.cluster.timers import Timers, timers_from_env
 
@@ -128,6 +130,9 @@ class NodeConfig:
     # The port was not chosen and there are no peers: a busy default port (another node on
     # this machine) falls back to a free one instead of failing.
     port_fallback: bool = False
+    # Where this node keeps its term, vote and plan across restarts (None: in memory only, a
+    # throwaway node).
+    state_file: Path | None = None
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,6 +154,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="election priority: higher wins among equal terms (default 0)")
     g.add_argument("--memory-limit", metavar="SIZE",
                    help="cap on the memory this node offers to placements, e.g. 300MB")
+    g.add_argument("--no-cluster-state", action="store_true",
+                   help="keep the term, vote and placement plan in memory only (a throwaway "
+                        "node: a restart forgets them); default: saved in the data dir")
     g.add_argument("--timers", metavar="SPEC",
                    help="control-plane timers, e.g. probe=0.5,suspect=2,election=1.5 "
                         "(or SKULKP2P_TIMERS)")
@@ -168,8 +176,14 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                      ("SKULKP2P_MAX_DATA_FRAME", "max_data_frame")):
         if os.environ.get(env):
             caps[key] = parse_size(os.environ[env])
+    state_file = None
+    if not getattr(args, "no_cluster_state", False):
+        from skulkp2p.models.store import default_data_dir
+
+        data_dir = getattr(args, "data_dir", None)
+        state_file = state_path(Path(data_dir) if data_dir else default_data_dir(), name)
     return NodeConfig(
-        **caps, name=name, host=args.host, port=port,
+        **caps, name=name, state_file=state_file, host=args.host, port=port,
         port_fallback=args.port is None and not args.peer,
         advertise=parse_addr(args.advertise) if args.advertise else None,
         peers=[parse_addr(p) for p in args.peer], secret=secret, priority=args.priority,
@@ -334,6 +348,9 @@ class ClusterNode:
         self._last_view: Any = None
         self._leader_seen: tuple[str, int] | None = None  # metrics["leader_changes"]
         self._clock0 = time.monotonic()
+        self._cluster_id = cluster_id(self.key)
+        self._saved_key: Any = None  # the durable state last written (ClusterCore.durable_key)
+        self._save_error: str | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -362,9 +379,17 @@ class ClusterNode:
         # proxy) see which node a connection comes from.
         self.bind_source = cfg.host if cfg.host not in ("0.0.0.0", "::", "", "localhost") \
             else None
+        restored = None
+        if cfg.state_file is not None:
+            restored = load_state(cfg.state_file, cfg.name, self._cluster_id)
+            if restored is not None:
+                log.info("cluster: restored term %d and plan %d.%d (%d place requests) from %s",
+                         restored.term, restored.plan_term, restored.plan_version,
+                         len(restored.requests), cfg.state_file)
         self.core = ClusterCore(cfg.name, self.addr, facts=self.facts, seeds=cfg.peers,
                                 priority=cfg.priority, timers=cfg.timers, rng=random.Random(),
-                                now=self._now())
+                                now=self._now(), restored=restored)
+        self._saved_key = self.core.durable_key() if restored is not None else None
         log.info("cluster: node %s listening on %s:%d (advertised %s), %s, offers %.0f MB, "
                  "engines %s%s", cfg.name, cfg.host, port, self.addr,
                  "secret set" if cfg.secret else "no secret (loopback only)",
@@ -377,7 +402,7 @@ class ClusterNode:
         if self._ticker is not None:
             self._ticker.cancel()
         if leave and self.core is not None:
-            self._send(self.core.leave(self._now()))
+            self._send(self.core.leave(self._now()))  # membership only: nothing to save
             deadline = time.monotonic() + 0.5
             while any(p.queue for p in self._peers.values()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -399,14 +424,22 @@ class ClusterNode:
     def status(self) -> dict[str, Any]:
         st = self.core.status() if self.core else {"node": self.config.name}
         st["addr"] = self.addr
+        st["state_file"] = str(self.config.state_file) if self.config.state_file else None
         st["metrics"] = dict(self.metrics)
         return st
 
     def placements(self) -> dict[str, Placement]:
         return self.core.placements() if self.core else {}
 
+    @property
+    def state_saved(self) -> bool:
+        """Whether what this node holds is on disk (always, for a node without a state file).
+        A single node commits without sending anything, so a place request is acknowledged
+        only while this holds."""
+        return self._save_error is None
+
     def request_placement(self, spec: ModelSpec, nodes: Iterable[str] = ()) -> None:
-        self._send(self.core.request_placement(spec, list(nodes), self._now()))
+        self._send(self._saved(self.core.request_placement(spec, list(nodes), self._now())))
 
     def update_facts(self, **facts: Any) -> None:
         self.facts.update(facts)
@@ -420,7 +453,7 @@ class ClusterNode:
     async def _tick_loop(self) -> None:
         while True:
             try:
-                self._send(self.core.tick(self._now()))
+                self._send(self._saved(self.core.tick(self._now())))
                 self._after()
             except Exception:  # a bug must not silence the node's heartbeat for good
                 log.exception("cluster tick failed")
@@ -448,6 +481,35 @@ class ClusterNode:
                     self.on_change(self)
                 except Exception:
                     log.exception("cluster: change handler failed")
+
+    def _saved(self, outs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+        """Write the durable state if this step changed it, before its messages leave: a
+        vote, an ack of a plan version or a heartbeat carrying a plan must never be sent by a
+        node that could forget it in a power cut. Synchronous on purpose: a write is a small
+        file and an fsync (about a millisecond; only when the term, vote, plan or commit
+        changes), and sending before it is on disk is exactly what must not happen."""
+        path = self.config.state_file
+        if path is None:
+            return outs
+        key = self.core.durable_key()
+        if key == self._saved_key:
+            return outs
+        try:
+            save_state(path, self.core.durable_state(), self._cluster_id)
+        except OSError as e:
+            if str(e) != self._save_error:
+                log.error("cluster: cannot save the cluster state to %s (%s): not voting or "
+                          "acknowledging plans until it can", path, e.strerror or e)
+            self._save_error = str(e)
+            self.metrics["state_save_errors"] += 1
+            # Membership traffic does not depend on it; everything electoral waits.
+            return [(a, m) for a, m in outs if m.get("t") not in ELECTION_TYPES]
+        if self._save_error is not None:
+            log.info("cluster: saving the cluster state to %s works again", path)
+            self._save_error = None
+        self._saved_key = key
+        self.metrics["state_saves"] += 1
+        return outs
 
     def _send(self, outs: list[tuple[str, dict[str, Any]]]) -> None:
         for addr, msg in outs:
@@ -498,7 +560,7 @@ class ClusterNode:
             writer.write(wire.encode_frame(reply, self.key, self.config.max_data_frame))
             return
         try:
-            self._send(self.core.on_message(msg, self._now()))
+            self._send(self._saved(self.core.on_message(msg, self._now())))
             self._after()
         except Exception:  # a message our state machine chokes on must not kill the reader
             self.metrics["bad_messages"] += 1

@@ -621,7 +621,7 @@ class ClusterServing:
                 err = core.placement_errors().get(spec.id)
                 if err is not None:  # it fits nowhere: no need to wait for a majority to say so
                     raise ApiError(422, err["error"], param="model", code="model_does_not_fit")
-                if state == COMMITTED:
+                if state == COMMITTED and self.node.state_saved:
                     got = self._placement_of(spec, nodes)
                     if got is not None:
                         return got
@@ -639,6 +639,10 @@ class ClusterServing:
     def _unconfirmed(self, spec: ModelSpec, nodes: list[str], state: str) -> str:
         core = self._core()
         within = f"within {PLACE_WAIT_S:g} s"
+        if not self.node.state_saved:
+            return (f"the placement of {spec.id} was not confirmed {within}: this node cannot "
+                    "save its cluster state (see its log), and a placement it may forget in a "
+                    "restart is not acknowledged; repeating the request once it can is safe")
         if state == ABSENT:
             who = "no leader is known" if core.leader is None else \
                 f"the plan of leader {core.leader} does not show it here"

@@ -3,7 +3,9 @@
 Every message goes through the real wire encoding (so it must be msgpack-able and under the
 control cap), then waits in a queue for a random delay; it can be lost, cut by a partition, or
 held while its receiver is paused (as a TCP buffer would). Nodes can crash (lose everything sent
-to them), pause (SIGSTOP: no ticks, messages wait) and resume.
+to them), pause (SIGSTOP: no ticks, messages wait) and resume. With ``durable=True`` each node
+has a simulated disk: its durable state is saved, through the real file encoding, before each
+of its messages leaves (as node.py does), and ``restart`` brings a crashed node back from it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import random
 from collections import defaultdict
 
 from skulkp2p import wire
+from skulkp2p.cluster import durable
 from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.election import LEADER
 from skulkp2p.cluster.timers import Timers
@@ -23,7 +26,7 @@ KEY = wire.frame_key("sim-secret")
 
 class SimNet:
     def __init__(self, seed: int = 0, loss: float = 0.0, delay: tuple[float, float] = (0.001, 0.02),
-                 timers: Timers | None = None, step: float = 0.01):
+                 timers: Timers | None = None, step: float = 0.01, durable: bool = False):
         self.rng = random.Random(seed)
         self.loss = loss
         self.delay = delay
@@ -40,6 +43,11 @@ class SimNet:
         # Safety record: every (term -> leaders) ever observed.
         self.leaders_by_term: dict[int, set[str]] = defaultdict(set)
         self.sent = 0
+        self.durable = durable
+        self.disk: dict[str, bytes] = {}  # addr -> the node's saved state file
+        self._made: dict[str, dict] = {}  # addr -> how its node was made (for restart)
+        # Safety record: every real vote granted, (voter, term) -> candidates (restarts included).
+        self.votes: dict[tuple[str, int], set[str]] = defaultdict(set)
 
     # ---------------------------------------------------------------- building
 
@@ -50,8 +58,14 @@ class SimNet:
     def add(self, name: str, i: int, seeds: list[str] | None = None, facts: dict | None = None,
             priority: int = 0) -> ClusterCore:
         addr = self.addr(i)
+        restored = None
+        if self.durable and addr in self.disk:
+            restored = durable.from_json(self.disk[addr])
         core = ClusterCore(name, addr, facts=facts or {}, seeds=seeds or [], priority=priority,
-                           timers=self.timers, rng=random.Random(self.rng.random()), now=self.now)
+                           timers=self.timers, rng=random.Random(self.rng.random()), now=self.now,
+                           restored=restored)
+        self._made[addr] = {"name": name, "i": i, "seeds": seeds, "facts": facts,
+                            "priority": priority}
         self.nodes[addr] = core
         self.crashed.discard(addr)
         return core
@@ -80,6 +94,12 @@ class SimNet:
     def crash(self, core: ClusterCore) -> None:
         self.crashed.add(core.addr)
 
+    def restart(self, core: ClusterCore) -> ClusterCore:
+        """A crashed node starts again as a new process: memory gone, its disk (when the net
+        is durable) kept."""
+        assert core.addr in self.crashed, "restart a crashed node"
+        return self.add(**self._made[core.addr])
+
     def pause(self, core: ClusterCore) -> None:
         self.paused.add(core.addr)
 
@@ -97,8 +117,18 @@ class SimNet:
     def live(self) -> list[ClusterCore]:
         return [c for a, c in self.nodes.items() if a not in self.crashed and a not in self.paused]
 
+    def save(self, core: ClusterCore) -> None:
+        """What node.py does before sending: write the durable state (here, to the simulated
+        disk, through the real encoding)."""
+        self.disk[core.addr] = durable.to_json(core.durable_state(), "sim")
+
     def send(self, src: str, outs) -> None:
+        core = self.nodes.get(src)
+        if self.durable and core is not None and src not in self.crashed:
+            self.save(core)
         for dst, msg in outs:
+            if msg.get("t") == "vote-reply" and msg.get("granted") and not msg.get("pre"):
+                self.votes[(msg["from"], msg["for_term"])].add(dst)
             frame = wire.encode_frame(msg, KEY)  # must survive the real encoding
             self.sent += 1
             if (src, dst) in self.blocked or self.rng.random() < self.loss:
@@ -153,6 +183,10 @@ class SimNet:
         views = {tuple(sorted((n, m.state) for n, m in c.membership.members.items()))
                  for c in among}
         return len(views) == 1
+
+    def double_votes(self) -> dict[tuple[str, int], set[str]]:
+        """(voter, term) -> candidates, where a voter granted more than one in a term."""
+        return {k: v for k, v in self.votes.items() if len(v) > 1}
 
     def safety_violations(self) -> dict[int, set[str]]:
         return {t: ls for t, ls in self.leaders_by_term.items() if len(ls) > 1}

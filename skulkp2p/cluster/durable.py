@@ -1,0 +1,166 @@
+"""What a node must remember across a restart: its election state and the placement plan it holds.
+
+Raft keeps ``currentTerm``, ``votedFor`` and its log on stable storage and writes them before it
+answers anyone; without that a node restarted in a power cut comes back with no plan (its vote
+can then elect a leader that lacks an acknowledged placement) and with no memory of its vote (it
+can vote twice in one term). ``DurableState`` is the same for this control plane: the term, the
+vote in it, and the plan (its (term, version), the newest version known committed, and the
+place requests with their placements). ``ClusterCore`` fills and restores it; the node writes it
+with ``save_state`` before it sends anything that depends on it.
+
+The file is JSON (an operator can read it), written atomically: a temporary file in the same
+directory, fsync, ``os.replace``, fsync of the directory; a reader sees the old file or the new
+one, never half of one. ``load_state`` never raises: a missing file is a first start, a corrupt
+one or one of another node or cluster is a warning and a fresh start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("skulkp2p.cluster")
+
+FORMAT = 1
+STATE_DIR = "cluster"  # under the node's data dir
+
+
+@dataclass(frozen=True)
+class DurableState:
+    node: str
+    term: int = 0
+    voted_for: str | None = None
+    plan_term: int = -1  # the term of the leader that made the plan this node holds
+    plan_version: int = 0
+    committed: int | None = None  # newest version of that plan known held by a majority
+    # The plan's place requests ({"spec", "nodes"}), their placements and errors, as on the wire.
+    requests: tuple[dict[str, Any], ...] = ()
+    placements: tuple[dict[str, Any], ...] = ()
+    errors: tuple[dict[str, Any], ...] = ()
+    cluster: str = field(default="", compare=False)  # set by save_state
+
+    def key(self) -> tuple[Any, ...]:
+        """What changes when the state does (cheap to compare on every tick)."""
+        return (self.term, self.voted_for, self.plan_term, self.plan_version, self.committed)
+
+
+def cluster_id(key: bytes) -> str:
+    """A short tag of the cluster's frame key: a file written for another cluster (another
+    secret) is ignored. An HMAC, so the file does not give the secret away."""
+    return hmac.new(key, b"skulkp2p cluster state", hashlib.sha256).hexdigest()[:16]
+
+
+def state_path(data_dir: Path, node: str) -> Path:
+    """``<data dir>/cluster/<node name>.json`` (characters a file name cannot hold become _)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
+    return Path(data_dir) / STATE_DIR / f"{safe}.json"
+
+
+def to_json(state: DurableState, cluster: str) -> bytes:
+    doc = {"format": FORMAT, "cluster": cluster, "node": state.node, "term": state.term,
+           "voted_for": state.voted_for,
+           "plan": {"term": state.plan_term, "version": state.plan_version,
+                    "committed": state.committed, "requests": list(state.requests),
+                    "placements": list(state.placements), "errors": list(state.errors)}}
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+class StateFileError(ValueError):
+    """The file is not a state file this version can read."""
+
+
+def from_json(data: bytes) -> DurableState:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StateFileError(f"not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise StateFileError(f"not a format-{FORMAT} state file")
+    plan = doc.get("plan")
+    if not isinstance(plan, dict):
+        raise StateFileError("no plan")
+
+    def _int(v: Any, what: str) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise StateFileError(f"{what} is not an integer")
+        return v
+
+    def _dicts(v: Any, what: str) -> tuple[dict[str, Any], ...]:
+        if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+            raise StateFileError(f"{what} is not a list of objects")
+        return tuple(v)
+
+    voted, node, cluster = doc.get("voted_for"), doc.get("node"), doc.get("cluster")
+    if voted is not None and not isinstance(voted, str):
+        raise StateFileError("voted_for is not a name")
+    if not isinstance(node, str) or not isinstance(cluster, str):
+        raise StateFileError("no node or cluster")
+    committed = plan.get("committed")
+    return DurableState(
+        node=node, term=_int(doc.get("term"), "term"), voted_for=voted,
+        plan_term=_int(plan.get("term"), "plan term"),
+        plan_version=_int(plan.get("version"), "plan version"),
+        committed=None if committed is None else _int(committed, "committed"),
+        requests=_dicts(plan.get("requests"), "requests"),
+        placements=_dicts(plan.get("placements"), "placements"),
+        errors=_dicts(plan.get("errors"), "errors"), cluster=cluster)
+
+
+def save_state(path: Path, state: DurableState, cluster: str) -> None:
+    """Write atomically and durably (raises OSError; the caller decides what a failure means)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(to_json(state, cluster))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # the rename itself survives a power cut only once the directory is on disk
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory fds (Windows): the rename is what we get
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def load_state(path: Path, node: str, cluster: str) -> DurableState | None:
+    """The state saved for this node of this cluster, or None (first start, or a file that
+    cannot be used: one warning line says why, and the node starts fresh)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("cluster: cannot read %s (%s): starting with a fresh cluster state", path,
+                    e.strerror or e)
+        return None
+    try:
+        state = from_json(data)
+    except StateFileError as e:
+        log.warning("cluster: %s is corrupt (%s): starting with a fresh cluster state", path, e)
+        return None
+    if state.node != node:
+        log.warning("cluster: %s belongs to node %r, not %r: ignoring it, starting fresh", path,
+                    state.node, node)
+        return None
+    if state.cluster != cluster:
+        log.warning("cluster: %s was written for another cluster (another secret): ignoring "
+                    "it, starting fresh", path)
+        return None
+    return state
