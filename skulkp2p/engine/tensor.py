@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 from skulkp2p import wire
 from skulkp2p.engine.tensor_errors import TensorAgreementError, TensorError
 
+__all__ = ["RankProcess", "TensorAgreementError", "TensorError", "TensorForward",
+           "measure_group_widths", "tensor_timeout"]
+
 if TYPE_CHECKING:
     import mlx.core as mx
 

@@ -219,10 +219,17 @@ class ClusterServing:
             if costs is not None:  # shown in /v1/cluster (the stage's report) at once
                 loop.call_soon_threadsafe(self._report_costs, model, role, costs)
 
+        def formation_error(error: str | None) -> None:
+            # (from supervision, on the loop) why the group cannot form: /v1/cluster shows it
+            # under this member's stages.MODEL.error until a new generation starts
+            if self.tensor_roles.get(model) is role:
+                report = {"layers": [0, p.spec.layers], "parallel": "tensor", "rank": rank}
+                self._report_stage(model, {**report, "error": error} if error else report)
+
         role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
                           lambda: self.store.pull(spec),
                           serving_dtype, on_ready=ready,
-                          prefix_cache_mb=self.prefix_cache_mb)
+                          prefix_cache_mb=self.prefix_cache_mb, on_error=formation_error)
         self.tensor_roles[model] = role
         role.start()
         if p.entry != self.name:
@@ -287,6 +294,9 @@ class ClusterServing:
             if p is None or p.ring != ring:
                 raise TensorError(f"model {model} was re-placed; retry")
             proc, gen = role.proc, role.gen
+            if role.error is not None:
+                raise EngineUnavailable(f"model {model}: its tensor-parallel group "
+                                        f"({', '.join(ring)}) cannot form: {role.error}")
             if proc is None or not role.ready:
                 raise EngineUnavailable(f"model {model}: its tensor-parallel group "
                                         f"({', '.join(ring)}) is forming; retry shortly")
