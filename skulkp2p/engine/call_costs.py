@@ -29,7 +29,11 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.protocol import VerifyCosts
 
 # The last this many calls of a width make its estimate (with the probe's prior).
 WINDOW = 16
@@ -69,6 +73,9 @@ class LiveWidthCosts(Mapping[int, float]):
         self._count: dict[int, int] = {}  # calls observed per width, all time
         self._lock = threading.Lock()
         self._seconds, self._relative = self._estimate()
+        # Called (on the recording thread) after each observed call: whoever shows the table
+        # elsewhere (a node's stage report) refreshes it.
+        self.on_change: Callable[[], None] | None = None
 
     # -- Mapping over the relative costs (what gates.width_cost reads) ---------------------
     def __getitem__(self, width: int) -> float:
@@ -93,6 +100,8 @@ class LiveWidthCosts(Mapping[int, float]):
             self._count[width] = self._count.get(width, 0) + 1
             self.updated_at = time.time()
             self._seconds, self._relative = self._estimate()
+        if self.on_change is not None:  # (outside the lock: it may read the table)
+            self.on_change()
 
     def seconds(self) -> dict[int, float]:
         """The current estimate of one call's seconds per width (the table's widths)."""
@@ -100,6 +109,14 @@ class LiveWidthCosts(Mapping[int, float]):
 
     def relative(self) -> dict[int, float]:
         return dict(self._relative)
+
+    def snapshot(self) -> VerifyCosts:
+        """The table as /v1/models, /v1/cluster and /metrics show it: seconds per width now,
+        the calls behind each width, the probe it was seeded with, the time of its last call."""
+        from skulkp2p.engine.protocol import VerifyCosts
+
+        return VerifyCosts(self.seconds(), self.updated_at, self.where, source="live",
+                           calls=self.calls(), probe_seconds=dict(self.seed))
 
     def calls(self) -> dict[int, int]:
         """How many calls of each width were observed (all time)."""

@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("skulkp2p.node")
 
 RETRY_AFTER = "2"
+# A tensor group's live width table is re-reported (/v1/cluster) at most this often.
+LIVE_REPORT_S = 1.0
 NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
 PLACE_WAIT_S = 5.0
 
@@ -215,6 +218,8 @@ class ClusterServing:
 
         def prepare(loaded: LoadedModel, proc: Any) -> None:
             costs = self._measure_group_widths(model, loaded, proc, p.ring)
+            if costs is not None:  # the live table seeded by this probe, from now on
+                costs = self._watch_live_costs(model, role, loaded.width_costs, loop)
             measured["costs"] = costs
             if costs is not None:  # shown in /v1/cluster (the stage's report) at once
                 loop.call_soon_threadsafe(self._report_costs, model, role, costs)
@@ -272,6 +277,25 @@ class ClusterServing:
         log.info("tensor: %s: the group's verify costs (relative to one row): %s", model,
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())))
         return loaded.verify_costs
+
+    def _watch_live_costs(self, model: str, role: Any, live: Any,
+                          loop: asyncio.AbstractEventLoop) -> VerifyCosts:
+        """Have this member's stage report (what /v1/cluster and other nodes' /v1/models show)
+        follow the group's live width table: after a call changed it, the report is refreshed
+        within LIVE_REPORT_S (at most that often: a request makes a call per token)."""
+        pending = threading.Event()
+
+        def flush() -> None:
+            pending.clear()
+            self._report_costs(model, role, live.snapshot())
+
+        def changed() -> None:  # on the decode loop's thread
+            if not pending.is_set():
+                pending.set()
+                loop.call_soon_threadsafe(loop.call_later, LIVE_REPORT_S, flush)
+
+        live.on_change = changed
+        return live.snapshot()
 
     def _report_costs(self, model: str, role: Any, costs: VerifyCosts) -> None:
         """Add a group's verify costs to this member's stage report, once it made one."""
