@@ -13,7 +13,7 @@ from skulkp2p.engine.model import load_model
 from skulkp2p.engine.tensor import RankProcess, TensorAgreementError
 from skulkp2p.engine.tensor_link import DTYPE_CODES, disagreement
 from tests.helpers.procs import free_port
-from tests.test_tensor import Group, generate
+from tests.helpers.tensor_group import Group, generate
 
 
 def _row(dtype: str, digest: str) -> list[int]:
