@@ -29,13 +29,18 @@ def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
                       "depth controller prices drafts with.")
     measured = Family(PREFIX + "verify_costs_measured_timestamp_seconds", "gauge",
                       "Unix time the model's verify costs were measured.")
+    calls = Family(PREFIX + "verify_cost_calls", "gauge",
+                   "Verify calls of `width` rows behind a live table's estimate (a tensor-"
+                   "parallel group's table follows its own calls after the probe at forming).")
     for model, c in sorted(costs.items()):
         rel = c.relative
         for width, s in sorted(c.seconds.items()):
             seconds.add(s, model=model, width=width, where=c.where)
             relative.add(rel[width], model=model, width=width, where=c.where)
+            if c.source == "live":
+                calls.add(c.calls.get(width, 0), model=model, width=width, where=c.where)
         measured.add(round(c.measured_at, 3), model=model, where=c.where)  # as /v1/models
-    return [seconds, relative, measured]
+    return [seconds, relative, measured, calls]
 
 
 def cluster_families(st: Mapping[str, Any]) -> list[Family]:

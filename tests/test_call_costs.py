@@ -62,9 +62,27 @@ def test_the_table_follows_a_change_of_load_within_its_window():
     _observe(table, REAL_CALLS, times=8)
     busier = {w: s * 2 for w, s in REAL_CALLS.items()}
     busier[8] = 0.600  # wide calls got dearer still
-    _observe(table, busier, times=8)
+    # (a wide call is kept relative to the one-row estimate when it was made; the first calls
+    # after the change were priced against an estimate still catching up: they leave the
+    # window after `window` more calls)
+    _observe(table, busier, times=16)
     assert table.seconds()[1] == pytest.approx(0.154, abs=1e-4)
     assert table[8] == pytest.approx(0.600 / 0.154, abs=1e-3)
+
+
+def test_wide_calls_are_priced_against_the_one_row_calls_of_their_own_minute():
+    """What a group's live table did on the shared CPU: the spec arm's few wide calls fell in a
+    busy minute (every call slow), the plain arm's many one-row calls in a quiet one. Kept in
+    seconds, w2 read 12.9x w1 and the gates stopped drafting for good; relative to the one-row
+    calls around them, the wide calls cost what they cost."""
+    table = LiveWidthCosts(FLAT_PROBE)
+    busy = {1: 0.700, 2: 0.800, 5: 0.900}  # a busy minute: a spec arm's run
+    _observe(table, busy, times=5)
+    _observe(table, {1: 0.063}, times=16)  # then a quiet minute of one-row calls
+    assert table.seconds()[1] == pytest.approx(0.063)
+    assert table[2] == pytest.approx(0.8 / 0.7, abs=1e-3)
+    assert table[5] == pytest.approx(0.9 / 0.7, abs=1e-3)
+    assert table[2] < 1.5  # (in seconds it read 0.8 / 0.063 = 12.7)
 
 
 def test_past_the_widest_observed_each_row_costs_what_the_observed_ones_did():

@@ -24,14 +24,13 @@ from skulkp2p.cluster.placement import (
     plan,
 )
 from skulkp2p.engine.call_costs import LiveWidthCosts
-from skulkp2p.engine.generate import stream
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.tensor import RankProcess, TensorError, TensorForward
+from skulkp2p.engine.tensor import RankProcess, TensorError
 from skulkp2p.engine.tensor_shard import ShardError, plan_shards
 from tests.helpers.procs import free_port
+from tests.helpers.tensor_group import ECHO, Group, generate
 
-ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 ARMS = {"plain": "off", "lookup": {"drafter": "lookup", "depth": 4}}
 
 # ---------------------------------------------------------------- the split
@@ -118,50 +117,6 @@ def test_card_field_parallel(tmp_path):
 
 
 # ---------------------------------------------------------------- groups of rank processes
-
-
-class Group:
-    """N rank processes on 127.0.0.1 and the head model (embedding, norm, head, drafter) that
-    runs the decode loop over them, as a group's first member does."""
-
-    def __init__(self, path: Path, n: int, timeout: float = 20.0, prefix_cache_mb: float = 0.0):
-        addrs = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.ranks = [RankProcess(path, r, addrs, "float32", prefix_cache_mb=prefix_cache_mb)
-                      for r in range(n)]
-        try:
-            self.ready = [r.wait_ready(60) for r in self.ranks]
-        except BaseException:
-            self.close()
-            raise
-        self.head = load_model(path, path.name, dtype="float32", head_only=True)
-        self.timeout = timeout
-        self.forwards: list[TensorForward] = []
-
-        def make(req, hidden, interrupt):
-            live = self.head.width_costs  # a live table is timed into, as a cluster's group
-            fwd = TensorForward(self.head.model, self.ranks[0], hidden=hidden,
-                                interrupt=interrupt, timeout=self.timeout, prefill_step=16,
-                                call_costs=live if isinstance(live, LiveWidthCosts) else None)
-            self.forwards.append(fwd)
-            return fwd
-
-        self.head.make_forward = make
-
-    def close(self) -> None:
-        for r in self.ranks:
-            r.kill()
-
-
-def generate(loaded, speculation, max_tokens: int = 40, prefix_cache=None, prompt=None,
-             **fields):
-    req = parse_request({"prompt": ECHO, "max_tokens": max_tokens, "speculation": speculation,
-                         **fields})
-    g = stream(loaded, req, prefix_cache=prefix_cache, prompt=prompt)
-    while True:
-        try:
-            next(g)
-        except StopIteration as e:
-            return e.value
 
 
 @pytest.fixture(scope="module")

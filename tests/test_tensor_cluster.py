@@ -136,12 +136,31 @@ def test_group_of_processes_speculative_equals_plain(cluster):
         # (capped by the wider widths': never cheaper for more rows)
         seconds = [row["seconds"] for row in costs["widths"]]
         assert seconds == sorted(seconds)
-    assert _verify_costs(c, 2)["widths"] == _verify_costs(c, 0)["widths"]
+    # What is shown is the live table the controller prices drafts with (engine/call_costs.py):
+    # the probe it was seeded with, and the calls of the requests above behind each width.
+    live = _verify_costs(c, 0)
+    assert live["source"] == "live"
+    assert [row["width"] for row in live["probe"]][0] == 1
+    calls = {row["width"]: row["calls"] for row in live["widths"]}
+    # the plain requests alone (two, each token after the prefill's one call) made one-row
+    # verify calls; the speculative ones called wider widths
+    assert calls[1] >= 2 * (len(got["plain"]["tokens"]) - 1), calls
+    assert sum(n for w, n in calls.items() if w > 1) > 0, calls
+    # Other nodes see the same through the member's stage report, which follows the table.
+    c.wait(lambda: _verify_costs(c, 2) == _verify_costs(c, 0), 30, "the live table everywhere")
     st = call(http, "GET", "/v1/cluster")[2]
     (n0,) = [m for m in st["members"] if m["name"] == "n0"]
     assert n0["stages"]["llama"]["verify_costs"] == _verify_costs(c, 0)
     (n1,) = [m for m in st["members"] if m["name"] == "n1"]
     assert "verify_costs" not in n1["stages"]["llama"]  # (rank 1 does not run the loop)
+    # /metrics of that member: the same seconds and the calls behind them.
+    text = call(c.nodes[0].http, "GET", "/metrics")[2].decode()
+    shown = {}
+    for line in text.splitlines():
+        if line.startswith("skulkp2p_verify_cost_calls{") and 'model="llama"' in line:
+            width = int(line.split('width="', 1)[1].split('"', 1)[0])
+            shown[width] = int(float(line.rsplit(" ", 1)[1]))
+    assert shown == calls, (shown, calls)
 
 
 def _verify_costs(c, i: int) -> dict | None:
@@ -296,3 +315,44 @@ def test_member_killed_mid_request(cluster):
     assert time.monotonic() - t0 < 15
     _replaced_without_n1(c)
     assert _pipe(c.nodes[2].http, "plain")["tokens"] == reference["tokens"]
+
+
+@pytest.mark.slow
+def test_members_that_disagree_on_dtype_do_not_form_a_group(llama, tmp_path):
+    """Two members serving the model in different dtypes (float32 and bfloat16: an all-sum of
+    their rows crashed a rank with SIGSEGV) end formation with a clear error before any
+    collective of model data: /v1/cluster shows it on both members' stages, the logs say it,
+    a request gets a 503 naming it, and no process crashed."""
+    if not loopback_ips_usable():
+        pytest.skip("needs the 127.0.0.0/8 loopback range (Linux)")
+    c = ProcCluster(tmp_path, env={"SKULKP2P_DTYPE": "float32"})
+    try:
+        c.start_join(0, str(llama), args=["--memory-limit", "2GB"])
+        c.env = {**c.env, "SKULKP2P_DTYPE": "bfloat16"}
+        c.start_join(1, str(llama), args=["--memory-limit", "2GB"])
+        c.wait(lambda: (s := c.agreed([0, 1])) and s["placements"], 90, "a placement")
+        c.wait(lambda: all(status_of(n.http) == 200 for n in c.nodes.values()), 90, "health")
+        _place_tensor(c, ["n0", "n1"])
+        want = "serving dtype differs (rank 0 float32, rank 1 bfloat16)"
+
+        def errors() -> dict[str, str]:
+            st = call(c.nodes[0].http, "GET", "/v1/cluster")[2]
+            return {m["name"]: ((m.get("stages") or {}).get("llama") or {}).get("error", "")
+                    for m in st["members"]}
+        c.wait(lambda: all(want in e for e in errors().values()), FORMS_WITHIN_S,
+               "the disagreement shown on both members")
+        for i in (0, 1):
+            assert "the group cannot form" in c.nodes[i].log.read_text(errors="replace")
+            assert c.nodes[i].proc.poll() is None  # the agents live on
+        body = {"model": "llama", "prompt": ECHO, "max_tokens": 4}
+        status, _, out = call(c.nodes[1].http, "POST", "/v1/completions", body, timeout=60)
+        assert status == 503, (status, out)
+        assert "cannot form" in out["error"]["message"] and want in out["error"]["message"]
+        for i in (0, 1):  # no rank crashed (a signal), no rank left running
+            text = c.nodes[i].log.read_text(errors="replace")
+            assert "status -11" not in text and "SIGSEGV" not in text
+        assert not any(s.get("pid") for s in [
+            ((m.get("stages") or {}).get("llama") or {}) for m in
+            call(c.nodes[0].http, "GET", "/v1/cluster")[2]["members"]])
+    finally:
+        c.close()

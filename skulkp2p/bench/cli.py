@@ -267,6 +267,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                 cell = cells[(wl, arm.name)]
                 if cell.skip:
                     continue
+                if ring is not None and not arm.one_node and hasattr(ring, "mark_run"):
+                    ring.mark_run()  # (a tensor group's rank times count from here)
                 try:
                     with arm_threads(arm):
                         run = execute(arm, model_of(arm), draft, WORKLOADS[wl],

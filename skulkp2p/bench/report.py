@@ -234,4 +234,19 @@ def tensor_table(doc: dict[str, Any]) -> str:
             f"{x['head_compute_s']:.2f} | {x['ranks_s']:.2f} | {x['collectives_est_s']:.2f} | "
             f"{x['pipe_s']:.2f} | {x.get('loop_s', 0):.2f} | {x['traversals']:.0f} | "
             f"{x.get('link_ms_per_traversal', 0):.2f} |")
+    ranks = range(int(g.get("nodes") or 0))
+    if any("rank0_busy_wall_s" in (r.get("ring") or {}) for r in doc["results"]):
+        lines += ["", "each rank's seconds per run (median), wall / CPU (its whole process: a rank "
+                  "that polls while it waits shows CPU near wall), in calls and waiting for the "
+                  "next command:", "",
+                  "| workload | arm | " + " | ".join(f"rank {k} in calls | rank {k} between calls"
+                                                    for k in ranks) + " |",
+                  "|---|---|" + "---:|---:|" * len(ranks)]
+        for r in doc["results"]:
+            x = r.get("ring") or {}
+            if "rank0_busy_wall_s" not in x:
+                continue
+            cells = [f"{x.get(f'rank{k}_{w}_wall_s', 0):.2f} / {x.get(f'rank{k}_{w}_cpu_s', 0):.2f}"
+                     for k in ranks for w in ("busy", "idle")]
+            lines.append(f"| {r['workload']} | {r['arm']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

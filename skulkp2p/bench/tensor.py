@@ -73,6 +73,7 @@ class TensorBench:
         self.per_call_collectives = 0
         self.live: Any = None  # the group's LiveWidthCosts, once measured (_measure_widths)
         self._calls_seen: dict[int, int] = {}
+        self._times_seen: list[dict[str, float]] | None = None
         self.allsum_s = 0.0  # one all-sum of one row, alone (probe)
         self.compute_one_s = 0.0  # a rank's slice over one row with no collective
         self.compute_row_s = 0.0  # each row more
@@ -225,6 +226,31 @@ class TensorBench:
                 return rank.why_dead()
         return None
 
+    def mark_run(self) -> None:
+        """A group arm's run starts now: its rank times (take_run) count from here, so that
+        the one-node arms run in between are not in them."""
+        self._times_seen = self._rank_times()
+
+    def _rank_times(self) -> list[dict[str, float]] | None:
+        from skulkp2p.engine.tensor import TensorError
+
+        try:
+            return self.ranks[0].stats()
+        except TensorError as e:
+            log.warning("tensor-parallel group: no rank times: %s", e)
+            return None
+
+    def _take_times(self, run: dict[str, Any]) -> None:
+        # Each rank's wall and CPU time over this run, in calls (busy) and waiting for the
+        # next command (idle): a rank that polls while it waits shows CPU near its wall time.
+        now, before = self._rank_times(), self._times_seen
+        self._times_seen = now
+        if now is None or before is None:
+            return
+        for r, (a, b) in enumerate(zip(now, before, strict=True)):
+            for k in ("busy_wall_s", "busy_cpu_s", "idle_wall_s", "idle_cpu_s"):
+                run[f"rank{r}_{k}"] = round(a[k] - b[k], 4)  # (scalars: the summary's medians)
+
     def take_run(self, total_s: float | None) -> dict[str, Any]:
         fwds, self._forwards = self._forwards, []
         wait = sum(f.wait_s for f in fwds)
@@ -249,6 +275,7 @@ class TensorBench:
         if self.live is not None:
             self._take_widths(run)
         if total_s is not None:
+            self._take_times(run)
             run["loop_s"] = round(max(0.0, total_s - wait - head), 4)
             run["total_s"] = round(total_s, 4)
             s = self.settings

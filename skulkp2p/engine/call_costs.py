@@ -13,8 +13,15 @@ controllers read the table (it is a Mapping {w: relative cost}, as the static ta
 the decode loop never learns where its forward runs or that it is being timed.
 
 Per width, the estimate is the median of the last `window` calls together with the probe's
-time counted as `prior_calls` calls: one slow call (another process scheduled in) moves nothing,
-three calls of a width outvote the probe. Relative costs divide by the one-row estimate. Widths
+counted as `prior_calls` calls: one slow call (another process scheduled in) moves nothing,
+three calls of a width outvote the probe. Relative to its own minute: a call of w > 1 rows is
+kept as its seconds over the one-row estimate at the time it was made, and the table's w is the
+median of those ratios (times the one-row estimate now, for seconds). Kept in seconds, each
+width's median held calls of whatever minute that width was last called in: on the shared CPU
+the one-row calls came from a plain arm's last quiet minute (63 ms) and the four two-row calls
+from a spec arm's busy one (809 ms), so the table said w2 = 12.9x w1, the gates switched
+drafting off and, drafting no more wide calls, the table never learned otherwise (code-edit on
+the group drafted 14 tokens where one node drafted 80). Widths
 with no call yet are interpolated between the observed ones; past the widest observed, each row
 more costs what the observed rows cost on average (the line through (1, 1) and the widest
 observed), never less than the probe said. Finally each width costs at least every narrower one
@@ -29,7 +36,11 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.protocol import VerifyCosts
 
 # The last this many calls of a width make its estimate (with the probe's prior).
 WINDOW = 16
@@ -69,6 +80,9 @@ class LiveWidthCosts(Mapping[int, float]):
         self._count: dict[int, int] = {}  # calls observed per width, all time
         self._lock = threading.Lock()
         self._seconds, self._relative = self._estimate()
+        # Called (on the recording thread) after each observed call: whoever shows the table
+        # elsewhere (a node's stage report) refreshes it.
+        self.on_change: Callable[[], None] | None = None
 
     # -- Mapping over the relative costs (what gates.width_cost reads) ---------------------
     def __getitem__(self, width: int) -> float:
@@ -89,10 +103,15 @@ class LiveWidthCosts(Mapping[int, float]):
         if width < 1 or width > self.max_width or not seconds > 0:
             return
         with self._lock:
-            self._calls.setdefault(width, deque(maxlen=self.window)).append(float(seconds))
+            # A wide call is kept as its cost relative to the one-row calls of its own minute
+            # (the one-row estimate now), not in seconds: see "Relative to its own minute".
+            value = float(seconds) if width == 1 else float(seconds) / self._median(1)
+            self._calls.setdefault(width, deque(maxlen=self.window)).append(value)
             self._count[width] = self._count.get(width, 0) + 1
             self.updated_at = time.time()
             self._seconds, self._relative = self._estimate()
+        if self.on_change is not None:  # (outside the lock: it may read the table)
+            self.on_change()
 
     def seconds(self) -> dict[int, float]:
         """The current estimate of one call's seconds per width (the table's widths)."""
@@ -100,6 +119,14 @@ class LiveWidthCosts(Mapping[int, float]):
 
     def relative(self) -> dict[int, float]:
         return dict(self._relative)
+
+    def snapshot(self) -> VerifyCosts:
+        """The table as /v1/models, /v1/cluster and /metrics show it: seconds per width now,
+        the calls behind each width, the probe it was seeded with, the time of its last call."""
+        from skulkp2p.engine.protocol import VerifyCosts
+
+        return VerifyCosts(self.seconds(), self.updated_at, self.where, source="live",
+                           calls=self.calls(), probe_seconds=dict(self.seed))
 
     def calls(self) -> dict[int, int]:
         """How many calls of each width were observed (all time)."""
@@ -123,17 +150,18 @@ class LiveWidthCosts(Mapping[int, float]):
         return _interp(width, lo, self.seed[lo], hi, self.seed[hi])
 
     def _median(self, width: int) -> float:
+        """Width 1: the median of its last calls' seconds with the probe's; a wider width: the
+        median of its calls' costs relative to one row (each against the one-row estimate when
+        it was made) with the probe's relative cost."""
         calls = list(self._calls.get(width, ()))
-        return statistics.median([self._seed_at(width)] * self.prior_calls + calls)
+        prior = self._seed_at(width) / (self.seed[1] if width > 1 else 1.0)
+        return statistics.median([prior] * self.prior_calls + calls)
 
     def _estimate(self) -> tuple[dict[int, float], dict[int, float]]:
-        observed = {w: self._median(w) for w in sorted(self._calls)}
-        one = observed.get(1, self.seed[1])
-        if 1 not in observed:
-            observed = {1: one, **observed}
-        rel_obs = {w: s / one for w, s in observed.items()}
+        one = self._median(1)
+        rel_obs = {1: 1.0, **{w: self._median(w) for w in sorted(self._calls) if w > 1}}
         seed_one = self.seed[1]
-        widths = sorted(set(self.seed) | set(observed))
+        widths = sorted(set(self.seed) | set(rel_obs))
         obs_ws = sorted(rel_obs)
         widest = obs_ws[-1]
         rel: dict[int, float] = {}

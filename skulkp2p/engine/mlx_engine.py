@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any
 
+from skulkp2p.engine.call_costs import LiveWidthCosts
 from skulkp2p.engine.generate import prompt_tokens, stream
 from skulkp2p.engine.model import LoadedModel
 from skulkp2p.engine.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
-from skulkp2p.engine.protocol import EngineInfo, Generation
+from skulkp2p.engine.protocol import EngineInfo, Generation, VerifyCosts
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
 from skulkp2p.engine.scheduler import BatchScheduler, batchable
@@ -93,7 +94,15 @@ class MlxEngine:
             detail["prefix_cache"] = self.prefix_cache.stats()
         detail["max_batch"] = self.max_concurrent
         return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail,
-                          loaded.verify_costs)
+                          self._verify_costs())
+
+    def _verify_costs(self) -> VerifyCosts | None:
+        """The table the depth controller prices drafts with now: a tensor group's live one
+        (call_costs.py) once it measured, else the probe's (or none)."""
+        live = self.loaded.width_costs
+        if isinstance(live, LiveWidthCosts) and self.loaded.verify_costs is not None:
+            return live.snapshot()
+        return self.loaded.verify_costs
 
     def prompt_length(self, req: GenerationRequest) -> int:
         """Tokenise once more up front (cheap next to a forward) so the client learns the

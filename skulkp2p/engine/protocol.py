@@ -52,8 +52,14 @@ class VerifyCosts:
     tensor-parallel group measures its own when it forms (engine/tensor.py,
     measure_group_widths), and the depth controller prices drafts with `relative`."""
     seconds: dict[int, float]  # seconds of one call of w rows, by w
-    measured_at: float  # Unix time of the measurement
+    measured_at: float  # Unix time of the measurement (a live table: of its last call)
     where: str  # what was measured, e.g. "tensor-parallel group n0, n1"
+    # "probe" (measured once, when the group formed) or "live" (following the group's own
+    # verify calls since: engine/call_costs.py), with the calls observed per width and the
+    # probe's seconds it was seeded with
+    source: str = "probe"
+    calls: dict[int, int] = field(default_factory=dict)
+    probe_seconds: dict[int, float] | None = None
 
     @property
     def relative(self) -> dict[int, float]:
@@ -64,9 +70,16 @@ class VerifyCosts:
     def to_json(self) -> dict[str, Any]:
         """As /v1/models and /v1/cluster show it."""
         rel = self.relative
-        return {"where": self.where, "measured_at": round(self.measured_at, 3),
-                "widths": [{"width": w, "seconds": round(s, 6), "relative": rel[w]}
-                           for w, s in sorted(self.seconds.items())]}
+        out: dict[str, Any] = {
+            "where": self.where, "measured_at": round(self.measured_at, 3),
+            "source": self.source,
+            "widths": [{"width": w, "seconds": round(s, 6), "relative": rel[w],
+                        **({"calls": self.calls.get(w, 0)} if self.source == "live" else {})}
+                       for w, s in sorted(self.seconds.items())]}
+        if self.probe_seconds is not None:
+            out["probe"] = [{"width": w, "seconds": round(s, 6)}
+                            for w, s in sorted(self.probe_seconds.items())]
+        return out
 
 
 @dataclass(frozen=True)

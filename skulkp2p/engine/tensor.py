@@ -11,7 +11,7 @@ Failures stay bounded: a collective blocked on a frozen peer cannot be interrupt
 process, so the waiting side never blocks on it. It polls its rank 0's answers and, while
 waiting, asks `check` (a member declared dead by the cluster, a re-placement) and a deadline
 (SKULKP2P_RING_TIMEOUT, as rings); on failure it kills its rank 0 by pid, which closes the
-group's sockets, so the other ranks fail at once ("connection to a peer was lost") and exit.
+group's sockets and its command link, so the other ranks end at once and exit.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skulkp2p import wire
-from skulkp2p.engine.tensor_errors import TensorError
+from skulkp2p.engine.tensor_errors import TensorAgreementError, TensorError
+
+__all__ = ["RankProcess", "TensorAgreementError", "TensorError", "TensorForward",
+           "measure_group_widths", "tensor_timeout"]
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -128,7 +131,8 @@ class RankProcess:
                 broken = check() if check is not None else None
                 raise TensorError(broken or self.why_dead())
             if msg.get("op") == "error":
-                raise TensorError(f"{self.label}: {msg.get('error')}")
+                kind = TensorAgreementError if msg.get("kind") == "agreement" else TensorError
+                raise kind(f"{self.label}: {msg.get('error')}")
             return msg
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S,
@@ -162,6 +166,11 @@ class RankProcess:
         collectives, for the bench's split of the time."""
         return float(self.call({"op": "compute", "width": width, "count": count}, timeout,
                                None)["s"])
+
+    def stats(self, timeout: float = 60.0) -> list[dict[str, float]]:
+        """Every rank's wall and CPU time since it started, busy (in calls) and idle (waiting
+        for the next command): engine/tensor_rank.RankTimes."""
+        return list(self.call({"op": "stats"}, timeout, None)["ranks"])
 
     def kill(self) -> None:
         """End the process by pid (idempotent)."""

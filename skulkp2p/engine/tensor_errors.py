@@ -9,3 +9,8 @@ from __future__ import annotations
 class TensorError(RuntimeError):
     """The tensor-parallel group could not complete a call (a member died, froze, or the
     placement moved): the request ends with this message."""
+
+
+class TensorAgreementError(TensorError):
+    """The group's ranks disagree on what they serve (dtype, model files): forming it again
+    does not help until a member changes (engine/tensor_link.py)."""

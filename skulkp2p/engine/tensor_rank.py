@@ -8,10 +8,12 @@ starts these, watches them, and kills them (by pid) when the placement goes.
 
 Every rank holds its share of every layer (tensor_shard.py) and no embedding or head. Rank 0
 talks to the process that runs the decode loop over its stdin/stdout (wire frames, one per
-call): rows in, the summed last hidden rows out. It passes each command to the other ranks with
-the collective itself (an all-sum of a small header where the others add zeros, then of the
-rows), so the group needs no channel besides `mx.distributed`. The other ranks only compute;
-each writes one "ready" frame on its stdout and exits when its stdin closes or the group breaks.
+call): rows in, the summed last hidden rows out. It passes each command's header to the other
+ranks over the group's command link (tensor_link.py: a TCP connection on which they block,
+where an all-sum would have them poll a core between calls), then the rows with an all-sum.
+Before any collective of model data the ranks check that they agree on the dtype and the model
+files (tensor_link.agree). The other ranks only compute; each writes one "ready" frame on its
+stdout and exits when rank 0 closes the link or the group breaks.
 
 Commands (rank 0's stdin): {"op": "run", "x": rows [w, H], "rollback": [keep, dropped] | None,
 "reset": bool} -> {"op": "out", "h": rows [w, H], "cs": seconds}; {"op": "probe", "width": w,
@@ -44,11 +46,10 @@ from typing import Any, BinaryIO
 from skulkp2p import wire
 
 FRAME = "tp"
-OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE, OP_COMPUTE = 1, 2, 3, 4, 5, 6
+OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE, OP_COMPUTE, OP_STATS = 1, 2, 3, 4, 5, 6, 7
 COMPUTE_PREFILL = 64
-# op, width (restore/store: the key's length), rollback dropped (a probe: its count; a
-# restore: the positions to restore), reset
-HEADER_INTS = 4
+# A command's header (CommandLink): op, width (restore/store: the key's length), rollback
+# dropped (a probe: its count; a restore: the positions to restore), reset
 
 
 def write_frame(out: BinaryIO, msg: dict[str, Any]) -> None:
@@ -113,16 +114,30 @@ def main(argv: list[str] | None = None) -> int:
     from skulkp2p.engine.caches import trim
     from skulkp2p.engine.prefix_cache import MB, PrefixCache
     from skulkp2p.engine.stage import param_bytes
+    from skulkp2p.engine.tensor_link import (
+        AgreementError,
+        CommandLink,
+        agree,
+        hosts_of,
+        model_digest,
+    )
     from skulkp2p.engine.trunk import Trunk
 
     try:
+        digest = model_digest(Path(args.model))
         group = mx.distributed.init(backend="ring", strict=True)
         if group.size() != args.size or group.rank() != args.rank:
             raise RuntimeError(f"group formed as rank {group.rank()} of {group.size()}, "
                                f"expected {args.rank} of {args.size}")
+        # Before any collective of model data: an all-sum of rows in two dtypes crashes.
+        agree(group, args.rank, args.size, args.dtype, digest)
         model = load_rank_model(Path(args.model), args.rank, args.size, group, args.dtype)
         # Everyone loaded: one collective before saying so.
         mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))
+        link = CommandLink.open(group, args.rank, args.size, hosts_of(Path(args.hostfile)))
+    except AgreementError as e:  # not worth forming again: the node says why and waits
+        write_frame(out, {"op": "error", "kind": "agreement", "error": str(e)})
+        return 1
     except Exception as e:  # the parent reads this one line
         write_frame(out, {"op": "error", "error": f"{type(e).__name__}: {e}"})
         return 1
@@ -138,37 +153,51 @@ def main(argv: list[str] | None = None) -> int:
     prefix = PrefixCache(int(args.prefix_cache_mb * MB)) if args.prefix_cache_mb > 0 else None
     decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
     inp = sys.stdin.buffer
+    times = RankTimes()
     while True:
-        header = mx.zeros((HEADER_INTS,), dtype=mx.int32)
-        msg: dict[str, Any] | None = None
+        times.idle_from()
+        header: list[int] | None = None
         if args.rank == 0:
             msg = read_frame(inp, decoder)
             if msg is None or msg.get("op") == "stop":
-                header = mx.array([OP_STOP, 0, 0, 0], dtype=mx.int32)
+                header = [OP_STOP, 0, 0, 0]
             elif msg.get("op") == "probe":
-                header = mx.array([OP_PROBE, int(msg["width"]), int(msg["count"]), 0],
-                                  dtype=mx.int32)
+                header = [OP_PROBE, int(msg["width"]), int(msg["count"]), 0]
             elif msg.get("op") == "compute":
-                header = mx.array([OP_COMPUTE, int(msg["width"]), int(msg["count"]), 0],
-                                  dtype=mx.int32)
+                header = [OP_COMPUTE, int(msg["width"]), int(msg["count"]), 0]
+            elif msg.get("op") == "stats":
+                header = [OP_STATS, 0, 0, 0]
             elif msg.get("op") == "restore":
                 key_in = [int(t) for t in msg["key"]]
-                header = mx.array([OP_RESTORE, len(key_in), int(msg["length"]), 0],
-                                  dtype=mx.int32)
+                header = [OP_RESTORE, len(key_in), int(msg["length"]), 0]
             elif msg.get("op") == "store":
                 key_in = [int(t) for t in msg["key"]]
                 rb = msg.get("rollback") or [0, 0]
-                header = mx.array([OP_STORE, len(key_in), int(rb[1]), 0], dtype=mx.int32)
+                header = [OP_STORE, len(key_in), int(rb[1]), 0]
             else:
                 rb = msg.get("rollback") or [0, 0]
                 x_in = wire.unpack_array(msg["x"], as_mlx=True).astype(dtype)
-                header = mx.array([OP_RUN, x_in.shape[0], int(rb[1]), int(bool(msg.get("reset")))],
-                                  dtype=mx.int32)
-        op, width, dropped, reset = (int(v) for v in
-                                     mx.distributed.all_sum(header, group=group).tolist())
+                header = [OP_RUN, x_in.shape[0], int(rb[1]), int(bool(msg.get("reset")))]
+            try:
+                link.send(header)
+            except OSError as e:  # a rank is gone: the group is over
+                write_frame(out, {"op": "error", "error": f"a rank is gone ({e})"})
+                return 1
+        else:
+            header = link.receive()  # blocks in the kernel until rank 0 sends the next
+            if header is None:  # rank 0 is gone (killed, or its group ended)
+                print("tensor_rank: rank 0 closed the command link", file=sys.stderr)
+                return 0
+        op, width, dropped, reset = header
         if op == OP_STOP:
             return 0
+        times.busy_from()
         t0 = time.perf_counter()
+        if op == OP_STATS:
+            got = _gather_times(times, args.rank, args.size, group)
+            if args.rank == 0:
+                write_frame(out, {"op": "stats", "ranks": got})
+            continue
         if op == OP_PROBE:
             probe = mx.zeros((width, hidden), dtype=dtype)
             for _ in range(dropped):
@@ -206,6 +235,56 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             write_frame(out, {"op": "out", "h": wire.pack_array(h),
                               "cs": round(time.perf_counter() - t0, 6)})
+
+
+class RankTimes:
+    """Where this rank's wall and CPU time went: waiting for the next command (idle) or
+    running one (busy: its compute and its collectives, polling while it waits on a peer).
+    CPU is the whole process's (MLX's socket threads included), so a rank that polls while
+    it waits shows CPU near its wall time."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.busy_wall = self.busy_cpu = self.idle_wall = self.idle_cpu = 0.0
+        self._wall = time.perf_counter()
+        self._cpu = time.process_time()
+        self._busy = False
+
+    def _close(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        if self._busy:
+            self.busy_wall += wall - self._wall
+            self.busy_cpu += cpu - self._cpu
+        else:
+            self.idle_wall += wall - self._wall
+            self.idle_cpu += cpu - self._cpu
+        self._wall, self._cpu = wall, cpu
+
+    def idle_from(self) -> None:
+        self._close()
+        self._busy = False
+
+    def busy_from(self) -> None:
+        self._close()
+        self._busy = True
+        self.calls += 1
+
+    def row(self) -> list[float]:
+        self._close()
+        return [float(self.calls), self.busy_wall, self.busy_cpu, self.idle_wall, self.idle_cpu]
+
+
+STAT_FIELDS = ("calls", "busy_wall_s", "busy_cpu_s", "idle_wall_s", "idle_cpu_s")
+
+
+def _gather_times(times: RankTimes, rank: int, size: int, group: Any) -> list[dict[str, float]]:
+    """Every rank's RankTimes so far (one all-sum where each writes its own row)."""
+    import mlx.core as mx
+
+    table = mx.zeros((size, len(STAT_FIELDS)), dtype=mx.float32)
+    table[rank] = mx.array(times.row(), dtype=mx.float32)
+    rows = mx.distributed.all_sum(table, group=group).tolist()
+    return [{k: round(float(v), 4) for k, v in zip(STAT_FIELDS, r, strict=True)} for r in rows]
 
 
 def _compute_alone(model: Any, body: Any, width: int, count: int, hidden: int,

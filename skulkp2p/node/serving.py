@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("skulkp2p.node")
 
 RETRY_AFTER = "2"
+# A tensor group's live width table is re-reported (/v1/cluster) at most this often.
+LIVE_REPORT_S = 1.0
 NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
 PLACE_WAIT_S = 5.0  # a place request waits at most this long for a majority to hold it
 PLACE_RESEND_S = 1.0  # asked the leader again this often while it has not shown the request
@@ -217,14 +220,23 @@ class ClusterServing:
 
         def prepare(loaded: LoadedModel, proc: Any) -> None:
             costs = self._measure_group_widths(model, loaded, proc, p.ring)
+            if costs is not None:  # the live table seeded by this probe, from now on
+                costs = self._watch_live_costs(model, role, loaded.width_costs, loop)
             measured["costs"] = costs
             if costs is not None:  # shown in /v1/cluster (the stage's report) at once
                 loop.call_soon_threadsafe(self._report_costs, model, role, costs)
 
+        def formation_error(error: str | None) -> None:
+            # (from supervision, on the loop) why the group cannot form: /v1/cluster shows it
+            # under this member's stages.MODEL.error until a new generation starts
+            if self.tensor_roles.get(model) is role:
+                report = {"layers": [0, p.spec.layers], "parallel": "tensor", "rank": rank}
+                self._report_stage(model, {**report, "error": error} if error else report)
+
         role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
                           lambda: self.store.pull(spec),
                           serving_dtype, on_ready=ready,
-                          prefix_cache_mb=self.prefix_cache_mb)
+                          prefix_cache_mb=self.prefix_cache_mb, on_error=formation_error)
         self.tensor_roles[model] = role
         role.start()
         if p.entry != self.name:
@@ -268,6 +280,25 @@ class ClusterServing:
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())))
         return loaded.verify_costs
 
+    def _watch_live_costs(self, model: str, role: Any, live: Any,
+                          loop: asyncio.AbstractEventLoop) -> VerifyCosts:
+        """Have this member's stage report (what /v1/cluster and other nodes' /v1/models show)
+        follow the group's live width table: after a call changed it, the report is refreshed
+        within LIVE_REPORT_S (at most that often: a request makes a call per token)."""
+        pending = threading.Event()
+
+        def flush() -> None:
+            pending.clear()
+            self._report_costs(model, role, live.snapshot())
+
+        def changed() -> None:  # on the decode loop's thread
+            if not pending.is_set():
+                pending.set()
+                loop.call_soon_threadsafe(loop.call_later, LIVE_REPORT_S, flush)
+
+        live.on_change = changed
+        return live.snapshot()
+
     def _report_costs(self, model: str, role: Any, costs: VerifyCosts) -> None:
         """Add a group's verify costs to this member's stage report, once it made one."""
         report = (self.node.facts.get("stages") or {}).get(model)
@@ -289,6 +320,9 @@ class ClusterServing:
             if p is None or p.ring != ring:
                 raise TensorError(f"model {model} was re-placed; retry")
             proc, gen = role.proc, role.gen
+            if role.error is not None:
+                raise EngineUnavailable(f"model {model}: its tensor-parallel group "
+                                        f"({', '.join(ring)}) cannot form: {role.error}")
             if proc is None or not role.ready:
                 raise EngineUnavailable(f"model {model}: its tensor-parallel group "
                                         f"({', '.join(ring)}) is forming; retry shortly")

@@ -49,7 +49,8 @@ class TensorRole:
     def __init__(self, node: Any, model: str, ring: tuple[str, ...], key: str,
                  model_path: Callable[[], Path], dtype: Callable[[], str],
                  on_ready: Callable[[dict[str, Any]], None] | None = None,
-                 prefix_cache_mb: float = 0.0):
+                 prefix_cache_mb: float = 0.0,
+                 on_error: Callable[[str | None], None] | None = None):
         self.node = node
         self.model = model
         self.ring = ring
@@ -58,6 +59,11 @@ class TensorRole:
         self.model_path = model_path  # blocking (may pull): called off the loop
         self.dtype = dtype
         self.on_ready = on_ready
+        # Why this generation cannot form (its ranks disagree on dtype or model files), shown
+        # by the node (on_error; None again once a new generation starts); not retried until
+        # a member starts over.
+        self.error: str | None = None
+        self.on_error = on_error
         self.prefix_cache_mb = prefix_cache_mb  # each rank's own slice of the prefix cache
         # Run (off the loop) once a generation of the group has formed and before any request
         # may use it: the loop's member measures the group's verify-width costs there.
@@ -124,6 +130,10 @@ class TensorRole:
 
     def _new_generation(self, gen: int) -> None:
         self._kill()
+        if self.error is not None:
+            self.error = None
+            if self.on_error is not None:
+                self.on_error(None)
         self.gen = gen
         self.addr = f"{self._host()}:{free_port(self._host())}"
         self._publish()
@@ -144,6 +154,13 @@ class TensorRole:
         if newest > self.gen:
             log.info("tensor: %s: the group re-forms (generation %d)", self.model, newest)
             self._new_generation(newest)
+            return
+        if self.error is not None:  # forming again would fail the same way
+            left = self._left_formation(peers)
+            if left is not None:
+                log.info("tensor: %s: %s; forming the group again (generation %d)", self.model,
+                         left, self.gen + 1)
+                self._new_generation(self.gen + 1)
             return
         if self.proc is not None and not self.proc.alive():
             self.failures += 1
@@ -197,7 +214,7 @@ class TensorRole:
             log.exception("tensor: %s: forming the group failed", self.model)
 
     async def _form(self, addrs: list[str]) -> None:
-        from skulkp2p.engine.tensor import RankProcess, TensorError
+        from skulkp2p.engine.tensor import RankProcess, TensorAgreementError, TensorError
 
         loop = asyncio.get_running_loop()
         gen = self.gen
@@ -212,6 +229,19 @@ class TensorRole:
                  self.rank, len(addrs), proc.pid, gen, addrs[self.rank])
         try:
             ready = await loop.run_in_executor(None, proc.wait_ready)
+        except TensorAgreementError as e:
+            if self.proc is not proc:
+                return
+            # Every rank found the same disagreement and ended before any collective of model
+            # data: say so and wait for a member to start over (not a new generation each
+            # poll, which would fail the same way).
+            proc.kill()
+            self.proc = None
+            self.error = str(e)
+            log.error("tensor: %s: the group cannot form: %s", self.model, e)
+            if self.on_error is not None:
+                self.on_error(self.error)
+            return
         except TensorError as e:
             if self.proc is not proc:  # abandoned by supervision (a new generation)
                 log.info("tensor: %s: rank %d left generation %d unformed", self.model,
