@@ -27,7 +27,8 @@ target emitted). Rounds are then classed:
 - `plain`: nobody drafted.
 
 With --replay, the outputs a --json run kept go through today's drafters and gates without
-the model (replay(): an oracle verifier, the head answered from its table of real drafts), each
+the model (replay(): an oracle verifier, the head answered from its table of real drafts and
+their probabilities under the head, so that `mtp_min_confidence` applies as it would), each
 verify priced with the width cost table: a drafting policy weighed in seconds, before the bench
 measures it. With --cpu-runs, plain, spec and spec without lookup.edits run side by side and
 their CPU time per token is compared (cpu_pairs()).
