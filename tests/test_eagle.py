@@ -283,7 +283,8 @@ def test_min_confidence_drafts_only_sure_guesses_and_stays_exact(eagle_llama):
 
 def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
     """In auto the head drafts with the card's mtp_min_confidence (default MTP_MIN_CONFIDENCE);
-    an explicit mtp drafter drafts every round (the caller asked for its drafts)."""
+    an explicit mtp drafter drafts every round whatever the card says (the caller asked for
+    its drafts)."""
     from skulkp2p.engine.generate import MTP_MIN_CONFIDENCE, _choose_drafter, _mtp_in
     from skulkp2p.engine.request import parse_request
 
@@ -296,12 +297,11 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
         return _mtp_in(drafter).min_confidence
 
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
-    assert 0 < MTP_MIN_CONFIDENCE < 1
     assert threshold(lm, "auto") == MTP_MIN_CONFIDENCE
-    assert threshold(lm, {"drafter": "mtp", "depth": 2}) == 0.0
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar,
-                    speculation={"mtp_min_confidence": 0.0})
-    assert threshold(lm, "auto") == 0.0
+                    speculation={"mtp_min_confidence": 0.3})
+    assert threshold(lm, "auto") == 0.3
+    assert threshold(lm, {"drafter": "mtp", "depth": 2}) == 0.0
 
 
 def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):

@@ -62,9 +62,10 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
 # this many rounds, so that a few early misses (the opening of a story) do not switch it off for
 # the whole request (the measurement behind it: docs/architecture.md).
 MTP_PRIOR_WEIGHT = 8.0
-# The head drafts nothing where its own probability of its guess is below this (README #15,
-# "The head's confidence": tools/draft_trace.py --replay with thresholds 0-0.5).
-MTP_MIN_CONFIDENCE = 0.3
+# The head drafts nothing where its own probability of its guess is below this. Off (0) by
+# default: the replay modelled 0.3 as a 1-4% gain on every workload, but a one-process A/B on
+# this CPU measured it 1-3% slower on code-edit and qa (README #15, "The head's confidence").
+MTP_MIN_CONFIDENCE = 0.0
 
 # Beside a model drafter, lookup takes only matches of at least this many tokens: a one-token
 # match on novel text is a worse bet than the head's draft (docs/architecture.md).
