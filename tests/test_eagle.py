@@ -233,6 +233,77 @@ def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
 
 
 @pytest.mark.slow
+class _Confidences(MtpDrafter):
+    """The drafter, keeping the head's probability of every first draft token it offered, and
+    of its guess at every round (offered or not)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offered: list[float] = []
+        self.guesses: list[float] = []
+
+    def propose(self, history, k):
+        self._read_call()
+        if self._next is not None and k > 0:
+            logits = self._biased(self._next[0])
+            self.guesses.append(self.confidence(int(mx.argmax(logits).item())))
+        drafts, q = super().propose(history, k)
+        if drafts:
+            self.offered.append(self.confidence(drafts[0]))
+        return drafts, q
+
+
+def test_min_confidence_drafts_only_sure_guesses_and_stays_exact(eagle_llama):
+    """mtp_min_confidence: the head drafts nothing in a round where its own probability of its
+    guess is below the threshold; greedy output is plain decoding's whatever the threshold."""
+    base, sidecar, _ = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    plain = _decode(lm)
+    prompt = lm.tokenizer.encode(TEXT)
+
+    def run(threshold: float, depth: int) -> _Confidences:
+        fwd = LocalForward(lm.model, hidden="after")
+        drafter = _Confidences(lm.mtp, min_confidence=threshold)
+        out = list(decode(fwd, prompt, SamplingParams(), 24, make_rng(0), drafter, depth))
+        assert out == plain, (threshold, depth)
+        return drafter
+
+    every = run(0.0, 1)
+    assert every.unsure == 0 and len(every.offered) == len(every.guesses) > 4
+    threshold = float(np.median(every.guesses))
+    for depth in (1, 3):
+        sure = run(threshold, depth)
+        assert sure.unsure > 0 and sure.offered  # some rounds each way (not vacuous)
+        assert all(p >= threshold for p in sure.offered)
+        assert sure.unsure == sum(p < threshold for p in sure.guesses)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="min_confidence"):
+            MtpDrafter(lm.mtp, min_confidence=bad)
+
+
+def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
+    """In auto the head drafts with the card's mtp_min_confidence (default MTP_MIN_CONFIDENCE);
+    an explicit mtp drafter drafts every round whatever the card says (the caller asked for
+    its drafts)."""
+    from skulkp2p.engine.generate import MTP_MIN_CONFIDENCE, _choose_drafter, _mtp_in
+    from skulkp2p.engine.request import parse_request
+
+    base, sidecar, _ = eagle_llama
+    prompt = [1, 2, 3, 4]
+
+    def threshold(lm, speculation) -> float:
+        req = parse_request({"prompt": TEXT, "max_tokens": 4, "speculation": speculation})
+        drafter, _, _ = _choose_drafter(lm, req, prompt)
+        return _mtp_in(drafter).min_confidence
+
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    assert threshold(lm, "auto") == MTP_MIN_CONFIDENCE
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar,
+                    speculation={"mtp_min_confidence": 0.3})
+    assert threshold(lm, "auto") == 0.3
+    assert threshold(lm, {"drafter": "mtp", "depth": 2}) == 0.0
+
+
 def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
     from skulkp2p.engine.generate import generate
     from skulkp2p.engine.request import parse_request

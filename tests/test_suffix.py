@@ -296,3 +296,18 @@ def test_draft_trace_oracle_is_the_longest_previous_copy():
 
     assert copyable([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], 4) == [3, 2, 1, 0, 2, 1]
     assert copyable([5, 5, 5, 5], 1) == [3, 2, 1]
+
+
+def test_draft_trace_table_head_applies_the_confidence_threshold():
+    """The replay's head (tools/draft_trace.py TableHead) drafts its recorded guess only where
+    its recorded probability reaches the threshold, as MtpDrafter does; tables kept before the
+    probability was recorded (a bare token) always draft."""
+    from tools.draft_trace import TableHead
+
+    head = TableHead({5: [7, 0.9], 6: [8, 0.1], 7: 9}, min_confidence=0.3)
+    assert head.propose([0] * 5, 1) == ([7], None)
+    assert head.propose([0] * 6, 1) == ([], None)  # unsure: nothing
+    assert head.propose([0] * 7, 1) == ([9], None)  # an old table's entry
+    assert head.propose([0] * 8, 1) == ([], None)  # no entry there
+    assert head.propose([0] * 5, 0) == ([], None)
+    assert TableHead({6: [8, 0.1]}).propose([0] * 6, 1) == ([8], None)  # threshold 0

@@ -27,7 +27,8 @@ target emitted). Rounds are then classed:
 - `plain`: nobody drafted.
 
 With --replay, the outputs a --json run kept go through today's drafters and gates without
-the model (replay(): an oracle verifier, the head answered from its table of real drafts), each
+the model (replay(): an oracle verifier, the head answered from its table of real drafts and
+their probabilities under the head, so that `mtp_min_confidence` applies as it would), each
 verify priced with the width cost table: a drafting policy weighed in seconds, before the bench
 measures it. With --cpu-runs, plain, spec and spec without lookup.edits run side by side and
 their CPU time per token is compared (cpu_pairs()).
@@ -242,25 +243,29 @@ def trace(loaded: Any, workload: str, max_tokens: int) -> dict[str, Any]:
             "head": head_table(loaded, prompt, tokens)}
 
 
-def head_table(loaded: Any, prompt: list[int], tokens: list[int]) -> dict[int, int]:
-    """The model's head's one-token draft at every point of the output: {history length: the
-    token it drafts there} (the head reads the trunk's hidden rows of the verified tokens, so
-    its draft at a point depends only on the text before it). Empty without a head."""
+def head_table(loaded: Any, prompt: list[int], tokens: list[int]) -> dict[int, list]:
+    """The model's head's one-token draft at every point of the output: {history length:
+    [the token it drafts there, its probability under the head]} (the head reads the trunk's
+    hidden rows of the verified tokens, so its draft at a point depends only on the text before
+    it; the probability lets the replay weigh a confidence threshold). Empty without a head."""
     if loaded.mtp is None:
         return {}
     from skulkp2p.engine.forward import LocalForward
     from skulkp2p.engine.mtp_drafter import MtpDrafter
 
-    drafter = MtpDrafter(loaded.mtp)
+    # As the request's head drafts (its context bias), without a confidence threshold: the
+    # guess at every point, with the probability the threshold is weighed by.
+    drafter = MtpDrafter(loaded.mtp,
+                         context_bias=float(loaded.speculation.get("mtp_context_bias", 0.0)))
     forward = LocalForward(loaded.model, hidden=loaded.mtp.conventions.hidden)
     forward.prefill(prompt[:-1])
     drafter.begin(prompt, forward)
     history = list(prompt)
-    table: dict[int, int] = {}
+    table: dict[int, list] = {}
     for token in tokens:
         draft, _ = drafter.propose(history, 1)
         if draft:
-            table[len(history)] = draft[0]
+            table[len(history)] = [draft[0], drafter.confidence(draft[0])]
         forward([history[-1]])
         drafter.observe(len(draft), 0, [token], forward)  # (the head trims its own rows)
         history.append(token)
@@ -273,15 +278,20 @@ class TableHead:
 
     name = "mtp"
 
-    def __init__(self, table: dict[int, int]):
-        self.table = table
+    def __init__(self, table: dict[int, Any], min_confidence: float = 0.0):
+        # (tables kept before the head's probability was recorded hold the token alone)
+        self.table = {at: (v, 1.0) if isinstance(v, int) else tuple(v)
+                      for at, v in table.items()}
+        self.min_confidence = min_confidence  # as MtpDrafter's
 
     def begin(self, prompt: list[int], forward: Any) -> None:
         pass
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
-        token = self.table.get(len(history))
-        return ([token] if k > 0 and token is not None else []), None
+        token, p = self.table.get(len(history), (None, 0.0))
+        if k <= 0 or token is None or p < self.min_confidence:
+            return [], None
+        return [token], None
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
         pass
@@ -313,7 +323,7 @@ def replay(loaded: Any, data: dict[str, Any]) -> dict[str, Any]:
     for earlier in data.get("setup", []):
         memory.add(earlier)
     made = generate._mtp_drafter
-    generate._mtp_drafter = lambda loaded: TableHead(table)
+    generate._mtp_drafter = lambda loaded, min_confidence=0.0: TableHead(table, min_confidence)
     try:
         req = engine_request(WORKLOADS[data["workload"]], len(tokens), "auto")
         drafter, depth, _ = generate._choose_drafter(loaded, req, prompt, memory)

@@ -63,9 +63,16 @@ class MtpDrafter:
     shared_in_batch = True
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
-                 prefill_step: int = 2048, context_bias: float = 0.0):
+                 prefill_step: int = 2048, context_bias: float = 0.0,
+                 min_confidence: float = 0.0):
+        """`min_confidence`: draft nothing this round when the head gives its own first token
+        less than this probability (the card's `mtp_min_confidence`; 0: always draft)."""
         if not context_bias >= 0.0:
             raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"MTP min_confidence must be in [0, 1), got {min_confidence!r}")
+        self.min_confidence = float(min_confidence)
+        self.unsure = 0  # rounds it drafted nothing for want of confidence
         self.head = head
         # The head computes with its own conventions; these cap the depth and check the forward.
         self.conventions = conventions or head.conventions
@@ -219,6 +226,11 @@ class MtpDrafter:
         biased = bool(self.context_bias and self._seen)
         drafts = [self._next_token if self._next_token is not None and not biased
                   else int(mx.argmax(rows[0]).item())]
+        if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
+            # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
+            # verify and the head's call for nothing (README #15, "The head's confidence").
+            self.unsure += 1
+            return [], []
         chain = self.head.conventions.chain
         while len(drafts) < k:
             # Speculative row (own output, own draft) at the next position; observe trims it.
@@ -262,6 +274,13 @@ class MtpDrafter:
         """A tree round it drafted: count it per depth, follow the accepted path's rows."""
         self.stats.record_tree(tree, len(path))
         self.follow(len(path), emitted, forward)
+
+    def confidence(self, token: int) -> float:
+        """The head's probability of `token` at the first draft position (nothing is run)."""
+        self._read_call()
+        if self._next is None:
+            return 0.0
+        return _probability(self._biased(self._next[0]), token)
 
     def first_choices(self, n: int) -> list[tuple[int, float]]:
         """The head's n likeliest tokens for the first draft position with their probabilities
@@ -336,3 +355,9 @@ class MtpDrafter:
                              f"{len(emitted)} emitted tokens")
         self._see(emitted)
         return hidden[:keep], list(emitted)
+
+
+def _probability(logits: mx.array, token: int) -> float:
+    """softmax(logits)[token], without normalising every entry."""
+    row = logits.astype(mx.float32)
+    return float(mx.exp(row[token] - mx.logsumexp(row)).item())
