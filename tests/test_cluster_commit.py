@@ -8,19 +8,8 @@ import pytest
 
 from skulkp2p.cluster.core import ABSENT, COMMITTED, HELD, ClusterCore
 from skulkp2p.cluster.placement import ModelSpec
-from tests.helpers.cluster_sim import SimNet
-
-MEMORY = {"memory": 4_000_000_000}
-
-
-def spec(model: str) -> ModelSpec:
-    return ModelSpec(model, layers=8, size_bytes=10_000_000, context_length=512, hidden_size=64,
-                     kv_heads=1)
-
-
-def holders(net: SimNet, s: ModelSpec, nodes=()) -> list[str]:
-    """Every node, crashed or paused ones included, whose plan holds the request."""
-    return sorted(c.name for c in net.nodes.values() if c.holds_request(s, nodes))
+from tests.helpers.cluster_sim import MEMORY, SimNet, holders
+from tests.helpers.cluster_sim import small_spec as spec
 
 
 def trio(seed: int, priority_of_n1: int = 0) -> tuple[SimNet, ClusterCore, ClusterCore,

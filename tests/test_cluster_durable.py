@@ -16,28 +16,17 @@ from skulkp2p.cluster import durable
 from skulkp2p.cluster.core import COMMITTED, ClusterCore
 from skulkp2p.cluster.durable import DurableState, load_state, save_state, state_path
 from skulkp2p.cluster.placement import ModelSpec
-from tests.helpers.cluster_sim import SimNet
+from tests.helpers.cluster_sim import MEMORY, SimNet, holders
+from tests.helpers.cluster_sim import small_spec as spec
 from tests.helpers.http_client import call
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
 
-MEMORY = {"memory": 4_000_000_000}
 
-
-def spec(model: str) -> ModelSpec:
-    return ModelSpec(model, layers=8, size_bytes=10_000_000, context_length=512, hidden_size=64,
-                     kv_heads=1)
-
-
-def holders(net: SimNet, s: ModelSpec, nodes=()) -> list[str]:
-    return sorted(c.name for c in net.nodes.values() if c.holds_request(s, nodes))
-
-
-def test_a_majority_restarting_at_once_keeps_an_acknowledged_placement():
-    """m is committed by n0 (leader) and n2 while n1, the highest-priority node, missed it.
-    n0 and n2 lose power together and come back. Had they forgotten their plan, n1's (older,
-    without m) would be the newest left and m would be gone for good; they remember it, so
-    every leader after the restart holds m."""
-    net = SimNet(seed=11, durable=True)
+def _power_cut_after_a_commit(durable: bool):
+    """n0 (leader) and n2 commit m on the ring (n2,) while n1, the highest-priority node, is cut
+    off from n0 and misses it; then n0 and n2 lose power together and come back (with or
+    without their disk). Returns the net, the three nodes, m and n0's term before the cut."""
+    net = SimNet(seed=11, durable=durable)
     n0 = net.add("n0", 0, [], MEMORY)
     n1 = net.add("n1", 1, [SimNet.addr(0)], MEMORY, priority=10)
     n2 = net.add("n2", 2, [SimNet.addr(0)], MEMORY)
@@ -48,11 +37,18 @@ def test_a_majority_restarting_at_once_keeps_an_acknowledged_placement():
     assert net.run(1, lambda: n0.request_state(m, ["n2"]) == COMMITTED)
     assert holders(net, m, ["n2"]) == ["n0", "n2"]
     term_before = n0.term
-
     net.crash(n0)
     net.crash(n2)
     net.heal()
-    n0, n2 = net.restart(n0), net.restart(n2)
+    return net, net.restart(n0), n1, net.restart(n2), m, term_before
+
+
+def test_a_majority_restarting_at_once_keeps_an_acknowledged_placement():
+    """m is committed by n0 (leader) and n2 while n1, the highest-priority node, missed it.
+    n0 and n2 lose power together and come back. Had they forgotten their plan, n1's (older,
+    without m) would be the newest left and m would be gone for good; they remember it, so
+    every leader after the restart holds m."""
+    net, n0, n1, n2, m, term_before = _power_cut_after_a_commit(durable=True)
     # Back from disk before they hear anyone: the term, the plan and its commit.
     assert n0.term == term_before and n0.holds_request(m, ["n2"])
     assert n2.holds_request(m, ["n2"]) and n2.status()["plan"]["committed"] is not None
@@ -67,19 +63,7 @@ def test_a_majority_restarting_at_once_keeps_an_acknowledged_placement():
 def test_a_majority_restarting_without_its_disk_loses_the_placement():
     """The same power cut with the state kept in memory only (the behaviour before): the test
     above is about the disk, not about luck."""
-    net = SimNet(seed=11, durable=False)
-    n0 = net.add("n0", 0, [], MEMORY)
-    n1 = net.add("n1", 1, [SimNet.addr(0)], MEMORY, priority=10)
-    n2 = net.add("n2", 2, [SimNet.addr(0)], MEMORY)
-    assert net.run(15, lambda: net.agreed_leader() == "n0" and net.views_agree())
-    m = spec("m")
-    net.cut(n0, n1)
-    net.send(n0.addr, n0.request_placement(m, ["n2"], now=net.now))
-    assert net.run(1, lambda: n0.request_state(m, ["n2"]) == COMMITTED)
-    net.crash(n0)
-    net.crash(n2)
-    net.heal()
-    n0, n2 = net.restart(n0), net.restart(n2)
+    net, n0, n1, n2, m, _ = _power_cut_after_a_commit(durable=False)
     assert net.run(20, lambda: net.agreed_leader() is not None and net.views_agree())
     net.run(2)
     assert not any(c.holds_request(m, ["n2"]) for c in (n0, n1, n2))

@@ -19,6 +19,7 @@ from skulkp2p import wire
 from skulkp2p.cluster import durable
 from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.election import LEADER
+from skulkp2p.cluster.placement import ModelSpec
 from skulkp2p.cluster.timers import Timers
 
 KEY = wire.frame_key("sim-secret")
@@ -190,3 +191,18 @@ class SimNet:
 
     def safety_violations(self) -> dict[int, set[str]]:
         return {t: ls for t, ls in self.leaders_by_term.items() if len(ls) > 1}
+
+
+# Every simulated node's facts in the placement tests: room for several small models.
+MEMORY = {"memory": 4_000_000_000}
+
+
+def small_spec(model: str) -> ModelSpec:
+    """A model of 10 MB and 8 layers: fits any one node of MEMORY."""
+    return ModelSpec(model, layers=8, size_bytes=10_000_000, context_length=512, hidden_size=64,
+                     kv_heads=1)
+
+
+def holders(net: SimNet, s: ModelSpec, nodes=()) -> list[str]:
+    """Every node, crashed or paused ones included, whose plan holds the place request."""
+    return sorted(c.name for c in net.nodes.values() if c.holds_request(s, nodes))
