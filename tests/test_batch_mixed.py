@@ -15,8 +15,16 @@ from skulkp2p.api.worker import Finished
 from skulkp2p.engine import scheduler
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.request import parse_request
-from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, solo, together
-from tests.test_batch import _drain, _worker_run
+from tests.helpers.batch import (
+    PROMPTS,
+    SAMPLINGS,
+    SPECULATION,
+    drain,
+    loaded,
+    solo,
+    together,
+    worker_run,
+)
 
 LONG = " ".join(PROMPTS * 3)  # a prompt of many mixed chunks
 
@@ -138,10 +146,10 @@ def test_cancel_while_the_prompt_rides_frees_the_row(tiny_models):
             assert sched.cond.wait_for(lambda: len(sched.leaves) == 1, 60)
             left = sched.leaves[0]
             assert not any(r.prefilling for r in sched.active)
-        tokens, done = await _drain(a)
+        tokens, done = await drain(a)
         return at, left, tokens, done
 
-    at, left, tokens, done = _worker_run(engine, body)
+    at, left, tokens, done = worker_run(engine, body)
     assert isinstance(done, Finished) and tokens == alone[0].tokens
     assert sched.mixed_steps > 0
     assert left - at <= 1  # b's row left within a step of the cancel

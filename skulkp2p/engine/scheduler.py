@@ -82,11 +82,14 @@ if TYPE_CHECKING:
 BATCH_PREFILL_CHUNK = 512
 
 # While rows decode, a joining prompt (of a request without hidden rows, on a model without
-# recurrent layers) prefills inside their steps, a chunk of at most this many tokens per step:
+# recurrent layers) may prefill inside their steps, a chunk of at most this many tokens per step:
 # one more ragged row of the step, its MLPs, attention projections and (no) head packed to the
-# real tokens (engine/packed.py), so the decoding rows go on at about the chunk's cost instead
-# of waiting for whole prompts. Measured (README, "Concurrent requests"): tools/batch_timeline.py.
-MIXED_PREFILL_CHUNK = 64
+# real tokens (engine/packed.py), so the decoding rows go on instead of waiting for whole
+# prompts. Off (0) by default: measured (tools/batch_timeline.py, SmolLM2-135M, load ~3-4) a mixed
+# step cost 4.5 ms per real token (4 rows x 128: 270 tokens in 1.21 s) against 2.4-2.8 ms in a
+# prefill forward of its own, more than the decode steps it saves; exact (tests/
+# test_batch_mixed.py), so `BatchScheduler.mixed_chunk` turns it on where it pays.
+MIXED_PREFILL_CHUNK = 0
 
 # A ragged step's MLPs run on its real tokens only from this many padded token rows on
 # (engine/packed.py; its head always does): below it the gathers cost about what they save
@@ -407,7 +410,11 @@ class BatchScheduler:
             layer.begin_step(widths)
         try:
             # The OpenBLAS thread count (blas_threads.py): rows' threads take turns here.
-            with blas_threads.waited(width * len(rows), "batch"):
+            # A mixed step's work is its real tokens (packed: a prefill's, compute-bound): it
+            # takes the thread count a prefill of that many tokens learned.
+            mixed = packed is not None and packed.attention
+            with blas_threads.waited(packed.tokens if mixed else width * len(rows),  # type: ignore
+                                     "forward" if mixed else "batch"):
                 if self.through is not None:  # the layers before this stage: one traversal
                     x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
                                               [r.submitted for r in rows],  # type: ignore[misc]
