@@ -180,28 +180,3 @@ def test_real_model_long_chat_joins_decoding_rows_exactly():
     for a, b in zip(alone, batched, strict=True):
         assert b.tokens == a.tokens and b.text == a.text
     assert engine.scheduler.mixed_steps > 0
-
-
-def test_a_burst_releases_first_tokens_forward_by_forward(tiny_models, monkeypatch):
-    """Mixed steps off (the default): four prompts arrive together, the long one first; the
-    short ones share the narrowest prefill forward, join together and take their first step
-    (their first tokens) before the long prompt's forward runs. Each step is logged with the
-    count of prefill forwards run before it (a wrapper that only records)."""
-    lm = loaded(tiny_models["llama"])
-    reqs = _requests({}, "off", long_first=True)
-    alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
-    engine = _engine(lm, 4, chunk=0)
-    sched = engine.scheduler
-    log: list[tuple[int, int]] = []  # (prefill forwards so far, rows) per step
-    step = scheduler.BatchScheduler._step
-
-    def logged(self) -> None:
-        log.append((self.prefills, len(self.active)))
-        step(self)
-    monkeypatch.setattr(scheduler.BatchScheduler, "_step", logged)
-    batched = together(engine, reqs)
-    for a, b in zip(alone, batched, strict=True):
-        assert b.tokens == a.tokens
-    assert sched.prefills == 2 and sched.mixed_steps == 0  # the short prompts' forward, the long
-    assert log[0] == (1, 3)  # the three short rows' first step, before the long prompt's forward
-    assert not sched.expected and not sched.active

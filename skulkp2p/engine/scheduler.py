@@ -102,7 +102,6 @@ class PrefillChunk:
     """A chunk of a joining prompt, handed in to be prefilled with the others waiting."""
     row: RowForward
     tokens: list[int]
-    last: bool = False  # the prompt's last chunk: its row joins next (BatchScheduler.expected)
     done: bool = False
     hidden: mx.array | None = None
     error: BaseException | None = None
@@ -184,10 +183,6 @@ class BatchScheduler:
         self.ragged = 0  # steps whose rows had different widths (drafts of different depths)
         self.leaves: collections.deque[int] = collections.deque(maxlen=64)  # steps at each leave
         self.joining: list[PrefillChunk] = []  # prompt chunks handed in, not prefilled yet
-        # Rows whose prompts a forward finished, not joined yet: the next step waits for them,
-        # so the rows of one prefill forward take their first step together (their threads
-        # queue for the lock one after another; each alone would step without the next).
-        self.expected: set[RowForward] = set()
         self.prefills = 0  # prefill forwards run so far (one per chunk round, however many rows)
         self.prefill_peak = 0  # the most prompts one prefill forward has run
         # A request alone on the model decodes on its own caches, as a LocalForward does (no
@@ -266,7 +261,6 @@ class BatchScheduler:
         for layer, single in zip(self.layers, row.local.cache, strict=True):
             layer.append_row(single, length)
         self._settle()  # (built on this thread: see _step)
-        self.expected.discard(row)
         self.active.append(row)
         self.rows.set([*self.rows.lengths, length])
         row.local.reset()  # the row's tokens live in the batch now
@@ -291,16 +285,13 @@ class BatchScheduler:
         mx.eval([a for c in self.layers for a in c.arrays()])
 
     def _ready(self) -> bool:
-        # (a full batch waits for no one: an expected row waits for a free row instead)
-        return (bool(self.active) and (not self.expected or len(self.active) >= self.max_batch)
-                and all(r.submitted is not None for r in self.active))
+        return bool(self.active) and all(r.submitted is not None for r in self.active)
 
     def _step_if_ready(self) -> None:
         if self._ready():
             self._step()
 
-    def _prefill(self, row: RowForward, tokens: list[int], last: bool = False
-                 ) -> tuple[bool, mx.array | None]:
+    def _prefill(self, row: RowForward, tokens: list[int]) -> tuple[bool, mx.array | None]:
         """Prefill one chunk of `row`'s prompt together with the chunks of every other request
         that hands one in meanwhile: whether it ran (False: rows started decoding before it did,
         and it was withdrawn to ride in their steps: RowForward.mixes), and the chunk's hidden
@@ -309,7 +300,7 @@ class BatchScheduler:
             h = row.ring.prefill_chunk(tokens)
             row.prefill_shared = max(row.prefill_shared, 1)
             return True, h
-        chunk = PrefillChunk(row, tokens, last)
+        chunk = PrefillChunk(row, tokens)
         self.joining.append(chunk)
         if self.lock.queued > 1:
             # Go to the back of the model's queue: every thread queued now (requests that
@@ -352,8 +343,6 @@ class BatchScheduler:
                 c.error = e
         for c in group:
             c.done = True
-            if c.last and c.error is None and len(group) > 1:
-                self.expected.add(c.row)
         self.prefills += 1
         self.prefill_peak = max(self.prefill_peak, len(group))
 
@@ -640,7 +629,7 @@ class RowForward:
                 self.prefill_waits += 1
             n += 1
             piece = tokens[start:start + sched.prefill_chunk]
-            ran, h = sched._prefill(self, piece, start + len(piece) >= len(tokens))
+            ran, h = sched._prefill(self, piece)
             if not ran:  # (withdrawn: it rides in the decoding rows' steps instead)
                 continue
             if h is not None:
@@ -700,7 +689,6 @@ class RowForward:
     def _submit(self, tokens: list[int], parents: list[int] | None) -> mx.array:
         sched = self.scheduler
         if self.alone():  # as a LocalForward: the same forward, no batch around it
-            sched.expected.discard(self)
             logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden,
                                        tree=parents)
             sched.solo_steps += 1
@@ -780,10 +768,6 @@ class RowForward:
             return
         self.closed = True
         sched = self.scheduler
-        if self in sched.expected:  # (ended before it joined: the others step without it)
-            sched.expected.discard(self)
-            sched._step_if_ready()
-            sched.cond.notify_all()
         if sched.ahead is self:
             sched.ahead = None
             sched.cond.notify_all()
