@@ -19,12 +19,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced
+from skulkp2p.api.worker import Finished, Produced
 from skulkp2p.engine import scheduler
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.request import parse_request
-from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, requests, solo, together
+from tests.helpers.batch import (
+    PROMPTS,
+    SAMPLINGS,
+    SPECULATION,
+    drain,
+    loaded,
+    requests,
+    solo,
+    together,
+    worker_run,
+)
 from tools.make_tiny_model import make_tiny_model
 
 _loaded = loaded
@@ -153,6 +163,7 @@ def test_batch_logits_close_to_solo_not_bitwise(tiny_models):
         forward = LocalForward(lm.model)
         forward.prefill(prompt)
         alone.append(np.array(forward(feed)))
+    sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
     rows = [sched.forward() for _ in prompts]
     with sched.cond:  # three rows in one step, driven by hand (no decode loop here)
         for row, prompt, feed in zip(rows, prompts, feeds, strict=True):
@@ -203,27 +214,7 @@ def test_prefix_cache_and_memory_in_a_batch(tiny_models):
     assert engine.memory.enabled and engine.scheduler.peak == 4
 
 
-def _worker_run(engine: MlxEngine, body):
-    """Start a ModelWorker on `engine` in a fresh event loop and run `body(worker)`."""
-    async def main():
-        worker = ModelWorker("m", lambda: engine, max_queue=8)
-        await worker.start()
-        try:
-            return await body(worker)
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, worker.stop, 10.0)
-    return asyncio.run(main())
-
-
-async def _drain(job) -> tuple[list[int], object]:
-    tokens: list[int] = []
-    while True:
-        event = await job.next(60)
-        assert event is not None, "a job hung"
-        if isinstance(event, Produced):
-            tokens += event.chunk.tokens
-        if isinstance(event, Finished | Failed):
-            return tokens, event
+_worker_run, _drain = worker_run, drain  # (tests/helpers/batch.py)
 
 
 def test_worker_admits_up_to_max_batch_first_come_first_served(tiny_models):

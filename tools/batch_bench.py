@@ -105,6 +105,7 @@ def widths(reps: int) -> None:
     batches = {}
     for b in rows_:
         sched = BatchScheduler(lm.model, b)
+        sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
         with sched.cond:  # b rows joined by hand, each holding 128 tokens
             rows = [sched.forward() for _ in range(b)]
             for i, row in enumerate(rows):

@@ -29,6 +29,7 @@ def steps(lm, reps: int) -> None:
     from skulkp2p.engine.scheduler import BatchScheduler
 
     sched = BatchScheduler(lm.model, 4)
+    sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
     with sched.cond:  # 4 rows joined by hand, each holding 128 tokens
         rows = [sched.forward() for _ in range(4)]
         for i, row in enumerate(rows):

@@ -81,6 +81,16 @@ if TYPE_CHECKING:
 # what else runs.
 BATCH_PREFILL_CHUNK = 512
 
+# While rows decode, a joining prompt (of a request without hidden rows, on a model without
+# recurrent layers) may prefill inside their steps, a chunk of at most this many tokens per step:
+# one more ragged row of the step, its MLPs, attention projections and (no) head packed to the
+# real tokens (engine/packed.py), so the decoding rows go on instead of waiting for whole
+# prompts. Off (0) by default: measured (tools/batch_timeline.py, SmolLM2-135M, load ~3-4) a mixed
+# step cost 4.5 ms per real token (4 rows x 128: 270 tokens in 1.21 s) against 2.4-2.8 ms in a
+# prefill forward of its own, more than the decode steps it saves; exact (tests/
+# test_batch_mixed.py), so `BatchScheduler.mixed_chunk` turns it on where it pays.
+MIXED_PREFILL_CHUNK = 0
+
 # A ragged step's MLPs run on its real tokens only from this many padded token rows on
 # (engine/packed.py; its head always does): below it the gathers cost about what they save
 # (tools/packed_ab.py: 3 padded rows of 8 cost 1.08x padded, 9 of 16 0.99x, 18 of 28 0.82x).
@@ -200,6 +210,9 @@ class BatchScheduler:
         self.packed_steps = 0  # ragged steps run packed
         self.padding_skipped = 0  # padded token rows those steps left out of the MLPs and head
         self.packed_prefills = 0  # prefill forwards of ragged chunks run packed
+        self.mixed_chunk = MIXED_PREFILL_CHUNK  # 0: prompts never prefill inside steps
+        self.mixed_steps = 0  # steps that carried a joining prompt's chunk
+        self.mixed_tokens = 0  # prompt tokens prefilled inside steps
 
     @property
     def packing(self) -> StepPacking | None:
@@ -294,34 +307,49 @@ class BatchScheduler:
         if self._ready():
             self._step()
 
-    def _prefill(self, row: RowForward, tokens: list[int]) -> mx.array | None:
+    def _prefill(self, row: RowForward, tokens: list[int]) -> tuple[bool, mx.array | None]:
         """Prefill one chunk of `row`'s prompt together with the chunks of every other request
-        that hands one in meanwhile; the chunk's hidden rows (when the row asked for them)."""
+        that hands one in meanwhile: whether it ran (False: rows started decoding before it did,
+        and it was withdrawn to ride in their steps: RowForward.mixes), and the chunk's hidden
+        rows (when the row asked for them)."""
         if row.ring is not None:  # alone through the ring, into the row's own caches here
             h = row.ring.prefill_chunk(tokens)
             row.prefill_shared = max(row.prefill_shared, 1)
-            return h
+            return True, h
         chunk = PrefillChunk(row, tokens)
         self.joining.append(chunk)
         if self.lock.queued > 1:
             # Go to the back of the model's queue: every thread queued now (requests that
             # arrived together) hands its chunk in first, and one forward runs them all.
-            self.lock.release()
-            self.lock.acquire()
-        if not chunk.done:  # (else a thread queued before this one ran it)
+            self._requeue()
+        while not chunk.done:  # (else a thread queued before this one ran it)
+            if row.mixes():  # rows decode now: the rest of this prompt rides in their steps
+                self.joining.remove(chunk)
+                return False, None
             self._run_prefills()
+            if not chunk.done and self.lock.queued:
+                # One forward per turn: the rows whose chunks it ran go on to their first
+                # token (and decode) before the next, wider, group runs.
+                self._requeue()
         if chunk.error is not None:
             raise RuntimeError(f"the batched prefill failed: {chunk.error}") from chunk.error
-        return chunk.hidden
+        return True, chunk.hidden
+
+    def _requeue(self) -> None:
+        """Go to the back of the model's queue (the ticket lock: every thread queued now first)."""
+        self.lock.release()
+        self.lock.acquire()
 
     def _run_prefills(self) -> None:
-        chunks, self.joining = self.joining, []
+        """Run the narrowest forward of the chunks handed in; the others stay pending (the rows
+        whose chunks ran get their first tokens before the wider ones run)."""
         modes: dict[str | None, list[PrefillChunk]] = {}
-        for c in chunks:  # one forward per kind of hidden rows asked for (usually one)
+        for c in self.joining:  # one forward per kind of hidden rows asked for (usually one)
             modes.setdefault(c.row.hidden, []).append(c)
-        for hidden, chunks_of_mode in modes.items():
-            for group in _packed(chunks_of_mode):
-                self._run_prefill_group(group, hidden)
+        groups = [(hidden, g) for hidden, chunks in modes.items() for g in _packed(chunks)]
+        hidden, group = min(groups, key=lambda hg: max(len(c.tokens) for c in hg[1]))
+        self.joining = [c for c in self.joining if c not in group]
+        self._run_prefill_group(group, hidden)
 
     def _run_prefill_group(self, group: list[PrefillChunk], hidden: str | None) -> None:
         try:
@@ -388,12 +416,21 @@ class BatchScheduler:
             shapes = [r.submitted_tree or list(range(-1, len(r.submitted) - 1))  # type: ignore
                       for r in rows]
             tree = tree_inputs(self.rows.lengths, shapes, width)
-        packed = packed_rows(widths, self.pack_mlps_from) if self.pack_ragged else None
+        riding = [r.prefilling for r in rows]
+        packed = None
+        if self.pack_ragged:  # (a prompt's chunk rides only where steps pack: RowForward.mixes)
+            heads = [0 if p else w for p, w in zip(riding, widths, strict=True)]
+            packed = packed_rows(widths, self.pack_mlps_from, heads if any(riding) else None,
+                                 attention=any(riding))
         for layer in self.recurrent:
             layer.begin_step(widths)
         try:
             # The OpenBLAS thread count (blas_threads.py): rows' threads take turns here.
-            with blas_threads.waited(width * len(rows), "batch"):
+            # A mixed step's work is its real tokens (packed: a prefill's, compute-bound): it
+            # takes the thread count a prefill of that many tokens learned.
+            mixed = packed is not None and packed.attention
+            with blas_threads.waited(packed.tokens if mixed else width * len(rows),  # type: ignore
+                                     "forward" if mixed else "batch"):
                 if self.through is not None:  # the layers before this stage: one traversal
                     x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
                                               [r.submitted for r in rows],  # type: ignore[misc]
@@ -420,7 +457,7 @@ class BatchScheduler:
         self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
         out = []
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
-            r.result = logits[i, :w] if packed is None else packed.row(logits, i)
+            r.result = logits[i, :w] if packed is None else packed.head_row(logits, i)
             r.result_hidden = h[i, :w] if h is not None and r.hidden is not None else None
             r.submitted = r.submitted_tree = None
             out += [a for a in (r.result, r.result_hidden) if a is not None]
@@ -435,6 +472,9 @@ class BatchScheduler:
         if packed is not None:
             self.packed_steps += 1
             self.padding_skipped += len(rows) * width - packed.tokens
+        if any(riding):
+            self.mixed_steps += 1
+            self.mixed_tokens += sum(w for p, w in zip(riding, widths, strict=True) if p)
         self.cond.notify_all()
 
 
@@ -492,12 +532,15 @@ class RowForward:
         self.prefill_shared = 0  # the most prompts one of this prompt's prefill forwards ran
         self.joined = False
         self.closed = False
+        self.prefilling = False  # the row's tokens handed in are a prompt's chunk (no logits)
         self._last_width = 0  # tokens of the last step (a tree's, for keep_path)
 
     def batch_view(self) -> BatchView:
         """The other rows of this row's next forward, for its gate: the widths they handed in
         for it, else the widths of their last verify."""
-        others = [r for r in self.scheduler.active if r is not self]
+        # (a prompt's chunk riding in the step is left out: its row wants no logits, runs
+        # packed, and is gone from the next steps once its prompt is in)
+        others = [r for r in self.scheduler.active if r is not self and not r.prefilling]
         return BatchView(tuple(r.width if r.submitted is None else len(r.submitted)
                                for r in others), sum(r.drafts for r in others),
                          self.scheduler.packing)
@@ -573,21 +616,56 @@ class RowForward:
             self.scheduler.ahead = None
             self.scheduler.cond.notify_all()
 
+    def mixes(self) -> bool:
+        """Whether this prompt's next chunk rides in the decoding rows' next step: rows decode,
+        one is free for it (or it has joined: its caches are in the batch), it wants no hidden
+        rows (a head drafter's, which begins before its row joins), the steps pack (a chunk
+        padding every row to its width would cost more than the step it saves) and no layer
+        is recurrent (its state would have to join before the prompt is in)."""
+        sched = self.scheduler
+        if (not sched.mixed_chunk or self.ring is not None or self.hidden is not None
+                or not sched.pack_ragged or sched.recurrent):
+            return False
+        return self.joined or (bool(sched.active) and len(sched.active) < sched.max_batch)
+
     def prefill(self, tokens: list[int]) -> None:
         sched = self.scheduler
         rows = []
-        for n, start in enumerate(range(0, len(tokens), sched.prefill_chunk)):
+        start = n = 0
+        while start < len(tokens):
+            if self.interrupt is not None:
+                self.interrupt()
+            if self.mixes():
+                piece = tokens[start:start + sched.mixed_chunk]
+                self._ride(piece)
+                start += len(piece)
+                continue
             if n and sched.active:  # let the decoding rows take one step between chunks
                 sched.cond.wait_for(lambda seen=sched.steps: sched.steps != seen
                                     or not sched.active)
                 self.prefill_waits += 1
-            if self.interrupt is not None:
-                self.interrupt()
-            h = sched._prefill(self, tokens[start:start + sched.prefill_chunk])
+            n += 1
+            piece = tokens[start:start + sched.prefill_chunk]
+            ran, h = sched._prefill(self, piece)
+            if not ran:  # (withdrawn: it rides in the decoding rows' steps instead)
+                continue
             if h is not None:
                 rows.append(h)
+            start += len(piece)
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+
+    def _ride(self, tokens: list[int]) -> None:
+        """Prefill `tokens` as this row's part of the decoding rows' next step (no logits)."""
+        sched = self.scheduler
+        if not self.joined:
+            sched._join(self)
+            self.joined = True
+        self.prefilling = True
+        try:
+            self._step_with(tokens, None)
+        finally:
+            self.prefilling = False
 
     @property
     def trees(self) -> bool:

@@ -20,6 +20,7 @@ each: hidden | per-layer inputs of the layers still ahead, flattened).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from skulkp2p.engine.packed import PackedRows, packed_mlps
+from skulkp2p.engine.packed import PackedRows, packed_attention, packed_mlps
 from skulkp2p.engine.swapped import swapped
 from skulkp2p.engine.tree import TreeInputs, TreeView, tree_inputs, tree_ropes, validate_parents
 from skulkp2p.engine.trunk import Trunk, _Identity
@@ -248,6 +249,11 @@ class StageModel:
                 return self.run_rows(inputs, [TreeView(c, tree.mask) for c in cache],
                                      logits=logits, hidden=hidden, embeddings=embeddings,
                                      per_layer_inputs=per_layer_inputs, packed=packed)
+        if packed is not None and packed.attention:
+            with packed_attention(self.trunk.body.layers, packed):
+                return self.run_rows(inputs, cache, logits=logits, hidden=hidden,
+                                     embeddings=embeddings, per_layer_inputs=per_layer_inputs,
+                                     packed=dataclasses.replace(packed, attention=False))
         if packed is not None and packed.mlps:
             with packed_mlps(self.trunk.body.layers, packed):
                 out, h = self._run_rows(inputs, cache, logits=logits, hidden=hidden,
@@ -269,7 +275,7 @@ class StageModel:
             norm = body.norm
             with swapped([body], "norm", lambda _: _Identity()):
                 h = body(inputs, cache, input_embeddings=emb, **extra)
-            normed = norm(h if packed is None else packed.gather(h))
+            normed = norm(h if packed is None else packed.gather_heads(h))
             if hidden != "before":
                 h = None if not hidden else norm(h)
         else:

@@ -7,9 +7,11 @@ while the others still decode."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
+from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
@@ -73,3 +75,26 @@ def together(engine: MlxEngine, reqs: list) -> list:
         assert not thread.is_alive(), "a batched request hung"
     assert not errors, errors
     return results
+
+
+def worker_run(engine: MlxEngine, body):
+    """Start a ModelWorker on `engine` in a fresh event loop and run `body(worker)`."""
+    async def main():
+        worker = ModelWorker("m", lambda: engine, max_queue=8)
+        await worker.start()
+        try:
+            return await body(worker)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop, 10.0)
+    return asyncio.run(main())
+
+
+async def drain(job) -> tuple[list[int], object]:
+    tokens: list[int] = []
+    while True:
+        event = await job.next(60)
+        assert event is not None, "a job hung"
+        if isinstance(event, Produced):
+            tokens += event.chunk.tokens
+        if isinstance(event, Finished | Failed):
+            return tokens, event
