@@ -121,32 +121,23 @@ def packed_rows(widths: list[int], mlps_from: int = 0, heads: list[int] | None =
                       attention=attention and padding >= mlps_from)
 
 
-class _PackedMlp(nn.Module):
-    """A layer's MLP run on the real tokens only (see the module's docstring)."""
+class _OnRealTokens(nn.Module):
+    """A token-wise module (a layer's MLP, an attention projection) run on the step's real
+    tokens only (see the module's docstring). Called on anything but the step's [B, W] rows, an
+    MLP is an error (`strict`: its layer runs only on them) and a projection runs as it is (a
+    family may call it on other shapes)."""
 
-    def __init__(self, inner: nn.Module, rows: PackedRows):
+    def __init__(self, inner: nn.Module, rows: PackedRows, strict: bool):
         super().__init__()
         self.inner = inner
         self.rows = rows
+        self.strict = strict
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.shape[:2] != (len(self.rows.widths), self.rows.width):
-            raise ValueError(f"packed MLP got rows {x.shape[:2]}, its step has "
-                             f"{(len(self.rows.widths), self.rows.width)}")
-        return self.rows.scatter(self.inner(self.rows.gather(x)[None])[0])
-
-
-class _PackedProjection(nn.Module):
-    """An attention projection run on the real tokens only; called on anything but the step's
-    [B, W] rows (a family that calls it otherwise) it runs as it is."""
-
-    def __init__(self, inner: nn.Module, rows: PackedRows):
-        super().__init__()
-        self.inner = inner
-        self.rows = rows
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if x.ndim != 3 or x.shape[:2] != (len(self.rows.widths), self.rows.width):
+        step = (len(self.rows.widths), self.rows.width)
+        if x.ndim != 3 or x.shape[:2] != step:
+            if self.strict:
+                raise ValueError(f"packed module got rows {x.shape[:-1]}, its step has {step}")
             return self.inner(x)
         return self.rows.scatter(self.inner(self.rows.gather(x)[None])[0])
 
@@ -170,7 +161,7 @@ def packed_attention(layers: list[nn.Module], rows: PackedRows) -> Iterator[None
     attns = [a for a in (_attention_of(la) for la in layers) if a is not None]
     with contextlib.ExitStack() as stack:
         for name in PROJECTIONS:
-            stack.enter_context(swapped(attns, name, lambda p: _PackedProjection(p, rows)))
+            stack.enter_context(swapped(attns, name, lambda p: _OnRealTokens(p, rows, strict=False)))
         yield
 
 
@@ -184,7 +175,7 @@ def packs_mlps(layers: list[nn.Module]) -> bool:
 def packed_mlps(layers: list[nn.Module], rows: PackedRows
                 ) -> contextlib.AbstractContextManager[None]:
     """Every layer's MLP runs on the step's real tokens for the duration of one forward."""
-    return swapped(layers, "mlp", lambda mlp: _PackedMlp(mlp, rows))
+    return swapped(layers, "mlp", lambda mlp: _OnRealTokens(mlp, rows, strict=True))
 
 
 def _weights(module: nn.Module) -> int:
