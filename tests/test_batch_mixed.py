@@ -20,6 +20,7 @@ from tests.helpers.batch import (
     SPECULATION,
     drain,
     loaded,
+    run_queued,
     solo,
     together,
     worker_run,
@@ -92,14 +93,7 @@ def test_first_tokens_leave_before_a_long_prompt_is_in(tiny_models):
                     produced[i] = len(seen)
                 seen.append(i)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
-    with sched.lock:  # every request queued before any starts (tests/helpers/batch.py)
-        for n, thread in enumerate(threads, start=2):
-            thread.start()
-            assert sched.lock.wait_queued(n, timeout=30), "a request never queued"
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), "a batched request hung"
+    run_queued(sched, go, len(reqs))
     assert len(at_first) == 4
     for i in (1, 2, 3):
         assert at_first[i] < long_prompt  # before the long prompt was in

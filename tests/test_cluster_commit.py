@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from skulkp2p.cluster.core import ABSENT, COMMITTED, HELD, ClusterCore
-from skulkp2p.cluster.placement import ModelSpec
-from tests.helpers.cluster_sim import MEMORY, SimNet, holders
+from tests.helpers.cluster_sim import MEMORY, AckLedger, SimNet, holders
 from tests.helpers.cluster_sim import small_spec as spec
 
 
@@ -176,20 +175,10 @@ def test_acknowledged_requests_survive_chaos(seed):
     nodes = net.cluster(5, facts=MEMORY)
     assert net.run(15, lambda: net.agreed_leader() is not None)
     rng = net.rng
-    asked: list[ModelSpec] = []
-    acked: set[str] = set()
-
-    def watch() -> bool:
-        for c in net.live():
-            acked.update(s.id for s in asked if c.request_state(s) == COMMITTED)
-        return False
+    ledger = AckLedger(net)
 
     for i in range(14):
-        s = spec(f"m{i}")
-        asked.append(s)
-        via = rng.choice(net.live())
-        net.send(via.addr, via.request_placement(s, now=net.now))
-        net.run(rng.uniform(0.05, 0.6), watch)
+        ledger.ask(f"m{i}")
         fault = rng.choice(["crash_leader", "partition", "pause", "heal", "loss", "none"])
         leader = next((c for c in net.live() if c.is_leader), None)
         if fault == "crash_leader" and leader is not None and len(net.crashed) < 2:
@@ -202,20 +191,20 @@ def test_acknowledged_requests_survive_chaos(seed):
         elif fault == "pause":
             victim = rng.choice(nodes)
             net.pause(victim)
-            net.run(rng.uniform(0.5, 3), watch)
+            net.run(rng.uniform(0.5, 3), ledger.watch)
             net.resume(victim)
         elif fault == "heal":
             net.heal()
         elif fault == "loss":
             net.loss = rng.choice([0.0, 0.1, 0.3])
-        net.run(rng.uniform(0.5, 3), watch)
+        net.run(rng.uniform(0.5, 3), ledger.watch)
     net.heal()
     net.loss = 0.0
     survivors = [c for c in nodes if c.addr not in net.crashed]
     assert net.run(30, lambda: net.agreed_leader(survivors) is not None
                    and len({c.plan_id for c in survivors}) == 1)
     leader = next(c for c in survivors if c.is_leader)
-    assert acked, "no request was ever acknowledged: the test proves nothing"
-    lost = sorted(m for m in acked if not leader.holds_request(spec(m)))
-    assert not lost, (lost, sorted(acked))
+    assert ledger.acked, "no request was ever acknowledged: the test proves nothing"
+    lost = ledger.lost(leader)
+    assert not lost, (lost, sorted(ledger.acked))
     assert not net.safety_violations()

@@ -15,8 +15,7 @@ import pytest
 from skulkp2p.cluster import durable
 from skulkp2p.cluster.core import COMMITTED, ClusterCore
 from skulkp2p.cluster.durable import DurableState, load_state, save_state, state_path
-from skulkp2p.cluster.placement import ModelSpec
-from tests.helpers.cluster_sim import MEMORY, SimNet, holders
+from tests.helpers.cluster_sim import MEMORY, AckLedger, SimNet, holders
 from tests.helpers.cluster_sim import small_spec as spec
 from tests.helpers.http_client import call
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
@@ -110,14 +109,8 @@ def test_acknowledged_requests_survive_power_cuts_chaos(seed):
     nodes = net.cluster(5, facts=MEMORY)
     assert net.run(15, lambda: net.agreed_leader() is not None)
     rng = net.rng
-    asked: list[ModelSpec] = []
-    acked: set[str] = set()
+    ledger = AckLedger(net)
     cuts = 0
-
-    def watch() -> bool:
-        for c in net.live():
-            acked.update(s.id for s in asked if c.request_state(s) == COMMITTED)
-        return False
 
     def restart(victims: list[ClusterCore]) -> None:
         for v in victims:
@@ -125,23 +118,19 @@ def test_acknowledged_requests_survive_power_cuts_chaos(seed):
             nodes[i] = net.restart(v)
 
     for i in range(12):
-        s = spec(f"m{i}")
-        asked.append(s)
-        via = rng.choice(net.live())
-        net.send(via.addr, via.request_placement(s, now=net.now))
-        net.run(rng.uniform(0.05, 0.6), watch)
+        ledger.ask(f"m{i}")
         fault = rng.choice(["power_cut", "power_cut", "crash_one", "partition", "heal", "loss"])
         if fault == "power_cut":
             victims = rng.sample(nodes, rng.choice([3, 4, 5]))
             for v in victims:
                 net.crash(v)
             cuts += 1
-            net.run(rng.uniform(0.1, 2), watch)
+            net.run(rng.uniform(0.1, 2), ledger.watch)
             restart(victims)
         elif fault == "crash_one":
             victim = rng.choice(nodes)
             net.crash(victim)
-            net.run(rng.uniform(0.5, 3), watch)
+            net.run(rng.uniform(0.5, 3), ledger.watch)
             restart([victim])
         elif fault == "partition":
             shuffled = nodes[:]
@@ -152,15 +141,15 @@ def test_acknowledged_requests_survive_power_cuts_chaos(seed):
             net.heal()
         elif fault == "loss":
             net.loss = rng.choice([0.0, 0.1, 0.3])
-        net.run(rng.uniform(0.5, 3), watch)
+        net.run(rng.uniform(0.5, 3), ledger.watch)
     net.heal()
     net.loss = 0.0
     assert net.run(40, lambda: net.agreed_leader(nodes) is not None
                    and len({c.plan_id for c in nodes}) == 1)
     leader = next(c for c in nodes if c.is_leader)
-    assert acked and cuts, "no request acknowledged or no power cut: the test proves nothing"
-    lost = sorted(m for m in acked if not leader.holds_request(spec(m)))
-    assert not lost, (lost, sorted(acked))
+    assert ledger.acked and cuts, "no request acknowledged or no power cut: the test proves nothing"
+    lost = ledger.lost(leader)
+    assert not lost, (lost, sorted(ledger.acked))
     assert not net.safety_violations()
     assert not net.double_votes(), net.double_votes()
 

@@ -65,16 +65,22 @@ def together(engine: MlxEngine, reqs: list) -> list:
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
+    run_queued(sched, go, len(reqs))
+    assert not errors, errors
+    return results
+
+
+def run_queued(sched, go, n: int) -> None:
+    """go(0) .. go(n-1), each in a thread of its own, every one queued on the model's lock
+    before any starts (so they join the batch together); each must end within 120 s."""
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
     with sched.lock:
-        for n, thread in enumerate(threads, start=2):
+        for k, thread in enumerate(threads, start=2):
             thread.start()
-            assert sched.lock.wait_queued(n, timeout=30), "a request never queued"
+            assert sched.lock.wait_queued(k, timeout=30), "a request never queued"
     for thread in threads:
         thread.join(120)
         assert not thread.is_alive(), "a batched request hung"
-    assert not errors, errors
-    return results
 
 
 def worker_run(engine: MlxEngine, body):

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from skulkp2p import wire
 from skulkp2p.cluster import durable
-from skulkp2p.cluster.core import ClusterCore
+from skulkp2p.cluster.core import COMMITTED, ClusterCore
 from skulkp2p.cluster.election import LEADER
 from skulkp2p.cluster.placement import ModelSpec
 from skulkp2p.cluster.timers import Timers
@@ -206,3 +206,31 @@ def small_spec(model: str) -> ModelSpec:
 def holders(net: SimNet, s: ModelSpec, nodes=()) -> list[str]:
     """Every node, crashed or paused ones included, whose plan holds the place request."""
     return sorted(c.name for c in net.nodes.values() if c.holds_request(s, nodes))
+
+
+class AckLedger:
+    """The chaos tests' bookkeeping: place requests asked through random live nodes, and every
+    one that any live node ever reported committed (acknowledged)."""
+
+    def __init__(self, net: SimNet):
+        self.net = net
+        self.asked: list[ModelSpec] = []
+        self.acked: set[str] = set()
+
+    def watch(self) -> bool:
+        """A `net.run` condition that records acknowledgements and never ends the run."""
+        for c in self.net.live():
+            self.acked.update(s.id for s in self.asked if c.request_state(s) == COMMITTED)
+        return False
+
+    def ask(self, model: str) -> None:
+        """Ask for `model` through a random live node, then let 0.05-0.6 s pass, watching."""
+        s = small_spec(model)
+        self.asked.append(s)
+        via = self.net.rng.choice(self.net.live())
+        self.net.send(via.addr, via.request_placement(s, now=self.net.now))
+        self.net.run(self.net.rng.uniform(0.05, 0.6), self.watch)
+
+    def lost(self, leader: ClusterCore) -> list[str]:
+        """The acknowledged requests the leader's plan does not hold."""
+        return sorted(m for m in self.acked if not leader.holds_request(small_spec(m)))
