@@ -184,10 +184,7 @@ def test_acknowledged_requests_survive_chaos(seed):
         if fault == "crash_leader" and leader is not None and len(net.crashed) < 2:
             net.crash(leader)
         elif fault == "partition":
-            shuffled = nodes[:]
-            rng.shuffle(shuffled)
-            cut = rng.randint(1, 4)
-            net.partition(shuffled[:cut], shuffled[cut:])
+            net.random_partition(nodes)
         elif fault == "pause":
             victim = rng.choice(nodes)
             net.pause(victim)

@@ -133,10 +133,7 @@ def test_acknowledged_requests_survive_power_cuts_chaos(seed):
             net.run(rng.uniform(0.5, 3), ledger.watch)
             restart([victim])
         elif fault == "partition":
-            shuffled = nodes[:]
-            rng.shuffle(shuffled)
-            cut = rng.randint(1, 4)
-            net.partition(shuffled[:cut], shuffled[cut:])
+            net.random_partition(nodes)
         elif fault == "heal":
             net.heal()
         elif fault == "loss":

@@ -207,10 +207,7 @@ def test_election_safety_under_chaos(seed):
     for _ in range(12):
         fault = rng.choice(["partition", "crash", "pause", "heal", "loss", "join"])
         if fault == "partition":
-            shuffled = nodes[:]
-            rng.shuffle(shuffled)
-            cut = rng.randint(1, 4)
-            net.partition(shuffled[:cut], shuffled[cut:])
+            net.random_partition(nodes)
         elif fault == "crash" and len(net.crashed) < 1:
             net.crash(rng.choice(nodes))
         elif fault == "pause":

@@ -78,6 +78,13 @@ class SimNet:
 
     # ---------------------------------------------------------------- faults
 
+    def random_partition(self, nodes: list[ClusterCore]) -> None:
+        """Split five nodes in two at random (1-4 on one side): the chaos tests' partition."""
+        shuffled = nodes[:]
+        self.rng.shuffle(shuffled)
+        cut = self.rng.randint(1, 4)
+        self.partition(shuffled[:cut], shuffled[cut:])
+
     def partition(self, *groups: list[ClusterCore]) -> None:
         """Cut every link between different groups."""
         self.blocked.clear()
