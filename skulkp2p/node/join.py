@@ -39,7 +39,8 @@ class JoinSettings:
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
     """Run the agent until a signal, then end the process with status 0. Raises JoinError."""
     from skulkp2p.cluster.node import ClusterConfigError
-    from skulkp2p.node.serving import ClusterServing, node_facts, own_want, serve_cluster
+    from skulkp2p.node.facts import node_facts, own_want
+    from skulkp2p.node.serving import ClusterServing, serve_cluster
 
     def on_listening(host: str, port: int) -> None:
         log.info("http: OpenAI/Anthropic API on http://%s:%d/v1 (health: http://%s:%d/health)",
