@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from skulkp2p.cluster.node import model_spec
+from skulkp2p.cluster.facts import model_spec
 
 
 def own_want(store: Any, model: str, node_name: str) -> dict[str, Any]:

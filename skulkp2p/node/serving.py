@@ -37,9 +37,10 @@ from skulkp2p.api.errors import ApiError
 from skulkp2p.api.forward import is_forwarded
 from skulkp2p.api.pipe_route import pipe_generate
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router
+from skulkp2p.cluster.config import NodeConfig, parse_addr, split_addr
 from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
-from skulkp2p.cluster.node import ClusterNode, NodeConfig, parse_addr, split_addr
+from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import Placement
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 from skulkp2p.node.place_route import PlaceRoute
