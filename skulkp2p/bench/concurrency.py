@@ -61,7 +61,7 @@ from skulkp2p.bench.served import direct_body, stream_chat
 from skulkp2p.bench.served_report import Generation
 from skulkp2p.bench.workloads import WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
 from skulkp2p.served.child import _die_with_parent, free_port
-from skulkp2p.served.model import FORCE_NO_SPEC, wants_served
+from skulkp2p.served.child_config import FORCE_NO_SPEC, wants_served
 
 log = logging.getLogger("skulkp2p.bench")
 
@@ -376,7 +376,7 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
         # Fetched here, once: agents started together would each fetch it into the same place.
         from skulkp2p.progress import ProgressBar
         from skulkp2p.served.child import ServedError
-        from skulkp2p.served.model import resolve_gguf
+        from skulkp2p.served.child_config import resolve_gguf
         try:
             resolve_gguf(store, resolved.card, lambda label: ProgressBar(label, sys.stderr))
         except ServedError as e:
