@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -42,15 +42,9 @@ from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import Placement
-from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 from skulkp2p.node.place_route import PlaceRoute
 from skulkp2p.node.place_route import unavailable as _unavailable
 from skulkp2p.node.stages import LocalPlacements, member_check
-from skulkp2p.telemetry import Telemetry
-
-if TYPE_CHECKING:
-    from skulkp2p.engine.model import LoadedModel
-    from skulkp2p.engine.stage import StageSpan
 
 NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
 
@@ -59,20 +53,12 @@ class ClusterServing:
     """The API's `ModelResolver` and the node's routes; what this node itself runs of the
     placements is `local` (node/stages.py)."""
 
-    def __init__(self, store: Any, own_model: str, own_id: str,
-                 load_model: Callable[[str], Engine], *, max_queue: int = 16,
-                 keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
-                 load_stage: Callable[[str, StageSpan], LoadedModel] | None = None,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 max_batch: int | None = None):
-        self.store = store
-        self.own_model = own_model  # as given on the command line (card id or path)
-        self.own_id = own_id
-        self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
-        self.local = LocalPlacements(store, own_model, own_id, load_model, self.telemetry,
-                                     max_queue=max_queue, keepalive_s=keepalive_s,
-                                     on_ready=on_ready, load_stage=load_stage,
-                                     prefix_cache_mb=prefix_cache_mb, max_batch=max_batch)
+    def __init__(self, local: LocalPlacements):
+        self.local = local
+        self.store = local.store
+        self.own_model = local.own_model  # as given on the command line (card id or path)
+        self.own_id = local.own_id
+        self.telemetry = local.telemetry  # the dashboard and /metrics (api/dashboard.py)
 
     @property
     def node(self) -> ClusterNode | None:

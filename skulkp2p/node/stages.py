@@ -42,9 +42,8 @@ class LocalPlacements:
     endpoints, its ring stages (`ring`, the data plane) and its tensor ranks."""
 
     def __init__(self, store: Any, own_model: str, own_id: str,
-                 load_model: Callable[[str], Engine], telemetry: Telemetry, *,
-                 max_queue: int = 16, keepalive_s: float = 10.0,
-                 on_ready: Callable[[Engine], None] | None = None,
+                 load_model: Callable[[str], Engine], *, max_queue: int = 16,
+                 keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
                  load_stage: Callable[[str, StageSpan], LoadedModel] | None = None,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
                  max_batch: int | None = None):
@@ -65,7 +64,7 @@ class LocalPlacements:
         self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
         self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
-        self.telemetry = telemetry  # each worker's requests are counted into it
+        self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
         self.prefix_cache_mb = prefix_cache_mb  # each model's, and each ring stage's own
         self.max_batch = max_batch  # a ring's last stage's (None: the card's, else default)
         self.tensor_roles: dict[str, TensorRole] = {}  # model -> this node's rank of its group
