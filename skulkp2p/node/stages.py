@@ -401,7 +401,6 @@ class LocalPlacements:
         return all(results)
 
 
-
 def member_check(node: ClusterNode, name: str) -> Callable[[], str | None]:
     """Why member `name` can no longer serve its part (declared dead or gone, or restarted
     since this was made), or None while it can."""
