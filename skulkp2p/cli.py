@@ -100,7 +100,7 @@ def cmd_join(args) -> int:
 
 
 def _cluster_config(args):
-    from skulkp2p.cluster.node import ClusterConfigError, config_from_args
+    from skulkp2p.cluster.config import ClusterConfigError, config_from_args
 
     try:
         return config_from_args(args)
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_cache_argument(j)
     _draft_memory_argument(j)
     _max_batch_argument(j)
-    from skulkp2p.cluster.node import add_cluster_arguments  # stdlib + msgpack: no mlx
+    from skulkp2p.cluster.config import add_cluster_arguments  # stdlib + msgpack: no mlx
 
     add_cluster_arguments(j)
     j.set_defaults(func=cmd_join)

@@ -302,7 +302,7 @@ def test_the_readme_card_parses(tmp_path):
 
 def test_served_card_passes_the_assistant_gguf_as_draft_mtp(tmp_path):
     from skulkp2p.models.cards import load_card
-    from skulkp2p.served.model import server_args
+    from skulkp2p.served.child_config import server_args
 
     f = tmp_path / "gemma-gguf.toml"
     f.write_text('''id = "gemma-4-e2b-it-gguf"

@@ -411,7 +411,7 @@ def test_bench_concurrency_bad_options_one_line(bad, message):
 
 
 def test_percentile_nearest_rank():
-    from skulkp2p.bench.concurrency import percentile
+    from skulkp2p.bench.concurrency_report import percentile
 
     xs = [float(i) for i in range(1, 101)]
     assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0

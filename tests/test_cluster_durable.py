@@ -245,7 +245,8 @@ def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_p
     import asyncio
     import time
 
-    from skulkp2p.cluster.node import ClusterNode, NodeConfig
+    from skulkp2p.cluster.config import NodeConfig
+    from skulkp2p.cluster.node import ClusterNode
     from skulkp2p.cluster.timers import Timers
     from tests.helpers.procs import free_port
 

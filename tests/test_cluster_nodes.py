@@ -182,7 +182,7 @@ def test_no_secret_on_loopback_works(tmp_path):
     c = ProcCluster(tmp_path, env={"SKULKP2P_SECRET": ""})
     try:
         c.start_many(2)
-        from skulkp2p.cluster.node import fetch_status
+        from skulkp2p.cluster.status_client import fetch_status
 
         def agreed():
             try:

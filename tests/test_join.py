@@ -14,7 +14,7 @@ from contextlib import contextmanager, suppress
 
 import pytest
 
-from skulkp2p.cluster.node import DEFAULT_PORT
+from skulkp2p.cluster.config import DEFAULT_PORT
 from tests.helpers import ROOT
 from tests.helpers.http_client import Reply, parse_responses, raw_exchange
 from tests.helpers.procs import JoinNode, free_port, running_join

@@ -22,7 +22,8 @@ from skulkp2p.models.cards import load_card
 from skulkp2p.models.store import ModelStore
 from skulkp2p.served.binary import engines, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
-from skulkp2p.served.model import DEFAULT_MAX_BATCH, ServedModel, open_served, server_args
+from skulkp2p.served.child_config import DEFAULT_MAX_BATCH, server_args
+from skulkp2p.served.model import ServedModel, open_served
 from tests.helpers.models import test_data_dir
 from tests.helpers.procs import JoinNode, run_cli
 

@@ -9,6 +9,8 @@
     served.py         --engine served: llama-server agents, through our proxy and direct
     served_report.py  the served bench's rows, proxy overhead and table
     concurrency.py    --concurrency N: N clients at once over HTTP, batched agents against FIFO
+    http_agents.py    the join agents (or rings of them) it starts, waits on, asks and stops
+    concurrency_report.py  its rounds' numbers (aggregate, per request, TTFT) and table
     report.py         machine info, load average, the JSON document, tables, plot
     errors.py         BenchError
 

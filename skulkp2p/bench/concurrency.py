@@ -30,218 +30,53 @@ With `--nodes K` (MLX cards) each mode is a pipeline ring instead of one agent: 
 on 127.0.0.1 form a cluster of their own (its own secret), the model is placed on a ring of all
 K (POST /v1/cluster/place), and the clients ask the ring's last stage, where its requests decode
 (batched: the rows of every request in one traversal, engine/ring_batch.py).
+
+The agents are bench/http_agents.py's; the numbers and the table bench/concurrency_report.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+from skulkp2p.bench.concurrency_report import Round, markdown_table, summarize_cell
 from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.http_agents import (
+    READY_TIMEOUT_S,
+    Node,
+    await_ready,
+    direct_node,
+    node_at_url,
+    place_ring,
+    start_node,
+    start_ring,
+    stop_node,
+)
 from skulkp2p.bench.report import fmt, loadavg, machine_info, round_or_none, write_document
 from skulkp2p.bench.served import direct_body, stream_chat
 from skulkp2p.bench.served_report import Generation
 from skulkp2p.bench.workloads import WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
-from skulkp2p.served.child import _die_with_parent, free_port
-from skulkp2p.served.model import FORCE_NO_SPEC, wants_served
+from skulkp2p.served.child_config import FORCE_NO_SPEC, wants_served
 
 log = logging.getLogger("skulkp2p.bench")
 
 ARMS = ("plain", "spec")
 MLX_SPECULATION = {"plain": "off", "spec": "auto"}
-READY_TIMEOUT_S = 300.0
-_CHILD_READY = re.compile(r"llama-server for \S+ ready on http://127\.0\.0\.1:(\d+) ")
 CLIENT_TIMEOUT_S = 600.0  # one request of a round; a stalled node ends the bench, never hangs
-
-
-@dataclass(eq=False)  # one agent is one object: hashed by identity
-class Node:
-    """One agent the clients talk to: started here (proc) or given by --url."""
-
-    name: str  # "plain-batched", "batched", "url", ...
-    mode: str  # "batched" | "fifo" | "url"
-    host: str
-    port: int
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-    args: list[str] = field(default_factory=list)
-
-    def log_tail(self) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace") if self.log_path else ""
-        except OSError:
-            text = ""
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        return " | ".join(lines[-3:])[-600:] or "(no output)"
-
-
-def _start_node(name: str, mode: str, model: str, data_dir: str | None, extra: list[str],
-                env_extra: dict[str, str], tmp: Path) -> Node:
-    import skulkp2p
-
-    port = free_port()
-    env = dict(os.environ)
-    env.pop(FORCE_NO_SPEC, None)
-    env.update(env_extra)
-    root = str(Path(skulkp2p.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    args = ["join", "--model", model, "--http-port", str(port), "--port", "0",
-            "--name", f"bench-{name}", "--no-cluster-state", *extra]  # a throwaway cluster
-    if data_dir:
-        args += ["--data-dir", data_dir]
-    log_path = tmp / f"{name}.log"
-    with open(log_path, "wb") as err:
-        # dies with the bench even on kill -9 (a llama-server child goes with its agent)
-        proc = subprocess.Popen([sys.executable, "-m", "skulkp2p", "--log-level", "info", *args],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=err, env=env, preexec_fn=_die_with_parent)
-    log.info("agent %s: pid %d, http port %d, log %s", name, proc.pid, port, log_path)
-    return Node(name, mode, "127.0.0.1", port, proc, log_path, args)
-
-
-def _health(node: Node) -> int | None:
-    try:
-        with urllib.request.urlopen(f"http://{node.host}:{node.port}/health", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-def _await_ready(node: Node, deadline: float) -> None:
-    while _health(node) != 200:
-        if node.proc is not None and node.proc.poll() is not None:
-            raise BenchError(f"agent {node.name} exited with status {node.proc.returncode}: "
-                             f"{node.log_tail()}")
-        if time.monotonic() > deadline:
-            raise BenchError(f"agent {node.name} not ready after {READY_TIMEOUT_S:.0f} s: "
-                             f"{node.log_tail()}")
-        time.sleep(0.2)
-
-
-def _stop_node(node: Node) -> None:
-    """SIGTERM (the agent stops its llama-server child too), SIGKILL if it lingers."""
-    proc = node.proc
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _direct(node: Node) -> Node:
-    """The llama-server child of a served agent, asked directly (its port from the agent's
-    log): what its parallel slots do without our worker and proxy in between."""
-    m = None
-    if node.log_path is not None:
-        m = _CHILD_READY.search(node.log_path.read_text(errors="replace"))
-    if m is None:
-        raise BenchError(f"agent {node.name}: cannot find the port of its llama-server in its "
-                         f"log: {node.log_tail()}")
-    return Node(f"{node.name}-direct", f"{node.mode}-direct", "127.0.0.1", int(m.group(1)),
-                args=["(its llama-server child, asked directly)"])
-
-
-def _url_node(url: str) -> Node:
-    parts = urlsplit(url if "//" in url else f"http://{url}")
-    if parts.scheme != "http" or not parts.hostname:
-        raise BenchError(f"--url must be http://HOST:PORT of a node, got {url!r}")
-    return Node("url", "url", parts.hostname, parts.port or 80)
-
-
-def _http_json(node: Node, method: str, path: str, body: dict[str, Any] | None = None
-               ) -> tuple[int, Any]:
-    import json
-
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{node.host}:{node.port}{path}", data=data,
-                                 method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, None
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0, None
-
-
-def _start_ring(mode: str, k: int, model: str, data_dir: str | None, extra: list[str],
-                tmp: Path) -> list[Node]:
-    """K agents of one cluster of their own (a secret of its own: the other mode's ring never
-    joins it), the first the others' peer."""
-    secret = os.urandom(16).hex()
-    port = free_port()
-    agents = []
-    for i in range(k):
-        cluster = ["--host", "127.0.0.1", "--port", str(port if i == 0 else 0),
-                   "--name", f"{mode}{i}"]
-        if i:
-            cluster += ["--peer", f"127.0.0.1:{port}"]
-        agents.append(_start_node(f"{mode}{i}", mode, model, data_dir, extra + cluster,
-                                  {"SKULKP2P_SECRET": secret}, tmp))
-    return agents
-
-
-def _place_ring(agents: list[Node], model: str, deadline: float) -> Node:
-    """Place `model` on a ring of every agent; the last stage, once it serves (the clients'
-    node)."""
-    names = [a.name for a in agents]
-    last = agents[-1]
-    placed = False
-    while time.monotonic() < deadline:
-        for a in agents:
-            if a.proc is not None and a.proc.poll() is not None:
-                raise BenchError(f"agent {a.name} exited with status {a.proc.returncode}: "
-                                 f"{a.log_tail()}")
-        if not placed:  # 503 while the cluster has no leader or has not seen every member
-            status, _ = _http_json(agents[0], "POST", "/v1/cluster/place",
-                                   {"model": model, "nodes": names})
-            placed = status == 200
-        else:
-            status, out = _http_json(last, "GET", "/v1/models")
-            if status == 200 and any(m.get("id") == model and m.get("ring") == names
-                                     and m.get("ready") for m in out.get("data", [])):
-                return last
-        time.sleep(0.3)
-    raise BenchError(f"{model} not served on the ring {' -> '.join(names)} after "
-                     f"{READY_TIMEOUT_S:.0f} s: {last.log_tail()}")
 
 
 # --------------------------------------------------------------------------------------------
 # One round: N clients released together
-
-
-@dataclass
-class Round:
-    generations: list[tuple[str, Generation]]  # (workload, generation) per client
-    wall_s: float
-
-    @property
-    def aggregate_tok_s(self) -> float | None:
-        tokens = sum(g.tokens for _, g in self.generations)
-        return tokens / self.wall_s if self.wall_s > 0 else None
 
 
 def _body(messages: list[dict[str, str]], max_tokens: int, speculation: str | None
@@ -288,64 +123,6 @@ def run_round(node: Node, make_body: MakeBody, workloads: list[str], tag: str) -
 
 
 # --------------------------------------------------------------------------------------------
-# Numbers
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100)."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
-def summarize_cell(rounds: list[Round], solo_ttft: float | None) -> dict[str, Any]:
-    gens = [g for r in rounds for _, g in r.generations]
-    aggs = [a for r in rounds if (a := r.aggregate_tok_s) is not None]
-    per_request = [g.tok_s for g in gens if g.tok_s is not None]
-    ttfts = [g.ttft_s for g in gens]
-    p99 = percentile(ttfts, 99)
-    row: dict[str, Any] = {
-        "rounds": len(rounds), "requests": len(gens),
-        "aggregate_tok_s": round_or_none(statistics.median(aggs) if aggs else None, 2),
-        "aggregate_tok_s_runs": [round(a, 2) for a in aggs],
-        "per_request_tok_s": round_or_none(
-            statistics.median(per_request) if per_request else None, 2),
-        "ttft_p50_s": round_or_none(percentile(ttfts, 50), 4),
-        "ttft_p99_s": round_or_none(p99, 4),
-        "ttft_p99_over_solo": round_or_none(p99 / solo_ttft if p99 and solo_ttft else None, 2),
-        "wall_s": [round(r.wall_s, 3) for r in rounds],
-        "tokens": sum(g.tokens for g in gens),
-    }
-    drafted = [g.drafted for g in gens if g.drafted is not None]
-    if drafted:
-        accepted = sum(g.accepted or 0 for g in gens)
-        row.update(drafted=sum(drafted), accepted=accepted,
-                   acceptance=round_or_none(accepted / sum(drafted) if sum(drafted) else None,
-                                            3))
-    return row
-
-
-def markdown_table(doc: dict[str, Any]) -> str:
-    s = doc["settings"]
-    ring = f", rings of {len(next(iter(s['rings'].values())))} agents" if s.get("rings") else ""
-    lines = [f"\nbench --concurrency {s['concurrency']}{ring}: {doc['model']['id']} "
-             f"({doc['engine']}), {s['max_tokens']} tokens, {s['runs']} rounds, clients: "
-             f"{', '.join(s['client_workloads'])}\n",
-             "| arm | mode | aggregate tok/s | x fifo | per-request tok/s | TTFT p50 | TTFT p99 "
-             "| p99 / solo |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for row in doc["results"]:
-        lines.append(f"| {row['arm']} | {row['mode']} | {fmt(row['aggregate_tok_s'], '.1f')} | "
-                     f"{fmt(row.get('speedup_vs_fifo'), '.2f')} | "
-                     f"{fmt(row['per_request_tok_s'], '.1f')} | "
-                     f"{fmt(row['ttft_p50_s'], '.3f')} | {fmt(row['ttft_p99_s'], '.3f')} | "
-                     f"{fmt(row['ttft_p99_over_solo'], '.2f')} |")
-    if doc["mismatches"]:
-        lines.append(f"\nMISMATCHES (output differs from solo): {len(doc['mismatches'])}")
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------------------------
 # The command
 
 
@@ -353,7 +130,7 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
     n = args.concurrency
     ring_nodes = getattr(args, "nodes", 1)
     url = getattr(args, "url", None)
-    url_node = _url_node(url) if url else None  # a bad --url fails before anything starts
+    url_node = node_at_url(url) if url else None  # a bad --url fails before anything starts
     resolved = store.resolve(args.model) if not url else None
     served = bool(resolved is not None and wants_served(resolved.card))
     if ring_nodes > 1 and (served or url):
@@ -376,7 +153,7 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
         # Fetched here, once: agents started together would each fetch it into the same place.
         from skulkp2p.progress import ProgressBar
         from skulkp2p.served.child import ServedError
-        from skulkp2p.served.model import resolve_gguf
+        from skulkp2p.served.child_config import resolve_gguf
         try:
             resolve_gguf(store, resolved.card, lambda label: ProgressBar(label, sys.stderr))
         except ServedError as e:
@@ -407,18 +184,18 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                                                                      "0")}
                         if arm == "plain":
                             env[FORCE_NO_SPEC] = "1"
-                        node = _start_node(f"{arm}-{mode}", mode, args.model, data_dir,
+                        node = start_node(f"{arm}-{mode}", mode, args.model, data_dir,
                                            batch + queue, env, tmp)
                         started.append(node)
                         nodes[(arm, mode)] = node
                 elif ring_nodes > 1:  # a ring of agents per mode, serving both arms
-                    ring = _start_ring(mode, ring_nodes, args.model, data_dir,
+                    ring = start_ring(mode, ring_nodes, args.model, data_dir,
                                        batch + queue + ["--prefix-cache-mb", "0",
                                                         "--draft-memory-tokens", "0"], tmp)
                     started += ring
                     rings[mode] = ring
                 else:  # the request's speculation: one agent serves both arms
-                    node = _start_node(mode, mode, args.model, data_dir,
+                    node = start_node(mode, mode, args.model, data_dir,
                                        batch + queue + ["--prefix-cache-mb", "0",
                                                         "--draft-memory-tokens", "0"], {}, tmp)
                     started.append(node)
@@ -426,15 +203,15 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                         nodes[(arm, mode)] = node
         deadline = time.monotonic() + READY_TIMEOUT_S
         for node in dict.fromkeys([*nodes.values(), *(a for r in rings.values() for a in r)]):
-            _await_ready(node, deadline)
+            await_ready(node, deadline)
         for mode, ring in rings.items():
-            last = _place_ring(ring, resolved.id, deadline)
+            last = place_ring(ring, resolved.id, deadline)
             for arm in ARMS:
                 nodes[(arm, mode)] = last
             settings.setdefault("rings", {})[mode] = [a.name for a in ring]
         if served:  # and each agent's child directly, beside it
             for (arm, mode), node in list(nodes.items()):
-                nodes[(arm, f"{mode}-direct")] = _direct(node)
+                nodes[(arm, f"{mode}-direct")] = direct_node(node)
             modes += [f"{mode}-direct" for mode in modes]
         settings["agents"] = {node.name: node.args for node in dict.fromkeys(
             [*nodes.values(), *(a for r in rings.values() for a in r)])}
@@ -493,7 +270,7 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
         raise
     finally:
         for node in started:
-            _stop_node(node)
+            stop_node(node)
     shutil.rmtree(tmp, ignore_errors=True)
 
     results = []
@@ -551,4 +328,3 @@ def refuse_other_modes(args: argparse.Namespace) -> None:
             raise BenchError(f"{flag} does not apply to --concurrency (its arms are plain and "
                              "spec, batched against fifo, over HTTP; a llama-server card is "
                              "recognised from its card)")
-

@@ -50,7 +50,7 @@ def find_llama_server(explicit: str | None) -> Path | None:
 
 def peer_gguf(store: Any, model_id: str) -> Path:
     """The GGUF our model's card is built from (fetched into the store, never converted)."""
-    from skulkp2p.served.model import resolve_gguf
+    from skulkp2p.served.child_config import resolve_gguf
 
     card = store.cards.get(model_id)
     if card is None or card.format != "gguf":

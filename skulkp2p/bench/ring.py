@@ -119,7 +119,7 @@ class RingBench:
 
     def _open(self) -> LoadedModel:
         from skulkp2p import wire
-        from skulkp2p.cluster.node import model_spec
+        from skulkp2p.cluster.facts import model_spec
         from skulkp2p.cluster.placement import split_with_tail
         from skulkp2p.cluster.ring_link import RingData
         from skulkp2p.engine.loader import open_model

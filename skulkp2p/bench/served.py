@@ -56,7 +56,8 @@ from skulkp2p.bench.workloads import WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
 from skulkp2p.engine.request import parse_request
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedError, _die_with_parent, free_port
-from skulkp2p.served.model import FORCE_NO_SPEC, child_body, resolve_gguf, wants_served
+from skulkp2p.served.child_config import FORCE_NO_SPEC, resolve_gguf, wants_served
+from skulkp2p.served.model import child_body
 
 log = logging.getLogger("skulkp2p.bench")
 

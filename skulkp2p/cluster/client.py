@@ -20,7 +20,8 @@ from typing import IO, Any
 
 import orjson
 
-from skulkp2p.cluster.node import fetch_status, parse_addr, split_addr
+from skulkp2p.cluster.config import parse_addr, split_addr
+from skulkp2p.cluster.status_client import fetch_status
 
 log = logging.getLogger("skulkp2p.pipe")
 

@@ -1,14 +1,15 @@
 """The control plane's I/O: asyncio TCP around the ClusterCore state machine.
 
 Every control message is a one-way datagram carried over a persistent TCP connection per
-destination (opened on demand, re-opened after failures with a short back-off); replies travel
-on the replier's own connection to the sender's advertised address. The protocol tolerates loss,
-so a full queue, a failed connect or a slow peer simply drops frames. Bad bytes on an inbound
-connection (wrong secret, oversize, undecodable) close that connection and are counted in
-``metrics``; nothing a peer sends can stop the node.
+destination (cluster/peer_link.py: opened on demand, re-opened after failures with a short
+back-off); replies travel on the replier's own connection to the sender's advertised address. The
+protocol tolerates loss, so a full queue, a failed connect or a slow peer simply drops frames.
+Bad bytes on an inbound connection (wrong secret, oversize, undecodable) close that connection
+and are counted in ``metrics``; nothing a peer sends can stop the node.
 
 One exception to one-way: a ``status`` request is answered on the connection it came on (tests,
-``pipe --peer`` and operators use it).
+``pipe --peer`` and operators use it: cluster/status_client.py). The flags and addresses are
+cluster/config.py's, the facts a node announces cluster/facts.py's.
 
 Run one node without a model (for tests and for looking at a cluster)::
 
@@ -20,310 +21,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import dataclasses
-import ipaddress
-import json
 import logging
-import os
 import random
-import re
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from skulkp2p import wire
+from skulkp2p.cluster.config import (
+    ClusterConfigError,
+    NodeConfig,
+    add_cluster_arguments,
+    check_bind_allowed,
+    config_from_args,
+    parse_addr,
+    split_addr,
+)
 from skulkp2p.cluster.core import ClusterCore
-from skulkp2p.cluster.durable import cluster_id, load_state, save_state, state_path
+from skulkp2p.cluster.durable import cluster_id, load_state, save_state
 from skulkp2p.cluster.election import ELECTION_TYPES
-from skulkp2p.cluster.placement import ModelSpec, Placement, tail_start_of
-from skulkp2p.cluster.timers import Timers, timers_from_env
+from skulkp2p.cluster.facts import model_spec, offered_memory
+from skulkp2p.cluster.peer_link import PeerLink
+from skulkp2p.cluster.placement import ModelSpec, Placement
 
 log = logging.getLogger("skulkp2p.cluster")
 
-DEFAULT_PORT = 52416
-ENV_SECRET = "SKULKP2P_SECRET"
 TICK_S = 0.05
-CONNECT_TIMEOUT_S = 1.0
-WRITE_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 120.0  # an inbound connection silent this long is closed (senders reconnect)
-MAX_QUEUE = 512  # frames waiting for one peer; more are dropped (the protocol tolerates loss)
 MAX_INBOUND = 256
-
-
-class ClusterConfigError(ValueError):
-    """A cluster setting that cannot work; the message says which and how to fix it."""
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-
-
-def parse_size(text: str) -> int:
-    """"300MB", "1.5GB", "512MiB", "2g" or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ClusterConfigError(f"bad size {text!r} (e.g. 300MB, 1.5GB, 512MiB)")
-    number, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
-    base = 1024 if binary else 1000
-    return int(number * base ** " kmgt".index(unit or " "))
-
-
-def parse_addr(text: str, default_port: int = DEFAULT_PORT) -> str:
-    """"host:port" (or a bare host) -> "host:port"; IPv6 as "[::1]:port"."""
-    text = text.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    else:
-        host, port = text, ""
-    try:
-        port_n = int(port) if port else default_port
-    except ValueError:
-        raise ClusterConfigError(f"bad address {text!r}: port must be a number") from None
-    if not host or not 0 < port_n < 65536:
-        raise ClusterConfigError(f"bad address {text!r} (expected HOST:PORT)")
-    return f"[{host}]:{port_n}" if ":" in host else f"{host}:{port_n}"
-
-
-def split_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind_allowed(host: str, secret: str | None) -> None:
-    """Without a secret anyone on the network could join or inject: loopback only."""
-    if not secret and not is_loopback(host):
-        raise ClusterConfigError(
-            f"refusing to listen on {host} without a cluster secret: anyone who can reach it "
-            f"could join or inject. Set --secret or {ENV_SECRET} (the same on every node), or "
-            "use a loopback --host such as 127.0.0.1")
-
-
-@dataclass
-class NodeConfig:
-    name: str
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    advertise: str | None = None  # the address others reach us at (default host:port)
-    peers: list[str] = field(default_factory=list)
-    secret: str | None = None
-    priority: int = 0
-    memory_limit: int | None = None
-    timers: Timers = field(default_factory=Timers)
-    max_control_frame: int = wire.CONTROL_MAX_FRAME
-    max_data_frame: int = wire.DATA_MAX_FRAME
-    # The port was not chosen and there are no peers: a busy default port (another node on
-    # this machine) falls back to a free one instead of failing.
-    port_fallback: bool = False
-    # Where this node keeps its term, vote and plan across restarts (None: in memory only, a
-    # throwaway node).
-    state_file: Path | None = None
-
-
-def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    """The cluster flags, shared by `join` and by this module's own main."""
-    g = p.add_argument_group("cluster")
-    g.add_argument("--name", help="this node's name in the cluster (default HOSTNAME:PORT)")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address the cluster listener binds to (default 127.0.0.1; anything "
-                        "but loopback needs a secret)")
-    g.add_argument("--port", type=int, default=None,
-                   help=f"cluster listener port (default {DEFAULT_PORT}; 0 picks a free one)")
-    g.add_argument("--advertise", metavar="HOST:PORT",
-                   help="address other nodes reach this one at (default --host:--port)")
-    g.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                   help="a node of the cluster to join through (repeatable)")
-    g.add_argument("--secret", help=f"shared cluster secret (or {ENV_SECRET}; prefer the "
-                                    "variable: flags show up in ps)")
-    g.add_argument("--priority", type=int, default=0,
-                   help="election priority: higher wins among equal terms (default 0)")
-    g.add_argument("--memory-limit", metavar="SIZE",
-                   help="cap on the memory this node offers to placements, e.g. 300MB")
-    g.add_argument("--no-cluster-state", action="store_true",
-                   help="keep the term, vote and placement plan in memory only (a throwaway "
-                        "node: a restart forgets them); default: saved in the data dir")
-    g.add_argument("--timers", metavar="SPEC",
-                   help="control-plane timers, e.g. probe=0.5,suspect=2,election=1.5 "
-                        "(or SKULKP2P_TIMERS)")
-
-
-def config_from_args(args: argparse.Namespace) -> NodeConfig:
-    secret = args.secret or os.environ.get(ENV_SECRET) or None
-    check_bind_allowed(args.host, secret)
-    try:
-        timers = timers_from_env(args.timers)
-    except ValueError as e:
-        raise ClusterConfigError(str(e)) from None
-    port = DEFAULT_PORT if args.port is None else args.port
-    name = args.name or f"{socket.gethostname()}:{port}"
-    caps = {}
-    for env, key in (("SKULKP2P_MAX_CONTROL_FRAME", "max_control_frame"),
-                     ("SKULKP2P_MAX_DATA_FRAME", "max_data_frame")):
-        if os.environ.get(env):
-            caps[key] = parse_size(os.environ[env])
-    state_file = None
-    if not getattr(args, "no_cluster_state", False):
-        from skulkp2p.models.store import default_data_dir
-
-        data_dir = getattr(args, "data_dir", None)
-        state_file = state_path(Path(data_dir) if data_dir else default_data_dir(), name)
-    return NodeConfig(
-        **caps, name=name, state_file=state_file, host=args.host, port=port,
-        port_fallback=args.port is None and not args.peer,
-        advertise=parse_addr(args.advertise) if args.advertise else None,
-        peers=[parse_addr(p) for p in args.peer], secret=secret, priority=args.priority,
-        memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
-        timers=timers)
-
-
-# --------------------------------------------------------------------------------------------
-# Facts this node announces
-
-
-def available_memory() -> int:
-    """Bytes this machine could give a model now (Linux: MemAvailable; else physical)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def offered_memory(limit: int | None) -> int:
-    avail = available_memory()
-    if limit is None:
-        return avail
-    return min(limit, avail) if avail else limit
-
-
-def model_spec(store: Any, model: str) -> ModelSpec:
-    """Placement facts for a card id or a local mlx folder (read from its config.json)."""
-    resolved = store.resolve(model)
-    if resolved.card is not None and resolved.path is None:
-        spec = ModelSpec.from_card(resolved.card)
-        if resolved.card.source.kind == "local":  # e.g. a .gguf file: loaded by its path
-            spec = dataclasses.replace(spec, source=str(Path(model).expanduser().resolve())
-                                       if Path(model).expanduser().exists() else spec.source)
-        return spec
-    path = Path(resolved.path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg = {**cfg, **cfg.get("text_config", {})}
-    heads = int(cfg.get("num_attention_heads") or 1)
-    hidden = int(cfg.get("hidden_size") or 0)
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) or 1
-    return ModelSpec(resolved.id, int(cfg.get("num_hidden_layers") or 1), size,
-                     int(cfg.get("max_position_embeddings") or 4096), hidden,
-                     int(cfg.get("num_key_value_heads") or heads),
-                     int(cfg.get("head_dim") or (hidden // heads if hidden else 0)),
-                     source=str(path), tail_start=tail_start_of(cfg))
-
-
-# --------------------------------------------------------------------------------------------
-# Outbound connections
-
-
-class _Peer:
-    """Frames for one destination, written in order over one connection."""
-
-    def __init__(self, node: ClusterNode, addr: str):
-        self.node = node
-        self.addr = addr
-        self.queue: collections.deque[bytes] = collections.deque()
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.failures = 0
-        self.backoff_until = 0.0
-
-    def send(self, frame: bytes) -> None:
-        if time.monotonic() < self.backoff_until or len(self.queue) >= MAX_QUEUE:
-            self.node.metrics["frames_dropped"] += 1
-            return
-        self.queue.append(frame)
-        self.wake.set()
-        if self.task is None or self.task.done():
-            self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            if not self.queue:
-                continue
-            try:
-                if self.writer is None:
-                    await self._connect()
-                while self.queue:
-                    self.writer.write(self.queue.popleft())
-                    self.node.metrics["frames_out"] += 1
-                await asyncio.wait_for(self.writer.drain(), WRITE_TIMEOUT_S)
-                self.failures = 0
-            except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
-                self._fail(e)
-
-    async def _connect(self) -> None:
-        host, port = split_addr(self.addr)
-        bind = self.node.bind_source
-        reader, self.writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, local_addr=(bind, 0) if bind else None),
-            CONNECT_TIMEOUT_S)
-        self.node.metrics["connects"] += 1
-        asyncio.get_running_loop().create_task(self._watch(reader, self.writer))
-
-    async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Nothing comes back on this connection; EOF means the peer closed it (it restarted,
-        or found our bytes wrong): drop it now rather than lose the next frame to it."""
-        try:
-            while await reader.read(1 << 12):
-                pass
-        except OSError:
-            pass
-        if self.writer is writer:
-            self.close()
-
-    def _fail(self, e: BaseException) -> None:
-        self.node.metrics["frames_dropped"] += len(self.queue)
-        self.queue.clear()
-        self.close()
-        self.failures += 1
-        # Back off a little so a dead node costs us nothing; short enough to notice its return.
-        self.backoff_until = time.monotonic() + min(2.0, 0.1 * 2 ** min(self.failures, 5))
-        log.debug("send to %s failed (%s): %s", self.addr, type(e).__name__, e)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.transport.abort()
-            self.writer = None
-
-    def cancel(self) -> None:
-        self.close()
-        if self.task is not None:
-            self.task.cancel()
-
-
-# --------------------------------------------------------------------------------------------
-# The node
 
 
 class ClusterNode:
@@ -341,7 +69,7 @@ class ClusterNode:
         self.core: ClusterCore | None = None
         self.addr = ""
         self.bind_source: str | None = None
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerLink] = {}
         self._server: asyncio.base_events.Server | None = None
         self._ticker: asyncio.Task | None = None
         self._inbound: set[asyncio.StreamWriter] = set()
@@ -522,7 +250,7 @@ class ClusterNode:
                 continue
             peer = self._peers.get(addr)
             if peer is None:
-                peer = self._peers[addr] = _Peer(self, addr)
+                peer = self._peers[addr] = PeerLink(addr, self.metrics, self.bind_source)
             peer.send(frame)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -576,41 +304,6 @@ def _primary_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-# --------------------------------------------------------------------------------------------
-# A small client: ask any node for its status
-
-
-async def query_status(addr: str, secret: str | None, timeout: float = 2.0) -> dict[str, Any]:
-    """The status of the node at ``addr`` (raises OSError/TimeoutError/WireError)."""
-    key = wire.frame_key(secret)
-    host, port = split_addr(addr)
-
-    async def ask() -> dict[str, Any]:
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(wire.encode_frame({"t": "status"}, key))
-            decoder = wire.FrameDecoder(key, wire.DATA_MAX_FRAME)
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    raise ConnectionError(f"{addr} closed the connection")
-                for msg in decoder.feed(data):
-                    if msg["t"] == "status-reply":
-                        return msg["status"]
-        finally:
-            writer.transport.abort()
-
-    return await asyncio.wait_for(ask(), timeout)
-
-
-def fetch_status(addr: str, secret: str | None, timeout: float = 2.0) -> dict[str, Any]:
-    return asyncio.run(query_status(addr, secret, timeout))
-
-
-# --------------------------------------------------------------------------------------------
-# Standalone node
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from skulkp2p import wire
-from skulkp2p.cluster.node import CONNECT_TIMEOUT_S, WRITE_TIMEOUT_S, split_addr
+from skulkp2p.cluster.config import split_addr
+from skulkp2p.cluster.peer_link import CONNECT_TIMEOUT_S, WRITE_TIMEOUT_S
 from skulkp2p.engine.ring import RingError, StageWorker
 
 log = logging.getLogger("skulkp2p.ring")

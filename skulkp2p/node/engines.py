@@ -35,7 +35,7 @@ def check_max_batch(value: int | None) -> int | None:
 
 
 def uses_llama_server(store: Any, spec: str) -> bool:
-    from skulkp2p.served.model import wants_served
+    from skulkp2p.served.child_config import wants_served
 
     return wants_served(store.resolve(spec).card)
 

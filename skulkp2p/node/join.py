@@ -38,8 +38,10 @@ class JoinSettings:
 
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
     """Run the agent until a signal, then end the process with status 0. Raises JoinError."""
-    from skulkp2p.cluster.node import ClusterConfigError
-    from skulkp2p.node.serving import ClusterServing, node_facts, own_want, serve_cluster
+    from skulkp2p.cluster.config import ClusterConfigError
+    from skulkp2p.node.facts import node_facts, own_want
+    from skulkp2p.node.serving import ClusterServing, serve_cluster
+    from skulkp2p.node.stages import LocalPlacements
 
     def on_listening(host: str, port: int) -> None:
         log.info("http: OpenAI/Anthropic API on http://%s:%d/v1 (health: http://%s:%d/health)",
@@ -68,11 +70,11 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            serving = ClusterServing(store, settings.model, settings.model_id, load_model,
-                                     max_queue=settings.max_queue,
-                                     keepalive_s=settings.sse_keepalive, on_ready=on_ready,
-                                     prefix_cache_mb=settings.prefix_cache_mb,
-                                     max_batch=settings.max_batch)
+            serving = ClusterServing(LocalPlacements(
+                store, settings.model, settings.model_id, load_model,
+                max_queue=settings.max_queue, keepalive_s=settings.sse_keepalive,
+                on_ready=on_ready, prefix_cache_mb=settings.prefix_cache_mb,
+                max_batch=settings.max_batch))
             return await serve_cluster(cluster, serving,
                                        own_want(store, settings.model, cluster.name),
                                        settings.http_host, settings.http_port, stop,

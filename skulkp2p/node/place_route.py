@@ -14,7 +14,8 @@ from typing import Any
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response
 from skulkp2p.cluster.core import ABSENT, COMMITTED, ClusterCore
-from skulkp2p.cluster.node import ClusterNode, model_spec
+from skulkp2p.cluster.facts import model_spec
+from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import PARALLEL, ModelSpec
 
 RETRY_AFTER = "2"

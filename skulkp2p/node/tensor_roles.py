@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from skulkp2p.cluster.config import split_addr
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
-from skulkp2p.cluster.node import split_addr
 
 log = logging.getLogger("skulkp2p.node")
 

@@ -8,7 +8,8 @@ proxy, on asyncio streams, one connection to the child per request, no state sha
 requests) runs on the event loop, so a token goes from the child's socket to the client's
 without a thread hand-off (`runs_on_loop`), and up to `max_concurrent` of them run at once where
 the worker hands them out that way. `generate` is the blocking form (http.client), for callers
-without a loop (the pipe).
+without a loop (the pipe). The child's command line comes from served/child_config.py; `relay`'s
+HTTP framing is served/child_http.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import sys
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -39,80 +38,15 @@ from skulkp2p.engine.results import (
     Usage,
 )
 from skulkp2p.engine.tool_calls import call_opening, json_tools_template
-from skulkp2p.models.cards import SERVED_DEFAULT_CONTEXT, SERVED_DEFAULT_SLOTS, Card
+from skulkp2p.models.cards import Card
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
+from skulkp2p.served.child_config import resolve_gguf, server_args, slot_context
+from skulkp2p.served.child_http import LOST, BodyReader, request_head, response_head
 
 log = logging.getLogger("skulkp2p.served")
 
-FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
-DEFAULT_CONTEXT = SERVED_DEFAULT_CONTEXT  # llama-server allocates KV for the whole -c up front
-DEFAULT_MAX_BATCH = SERVED_DEFAULT_SLOTS  # each slot gets the card's whole context
 CHILD_TIMEOUT_S = 600  # no byte from the child for this long: it is lost
-
-
-def wants_served(card: Card | None) -> bool:
-    return card is not None and card.engine == "llama_server"
-
-
-def resolve_gguf(store: Any, card: Card, progress: Any = None) -> Path:
-    """The card's GGUF on disk: its gguf_file (relative to the card) or its fetched source."""
-    name = card.placement.get("gguf_file")
-    if name:
-        path = Path(name).expanduser()
-        if not path.is_absolute() and card.file is not None:
-            path = card.file.parent / path
-        if not path.is_file():
-            raise ServedError(f"card {card.id}: placement.gguf_file {path} does not exist")
-        return path
-    return store.fetch_gguf(card, progress)
-
-
-def served_slots(card: Card, max_batch: int | None = None) -> int:
-    """Parallel slots for the card's child (see Card.served_slots)."""
-    return card.served_slots(max_batch)
-
-
-def slot_context(card: Card) -> int:
-    """Context of one slot (see Card.served_slot_context)."""
-    return card.served_slot_context
-
-
-def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = None,
-                max_batch: int | None = None) -> list[str]:
-    """llama-server flags from the card. FORCE_NO_SPEC drops speculation (for benchmarks).
-    `max_batch`: parallel slots (see served_slots)."""
-    p = card.placement
-    if no_spec is None:
-        no_spec = os.environ.get(FORCE_NO_SPEC, "") not in ("", "0")
-    slots = served_slots(card, max_batch)
-    # -np N slots, batched together by llama.cpp (continuous batching is its default). Without
-    # a unified KV cache (off when -np is given) llama-server splits -c evenly across slots, so
-    # -c is N x the context one request may use: every slot keeps the card's whole context.
-    # Speculation stays on with -np (each slot drafts and verifies its own rows in the shared
-    # batch; the child reports draft_n per request).
-    # --jinja: the GGUF's own chat template renders tools, and the child parses calls itself.
-    args = ["-m", str(model), "-c", str(slot_context(card) * slots), "--parallel", str(slots),
-            "--no-kv-unified", "--no-webui", "--jinja"]
-    threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS")
-    if threads:
-        args += ["-t", threads]
-    spec = p.get("served_spec_type", "none")
-    if spec != "none" and not no_spec:
-        args += ["--spec-type", spec.replace("_", "-")]
-        if p.get("served_spec_n_max"):
-            args += ["--spec-draft-n-max", str(p["served_spec_n_max"])]
-        if p.get("served_spec_draft"):
-            draft = p["served_spec_draft"]
-            if draft in store.cards:
-                draft_path = resolve_gguf(store, store.cards[draft])
-            else:
-                draft_path = Path(draft).expanduser()
-                if not draft_path.is_absolute() and card.file is not None:
-                    draft_path = card.file.parent / draft_path
-            args += ["--model-draft", str(draft_path)]
-    args += [str(a) for a in p.get("served_args", [])]
-    return args
 
 
 class ServedModel:
@@ -201,20 +135,20 @@ class ServedModel:
                 async with asyncio.timeout(CHILD_TIMEOUT_S):
                     reader, writer = await asyncio.open_connection(self.child.host,
                                                                    self.child.port)
-                    writer.write(_request_head(path, self.child.host, self.child.port,
+                    writer.write(request_head(path, self.child.host, self.child.port,
                                                len(body)) + body)
-                    status, framing = await _response_head(reader)
-                    raw = b"" if status == 200 else await _BodyReader(framing).read_all(reader)
-            except _LOST as e:
+                    status, framing = await response_head(reader)
+                    raw = b"" if status == 200 else await BodyReader(framing).read_all(reader)
+            except LOST as e:
                 raise self._lost(e) from None
             if status != 200:
                 raise self._child_error(status, raw)
-            framed = _BodyReader(framing)
+            framed = BodyReader(framing)
             while not reply.done:
                 try:
                     async with asyncio.timeout(CHILD_TIMEOUT_S):
                         data = await framed.read(reader)
-                except _LOST as e:
+                except LOST as e:
                     raise self._lost(e) from None
                 for chunk in reply.feed(data):
                     emit(chunk)
@@ -448,81 +382,6 @@ def _events(lines: list[bytes]) -> Iterator[dict[str, Any] | None]:
         except ValueError:
             continue
         yield event
-
-
-# What a lost or broken child looks like on the loop side (http.client's errors on the other).
-_LOST = (ConnectionError, OSError, EOFError, ValueError, asyncio.LimitOverrunError)
-
-
-def _request_head(path: str, host: str, port: int, length: int) -> bytes:
-    # The head http.client sends for the same request.
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept-Encoding: identity\r\n"
-            f"Content-Length: {length}\r\nContent-Type: application/json\r\n\r\n").encode()
-
-
-async def _response_head(reader: asyncio.StreamReader) -> tuple[int, tuple[str, int]]:
-    """The status and the body's framing: ("chunked", 0), ("length", n) or ("close", 0)."""
-    while True:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        version, status_text = lines[0].split(" ", 2)[:2]
-        if not version.startswith("HTTP/"):
-            raise ValueError(f"bad status line {lines[0][:60]!r}")
-        status = int(status_text)
-        if status != 100:
-            break  # (a 100 Continue is followed by the real response)
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        return status, ("chunked", 0)
-    if "content-length" in headers:
-        return status, ("length", int(headers["content-length"]))
-    return status, ("close", 0)
-
-
-class _BodyReader:
-    """A response body read piece by piece from an asyncio stream; b"" at its end."""
-
-    def __init__(self, framing: tuple[str, int]):
-        self.kind, self.left = framing
-        self.done = False
-
-    async def read(self, reader: asyncio.StreamReader) -> bytes:
-        if self.done:
-            return b""
-        if self.kind == "chunked":
-            line = await reader.readuntil(b"\n")
-            size = int(line.split(b";", 1)[0].strip(), 16)
-            if size == 0:
-                while (await reader.readuntil(b"\n")).strip():
-                    pass  # trailer fields: nothing we use
-                self.done = True
-                return b""
-            data = await reader.readexactly(size)
-            await reader.readuntil(b"\n")  # the CRLF after the chunk
-            return data
-        if self.kind == "length":
-            if self.left <= 0:
-                self.done = True
-                return b""
-            data = await reader.read(min(self.left, 65536))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", self.left)
-            self.left -= len(data)
-            return data
-        data = await reader.read(65536)
-        if not data:
-            self.done = True
-        return data
-
-    async def read_all(self, reader: asyncio.StreamReader) -> bytes:
-        parts = []
-        while data := await self.read(reader):
-            parts.append(data)
-        return b"".join(parts)
 
 
 def _loads(payload: bytes) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skulkp2p.cluster.node import fetch_status
+from skulkp2p.cluster.status_client import fetch_status
 from skulkp2p.netfault import FaultProxy, loopback_ips_usable  # noqa: F401  (re-exported)
 from tests.helpers import ROOT
 from tests.helpers.http_client import H11Client, call
