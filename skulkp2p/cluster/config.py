@@ -95,6 +95,9 @@ class NodeConfig:
     # Where this node keeps its term, vote and plan across restarts (None: in memory only, a
     # throwaway node).
     state_file: Path | None = None
+    # The name was not given: it is HOSTNAME:PORT of the port actually bound, so that two
+    # nodes on one machine (--port 0, or a busy default port) never share a name or a state file.
+    name_from_port: bool = False
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,7 +148,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         data_dir = getattr(args, "data_dir", None)
         state_file = state_path(Path(data_dir) if data_dir else default_data_dir(), name)
     return NodeConfig(
-        **caps, name=name, state_file=state_file, host=args.host, port=port,
+        **caps, name=name, state_file=state_file, name_from_port=args.name is None,
+        host=args.host, port=port,
         port_fallback=args.port is None and not args.peer,
         advertise=parse_addr(args.advertise) if args.advertise else None,
         peers=[parse_addr(p) for p in args.peer], secret=secret, priority=args.priority,

@@ -16,6 +16,8 @@ one or one of another node or cluster is a warning and a fresh start.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import hmac
 import json
@@ -59,8 +61,47 @@ def cluster_id(key: bytes) -> str:
 
 def state_path(data_dir: Path, node: str) -> Path:
     """``<data dir>/cluster/<node name>.json`` (characters a file name cannot hold become _)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
-    return Path(data_dir) / STATE_DIR / f"{safe}.json"
+    return Path(data_dir) / STATE_DIR / _file_name(node)
+
+
+def renamed_state_path(path: Path, node: str) -> Path:
+    """The state file beside ``path`` for a node named ``node`` (a name fixed only once its
+    port was bound)."""
+    return path.with_name(_file_name(node))
+
+
+def _file_name(node: str) -> str:
+    return (re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_") + ".json"
+
+
+class StateInUse(RuntimeError):
+    """Another live process holds this node's state file."""
+
+
+def lock_state(path: Path, node: str) -> int | None:
+    """Hold ``path`` for this process (an exclusive lock on ``.<name>.lock`` beside it, released
+    when the process ends, however it ends): two agents given one name and one data dir would
+    otherwise read and overwrite each other's term and vote. Returns the lock's descriptor, or
+    None where no lock file can be made (the node goes on; its saves fail and say so, as
+    before); raises StateInUse when another process holds it."""
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        log.warning("cluster: cannot make the state lock %s (%s)", lock, e.strerror or e)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise StateInUse(f"another agent named {node!r} is running with this data dir "
+                             f"(it holds {path}): give this one its own --name or --data-dir"
+                             ) from None
+        log.warning("cluster: cannot lock %s (%s)", lock, e.strerror or e)
+        return None
+    return fd
 
 
 def to_json(state: DurableState, cluster: str) -> bytes:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import logging
+import os
 import random
 import socket
 import sys
@@ -41,7 +43,14 @@ from skulkp2p.cluster.config import (
     split_addr,
 )
 from skulkp2p.cluster.core import ClusterCore
-from skulkp2p.cluster.durable import cluster_id, load_state, save_state
+from skulkp2p.cluster.durable import (
+    StateInUse,
+    cluster_id,
+    load_state,
+    lock_state,
+    renamed_state_path,
+    save_state,
+)
 from skulkp2p.cluster.election import ELECTION_TYPES
 from skulkp2p.cluster.facts import model_spec, offered_memory
 from skulkp2p.cluster.peer_link import PeerLink
@@ -79,6 +88,7 @@ class ClusterNode:
         self._cluster_id = cluster_id(self.key)
         self._saved_key: Any = None  # the durable state last written (ClusterCore.durable_key)
         self._save_error: str | None = None
+        self._state_lock: int | None = None  # durable.lock_state's descriptor
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -97,6 +107,22 @@ class ClusterNode:
             self._server = await asyncio.start_server(self._serve, cfg.host, 0,
                                                       reuse_address=True)
         port = self._server.sockets[0].getsockname()[1]
+        if cfg.name_from_port and port != cfg.port:  # --port 0, or the default port was busy
+            name = f"{cfg.name.rpartition(':')[0] or cfg.name}:{port}"
+            # A model only this node has (a local folder) was asked for under the old name.
+            self.facts["wants"] = [
+                {**w, "only": [name if n == cfg.name else n for n in w["only"]]}
+                if isinstance(w, dict) and isinstance(w.get("only"), list) else w
+                for w in self.facts.get("wants", [])]
+            self.config = cfg = dataclasses.replace(
+                cfg, name=name, state_file=None if cfg.state_file is None
+                else renamed_state_path(cfg.state_file, name))
+        if cfg.state_file is not None:
+            try:
+                self._state_lock = lock_state(cfg.state_file, cfg.name)
+            except StateInUse as e:
+                self._server.close()
+                raise ClusterConfigError(str(e)) from None
         if cfg.advertise:
             self.addr = cfg.advertise
         elif cfg.host in ("0.0.0.0", "::", ""):
@@ -142,6 +168,9 @@ class ClusterNode:
         for p in self._peers.values():
             p.cancel()
         self._peers.clear()
+        if self._state_lock is not None:
+            os.close(self._state_lock)  # (the process ending lets it go too)
+            self._state_lock = None
 
     # ---------------------------------------------------------------- queries and requests
 
