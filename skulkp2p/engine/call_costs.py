@@ -12,36 +12,36 @@ of the forward's own verify calls: the forward that runs them records each (`obs
 controllers read the table (it is a Mapping {w: relative cost}, as the static tables are), so
 the decode loop never learns where its forward runs or that it is being timed.
 
-Per width, the estimate is a low quantile (`QUANTILE`, the 25th percentile) of the last
-`window` (32) calls, the probe's value counted as `prior_calls` calls until the width has more calls
-than that: one slow call (another process scheduled in) moves nothing, three calls outvote the
-probe. Relative to its own minute: a call of w > 1 rows is kept as its seconds over the one-row
-estimate at the time it was made, and the table's w is that quantile of those ratios (times the
-one-row estimate now, for seconds). Kept in seconds, each width's estimate held calls of
-whatever minute that width was last called in: on the shared CPU the one-row calls came from a
-plain arm's last quiet minute (63 ms) and the four two-row calls from a spec arm's busy one
-(809 ms), so the table said w2 = 12.9x w1, the gates switched drafting off and, drafting no more
-wide calls, the table never learned otherwise (code-edit on the group drafted 14 tokens where
-one node drafted 80).
+Per width, the estimate is the median of the last `window` (32) calls together with the probe's
+counted as `prior_calls` calls: one slow call (another process scheduled in) moves nothing,
+three calls of a width outvote the probe. Relative to its own minute:
+a call of w > 1 rows is kept as its seconds over the one-row estimate at the time it was made,
+and the table's w is the median of those ratios (times the one-row estimate now, for seconds).
+Kept in seconds, each width's estimate held calls of whatever minute that width was last called
+in: on the shared CPU the one-row calls came from a plain arm's last quiet minute (63 ms) and
+the four two-row calls from a spec arm's busy one (809 ms), so the table said w2 = 12.9x w1, the
+gates switched drafting off and, drafting no more wide calls, the table never learned otherwise
+(code-edit on the group drafted 14 tokens where one node drafted 80).
 
-Why a low quantile and not the median: load only ever adds time to a call (the work is the
-same), and on the shared CPU it comes in bursts of a second or two in which every call costs
-2-10x (the collectives wait for a core). A burst that falls on a spec arm's few two-row calls
-priced each against the quiet one-row calls before it (ratios 1.6-3.6 against 1.1-1.3 quiet),
-the median followed within 8 such calls, w2 read 1.42-1.59x, the MTP head's gate (33%
-acceptance at depth 1 pays only while w2 < ~1.3) switched it off for the request, and in the
-next requests at token 0: on the quiet machine of session 10 the group's code-edit drafted
+Why 32 calls and not 16, and why a wide width goes stale (session 11): load comes in bursts of
+a second or two in which every call costs 2-10x (the collectives wait for a core), and a spec
+arm's two-row MTP rounds are few. In a recorded code-edit bench 13 of the last 16 two-row calls
+fell in bursts, each priced against the one-row calls before it: w2 read 1.42-1.68x where quiet
+two-row calls cost 1.05-1.15x, the MTP head's gate (33% acceptance at depth 1 pays only while
+w2 < ~1.3) switched it off for the request, and, no two-row call coming to correct it, at
+token 0 in the next ones: on the quiet machine of session 10 the group's code-edit drafted
 58-67 tokens for 24-25 accepted where one node drafted 80 for 31 (README, "Tensor-parallel
-placements"). The 25th percentile moves only once a change of load fills three quarters of the
-window, so it still follows a lasting change (a busier machine where wide calls really cost
-more) but not a burst. And a wide width's estimate goes stale: its calls are forgotten once
-`stale_calls` calls of more than one row (any width) came after them, so a width that the gates
-stopped drafting (priced by a burst: the MTP head off at token 0 in every later request, while
-lookup still drafts wider calls) falls back to its neighbours' and the probe's estimate instead
-of staying dear for good. Counted in wide calls, not all calls: a plain request's one-row calls
-say nothing about a wide width, and counted in all calls a spec run's two-row calls went stale
-across the next plain run, leaving a burst's few calls to decide. One-row calls, the reference
-of every ratio, never go stale.
+placements"). Replayed on those calls, the median of 32 stays at or below 1.15x. And a wide
+width's calls are forgotten once `stale_calls` calls of more than one row (any width) came
+after them, so a width that the gates stopped drafting (the MTP head off at token 0 in every
+later request, while lookup still drafts wider calls) falls back to its neighbours' and the
+probe's estimate instead of staying dear for good. Counted in wide calls, not all calls: a
+plain request's one-row calls say nothing about a wide width (counted in all calls, a spec
+run's two-row calls went stale across the next plain run, leaving a burst's few calls to
+decide). One-row calls, the reference of every ratio, never go stale. (A low quantile instead
+of the median, tried: against a one-row reference taken the same way it priced wide calls
+steeper on a loaded machine, w4 4.7x and w16 9.3x at load 7, since the many one-row calls
+find the quiet moments the few wide ones do not.)
 
 Widths
 with no call yet are interpolated between the observed ones; past the widest observed, each row
@@ -65,13 +65,12 @@ if TYPE_CHECKING:
 
 # The last this many calls of a width make its estimate (with the probe's prior). 32, not 16:
 # replaying a code-edit bench's calls (README), a window of 16 two-row calls held 13 from bursts
-# and w2 read 1.67; with 32 it stayed at or below 1.18 (quiet two-row calls: 1.05-1.15x).
+# and w2 read 1.68; with 32 it stayed at or below 1.15 (quiet two-row calls: 1.05-1.15x).
 WINDOW = 32
 # The probe's time weighs as much as this many calls: a single call moves nothing, three do.
 PRIOR_CALLS = 2
-# Which quantile of a width's calls is its estimate: low, as load only adds time and comes in
-# bursts (module docstring).
-QUANTILE = 0.25
+# Which quantile of a width's calls is its estimate (0.5: the median; module docstring).
+QUANTILE = 0.5
 # A wide width's calls are forgotten once this many calls of more than one row came after them
 # (about ten requests drafting only lookup's copies; three or four drafting on most rounds).
 STALE_CALLS = 128
@@ -201,14 +200,11 @@ class LiveWidthCosts(Mapping[int, float]):
                 if width == 1 or self._wide_seen - at < self.stale_calls]
 
     def _typical(self, width: int) -> float:
-        """Width 1: the low quantile of its last calls' seconds; a wider width: of its calls'
-        costs relative to one row (each against the one-row estimate when it was made). The
-        probe's value counts as `prior_calls` calls until the width has more calls than that."""
-        calls = self._recent(width)
-        if len(calls) <= self.prior_calls:
-            calls += [self._seed_at(width) / (self.seed[1] if width > 1 else 1.0)] \
-                * self.prior_calls
-        return _quantile(calls, self.quantile)
+        """Width 1: the median (`quantile`) of its last calls' seconds; a wider width: of its
+        calls' costs relative to one row (each against the one-row estimate when it was made);
+        the probe's value counted as `prior_calls` calls."""
+        prior = self._seed_at(width) / (self.seed[1] if width > 1 else 1.0)
+        return _quantile([prior] * self.prior_calls + self._recent(width), self.quantile)
 
     def _estimate(self) -> tuple[dict[int, float], dict[int, float]]:
         one = self._typical(1)
