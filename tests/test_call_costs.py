@@ -177,18 +177,39 @@ def test_a_lasting_change_still_moves_the_table():
     assert table[2] == pytest.approx(0.090 / 0.045, abs=0.01)
 
 
+def test_two_calls_in_a_burst_do_not_outvote_the_probe():
+    """At load 4-7 the first two two-row calls (in bursts) set w2 to 1.58x with the probe
+    counted as 2 calls (the median of four values is the probe's and the calls' midpoint),
+    and the MTP head went off at token 0 for every later request. Counted as 3, two calls
+    move nothing; four do."""
+    probe = {1: 0.048, 2: 0.048, 4: 0.056, 8: 0.062, 16: 0.070}
+    table = LiveWidthCosts(probe)
+    _observe(table, {1: 0.045}, times=32)
+    table.observe(2, 0.100)
+    table.observe(2, 0.110)
+    assert table[2] == 1.0
+    as_two = LiveWidthCosts(probe, prior_calls=2)
+    _observe(as_two, {1: 0.045}, times=32)
+    as_two.observe(2, 0.100)
+    as_two.observe(2, 0.110)
+    assert as_two[2] > 1.5
+    table.observe(2, 0.090)
+    table.observe(2, 0.095)
+    assert table[2] == pytest.approx(0.090 / 0.045)
+
+
 def test_a_width_no_longer_called_goes_stale():
     """A width priced dear and then never drafted again (the gates stopped drafting it) does
     not stay dear for good: once enough wider calls came after its calls, it is forgotten and
     lies between its neighbours again. One-row calls, the reference, never go stale."""
     table = LiveWidthCosts(FLAT_PROBE, stale_calls=40)
-    _observe(table, {1: 0.050, 2: 0.100}, times=8)
+    _observe(table, {1: 0.050, 2: 0.100}, times=16)
     assert table[2] == pytest.approx(2.0)
-    _observe(table, {5: 0.070}, times=31)  # 39 wide calls after the first two-row one
+    _observe(table, {5: 0.070}, times=24)  # 39 wide calls after the first two-row one
     assert table[2] == pytest.approx(2.0)  # not yet
-    _observe(table, {5: 0.070}, times=9)  # 40 after the last
+    _observe(table, {5: 0.070}, times=16)  # 40 after the last
     assert table[2] == pytest.approx(1 + (0.070 / 0.050 - 1) / 4)
     assert table.seconds()[1] == pytest.approx(0.050)
-    assert table.calls()[2] == 8  # (counted all the same)
+    assert table.calls()[2] == 16  # (counted all the same)
     with pytest.raises(ValueError, match="quantile"):
         LiveWidthCosts(FLAT_PROBE, quantile=1.5)

@@ -13,8 +13,8 @@ controllers read the table (it is a Mapping {w: relative cost}, as the static ta
 the decode loop never learns where its forward runs or that it is being timed.
 
 Per width, the estimate is the median of the last `window` (32) calls together with the probe's
-counted as `prior_calls` calls: one slow call (another process scheduled in) moves nothing,
-three calls of a width outvote the probe. Relative to its own minute:
+counted as `prior_calls` (3) calls: two slow calls (another process scheduled in) move nothing,
+four calls of a width outvote the probe. Relative to its own minute:
 a call of w > 1 rows is kept as its seconds over the one-row estimate at the time it was made,
 and the table's w is the median of those ratios (times the one-row estimate now, for seconds).
 Kept in seconds, each width's estimate held calls of whatever minute that width was last called
@@ -67,8 +67,13 @@ if TYPE_CHECKING:
 # replaying a code-edit bench's calls (README), a window of 16 two-row calls held 13 from bursts
 # and w2 read 1.68; with 32 it stayed at or below 1.15 (quiet two-row calls: 1.05-1.15x).
 WINDOW = 32
-# The probe's time weighs as much as this many calls: a single call moves nothing, three do.
-PRIOR_CALLS = 2
+# The probe's time weighs as much as this many calls: two calls move nothing, four outvote it.
+# 3, not 2 (session 11): with 2, the median of the probe's two and two calls is their midpoint,
+# and at load 4-7 the first two two-row calls (the warm-up's and echo's, in bursts) set w2 to
+# 1.58x, which switched the MTP head off at token 0 in every later request, so that no two-row
+# call came to correct it. The probe (every width interleaved, back to back) is the cleanest
+# relative measurement the group has.
+PRIOR_CALLS = 3
 # Which quantile of a width's calls is its estimate (0.5: the median; module docstring).
 QUANTILE = 0.5
 # A wide width's calls are forgotten once this many calls of more than one row came after them
