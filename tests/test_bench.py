@@ -197,6 +197,9 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     # every all-sum crosses the proxy's 1 ms hops: the probe saw it
     assert group["allsum_us_one_row"] >= 1000
     assert group["collectives_per_call"] == 2 * 4 + 2 and group["bytes"] > 0
+    # ... and so did the command link: each call's header (4 int32) to rank 1, delayed alike
+    assert group["command_link"] == "through the delaying proxy"
+    assert group["command_link_bytes"] >= 16 * group["traversals"] > 0
     assert group["rank_compute_ms_one_row"] > 0  # a rank's slice timed with no collective
     # The depth controller used the group's own width table, measured at start, as the seed
     # of the live table every verify call is timed into (engine/call_costs.py).

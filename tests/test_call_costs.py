@@ -135,3 +135,81 @@ def test_the_controller_drafts_shallower_once_wide_calls_are_dear():
     low = DepthController(table, max_depth=16, prior_accept=0.4)
     _observe(table, {1: 0.077, 2: 0.160, 4: 0.300, 8: 0.600, 16: 1.2}, times=16)
     assert low.best_depth(16)[0] == 0
+
+
+def _spec_arms_after_plain_ones(burst: list[float], window: int | None = None
+                                ) -> LiveWidthCosts:
+    """A code-edit bench's calls as the group's table saw them (README, tensor-parallel
+    placements): plain arms' one-row calls (45 ms), two spec arms' two-row MTP rounds (50 ms:
+    1.11x), then a third spec arm whose first two-row calls fall in a burst."""
+    kw = {} if window is None else {"window": window}
+    table = LiveWidthCosts({1: 0.048, 2: 0.053, 4: 0.056, 8: 0.062, 16: 0.070}, **kw)
+    for _ in range(2):
+        _observe(table, {1: 0.045}, times=64)
+        _observe(table, {2: 0.050}, times=10)
+    _observe(table, {1: 0.045}, times=64)
+    for s in burst:
+        table.observe(2, s)
+    return table
+
+
+BURST = [0.086, 0.153, 0.136, 0.079, 0.104, 0.111, 0.182, 0.125, 0.120, 0.106, 0.093, 0.094,
+         0.098]  # recorded two-row calls of bursts (1.7-4x the quiet ones)
+
+
+def test_a_burst_on_the_few_wide_calls_does_not_price_them_dear():
+    """What switched the group's MTP head off on code-edit: 13 of the last 16 two-row calls
+    from bursts. Priced by the median of the last 16, w2 read 2.3x; by the median of the last
+    32 it stays the quiet 1.11x, and a head at 40% acceptance keeps drafting."""
+    table = _spec_arms_after_plain_ones(BURST)
+    assert table[2] == pytest.approx(0.050 / 0.045, abs=0.01)
+    assert DepthController(table, max_depth=1, prior_accept=0.4,
+                           draft_cost=0.05).best_depth(1)[0] == 1
+    of_16 = _spec_arms_after_plain_ones(BURST, window=16)
+    assert of_16[2] > 2.0  # (the old estimate: the head's gate then switched it off)
+    assert DepthController(of_16, max_depth=1, prior_accept=0.4,
+                           draft_cost=0.05).best_depth(1)[0] == 0
+
+
+def test_a_lasting_change_still_moves_the_table():
+    """When wide calls stay dearer (half the window and more), the table follows."""
+    table = _spec_arms_after_plain_ones([0.090] * 20)
+    assert table[2] == pytest.approx(0.090 / 0.045, abs=0.01)
+
+
+def test_two_calls_in_a_burst_do_not_outvote_the_probe():
+    """At load 4-7 the first two two-row calls (in bursts) set w2 to 1.58x with the probe
+    counted as 2 calls (the median of four values is the probe's and the calls' midpoint),
+    and the MTP head went off at token 0 for every later request. Counted as 3, two calls
+    move nothing; four do."""
+    probe = {1: 0.048, 2: 0.048, 4: 0.056, 8: 0.062, 16: 0.070}
+    table = LiveWidthCosts(probe)
+    _observe(table, {1: 0.045}, times=32)
+    table.observe(2, 0.100)
+    table.observe(2, 0.110)
+    assert table[2] == 1.0
+    as_two = LiveWidthCosts(probe, prior_calls=2)
+    _observe(as_two, {1: 0.045}, times=32)
+    as_two.observe(2, 0.100)
+    as_two.observe(2, 0.110)
+    assert as_two[2] > 1.5
+    table.observe(2, 0.090)
+    table.observe(2, 0.095)
+    assert table[2] == pytest.approx(0.090 / 0.045)
+
+
+def test_a_width_no_longer_called_goes_stale():
+    """A width priced dear and then never drafted again (the gates stopped drafting it) does
+    not stay dear for good: once enough wider calls came after its calls, it is forgotten and
+    lies between its neighbours again. One-row calls, the reference, never go stale."""
+    table = LiveWidthCosts(FLAT_PROBE, stale_calls=40)
+    _observe(table, {1: 0.050, 2: 0.100}, times=16)
+    assert table[2] == pytest.approx(2.0)
+    _observe(table, {5: 0.070}, times=24)  # 39 wide calls after the first two-row one
+    assert table[2] == pytest.approx(2.0)  # not yet
+    _observe(table, {5: 0.070}, times=16)  # 40 after the last
+    assert table[2] == pytest.approx(1 + (0.070 / 0.050 - 1) / 4)
+    assert table.seconds()[1] == pytest.approx(0.050)
+    assert table.calls()[2] == 16  # (counted all the same)
+    with pytest.raises(ValueError, match="quantile"):
+        LiveWidthCosts(FLAT_PROBE, quantile=1.5)

@@ -6,7 +6,8 @@ its own loopback IP (127.0.0.x), holding its slice of every layer and forming an
 and drafter and runs the one decode loop over a `TensorForward`, as a group's first member does.
 With `--link-delay-ms D` every rank is reached by the others only through the fault-injecting
 proxy (`skulkp2p/netfault.py`): each rank gets its own host file in which its own entry is its
-real listener and the others' are their proxy ports, so D delays every collective's every hop;
+real listener and the others' are their proxy ports, so D delays every collective's every hop,
+and rank 0's command link (each call's header) crosses a proxy of its own with the same delay;
 without it the ranks connect directly (the proxy's own hops cost ~1 ms per all-sum here).
 
 Where the time goes, per run: the bench's own compute (embedding, norm, head), rank 0's time per
@@ -67,6 +68,7 @@ class TensorBench:
         self.prefix_cache_mb = prefix_cache_mb  # each rank's slice (used by --agent's arms)
         self.ranks: list[Any] = []
         self.proxy: FaultProxy | None = None
+        self.command_proxy: FaultProxy | None = None  # the command link's, with a delay
         self._forwards: list[Any] = []
         self._bytes_seen = 0
         self._closed = False
@@ -115,14 +117,17 @@ class TensorBench:
             ips = ["127.0.0.1"] * self.nodes
         real = [f"{ip}:{free_port(ip)}" for ip in ips]
         via = list(real)
+        commands: list[list[str] | None] = [None] * self.nodes
         if self.delay_s > 0:  # without a delay the ranks connect directly (no proxy's hops)
             via = [f"{ip}:{free_port(ip)}" for ip in ips]
+            commands = self._open_command_proxy(ips)
         t0 = time.monotonic()
         for r in range(self.nodes):
             addrs = [real[j] if j == r else via[j] for j in range(self.nodes)]
             self.ranks.append(RankProcess(Path(path), r, addrs, self.dtype,
                                           label=f"bench rank {r}",
-                                          prefix_cache_mb=self.prefix_cache_mb))
+                                          prefix_cache_mb=self.prefix_cache_mb,
+                                          command_addrs=commands[r]))
         if self.delay_s > 0:
             self._open_proxy(ips, real, via)
         loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
@@ -148,6 +153,7 @@ class TensorBench:
             rank_compute_ms_one_row=round(self.compute_one_s * 1e3, 3),
             rank_compute_ms_per_more_row=round(self.compute_row_s * 1e3, 3),
             collectives_per_call=self.per_call_collectives,
+            command_link="through the delaying proxy" if self.command_proxy else "direct",
             setup_s=round(time.monotonic() - t0, 2))
         log.info("tensor-parallel group of %d ready (%.1f ms per hop, one all-sum %.0f us) in "
                  "%.1f s", self.nodes, self.delay_s * 1e3, self.allsum_s * 1e6,
@@ -177,6 +183,28 @@ class TensorBench:
             group_width_costs={str(w): c for w, c in relative_costs(seconds).items()},
             single_process_width_costs=None if before is None else {
                 str(w): c for w, c in sorted(before.items())})
+
+    def _open_command_proxy(self, ips: list[str]) -> list[list[str] | None]:
+        """The command link (engine/tensor_link.py: rank 0 sends each call's header to every
+        other rank over TCP) through a delaying proxy of its own, so that a delayed bench
+        delays every link a call crosses (before, the header went direct while the
+        collectives crossed the proxy); its own proxy so that its bytes are told apart
+        (`command_link_bytes`). Each other rank listens on a port of its own chosen here and
+        rank 0 dials that rank's proxy port; the proxy may listen at once, since rank 0 dials
+        only after an all-sum that every rank reaches listening. Returns each rank's
+        addresses (its own entry real, the others' through the proxy)."""
+        self.command_proxy = FaultProxy()
+        for src in {*ips, "127.0.0.1"}:
+            for dst in ips:
+                if src != dst:
+                    self.command_proxy.delay(src, dst, self.delay_s)
+        real = [f"{ip}:{free_port(ip)}" for ip in ips]
+        via = [f"{ip}:{free_port(ip)}" for ip in ips]
+        for r in range(1, len(ips)):
+            self.command_proxy.listen(ips[r], int(via[r].rsplit(":", 1)[1]),
+                                      int(real[r].rsplit(":", 1)[1]))
+        return [[real[j] if j == r else via[j] for j in range(len(ips))]
+                for r in range(len(ips))]
 
     def _open_proxy(self, ips: list[str], real: list[str], via: list[str]) -> None:
         """Each rank's proxy port opens once that rank listens: a rank that reached the proxy
@@ -264,6 +292,8 @@ class TensorBench:
                       * self.compute_row_s)
         coll = ranks - compute
         seen = sum(self.proxy.bytes.values()) if self.proxy else 0
+        if self.command_proxy is not None:
+            self.settings["command_link_bytes"] = sum(self.command_proxy.bytes.values())
         run = {"traversals": calls, "head_compute_s": round(head, 4),
                "ranks_s": round(ranks, 4), "collectives_est_s": round(coll, 4),
                "ranks_compute_est_s": round(compute, 4), "rows": rows,
@@ -304,8 +334,9 @@ class TensorBench:
         self._closed = True
         for rank in self.ranks:
             rank.kill()
-        if self.proxy is not None:
-            self.proxy.close()
+        for proxy in (self.proxy, self.command_proxy):
+            if proxy is not None:
+                proxy.close()
         atexit.unregister(self.close)
 
 

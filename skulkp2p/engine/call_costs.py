@@ -12,16 +12,38 @@ of the forward's own verify calls: the forward that runs them records each (`obs
 controllers read the table (it is a Mapping {w: relative cost}, as the static tables are), so
 the decode loop never learns where its forward runs or that it is being timed.
 
-Per width, the estimate is the median of the last `window` calls together with the probe's
-counted as `prior_calls` calls: one slow call (another process scheduled in) moves nothing,
-three calls of a width outvote the probe. Relative to its own minute: a call of w > 1 rows is
-kept as its seconds over the one-row estimate at the time it was made, and the table's w is the
-median of those ratios (times the one-row estimate now, for seconds). Kept in seconds, each
-width's median held calls of whatever minute that width was last called in: on the shared CPU
-the one-row calls came from a plain arm's last quiet minute (63 ms) and the four two-row calls
-from a spec arm's busy one (809 ms), so the table said w2 = 12.9x w1, the gates switched
-drafting off and, drafting no more wide calls, the table never learned otherwise (code-edit on
-the group drafted 14 tokens where one node drafted 80). Widths
+Per width, the estimate is the median of the last `window` (32) calls together with the probe's
+counted as `prior_calls` (3) calls: two slow calls (another process scheduled in) move nothing,
+four calls of a width outvote the probe. Relative to its own minute:
+a call of w > 1 rows is kept as its seconds over the one-row estimate at the time it was made,
+and the table's w is the median of those ratios (times the one-row estimate now, for seconds).
+Kept in seconds, each width's estimate held calls of whatever minute that width was last called
+in: on the shared CPU the one-row calls came from a plain arm's last quiet minute (63 ms) and
+the four two-row calls from a spec arm's busy one (809 ms), so the table said w2 = 12.9x w1, the
+gates switched drafting off and, drafting no more wide calls, the table never learned otherwise
+(code-edit on the group drafted 14 tokens where one node drafted 80).
+
+Why 32 calls and not 16, and why a wide width goes stale (session 11): load comes in bursts of
+a second or two in which every call costs 2-10x (the collectives wait for a core), and a spec
+arm's two-row MTP rounds are few. In a recorded code-edit bench 13 of the last 16 two-row calls
+fell in bursts, each priced against the one-row calls before it: w2 read 1.42-1.68x where quiet
+two-row calls cost 1.05-1.15x, the MTP head's gate (33% acceptance at depth 1 pays only while
+w2 < ~1.3) switched it off for the request, and, no two-row call coming to correct it, at
+token 0 in the next ones: on the quiet machine of session 10 the group's code-edit drafted
+58-67 tokens for 24-25 accepted where one node drafted 80 for 31 (README, "Tensor-parallel
+placements"). Replayed on those calls, the median of 32 stays at or below 1.15x. And a wide
+width's calls are forgotten once `stale_calls` calls of more than one row (any width) came
+after them, so a width that the gates stopped drafting (the MTP head off at token 0 in every
+later request, while lookup still drafts wider calls) falls back to its neighbours' and the
+probe's estimate instead of staying dear for good. Counted in wide calls, not all calls: a
+plain request's one-row calls say nothing about a wide width (counted in all calls, a spec
+run's two-row calls went stale across the next plain run, leaving a burst's few calls to
+decide). One-row calls, the reference of every ratio, never go stale. (A low quantile instead
+of the median, tried: against a one-row reference taken the same way it priced wide calls
+steeper on a loaded machine, w4 4.7x and w16 9.3x at load 7, since the many one-row calls
+find the quiet moments the few wide ones do not.)
+
+Widths
 with no call yet are interpolated between the observed ones; past the widest observed, each row
 more costs what the observed rows cost on average (the line through (1, 1) and the widest
 observed), never less than the probe said. Finally each width costs at least every narrower one
@@ -32,7 +54,6 @@ No mlx here: plain numbers, so the tests feed recorded call times.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections import deque
@@ -42,12 +63,33 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from skulkp2p.engine.protocol import VerifyCosts
 
-# The last this many calls of a width make its estimate (with the probe's prior).
-WINDOW = 16
-# The probe's time weighs as much as this many calls: a single call moves nothing, three do.
-PRIOR_CALLS = 2
+# The last this many calls of a width make its estimate (with the probe's prior). 32, not 16:
+# replaying a code-edit bench's calls (README), a window of 16 two-row calls held 13 from bursts
+# and w2 read 1.68; with 32 it stayed at or below 1.15 (quiet two-row calls: 1.05-1.15x).
+WINDOW = 32
+# The probe's time weighs as much as this many calls: two calls move nothing, four outvote it.
+# 3, not 2 (session 11): with 2, the median of the probe's two and two calls is their midpoint,
+# and at load 4-7 the first two two-row calls (the warm-up's and echo's, in bursts) set w2 to
+# 1.58x, which switched the MTP head off at token 0 in every later request, so that no two-row
+# call came to correct it. The probe (every width interleaved, back to back) is the cleanest
+# relative measurement the group has.
+PRIOR_CALLS = 3
+# Which quantile of a width's calls is its estimate (0.5: the median; module docstring).
+QUANTILE = 0.5
+# A wide width's calls are forgotten once this many calls of more than one row came after them
+# (about ten requests drafting only lookup's copies; three or four drafting on most rounds).
+STALE_CALLS = 128
 # Calls wider than this are not verify rounds (a prefill chunk): not recorded.
 MAX_WIDTH = 64
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile of values, linear between the order statistics (q = 0.5: the median)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _interp(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
@@ -61,7 +103,8 @@ class LiveWidthCosts(Mapping[int, float]):
 
     def __init__(self, seed_seconds: Mapping[int, float], *, window: int = WINDOW,
                  prior_calls: int = PRIOR_CALLS, max_width: int = MAX_WIDTH,
-                 where: str = ""):
+                 where: str = "", quantile: float = QUANTILE,
+                 stale_calls: int = STALE_CALLS):
         seed = {int(w): float(s) for w, s in seed_seconds.items()}
         if 1 not in seed:
             raise ValueError("the seed needs the time of a one-row call (width 1)")
@@ -69,6 +112,11 @@ class LiveWidthCosts(Mapping[int, float]):
             raise ValueError(f"seed seconds must be positive at widths >= 1: {seed}")
         if window < 1 or prior_calls < 0:
             raise ValueError("window must be >= 1 and prior_calls >= 0")
+        if not 0.0 <= quantile <= 1.0 or stale_calls < 1:
+            raise ValueError("quantile must be in [0, 1] and stale_calls >= 1")
+        self.quantile = quantile
+        self.stale_calls = stale_calls
+        self._wide_seen = 0  # calls of more than one row observed: the age of a kept call
         self.seed = dict(sorted(seed.items()))
         self.window = window
         self.prior_calls = prior_calls
@@ -76,7 +124,7 @@ class LiveWidthCosts(Mapping[int, float]):
         self.where = where
         self.seeded_at = time.time()
         self.updated_at = self.seeded_at  # Unix time of the last observed call
-        self._calls: dict[int, deque[float]] = {}
+        self._calls: dict[int, deque[tuple[int, float]]] = {}  # (_wide_seen then, value)
         self._count: dict[int, int] = {}  # calls observed per width, all time
         self._lock = threading.Lock()
         self._seconds, self._relative = self._estimate()
@@ -105,8 +153,10 @@ class LiveWidthCosts(Mapping[int, float]):
         with self._lock:
             # A wide call is kept as its cost relative to the one-row calls of its own minute
             # (the one-row estimate now), not in seconds: see "Relative to its own minute".
-            value = float(seconds) if width == 1 else float(seconds) / self._median(1)
-            self._calls.setdefault(width, deque(maxlen=self.window)).append(value)
+            value = float(seconds) if width == 1 else float(seconds) / self._typical(1)
+            self._wide_seen += width > 1
+            self._calls.setdefault(width, deque(maxlen=self.window)).append(
+                (self._wide_seen, value))
             self._count[width] = self._count.get(width, 0) + 1
             self.updated_at = time.time()
             self._seconds, self._relative = self._estimate()
@@ -149,17 +199,22 @@ class LiveWidthCosts(Mapping[int, float]):
         lo = max(w for w in ws if w < width)
         return _interp(width, lo, self.seed[lo], hi, self.seed[hi])
 
-    def _median(self, width: int) -> float:
-        """Width 1: the median of its last calls' seconds with the probe's; a wider width: the
-        median of its calls' costs relative to one row (each against the one-row estimate when
-        it was made) with the probe's relative cost."""
-        calls = list(self._calls.get(width, ()))
+    def _recent(self, width: int) -> list[float]:
+        """The width's kept calls that are not stale (one-row calls never are)."""
+        return [v for at, v in self._calls.get(width, ())
+                if width == 1 or self._wide_seen - at < self.stale_calls]
+
+    def _typical(self, width: int) -> float:
+        """Width 1: the median (`quantile`) of its last calls' seconds; a wider width: of its
+        calls' costs relative to one row (each against the one-row estimate when it was made);
+        the probe's value counted as `prior_calls` calls."""
         prior = self._seed_at(width) / (self.seed[1] if width > 1 else 1.0)
-        return statistics.median([prior] * self.prior_calls + calls)
+        return _quantile([prior] * self.prior_calls + self._recent(width), self.quantile)
 
     def _estimate(self) -> tuple[dict[int, float], dict[int, float]]:
-        one = self._median(1)
-        rel_obs = {1: 1.0, **{w: self._median(w) for w in sorted(self._calls) if w > 1}}
+        one = self._typical(1)
+        rel_obs = {1: 1.0, **{w: self._typical(w) for w in sorted(self._calls)
+                              if w > 1 and self._recent(w)}}
         seed_one = self.seed[1]
         widths = sorted(set(self.seed) | set(rel_obs))
         obs_ws = sorted(rel_obs)

@@ -64,7 +64,10 @@ class RankProcess:
     stdout (frames) and ended by pid."""
 
     def __init__(self, model_path: Path | str, rank: int, addrs: list[str], dtype: str,
-                 label: str = "", prefix_cache_mb: float = 0.0):
+                 label: str = "", prefix_cache_mb: float = 0.0,
+                 command_addrs: list[str] | None = None):
+        """`command_addrs`: where the command link listens and dials (tensor_link.CommandLink:
+        a bench's delaying proxy); default ephemeral ports."""
         from skulkp2p.engine.tensor_rank import write_hostfile
 
         self.rank = rank
@@ -78,6 +81,8 @@ class RankProcess:
         cmd = [sys.executable, "-m", "skulkp2p.engine.tensor_rank", "--model", str(model_path),
                "--rank", str(rank), "--size", str(self.size), "--hostfile", str(hostfile),
                "--dtype", dtype, "--prefix-cache-mb", str(max(0.0, prefix_cache_mb))]
+        if command_addrs:
+            cmd += ["--command-addrs", ",".join(command_addrs)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, preexec_fn=_die_with_parent)
         self.pid = self.proc.pid

@@ -124,25 +124,38 @@ class CommandLink:
         self.conns = conns  # rank 0: one per other rank, in rank order; others: [rank 0's]
 
     @classmethod
-    def open(cls, group: Any, rank: int, size: int, hosts: list[str]) -> CommandLink:
+    def open(cls, group: Any, rank: int, size: int, hosts: list[str],
+             addrs: list[str] | None = None) -> CommandLink:
         """Set up over the group: every other rank listens on its own host, the ports are
-        all-summed, rank 0 connects to each (each other rank accepts exactly one)."""
+        all-summed, rank 0 connects to each (each other rank accepts exactly one).
+
+        `addrs` ("ip:port" per rank, as this rank sees them, like its host file): every other
+        rank listens on its own entry and rank 0 connects to theirs, so that a bench can put
+        the link behind its delaying proxy (each rank's own entry its real port, the others'
+        their proxy ports); the all-sum is then only the barrier that has every rank listen
+        before rank 0 connects. Without it, ephemeral ports (a cluster's groups)."""
         import mlx.core as mx
 
+        if addrs is not None and len(addrs) != size:
+            raise ValueError(f"command addresses: {len(addrs)} for a group of {size}")
         server = None
         port = 0
         if rank != 0:
-            server = socket.create_server((hosts[rank], 0))
+            host, want = ((hosts[rank], 0) if addrs is None
+                          else (addrs[rank].rsplit(":", 1)[0], int(addrs[rank].rsplit(":", 1)[1])))
+            server = socket.create_server((host, want))
             server.settimeout(ACCEPT_TIMEOUT_S)
             port = server.getsockname()[1]
         ports = mx.zeros((size,), dtype=mx.int32)
         ports[rank] = port
         got = [int(p) for p in mx.distributed.all_sum(ports, group=group).tolist()]
+        dial = [(hosts[r], got[r]) for r in range(size)] if addrs is None else [
+            (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs]
         conns: list[socket.socket] = []
         try:
             if rank == 0:
                 for r in range(1, size):
-                    c = socket.create_connection((hosts[r], got[r]), timeout=ACCEPT_TIMEOUT_S)
+                    c = socket.create_connection(dial[r], timeout=ACCEPT_TIMEOUT_S)
                     conns.append(c)
             else:
                 assert server is not None

@@ -103,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostfile", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0)
+    ap.add_argument("--command-addrs", default="",
+                    help="ip:port per rank, comma-separated, for the command link (this rank's "
+                         "own entry: where it listens; the others': where rank 0 dials); "
+                         "default: ephemeral ports")
     args = ap.parse_args(argv)
     os.environ["MLX_RANK"] = str(args.rank)
     os.environ["MLX_HOSTFILE"] = args.hostfile
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_rank_model(Path(args.model), args.rank, args.size, group, args.dtype)
         # Everyone loaded: one collective before saying so.
         mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))
-        link = CommandLink.open(group, args.rank, args.size, hosts_of(Path(args.hostfile)))
+        link = CommandLink.open(group, args.rank, args.size, hosts_of(Path(args.hostfile)),
+                                args.command_addrs.split(",") if args.command_addrs else None)
     except AgreementError as e:  # not worth forming again: the node says why and waits
         write_frame(out, {"op": "error", "kind": "agreement", "error": str(e)})
         return 1
