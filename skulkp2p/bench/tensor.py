@@ -99,7 +99,7 @@ class TensorBench:
             raise
 
     def _open(self) -> LoadedModel:
-        from skulkp2p.cluster.node import model_spec
+        from skulkp2p.cluster.facts import model_spec
         from skulkp2p.engine.loader import open_model
         from skulkp2p.engine.tensor import RankProcess, TensorError
         from skulkp2p.engine.tensor_shard import ShardError, plan_shards
