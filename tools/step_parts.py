@@ -18,7 +18,9 @@ the shapes are not): `-sdpa` (attention's products and softmax: queries go strai
 `-mask` (attention without its mask), `-rope`, `-write` (the cache write: the keys come from the
 buffer as they are). The difference to the whole step is what that part costs in it. `ops`: the
 primitives in the step's graph (mx.export_to_dot, nodes), and `build`: the Python that builds it
-(the forward's call, without its evaluation).
+(the forward's call, without its evaluation). Last, the floors (`_floors`): the weight
+products alone for 1 and 4 token rows, and the attention alone for a solo step, a 4-token verify
+and a 4-row step.
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ def main() -> None:
         "solo": run_solo(1), "verify4": run_solo(4), "batch1": run_batch("batch1"),
         "batch4": run_batch("batch4"), "batch4eq": run_batch("batch4eq"),
         "batch4/own-rope": run_batch("batch4", share_rope=False)}
+    cells.update(_floors(lm, lengths, mean, mx))
     ablations = [a for a in args.ablations.split(",") if a]
     for a in ablations:
         for base in ("solo", "batch4"):
@@ -191,6 +194,63 @@ def main() -> None:
     _graph(lm, solo, batches["batch4"], mx)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _floors(lm: Any, lengths: list[int], mean: int, mx: Any) -> dict[str, Callable[[], float]]:
+    """What the step cannot go below on this CPU, each part alone over the model's real shapes:
+    `weights1`/`weights4`: every layer's weight products and the head for 1 and 4 token rows
+    (OpenBLAS, the weights read once per call); `attn1`, `attn1x4`, `attn4`: 30 layers'
+    attention (mx.fast.scaled_dot_product_attention) for one query over one cache, 4 queries
+    over one cache (a verify) and one query over each of 4 caches (a 4-row step, keys padded
+    to the longest row, masked)."""
+    from skulkp2p.engine.trunk import Trunk
+
+    trunk = Trunk(lm.model)
+    weights = []
+    for layer in trunk.body.layers:
+        a, f = layer.self_attn, layer.mlp
+        weights += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                    f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight]
+    head = trunk.body.embed_tokens.weight if trunk.tied else trunk.text.lm_head.weight
+    weights.append(head)
+
+    def products(m: int) -> Callable[[], float]:
+        xs = {w.shape[1]: mx.ones((m, w.shape[1])) for w in weights}
+        mx.eval(list(xs.values()))
+
+        def go() -> float:
+            out = [xs[w.shape[1]] @ w.T for w in weights]
+            t0 = time.perf_counter()
+            mx.eval(out)
+            return time.perf_counter() - t0
+        return go
+
+    attn = trunk.body.layers[0].self_attn
+    heads, kv = attn.n_heads, attn.n_kv_heads
+    dim = attn.q_proj.weight.shape[0] // heads
+    layers = len(trunk.body.layers)
+    end = max(lengths) + 1
+
+    def attention(rows: int, width: int, keys: int, masked: bool) -> Callable[[], float]:
+        k = [mx.random.normal((rows, kv, keys, dim)) for _ in range(2 * layers)]
+        q = mx.random.normal((rows, heads, width, dim))
+        lens = mx.array(lengths if rows > 1 else [keys - width])
+        mask = (mx.arange(keys)[None, None, None, :]
+                <= lens[:, None, None, None] + mx.arange(width)[None, None, :, None])
+        mx.eval(k, q, mask)
+
+        def go() -> float:
+            out = [mx.fast.scaled_dot_product_attention(
+                q, k[2 * i], k[2 * i + 1], scale=dim ** -0.5, mask=mask if masked else None)
+                for i in range(layers)]
+            t0 = time.perf_counter()
+            mx.eval(out)
+            return time.perf_counter() - t0
+        return go
+
+    return {"weights1": products(1), "weights4": products(4),
+            "attn1": attention(1, 1, mean + 1, False), "attn1x4": attention(1, 4, mean + 4, True),
+            "attn4": attention(len(lengths), 1, end, True)}
 
 
 def _with(ablation: str, fn: Callable[[], float]) -> float:
@@ -230,7 +290,10 @@ def _graph(lm: Any, solo: Any, batch4: tuple[Any, list[Any]], mx: Any) -> None:
         print(f"  graph {name}: {sum(ops.values())} primitives, built in "
               f"{1000 * built:.2f} ms; most: "
               + ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
-        del out  # never evaluated: the caches' buffers were not written
+        del out
+        # The caches' writes evaluated (at the rows' lengths: masked, overwritten by the next
+        # step), so that the next build's graph does not hold this one's.
+        mx.eval([a for c in sched.layers for a in c.arrays()])
 
 
 if __name__ == "__main__":
