@@ -50,6 +50,7 @@ A ring's rows always run through the batch (their forward is the traversal).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -68,6 +69,7 @@ from skulkp2p.engine.head_batch import HeadRows
 from skulkp2p.engine.packed import packed_rows, packs_mlps, step_packing
 from skulkp2p.engine.ring_frames import RingError
 from skulkp2p.engine.stage import StageModel
+from skulkp2p.engine.step_rope import shared_ropes
 from skulkp2p.engine.ticket_lock import TicketLock
 from skulkp2p.engine.tree import tree_capable, tree_inputs, validate_parents
 
@@ -213,6 +215,9 @@ class BatchScheduler:
         self.mixed_chunk = MIXED_PREFILL_CHUNK  # 0: prompts never prefill inside steps
         self.mixed_steps = 0  # steps that carried a joining prompt's chunk
         self.mixed_tokens = 0  # prompt tokens prefilled inside steps
+        # Batched forwards rotate from one table of sines and cosines per forward, not one per
+        # layer and projection (engine/step_rope.py); False: each layer's own rope (A/B).
+        self.share_rope = True
 
     @property
     def packing(self) -> StepPacking | None:
@@ -385,8 +390,9 @@ class BatchScheduler:
                 layer.begin_step(widths)  # the padding must not reach a row's state
         tokens = [c.tokens + [c.tokens[-1]] * (width - len(c.tokens)) for c in group]
         packed = packed_rows(widths) if self.pack_ragged else None
-        _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden,
-                                   packed=packed)
+        with self._ropes():
+            _, h = self.stage.run_rows(mx.array(tokens), layers, logits=False, hidden=hidden,
+                                       packed=packed)
         self.packed_prefills += packed is not None
         out = []
         for i, (c, n, w) in enumerate(zip(group, lengths, widths, strict=True)):
@@ -396,6 +402,12 @@ class BatchScheduler:
             out += [a for single in c.row.local.cache for a in single.state]
             out += [] if c.hidden is None else [c.hidden]
         mx.eval(out)  # here: other rows' threads read these (see _step)
+
+    def _ropes(self) -> contextlib.AbstractContextManager[None]:
+        """One batched forward's ropes: from one shared table (engine/step_rope.py)."""
+        if not self.share_rope:
+            return contextlib.nullcontext()
+        return shared_ropes(list(self.stage.trunk.body.layers))
 
     def _step(self) -> None:
         rows = self.active
@@ -430,7 +442,7 @@ class BatchScheduler:
             # takes the thread count a prefill of that many tokens learned.
             mixed = packed is not None and packed.attention
             with blas_threads.waited(packed.tokens if mixed else width * len(rows),  # type: ignore
-                                     "forward" if mixed else "batch"):
+                                     "forward" if mixed else "batch"), self._ropes():
                 if self.through is not None:  # the layers before this stage: one traversal
                     x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
                                               [r.submitted for r in rows],  # type: ignore[misc]
