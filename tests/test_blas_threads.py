@@ -180,6 +180,34 @@ def test_a_second_thread_running_forwards_means_one_thread() -> None:
     assert forward(policy, clock, 1, 0.04) == 2
 
 
+def test_forwards_of_one_owner_from_several_threads_may_run_wide() -> None:
+    """A batch scheduler's steps are run by whichever row's thread holds its lock: they never
+    overlap, so they count as one owner's and keep two threads; a forward of another owner (or
+    of no owner: its thread) in between is shared, and narrow."""
+    policy, blas, clock = make()
+    sched, other_model = object(), object()
+    cost = {1: 0.050, 2: 0.040}
+    for _ in range(2 * bt.BASELINE):
+        with policy.waited(4, "batch", owner=sched):
+            clock.t += cost[blas.get()]
+
+    def batch_step(owner: object) -> int:
+        with policy.waited(4, "batch", owner=owner):
+            clock.t += 0.04
+            return blas.get()
+
+    seen: list[int] = []
+    for _ in range(3):  # three row threads take turns running the scheduler's steps
+        t = threading.Thread(target=lambda: seen.append(batch_step(sched)))
+        t.start()
+        t.join(timeout=30)
+    assert seen == [2, 2, 2]
+    assert policy.counters.shared == 0
+    assert batch_step(other_model) == 1  # another model's forward: shared, narrow
+    assert batch_step(sched) == 1  # and the scheduler's, while they overlap
+    assert policy.counters.shared == 2
+
+
 def test_pipelined_steps_time_their_intervals() -> None:
     policy, blas, clock = make()
     interval = {1: 0.050, 2: 0.045}
@@ -460,3 +488,25 @@ def test_busy_machine_keeps_one_thread(smollm2_path):
     assert counts.count(p["wide"]) <= 4, p
     assert report["policy"]["busy"] > 0
     assert report["spec"] == report["plain"] == report["reference"]
+
+
+def test_a_batch_of_requests_counts_as_one_owner(tiny_models, monkeypatch) -> None:
+    """Four requests decoded together on the batching engine (each on its own thread, steps
+    run by whichever holds the lock): the policy never sees a shared forward, so a quiet node
+    may run the batch's steps on two threads; outputs as served alone."""
+    from skulkp2p.engine.mlx_engine import MlxEngine
+    from tests.helpers.batch import loaded, requests, solo, together
+
+    policy, blas, clock = make()
+    monkeypatch.setattr(bt, "_policy", policy)
+    model = loaded(tiny_models["llama"])
+    reqs = requests({}, "off")
+    alone = solo(MlxEngine(model, max_batch=1), reqs)
+    policy.counters = bt.Counters()
+    clock.t += bt.SHARED_HOLD_S + 1  # the solo run's thread is long idle
+    engine = MlxEngine(model, max_batch=4)
+    batched = together(engine, reqs)
+    assert engine.scheduler.steps > 0
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert policy.counters.shared == 0
+    assert sum(policy.counters.forwards.values()) > engine.scheduler.steps

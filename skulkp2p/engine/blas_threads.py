@@ -24,7 +24,8 @@ forward only while it pays, and the forward calls it without knowing what it dec
 The count only changes between forwards, after ``mx.synchronize()`` (nothing of mlx's is then
 in a BLAS call), and only while one thread runs forwards: a second thread's forward (a server
 running two requests' forwards side by side) pins one thread until it has been idle for
-``SHARED_HOLD_S``.
+``SHARED_HOLD_S``. A batch scheduler's forwards count as one thread's (its rows' threads take
+turns running its steps under its lock, so they never overlap): a batched step may run wide.
 
 ``SKULKP2P_BLAS_THREADS``: ``auto`` (default: the policy above), or a number (every forward
 runs with that many threads; ``1`` is what the engine ran before this policy).
@@ -287,9 +288,12 @@ class ThreadPolicy:
 
     # ---------------------------------------------------------------- deciding
 
-    def _note_thread(self, now: float) -> None:
-        """A forward from another thread than the last one's, within SHARED_HOLD_S: shared."""
-        me = threading.get_ident()
+    def _note_thread(self, now: float, owner: object | None) -> None:
+        """A forward from another thread than the last one's, within SHARED_HOLD_S: shared.
+        `owner`: forwards that can never overlap (a batch scheduler's steps, which its rows'
+        threads take in turns under its lock) count as one thread's, whichever thread runs
+        them."""
+        me = threading.get_ident() if owner is None else id(owner)
         if self._owner is not None and self._owner != me and \
                 now - self._owner_seen < SHARED_HOLD_S:
             self._shared_until = now + SHARED_HOLD_S
@@ -321,7 +325,8 @@ class ThreadPolicy:
         other = self.narrow if best == self.wide else self.wide
         return other if t.calls % explore_every == 0 else best
 
-    def _decide(self, key: Any, baseline: int, explore_every: int) -> int:
+    def _decide(self, key: Any, baseline: int, explore_every: int,
+                owner: object | None = None) -> int:
         if self._pinned is not None:
             return self._pinned
         if self.fixed is not None:
@@ -331,7 +336,7 @@ class ThreadPolicy:
         t = self.timings.setdefault(key, Timings())
         t.calls += 1
         now = self._clock()
-        self._note_thread(now)
+        self._note_thread(now, owner)
         choice = self._choose(t, baseline, explore_every)
         if choice != self.narrow and self._narrow_because(now):
             return self.narrow
@@ -353,11 +358,13 @@ class ThreadPolicy:
     # ---------------------------------------------------------------- the forward's calls
 
     @contextmanager
-    def waited(self, width: int, kind: str = "forward") -> Iterator[None]:
-        """Around a forward of ``width`` tokens that the calling thread evaluates and waits for."""
+    def waited(self, width: int, kind: str = "forward", owner: object | None = None
+               ) -> Iterator[None]:
+        """Around a forward of ``width`` tokens that the calling thread evaluates and waits for
+        (`owner`: see _note_thread)."""
         key = (kind, width_class(width))
         with self._lock:
-            n = self._decide(key, BASELINE, EXPLORE_EVERY)
+            n = self._decide(key, BASELINE, EXPLORE_EVERY, owner)
             self._use(n)
             self._step_last = None  # the next step's interval would include this forward
         start = self._clock()
@@ -367,8 +374,9 @@ class ThreadPolicy:
             with self._lock:
                 self._observe(key, n, elapsed)
 
-    def step(self) -> None:
-        """Before building a pipelined one-token step (the previous one may still be running)."""
+    def step(self, owner: object | None = None) -> None:
+        """Before building a pipelined one-token step (the previous one may still be running;
+        `owner`: see _note_thread)."""
         key = ("step", 1)
         with self._lock:
             now = self._clock()
@@ -376,7 +384,7 @@ class ThreadPolicy:
             if last is not None and last[1] == self.current and self._pinned is None \
                     and self.fixed is None:
                 self._observe(key, self.current, now - last[0])
-            n = self._decide(key, STEP_BASELINE, STEP_EXPLORE_EVERY)
+            n = self._decide(key, STEP_BASELINE, STEP_EXPLORE_EVERY, owner)
             switched = n != self.current
             self._use(n)
             # An interval that began before a switch (a drained pipeline) times neither count.
@@ -413,21 +421,23 @@ def _make() -> ThreadPolicy | None:
 
 
 @contextmanager
-def waited(width: int, kind: str = "forward") -> Iterator[None]:
-    """Around a forward the calling thread waits for (no-op without OpenBLAS)."""
+def waited(width: int, kind: str = "forward", owner: object | None = None) -> Iterator[None]:
+    """Around a forward the calling thread waits for (no-op without OpenBLAS). `owner`: the
+    object whose forwards never overlap, whichever thread runs them (ThreadPolicy._note_thread);
+    None: the calling thread."""
     p = policy()
     if p is None:
         yield
         return
-    with p.waited(width, kind):
+    with p.waited(width, kind, owner):
         yield
 
 
-def step() -> None:
-    """Before a pipelined step is built (no-op without OpenBLAS)."""
+def step(owner: object | None = None) -> None:
+    """Before a pipelined step is built (no-op without OpenBLAS; `owner` as for waited)."""
     p = policy()
     if p is not None:
-        p.step()
+        p.step(owner)
 
 
 @contextmanager

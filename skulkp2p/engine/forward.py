@@ -53,6 +53,9 @@ class StageCache:
         self._inputs: Any = None
         self._tree_start = 0  # where the last tree verify wrote its node 0
         self._tree: list[int] | None = None  # that tree's parents, until its path is kept
+        # Whose forwards these are for the OpenBLAS thread policy (blas_threads.waited): None,
+        # the calling thread; a batch scheduler sets itself (its rows' forwards never overlap).
+        self.owner: object | None = None
 
     def reset(self) -> None:
         self.cache = make_prompt_cache(self.stage.model)
@@ -78,7 +81,7 @@ class StageCache:
                 raise ValueError(f"a tree of {len(tree)} parents for {width} inputs")
             self._tree_start = self.cache[0].offset
             self._tree = list(tree)
-            with blas_threads.waited(width):
+            with blas_threads.waited(width, owner=self.owner):
                 out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
                 mx.eval([a for a in (out, h) if a is not None])
             return out, h
@@ -86,7 +89,7 @@ class StageCache:
             self._snapshot = caches.snapshot(self.cache, width)
             self._inputs = x
         # The OpenBLAS thread count for this forward (blas_threads.py): this thread waits on it.
-        with blas_threads.waited(width):
+        with blas_threads.waited(width, owner=self.owner):
             out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
             results = [a for a in (out, h) if a is not None]
             # A call with nothing to return (prefill) still evaluates its caches now, chunk by

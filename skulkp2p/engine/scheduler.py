@@ -437,12 +437,14 @@ class BatchScheduler:
         for layer in self.recurrent:
             layer.begin_step(widths)
         try:
-            # The OpenBLAS thread count (blas_threads.py): rows' threads take turns here.
+            # The OpenBLAS thread count (blas_threads.py): rows' threads take turns here, so
+            # the steps count as one owner's (never overlapping) and may run wide.
             # A mixed step's work is its real tokens (packed: a prefill's, compute-bound): it
             # takes the thread count a prefill of that many tokens learned.
             mixed = packed is not None and packed.attention
             with blas_threads.waited(packed.tokens if mixed else width * len(rows),  # type: ignore
-                                     "forward" if mixed else "batch"), self._ropes():
+                                     "forward" if mixed else "batch", owner=self), \
+                    self._ropes():
                 if self.through is not None:  # the layers before this stage: one traversal
                     x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
                                               [r.submitted for r in rows],  # type: ignore[misc]
@@ -528,6 +530,7 @@ class RowForward:
         self.ring = ring  # the request's own link to the ring's other stages, on a ring
         # The prompt's caches until the row joins (on a ring, its RingForward's: it prefills).
         self.local = ring.local if ring is not None else StageCache(scheduler.stage)
+        self.local.owner = scheduler  # its forwards run in turns with the batch's (the lock)
         self.last_hidden: mx.array | None = None
         self.submitted: list[int] | None = None
         self.submitted_tree: list[int] | None = None  # the submitted tokens' parents, a tree
@@ -579,6 +582,7 @@ class RowForward:
             return singles
         # Tokens waiting to run again at the front of the next step: run them on the copies.
         held = StageCache(self.scheduler.stage)
+        held.owner = self.scheduler
         held.adopt(singles)
         held.run(self.replay, verify=False)
         return held.cache
@@ -619,7 +623,7 @@ class RowForward:
         sched = self.scheduler
         sched.ahead = self
         sched.lazy_steps += 1
-        blas_threads.step()  # the OpenBLAS thread count for pipelined steps (blas_threads.py)
+        blas_threads.step(owner=sched)  # the OpenBLAS thread count (blas_threads.py)
         return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
 
     def end_run_ahead(self) -> None:
