@@ -345,6 +345,7 @@ class MtpDrafter:
         `catch_up` can bring its cache in step in one call when it is needed again (the
         prefix cache keeps it at the end of the request)."""
         verified = self._verified(accepted, emitted, forward)
+        self._ahead = None  # (its context bias saw fewer tokens than the next draft's)
         self._leave_batch()  # (a head off for good costs the batch's head forwards nothing)
         self._lagging.append(verified)
 
