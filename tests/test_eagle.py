@@ -330,3 +330,59 @@ def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
             out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
                                               "speculation": spec}))
             assert out["tokens"] == ref, spec
+
+
+def test_head_starts_its_draft_early_only_where_lookup_has_none(eagle_llama, monkeypatch):
+    """auto (lookup beside the head): after a round that leaves lookup without a match, the
+    head's next draft is started asynchronously (MtpDrafter.prefetch, from
+    gates.LookupThenModel); after one where lookup will draft, nothing of the head runs. Every
+    head draft of the run found its draft started early, the drafts are those of a run
+    without the early start (same ops), and greedy output is plain decoding's."""
+    from skulkp2p.engine.generate import _choose_drafter
+    from skulkp2p.engine.request import parse_request
+
+    base, sidecar, _ = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    words = "the gate and the river and the gate of the river"
+    prompt = lm.tokenizer.encode(TEXT + " " + words + " " + words)
+    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 24, make_rng(0)))
+
+    def run(early: bool) -> tuple[list[int], list[tuple[bool, bool, bool, list[int]]],
+                                  DecodeStats]:
+        if not early:
+            monkeypatch.setattr(MtpDrafter, "prefetch", lambda self: None)
+        req = parse_request({"prompt": TEXT, "max_tokens": 24})
+        auto, depth, hidden = _choose_drafter(lm, req, prompt)
+        head = auto.model.inner
+        # per round: (the head may draft, lookup offers a draft, head's draft started, drafts)
+        rounds: list[tuple[bool, bool, bool, list[int]]] = []
+        propose = auto.propose_tree
+
+        def recorded(history, k):
+            offers = auto.lookup.on and auto.lookup.inner.offers_draft()
+            started = head._ahead is not None
+            on = auto.model.on
+            tree = propose(history, k)
+            rounds.append((on, offers, started, [] if tree is None else tree.tokens))
+            return tree
+
+        monkeypatch.setattr(auto, "propose_tree", recorded)
+        stats = DecodeStats()
+        out = list(decode(LocalForward(lm.model, hidden=hidden), prompt, SamplingParams(), 24,
+                          make_rng(0), auto, depth, stats))
+        monkeypatch.undo()
+        return out, rounds, stats
+
+    out, rounds, stats = run(early=True)
+    late_out, late_rounds, late_stats = run(early=False)
+    assert out == late_out == plain
+    assert [r[3] for r in rounds] == [r[3] for r in late_rounds]  # the same drafts
+    assert (stats.drafted, stats.accepted) == (late_stats.drafted, late_stats.accepted)
+    # Started early exactly after the rounds that left lookup with nothing while the head was
+    # on (the first round follows the prefill, not a round); never where lookup drafts.
+    for on, offers, started, _ in rounds[1:]:
+        assert started == (on and not offers)
+    assert not any(started for _, _, started, _ in late_rounds)
+    # Not vacuous: lookup drafted some rounds, and the head drafted some from an early start.
+    assert any(offers and drafts for _, offers, _, drafts in rounds)
+    assert any(started and drafts for _, _, started, drafts in rounds)

@@ -88,7 +88,8 @@ def _instrument(timers: Timers) -> None:
 
     def inner_part(gated: Any, part: str) -> None:
         inner = gated.inner if isinstance(gated, GatedDrafter) else gated
-        for name in ("propose", "observe", "follow", "propose_branches"):
+        # (prefetch: an MTP head's early start of its next draft, gates.LookupThenModel)
+        for name in ("propose", "observe", "follow", "propose_branches", "prefetch"):
             if hasattr(inner, name):
                 setattr(inner, name, timers.wrap(part, getattr(inner, name)))
 

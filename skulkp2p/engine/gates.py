@@ -463,6 +463,7 @@ class LookupThenModel:
         self.model = model
         self.name = f"lookup+{model.name}"
         self._source: GatedDrafter | None = None  # who drafted the round being verified
+        self.prefetch_calls = 0  # rounds after which the model drafter started its draft early
 
     @property
     def events(self) -> list[dict]:
@@ -521,9 +522,11 @@ class LookupThenModel:
         if source is self.model:
             self.model.observe_tree(tree, path, emitted, forward)
             self.lookup.observe(0, 0, emitted, forward)  # may bring lookup back on
+            self._prefetch()
             return
         self.lookup.observe_tree(tree, path, emitted, forward)
         self.model.follow(len(path), emitted, forward)
+        self._prefetch()
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
         source, self._source = self._source, None
@@ -533,6 +536,21 @@ class LookupThenModel:
         else:  # the model drafted, or nobody did (a plain step): the model observes it
             self.model.observe(drafted, accepted, emitted, forward)
             self.lookup.observe(0, 0, emitted, forward)  # may bring lookup back on
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        """After a round: when lookup will have no draft for the next one, the model drafter
+        will be asked, so let it start its draft now (an MTP head's `prefetch`: its evaluation
+        then overlaps the loop's Python between rounds instead of following it). Where lookup
+        drafts, the head's rows stay unevaluated until a round needs them, as before."""
+        prefetch = getattr(self.model.inner, "prefetch", None)
+        if prefetch is None or not self.model.on:
+            return
+        offers = getattr(self.lookup.inner, "offers_draft", None)
+        if self.lookup.on and (offers is None or offers()):
+            return
+        self.prefetch_calls += 1
+        prefetch()
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {g.name: {"rounds": g.rounds, "drafted": g.drafted, "accepted": g.accepted}

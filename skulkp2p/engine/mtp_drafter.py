@@ -80,6 +80,8 @@ class MtpDrafter:
         self._cache: KVCache = head.make_cache()  # the head's rows while not in a batch
         self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
         self._next_token: int | None = None  # argmax of _next's logits, when already known
+        # (the biased logits row of _next, its argmax): started early by `prefetch`, unread
+        self._ahead: tuple[mx.array, mx.array] | None = None
         # In a batch: the batch's head rows, this row's key there, and its head call handed
         # in whose results become _next once read.
         self._rows: HeadRows | None = None
@@ -130,6 +132,7 @@ class MtpDrafter:
     def _append(self, hidden: mx.array, tokens: list[int]) -> None:
         self.last_hidden_row = hidden[-1]
         self._next_token = None
+        self._ahead = None
         if self._rows is not None:  # handed in: runs with the other rows' calls
             self._next = None
             self._call = self._rows.hand_in(self._member, hidden, tokens)
@@ -188,6 +191,7 @@ class MtpDrafter:
         self._cache = cache if cache is not None else self.head.make_cache()
         self._next = None
         self._next_token = None
+        self._ahead = None
         self._speculative = 0
         self._lagging = []
         self._seen, self._bias = set(), None
@@ -220,12 +224,16 @@ class MtpDrafter:
         if self._next is None:
             return [], []
         logits, chained = self._next
-        rows = [self._biased(logits)]
         # The batch's forward took each row's argmax; the context bias changes it, so then the
         # biased row decides.
         biased = bool(self.context_bias and self._seen)
-        drafts = [self._next_token if self._next_token is not None and not biased
-                  else int(mx.argmax(rows[0]).item())]
+        if self._ahead is not None:  # (prefetch started it: the same ops, maybe done by now)
+            (first, token), self._ahead = self._ahead, None
+            rows, drafts = [first], [int(token.item())]
+        else:
+            rows = [self._biased(logits)]
+            drafts = [self._next_token if self._next_token is not None and not biased
+                      else int(mx.argmax(rows[0]).item())]
         if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
             # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
             # verify and the head's call for nothing (README #15, "The head's confidence").
@@ -248,6 +256,21 @@ class MtpDrafter:
             drafts.append(token if token is not None and not biased
                           else int(mx.argmax(rows[-1]).item()))
         return drafts, rows
+
+    def prefetch(self) -> None:
+        """Start evaluating the head's first draft of the next round now, asynchronously, when
+        the caller knows the head will be asked for it (gates.LookupThenModel: lookup has no
+        match for the next round). The head's rows of this round were appended lazily
+        (`follow`); without this they run only when `propose` reads the draft, after the loop's
+        own Python between rounds (text, stop strings, the engine's chunk, the gates), which
+        the head's evaluation then overlaps. The draft is the same argmax of the same biased
+        row either way. Alone only: in a batch the head's calls run in the batch's forwards."""
+        if self._rows is not None or self._next is None or self._ahead is not None:
+            return
+        row = self._biased(self._next[0])
+        token = mx.argmax(row)
+        mx.async_eval(token)
+        self._ahead = (row, token)
 
     def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
         """The head's chain and, at each depth where its own second choice is close to its
@@ -322,6 +345,7 @@ class MtpDrafter:
         `catch_up` can bring its cache in step in one call when it is needed again (the
         prefix cache keeps it at the end of the request)."""
         verified = self._verified(accepted, emitted, forward)
+        self._ahead = None  # (its context bias saw fewer tokens than the next draft's)
         self._leave_batch()  # (a head off for good costs the batch's head forwards nothing)
         self._lagging.append(verified)
 

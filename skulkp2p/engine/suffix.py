@@ -395,6 +395,12 @@ class SuffixDrafter:
             return draft, None
         return [], None
 
+    def offers_draft(self) -> bool:
+        """Whether `propose` would find a source for a draft now (the text observed so far
+        has a match: own, memory or the copy cursor). A hint for other drafters (an MTP head
+        starts its own draft early where this one has none: gates.LookupThenModel)."""
+        return self._plan()[0] != "none"
+
     def continue_after(self, history: list[int], token: int, k: int) -> list[int]:
         """Up to k tokens that would follow `history` + [token], where `token` is another
         drafter's guess of the next token (an MTP head's, in a round where this drafter has no
