@@ -12,8 +12,7 @@ from mlx.utils import tree_flatten
 
 from skulkp2p.engine.gates import step_cost
 from skulkp2p.engine.packed import packed_rows, packs_mlps
-from skulkp2p.engine.scheduler import BatchScheduler
-from tests.helpers.batch import loaded
+from tests.helpers.batch import loaded, rows_joined_by_hand, step_by_hand
 
 
 def test_packed_rows_index_inverse_and_offsets():
@@ -44,39 +43,16 @@ def test_only_layers_with_an_mlp_module_pack():
     assert not packs_mlps([Layer()])
 
 
-def _batch(lm, widths_context: list[int]) -> tuple[BatchScheduler, list]:
-    sched = BatchScheduler(lm.model, len(widths_context))
-    sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
-    with sched.cond:  # rows joined by hand, each with its own context length
-        rows = [sched.forward() for _ in widths_context]
-        for i, (row, n) in enumerate(zip(rows, widths_context, strict=True)):
-            row.prefill([1 + (7 * i + j) % 200 for j in range(n)])
-            sched._join(row)
-            row.joined = True
-    return sched, rows
-
-
-def _step(sched: BatchScheduler, rows: list, tokens: list[list[int]]) -> list[mx.array]:
-    with sched.cond:
-        for row, t in zip(rows, tokens, strict=True):
-            row.submitted = t
-        sched._step()
-        out = [row.result for row in rows]
-        for row in rows:
-            row.result = None
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_packed_step_gives_the_padded_steps_logits_and_caches(tiny_models, family):
     lm = loaded(tiny_models[family])
     tokens = [[5, 9, 11, 3, 8], [7], [4, 4], [12]]  # one row drafting 4, one 1, two plain
-    padded_sched, padded_rows = _batch(lm, [20, 9, 14, 3])
-    packed_sched, packed_rows_ = _batch(lm, [20, 9, 14, 3])
+    padded_sched, padded_rows = rows_joined_by_hand(lm, [20, 9, 14, 3])
+    packed_sched, packed_rows_ = rows_joined_by_hand(lm, [20, 9, 14, 3])
     assert packed_sched.pack_ragged
     padded_sched.pack_ragged = False
-    want = _step(padded_sched, padded_rows, tokens)
-    got = _step(packed_sched, packed_rows_, tokens)
+    want = step_by_hand(padded_sched, padded_rows, tokens)
+    got = step_by_hand(packed_sched, packed_rows_, tokens)
     assert packed_sched.packed_steps == 1 and padded_sched.packed_steps == 0
     assert packed_sched.padding_skipped == 4 * 5 - 9
     for w, g, t in zip(want, got, tokens, strict=True):
@@ -91,8 +67,8 @@ def test_a_packed_step_gives_the_padded_steps_logits_and_caches(tiny_models, fam
             assert mx.allclose(a.keys[i, :, :n], b.keys[i, :, :n], atol=1e-4).item()
             assert mx.allclose(a.values[i, :, :n], b.values[i, :, :n], atol=1e-4).item()
     after = [[2], [3], [6], [1]]
-    for w, g in zip(_step(padded_sched, padded_rows, after),
-                    _step(packed_sched, packed_rows_, after), strict=True):
+    for w, g in zip(step_by_hand(padded_sched, padded_rows, after),
+                    step_by_hand(packed_sched, packed_rows_, after), strict=True):
         assert mx.allclose(g, w, atol=1e-4).item()
 
 
@@ -101,7 +77,7 @@ def test_the_gates_see_the_packing_by_the_models_weights(tiny_models):
     weights; every row's batch view carries them (the gates price a ragged step with them),
     and none when the scheduler does not pack or is told to price padded."""
     lm = loaded(tiny_models["llama"])
-    sched, rows = _batch(lm, [5, 9])
+    sched, rows = rows_joined_by_hand(lm, [5, 9])
     packing = rows[0].batch_view().packing
     assert packing is not None and packing.mlps_from == sched.pack_mlps_from
 

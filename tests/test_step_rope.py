@@ -12,9 +12,8 @@ import mlx.nn as nn
 import pytest
 
 from skulkp2p.engine import scheduler as scheduler_mod
-from skulkp2p.engine.scheduler import BatchScheduler
 from skulkp2p.engine.step_rope import RopeTables, SharedRope, shared_ropes, shares_tables
-from tests.helpers.batch import loaded
+from tests.helpers.batch import loaded, rows_joined_by_hand, step_by_hand
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
@@ -48,29 +47,6 @@ def test_only_the_plain_half_split_rope_on_the_cpu_shares_tables():
     assert not shares_tables(None)
 
 
-def _batch(lm, contexts: list[int]) -> tuple[BatchScheduler, list]:
-    sched = BatchScheduler(lm.model, len(contexts))
-    sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
-    with sched.cond:
-        rows = [sched.forward() for _ in contexts]
-        for i, (row, n) in enumerate(zip(rows, contexts, strict=True)):
-            row.prefill([1 + (7 * i + j) % 200 for j in range(n)])
-            sched._join(row)
-            row.joined = True
-    return sched, rows
-
-
-def _step(sched: BatchScheduler, rows: list, tokens: list[list[int]]) -> list[mx.array]:
-    with sched.cond:
-        for row, t in zip(rows, tokens, strict=True):
-            row.submitted = t
-        sched._step()
-        out = [row.result for row in rows]
-        for row in rows:
-            row.result = None
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_step_with_the_shared_table_is_bit_for_bit_the_step_without(tiny_models, family,
                                                                       monkeypatch):
@@ -84,12 +60,12 @@ def test_a_step_with_the_shared_table_is_bit_for_bit_the_step_without(tiny_model
         return shared_ropes(layers_, built[-1])
 
     monkeypatch.setattr(scheduler_mod, "shared_ropes", counted)
-    own_sched, own_rows = _batch(lm, [20, 9, 14, 3])
-    shared_sched, shared_rows = _batch(lm, [20, 9, 14, 3])
+    own_sched, own_rows = rows_joined_by_hand(lm, [20, 9, 14, 3])
+    shared_sched, shared_rows = rows_joined_by_hand(lm, [20, 9, 14, 3])
     own_sched.share_rope = False
     for tokens in ([[5], [7], [4], [12]], [[5, 9, 11, 3], [7], [4, 4], [12]], [[2], [3], [6], [1]]):
-        want = _step(own_sched, own_rows, tokens)
-        got = _step(shared_sched, shared_rows, tokens)
+        want = step_by_hand(own_sched, own_rows, tokens)
+        got = step_by_hand(shared_sched, shared_rows, tokens)
         for w, g in zip(want, got, strict=True):
             assert g.shape == w.shape and mx.array_equal(g, w).item()
     assert len(built) == 3 and all(t.built == 1 for t in built)  # one table per forward

@@ -15,6 +15,7 @@ from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced
 from skulkp2p.engine.mlx_engine import MlxEngine
 from skulkp2p.engine.model import load_model
 from skulkp2p.engine.request import parse_request
+from skulkp2p.engine.scheduler import BatchScheduler
 
 PROMPTS = ["one two three one two three one two", "the river the river the bird",
            "def f(x):\n    return x\n\ndef g(x):\n    return", "a b c d e f g h a b c d"]
@@ -104,3 +105,30 @@ async def drain(job) -> tuple[list[int], object]:
             tokens += event.chunk.tokens
         if isinstance(event, Finished | Failed):
             return tokens, event
+
+
+def rows_joined_by_hand(lm, contexts: list[int]) -> tuple[BatchScheduler, list]:
+    """A scheduler with one row per context length, each prefilled with its own tokens and
+    joined by hand (no threads: the caller drives the steps with `step_by_hand`)."""
+    sched = BatchScheduler(lm.model, len(contexts))
+    sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
+    with sched.cond:
+        rows = [sched.forward() for _ in contexts]
+        for i, (row, n) in enumerate(zip(rows, contexts, strict=True)):
+            row.prefill([1 + (7 * i + j) % 200 for j in range(n)])
+            sched._join(row)
+            row.joined = True
+    return sched, rows
+
+
+def step_by_hand(sched: BatchScheduler, rows: list, tokens: list[list[int]]) -> list:
+    """One batched step of `rows` (joined by hand), each submitting its `tokens`: their
+    results (logits arrays)."""
+    with sched.cond:
+        for row, t in zip(rows, tokens, strict=True):
+            row.submitted = t
+        sched._step()
+        out = [row.result for row in rows]
+        for row in rows:
+            row.result = None
+    return out
