@@ -211,5 +211,5 @@ def test_a_width_no_longer_called_goes_stale():
     assert table[2] == pytest.approx(1 + (0.070 / 0.050 - 1) / 4)
     assert table.seconds()[1] == pytest.approx(0.050)
     assert table.calls()[2] == 16  # (counted all the same)
-    with pytest.raises(ValueError, match="quantile"):
-        LiveWidthCosts(FLAT_PROBE, quantile=1.5)
+    with pytest.raises(ValueError, match="stale_calls"):
+        LiveWidthCosts(FLAT_PROBE, stale_calls=0)

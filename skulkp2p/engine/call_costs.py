@@ -54,6 +54,7 @@ No mlx here: plain numbers, so the tests feed recorded call times.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -74,22 +75,11 @@ WINDOW = 32
 # call came to correct it. The probe (every width interleaved, back to back) is the cleanest
 # relative measurement the group has.
 PRIOR_CALLS = 3
-# Which quantile of a width's calls is its estimate (0.5: the median; module docstring).
-QUANTILE = 0.5
 # A wide width's calls are forgotten once this many calls of more than one row came after them
 # (about ten requests drafting only lookup's copies; three or four drafting on most rounds).
 STALE_CALLS = 128
 # Calls wider than this are not verify rounds (a prefill chunk): not recorded.
 MAX_WIDTH = 64
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The q-quantile of values, linear between the order statistics (q = 0.5: the median)."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _interp(x: float, x0: float, y0: float, x1: float, y1: float) -> float:
@@ -103,8 +93,7 @@ class LiveWidthCosts(Mapping[int, float]):
 
     def __init__(self, seed_seconds: Mapping[int, float], *, window: int = WINDOW,
                  prior_calls: int = PRIOR_CALLS, max_width: int = MAX_WIDTH,
-                 where: str = "", quantile: float = QUANTILE,
-                 stale_calls: int = STALE_CALLS):
+                 where: str = "", stale_calls: int = STALE_CALLS):
         seed = {int(w): float(s) for w, s in seed_seconds.items()}
         if 1 not in seed:
             raise ValueError("the seed needs the time of a one-row call (width 1)")
@@ -112,9 +101,8 @@ class LiveWidthCosts(Mapping[int, float]):
             raise ValueError(f"seed seconds must be positive at widths >= 1: {seed}")
         if window < 1 or prior_calls < 0:
             raise ValueError("window must be >= 1 and prior_calls >= 0")
-        if not 0.0 <= quantile <= 1.0 or stale_calls < 1:
-            raise ValueError("quantile must be in [0, 1] and stale_calls >= 1")
-        self.quantile = quantile
+        if stale_calls < 1:
+            raise ValueError("stale_calls must be >= 1")
         self.stale_calls = stale_calls
         self._wide_seen = 0  # calls of more than one row observed: the age of a kept call
         self.seed = dict(sorted(seed.items()))
@@ -205,11 +193,11 @@ class LiveWidthCosts(Mapping[int, float]):
                 if width == 1 or self._wide_seen - at < self.stale_calls]
 
     def _typical(self, width: int) -> float:
-        """Width 1: the median (`quantile`) of its last calls' seconds; a wider width: of its
+        """Width 1: the median of its last calls' seconds; a wider width: of its
         calls' costs relative to one row (each against the one-row estimate when it was made);
         the probe's value counted as `prior_calls` calls."""
         prior = self._seed_at(width) / (self.seed[1] if width > 1 else 1.0)
-        return _quantile([prior] * self.prior_calls + self._recent(width), self.quantile)
+        return statistics.median([prior] * self.prior_calls + self._recent(width))
 
     def _estimate(self) -> tuple[dict[int, float], dict[int, float]]:
         one = self._typical(1)
