@@ -97,12 +97,17 @@ def await_ready(node: Node, deadline: float) -> None:
 
 def stop_node(node: Node) -> None:
     """SIGTERM (the agent stops its llama-server child too), SIGKILL if it lingers."""
-    proc = node.proc
-    if proc is None or proc.poll() is not None:
+    if node.proc is not None:
+        stop_process(node.proc)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM an agent's process, SIGKILL it if it lingers past `grace_s`; reaped either way."""
+    if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(15)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

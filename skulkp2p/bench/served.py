@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.http_agents import stop_process
 from skulkp2p.bench.report import fmt, loadavg, machine_info, write_atomic, write_document
 from skulkp2p.bench.served_report import (
     PLAIN,
@@ -295,14 +296,7 @@ def _alive(pid: int) -> bool:
 def _stop_agent(agent: Agent) -> None:
     """SIGTERM (the agent stops its child), SIGKILL if it lingers; then make sure the child is
     gone too, by its pid (PR_SET_PDEATHSIG should already have taken it)."""
-    proc = agent.proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(agent.proc)
     pid = agent.child_pid
     if pid is None:
         return
