@@ -9,6 +9,7 @@ from skulkp2p.engine.drafters import PromptLookup
 from skulkp2p.engine.forward import LocalForward
 from skulkp2p.engine.gates import (
     DEFAULT_WIDTH_COSTS,
+    REPRICE_EVERY,
     BatchView,
     DepthController,
     GatedDrafter,
@@ -220,6 +221,91 @@ def test_gate_keeps_an_estimate_per_context():
     assert len(gate.propose([0], 16)[0]) == 16  # a fresh estimate from the 0.95 prior
     inner.kind = 0
     assert len(gate.propose([0], 16)[0]) == short
+
+
+class _HeadLike:
+    """Drafts one token per round, always rejected; counts what the gate asks of it (an MTP
+    head's calls: observe while on, lag while off, catch_up before it drafts again)."""
+
+    name = "head"
+
+    def __init__(self) -> None:
+        self.lagged = 0
+        self.caught_up = 0
+        self.proposed = 0
+
+    def begin(self, prompt, forward) -> None:
+        pass
+
+    def propose(self, history, k):
+        self.proposed += 1
+        return [7] * k, None
+
+    def observe(self, drafted, accepted, emitted, forward) -> None:
+        pass
+
+    def lag(self, accepted, emitted, forward) -> None:
+        self.lagged += 1
+
+    def catch_up(self) -> None:
+        self.caught_up += 1
+
+
+def _priced_off(costs: dict[int, float]) -> tuple[GatedDrafter, _HeadLike]:
+    """A head-like drafter whose gate went off: at these costs its first draft cannot pay
+    (prior 0.5 at depth 1: 1.5 tokens for c(2) = 2)."""
+    inner = _HeadLike()
+    gate = GatedDrafter(inner, costs, 1)
+    assert gate.propose([0], 1) == ([], None) and not gate.on
+    assert gate.can_reprice
+    return gate, inner
+
+
+def test_a_drafter_priced_off_comes_back_when_the_verify_costs_fall():
+    """A live cost table (a tensor group's) can price wide verifies high for a burst of load:
+    the gate prices the drafter again every REPRICE_EVERY tokens and switches it back on, its
+    skipped rows caught up first, once its acceptance pays at the costs of now."""
+    costs = {1: 1.0, 2: 2.0, 4: 2.6}
+    gate, inner = _priced_off(costs)
+    for _ in range(REPRICE_EVERY - 1):
+        gate.observe(0, 0, [5], None)
+    costs[2] = 1.1  # the burst passed
+    assert not gate.on and inner.lagged == REPRICE_EVERY - 1
+    gate.observe(0, 0, [5], None)  # the REPRICE_EVERY-th token since it went off
+    assert gate.on and inner.caught_up == 1
+    assert [e["reason"] for e in gate.events] == ["acceptance below break-even",
+                                                  "verify costs fell"]
+    drafts, _ = gate.propose([0], 1)
+    assert drafts == [7]
+    # Rejected again and again, it goes off again on its own measured acceptance.
+    for _ in range(20):
+        gate.observe(1, 0, [5], None)
+        if not gate.propose([0], 1)[0]:
+            break
+    assert not gate.on and gate.events[-1]["event"] == "off"
+
+
+def test_a_drafter_priced_off_stays_off_while_the_costs_stand():
+    """With costs that do not change (a single node's measured table) the decision cannot
+    change: the drafter stays off, asked nothing and never caught up."""
+    gate, inner = _priced_off({1: 1.0, 2: 2.0, 4: 2.6})
+    for _ in range(10 * REPRICE_EVERY):
+        gate.observe(0, 0, [5], None)
+        gate.follow(0, [5], None)
+    assert not gate.on and inner.caught_up == 0 and inner.proposed == 0
+    assert len(gate.events) == 1
+
+
+def test_a_drafter_without_catch_up_is_not_priced_again():
+    """A drafter that cannot be brought back in step (a draft model off for good stops
+    running) stays off whatever the costs do."""
+    costs = {1: 1.0, 2: 2.0}
+    gate = GatedDrafter(WrongDrafter(), costs, 1)
+    assert gate.propose([0], 1) == ([], None) and not gate.can_reprice
+    costs[2] = 1.0
+    for _ in range(3 * REPRICE_EVERY):
+        gate.observe(0, 0, [5], None)
+    assert not gate.on
 
 
 class _Guess:

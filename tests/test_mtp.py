@@ -429,3 +429,41 @@ def test_auto_mode_with_a_head_uses_lookup_and_mtp(tiny):
     assert spec["drafter"] == "lookup+mtp" and spec["mode"] == "auto"
     assert set(spec["by_drafter"]) == {"lookup", "mtp"}
     assert spec["by_drafter"]["lookup"]["drafted"] > 0, spec
+
+
+def test_head_priced_off_catches_up_and_drafts_exactly_when_costs_fall(tiny):
+    """The head's gate goes off at verify costs where no depth pays (a burst on a tensor
+    group's live table), keeps only references to the rows it skips, and when the costs fall
+    it is priced again, catches its cache up in one call and drafts: the output stays the
+    plain one and the head's cache ends where a head that drafted throughout ends."""
+    from skulkp2p.engine.gates import REPRICE_EVERY, GatedDrafter
+
+    t = tiny("llama", "qwen")
+    head = t.head()
+    hidden = head.conventions.hidden
+    plain = t.decode()
+    dear = {1: 1.0, 2: 3.0, 3: 4.0, 4: 5.0}
+    costs = dict(dear)
+    gated = GatedDrafter(MtpDrafter(head), costs, 3)
+    stats = DecodeStats()
+    out = []
+    steps = decode(LocalForward(t.lm.model, hidden=hidden), t.prompt, SamplingParams(),
+                   MAX_TOKENS, make_rng(0), gated, 3, stats)
+    for token in steps:
+        out.append(token)
+        if len(out) == 4:
+            assert not gated.on and stats.drafted == 0  # off from the first round
+            costs.update({w: 1.0 for w in costs})  # the burst passed: every width at one's
+    assert out == plain
+    assert [e["event"] for e in gated.events][:2] == ["off", "on"]
+    assert gated.events[1]["reason"] == "verify costs fell"
+    assert gated.events[1]["at_token"] <= REPRICE_EVERY + 2 and stats.drafted > 0
+    # The same head drafting from the start at the low costs: same cache at the end.
+    reference = MtpDrafter(head)
+    t.decode(GatedDrafter(reference, {w: 1.0 for w in dear}, 3), 3, hidden=hidden)
+    came_back = gated.inner
+    assert came_back.cache.offset == reference.cache.offset
+    n = came_back.cache.offset
+    for mine, theirs in ((came_back.cache.keys, reference.cache.keys),
+                         (came_back.cache.values, reference.cache.values)):
+        assert mx.allclose(mine[..., :n, :], theirs[..., :n, :], atol=1e-5).item()

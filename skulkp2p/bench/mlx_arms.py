@@ -134,6 +134,8 @@ class Run:
     text: str = ""
     ring: dict[str, Any] | None = None  # --nodes: where the time went (ring.py)
     tree_rounds: int | None = None  # rounds verified as a token tree (engine arms)
+    # The gates' switches (engine arms): {"drafter", "event", "at_token", "reason"}, in order.
+    gate_events: list[dict[str, Any]] | None = None
 
     @property
     def tok_s(self) -> float | None:
@@ -149,6 +151,8 @@ class Run:
             out.update(drafted=self.drafted, accepted=self.accepted)
         if self.tree_rounds is not None:
             out["tree_rounds"] = self.tree_rounds
+        if self.gate_events:
+            out["gate_events"] = self.gate_events
         if self.ring is not None:
             out["ring"] = self.ring
         return out
@@ -216,7 +220,8 @@ def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
                decode_s=end - (t_first or end), drafted=spec.drafted if spec else None,
                accepted=spec.accepted if spec else None,
                acceptance_per_position=spec.acceptance_per_position if spec else None,
-               text=result.text, tree_rounds=spec.tree_rounds if spec else None)
+               text=result.text, tree_rounds=spec.tree_rounds if spec else None,
+               gate_events=list(spec.gate_events or []) if spec else None)
 
 
 def run_mlx_lm(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: int,

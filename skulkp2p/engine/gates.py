@@ -4,8 +4,9 @@ A verify of w tokens costs c(w) times a single-token step (measured per machine 
 `bench --widths`). With per-position acceptance a_1..a_k (a_i: chance that draft i is accepted
 given the ones before it were), a round of depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... tokens
 for c(k+1), so the controller picks the k that maximises E(k) / c(k+1), and k = 0 (plain) when no
-depth beats a plain step. The runtime gate turns a drafter off for the rest of a request once the
-measured acceptance says it cannot pay; lookup may come back when the output turns repetitive.
+depth beats a plain step. The runtime gate turns a drafter off once the measured acceptance says
+it cannot pay; lookup may come back when the output turns repetitive, and lookup or an MTP head
+when the verify costs fall (a tensor group's live table) so far that the acceptance pays again.
 """
 
 from __future__ import annotations
@@ -186,6 +187,12 @@ class DepthController:
 # depth is rejected, before any is measured (weighs as much as this many trials).
 SIDE_PRIOR_ACCEPT = 0.5
 SIDE_PRIOR_WEIGHT = 4.0
+# A drafter that went off because no depth paid at the verify costs of that moment is priced
+# again every this many tokens while off: where the costs are a live table (a tensor group's:
+# call_costs.py) a burst of load can price wide calls far above what they cost once it passes,
+# and the acceptance estimate, which cannot change without drafting, would keep it off for the
+# rest of the request. With a fixed table the price never changes, nor does the decision.
+REPRICE_EVERY = 16
 # A round's tree holds at most this many draft nodes beside its chain.
 MAX_SIDE_NODES = 12
 # Beside lookup's chain, the model drafter's (MTP head's) likeliest first tokens offered as
@@ -254,7 +261,11 @@ class GatedDrafter:
     """Wraps a drafter with the runtime gate and the depth controller.
 
     The inner drafter observes every round while it may still draft (an MTP head must keep its
-    cache in step with the trunk); a drafter gated off for good is no longer run at all.
+    cache in step with the trunk); a drafter gated off is no longer run at all. Off is for the
+    rest of the request unless the drafter can be brought back in step (lookup reads the
+    history; an MTP head's `catch_up` appends the rows it skipped): such a drafter comes back
+    when the output turns repetitive (lookup, `can_return`) or when the verify costs it was
+    priced at fell enough for a depth to pay at the acceptance it had (REPRICE_EVERY).
     """
 
     def __init__(self, inner, costs: Mapping[int, float], max_depth: int, *,
@@ -291,6 +302,11 @@ class GatedDrafter:
         self.side_trials = 0  # ... whose parent was reached and the chain rejected below it
         self.side_taken = 0  # ... and that were then taken
         self.tree_rounds = 0
+        # Set while off because no depth paid: the estimate that decided it, and the depth
+        # limit it was asked for (priced again every REPRICE_EVERY tokens).
+        self._priced_off: tuple[DepthController, int] | None = None
+        self._next_reprice = 0
+        self.can_reprice = can_return or callable(getattr(inner, "catch_up", None))
 
     @property
     def side_rate(self) -> float:
@@ -384,8 +400,11 @@ class GatedDrafter:
             return 0  # pays alone but not in this batch: back off for this round only
         if depth == 0:
             # Once the estimate says no depth pays, it cannot change without drafting: the
-            # drafter is off for this request (lookup may come back, see observe).
+            # drafter is off (lookup may come back, see observe; the costs may fall, _reprice).
             self._switch(False, "acceptance below break-even")
+            if self.can_reprice:
+                self._priced_off = (self._active, k)
+                self._next_reprice = self.generated + REPRICE_EVERY
         return depth
 
     def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
@@ -415,7 +434,10 @@ class GatedDrafter:
                 c.accepted.clear()
                 c.tried.clear()
             self.rounds = 0
+            self._priced_off = None
             self._switch(True, "output turned repetitive")
+        else:
+            self._reprice()
         if self.generated >= self._next_log and self.drafted:
             self._next_log += self.log_every
             log.info("%s acceptance so far: %d/%d (%.0f%%)%s", self.name, self.accepted,
@@ -433,6 +455,23 @@ class GatedDrafter:
             self._lag(accepted, emitted, forward)
         self.generated += len(emitted)
         self._recent = (self._recent + emitted)[-64:]
+        self._reprice()
+
+    def _reprice(self) -> None:
+        """Off because no depth paid: every REPRICE_EVERY tokens, whether one pays now at the
+        verify costs of now (alone: in a batch the round's own pricing backs off again where
+        the batch says so). If so, bring the inner drafter back in step and switch it on."""
+        if self.on or self._priced_off is None or self.generated < self._next_reprice:
+            return
+        self._next_reprice = self.generated + REPRICE_EVERY
+        controller, limit = self._priced_off
+        if controller.best_depth(limit, SOLO)[0] == 0:
+            return
+        self._priced_off = None
+        catch_up = getattr(self.inner, "catch_up", None)
+        if catch_up is not None:
+            catch_up()
+        self._switch(True, "verify costs fell")
 
     def _lag(self, accepted: int, emitted: list[int], forward) -> None:
         # Off for good: an MTP head only keeps references to the verified rows (no compute),
