@@ -1,4 +1,4 @@
-"""Mixed steps (engine/scheduler.py: RowForward.mixes): a prompt that joins while rows decode
+"""Mixed steps (engine/row_forward.py: RowForward.mixes): a prompt that joins while rows decode
 prefills inside their steps, one chunk per step, and the prompts of a burst release their first
 tokens forward by forward (narrowest first), not after every prompt is in. Every request still
 decodes exactly what it decodes alone (greedy and seeded), the rows keep decoding while a long

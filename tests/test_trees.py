@@ -6,6 +6,7 @@ recurrent models (qwen3_5) refuse trees and keep chains."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import mlx.core as mx
@@ -51,6 +52,13 @@ def _prefilled(lm, prompt):
     f = LocalForward(lm.model)
     f.prefill(prompt)
     return f
+
+
+def _copied(lm, f: LocalForward) -> LocalForward:
+    """A forward that goes on from copies of `f`'s caches (buffers, offsets), `f` untouched."""
+    g = LocalForward(lm.model)
+    g.local.adopt(copy.deepcopy(f.cache))
+    return g
 
 
 def test_tree_inputs_mask_and_positions():
@@ -223,16 +231,21 @@ def test_smollm2_trees_exact(smollm2_path):
     this backend), and greedy decoding with trees equal to plain and to mlx-lm's generate."""
     lm = load_model(smollm2_path, "smollm2-135m", dtype="float32")
     prompt = lm.tokenizer.encode(CODE * 3)
-    f = _prefilled(lm, prompt)
+    # The prompt is prefilled once; every forward below starts from a copy of these caches
+    # (what a prefill of its own would hold: the same ops), and each node's single steps go on
+    # from a copy of its parent's (the steps of its path up to it are its parent's).
+    prefilled = _prefilled(lm, prompt)
+    f = _copied(lm, prefilled)
     tokens = [prompt[-1], *TOKENS[1:]]
     rows = f.verify_tree(tokens, PARENTS)
     worst_tree = worst_chain = 0.0
+    stepped: list[LocalForward] = []  # node j: the prompt, then its path's single steps
     for j in range(len(tokens)):
         path = [tokens[0]] + [t for t in _path(j)[1:]]
-        chain = _prefilled(lm, prompt)(path)[-1]
-        step = _prefilled(lm, prompt)
-        for t in path:
-            last = step([t])[-1]
+        chain = _copied(lm, prefilled)(path)[-1]
+        step = _copied(lm, prefilled if PARENTS[j] < 0 else stepped[PARENTS[j]])
+        last = step([tokens[j]])[-1]
+        stepped.append(step)
         worst_tree = max(worst_tree, float(mx.abs(rows[j] - last).max()))
         worst_chain = max(worst_chain, float(mx.abs(chain - last).max()))
         assert int(mx.argmax(rows[j])) == int(mx.argmax(last))

@@ -29,7 +29,7 @@ def main(reps: int) -> None:
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from skulkp2p.engine.mlx_engine import MlxEngine
     from skulkp2p.engine.mtp_drafter import MtpDrafter
-    from skulkp2p.engine.scheduler import RowForward
+    from skulkp2p.engine.row_forward import RowForward
     from tools import batch_bench
 
     batched_head = RowForward.head_batch

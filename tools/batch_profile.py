@@ -69,6 +69,7 @@ def main(spec: str, n: int, price: str = "packed") -> None:
         gates,
         generate,
         head_batch,
+        row_forward,
         scheduler,
         stage,
         suffix,
@@ -111,7 +112,7 @@ def main(spec: str, n: int, price: str = "packed") -> None:
     _timed(batch_cache.RowsKVCache, "update_and_fetch", "    of it: KV writes")
     _timed(batch_cache.RowsKVCache, "make_mask", "    of it: masks")
     _timed(scheduler.BatchScheduler, "_settle", "settles")
-    _timed(scheduler.RowForward, "prefill", "row: prefill (waits included)")
+    _timed(row_forward.RowForward, "prefill", "row: prefill (waits included)")
     _timed(gates.GatedDrafter, "propose", "row: drafting (gate + drafter)")
     _timed(gates.GatedDrafter, "_depth", "  row: the gate's depth choice")
     _timed(MtpDrafter, "propose", "  row: MTP head drafts (own time)")
@@ -120,8 +121,8 @@ def main(spec: str, n: int, price: str = "packed") -> None:
     _timed(suffix.SuffixDrafter, "propose", "  row: lookup drafts")
     _timed(gates.GatedDrafter, "observe", "row: drafter observe")
     _timed(decode, "greedy_tokens", "row: accept (greedy_tokens)")
-    _timed(scheduler.RowForward, "rollback", "row: rollback")
-    _timed(scheduler.RowForward, "batch_view", "row: batch view")
+    _timed(row_forward.RowForward, "rollback", "row: rollback")
+    _timed(row_forward.RowForward, "batch_view", "row: batch view")
 
     lm = batch_bench._load()
     engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=n)

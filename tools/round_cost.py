@@ -113,7 +113,7 @@ def _engine(loaded: Any, timers: Timers) -> Any:
     """A fresh engine whose rows time their forward calls and open the window after the
     prefill."""
     from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.scheduler import RowForward
+    from skulkp2p.engine.row_forward import RowForward
 
     engine = MlxEngine(loaded, prefix_cache_mb=0, memory_tokens=0)
     sched = engine.scheduler
