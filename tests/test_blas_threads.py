@@ -144,6 +144,10 @@ def test_a_cliff_trips_to_one_thread_and_backs_off() -> None:
     clock.t += bt.TRIP_S
     assert forward(policy, clock, 4, 0.060) == 2  # load gone: two threads again
     assert policy.timings[("forward", 4)].samples[2] == 1  # the cliffs were not averaged in
+    # What /metrics exports: the two forwards held narrow by a trip are counted as such.
+    counts = policy.counts()
+    assert counts.trips == 2 and counts.narrowed == {"busy": 0, "shared": 0, "tripped": 2}
+    assert counts.forwards == {1: bt.BASELINE + 2, 2: 3} and counts.mode == "auto"
 
 
 def test_another_runnable_task_means_one_thread() -> None:

@@ -84,6 +84,23 @@ class Counters:
     trips: int = 0
     busy: int = 0  # decisions made narrow because another task was runnable
     shared: int = 0  # decisions made narrow because another thread ran forwards
+    tripped: int = 0  # decisions made narrow because the guard was tripped
+
+
+NARROW_REASONS = ("busy", "shared", "tripped")
+
+
+@dataclass(frozen=True)
+class PolicyCounts:
+    """A snapshot of the policy's settings and counters since the process started (what an
+    agent's /metrics exports; the concurrency bench reads their deltas per arm)."""
+    mode: str  # "auto" | "fixed"
+    narrow: int
+    wide: int  # the fixed count in "fixed" mode
+    forwards: dict[int, int]  # forwards (and pipelined steps) run with each thread count
+    switches: int  # thread count changes
+    trips: int  # times the guard tripped (a wide forward TRIP_RATIO slower than narrow)
+    narrowed: dict[str, int]  # forwards the timings would run wide that ran narrow, by reason
 
 
 def _running(stat_path: str) -> int:
@@ -262,7 +279,19 @@ class ThreadPolicy:
         return {"mode": AUTO if self.fixed is None else "fixed",
                 "narrow": self.narrow, "wide": self.wide if self.fixed is None else self.fixed,
                 "forwards_per_count": {str(k): v for k, v in sorted(c.forwards.items())},
-                "switches": c.switches, "trips": c.trips, "busy": c.busy, "shared": c.shared}
+                "switches": c.switches, "trips": c.trips, "busy": c.busy, "shared": c.shared,
+                "tripped": c.tripped}
+
+    def counts(self) -> PolicyCounts:
+        """The counters now. Read without the policy's lock, which a forward may hold while it
+        synchronizes (a scrape must not wait on it): each field is one read under the GIL
+        (dict() copies in one step), so a snapshot may be a forward behind, never torn."""
+        c = self.counters
+        return PolicyCounts(mode=AUTO if self.fixed is None else "fixed", narrow=self.narrow,
+                            wide=self.wide if self.fixed is None else self.fixed,
+                            forwards=dict(c.forwards), switches=c.switches, trips=c.trips,
+                            narrowed={"busy": c.busy, "shared": c.shared,
+                                      "tripped": c.tripped})
 
     # ---------------------------------------------------------------- switching
 
@@ -306,6 +335,7 @@ class ThreadPolicy:
             self.counters.shared += 1
             return True
         if now < self._trip_until:
+            self.counters.tripped += 1
             return True
         if self._runnable() > 0:  # read only here: /proc costs ~0.1 ms a call
             self._busy_until = now + BUSY_HOLD_S
@@ -418,6 +448,13 @@ def _make() -> ThreadPolicy | None:
     narrow = start
     wide = max(start, cores())
     return ThreadPolicy(blas, narrow, wide, fixed, mx.synchronize)
+
+
+def counts() -> PolicyCounts | None:
+    """The policy's counters, or None while no forward has made it (nothing ran here yet) or
+    where no OpenBLAS runs. Never makes the policy: a scrape must not load mlx."""
+    p = _policy
+    return None if p is None or p is _NO_POLICY else p.counts()
 
 
 @contextmanager
