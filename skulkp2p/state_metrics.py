@@ -61,6 +61,10 @@ def blas_thread_families(counts: PolicyCounts | None) -> list[Family]:
     trips = Family(p + "guard_trips_total", "counter",
                    "Two-thread forwards slower than the one-thread reference by the guard's "
                    "ratio (each holds every forward narrow for a while).")
+    light = Family(p + "light_loads_total", "counter",
+                   "Load probe readings that saw another process's task runnable reading after "
+                   "reading while other processes used under a quarter core (a streaming "
+                   "server's clients): not counted as busy.")
     bounds = Family(p + "threads", "gauge",
                     "The policy's thread counts: `narrow` and `wide` (mode auto: chosen per "
                     "forward; fixed: SKULKP2P_BLAS_THREADS, both bounds equal).")
@@ -71,10 +75,11 @@ def blas_thread_families(counts: PolicyCounts | None) -> list[Family]:
             narrowed.add(counts.narrowed.get(reason, 0), reason=reason)
         switches.add(counts.switches)
         trips.add(counts.trips)
+        light.add(counts.light_loads)
         narrow = counts.narrow if counts.mode == "auto" else counts.wide
         bounds.add(narrow, bound="narrow", mode=counts.mode)
         bounds.add(counts.wide, bound="wide", mode=counts.mode)
-    return [forwards, narrowed, switches, trips, bounds]
+    return [forwards, narrowed, switches, trips, light, bounds]
 
 
 def cluster_families(st: Mapping[str, Any]) -> list[Family]:

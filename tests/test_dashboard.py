@@ -419,7 +419,7 @@ def _blas_policy(port: int) -> dict:
     fams = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
     p = "skulkp2p_blas_"
     assert {fams[p + n].type for n in ("forwards", "narrowed", "thread_switches",
-                                       "guard_trips")} == {"counter"}
+                                       "guard_trips", "light_loads")} == {"counter"}
     return {"forwards": {int(s.labels["threads"]): s.value
                          for s in fams[p + "forwards"].samples},
             "narrowed": {s.labels["reason"]: s.value for s in fams[p + "narrowed"].samples},

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 METRICS_TIMEOUT_S = 10.0
-_SAMPLE = re.compile(r'^skulkp2p_blas_(forwards|narrowed|thread_switches|guard_trips)_total'
+_SAMPLE = re.compile(r'^skulkp2p_blas_(forwards|narrowed|thread_switches|guard_trips|light_loads)'
+                     r'_total'
                      r'(?:\{(\w+)="([^"]*)"\})? (\S+)$')
 _NARROW = re.compile(r'^skulkp2p_blas_threads\{bound="narrow",mode="\w+"\} (\S+)$')
 
@@ -26,13 +27,15 @@ class BlasPolicy:
     narrowed: dict[str, int] = field(default_factory=dict)  # reason -> forwards
     switches: int = 0
     trips: int = 0
+    light_loads: int = 0  # probe readings: a runnable task of others using little CPU
     narrow: int | None = None  # the policy's narrow count (a setting, not a counter)
 
     def minus(self, before: BlasPolicy) -> BlasPolicy:
         return BlasPolicy(
             {n: v - before.forwards.get(n, 0) for n, v in self.forwards.items()},
             {r: v - before.narrowed.get(r, 0) for r, v in self.narrowed.items()},
-            self.switches - before.switches, self.trips - before.trips, self.narrow)
+            self.switches - before.switches, self.trips - before.trips,
+            self.light_loads - before.light_loads, self.narrow)
 
     def add(self, other: BlasPolicy) -> None:
         for n, v in other.forwards.items():
@@ -41,6 +44,7 @@ class BlasPolicy:
             self.narrowed[r] = self.narrowed.get(r, 0) + v
         self.switches += other.switches
         self.trips += other.trips
+        self.light_loads += other.light_loads
         self.narrow = other.narrow if self.narrow is None else self.narrow
 
     def to_json(self) -> dict[str, Any]:
@@ -50,7 +54,8 @@ class BlasPolicy:
         return {"forwards_per_threads": {str(n): v for n, v in sorted(self.forwards.items())},
                 "wide_share": round(wide / total, 3) if total else None, "narrow": narrow,
                 **{r: self.narrowed.get(r, 0) for r in ("busy", "shared", "tripped")},
-                "switches": self.switches, "trips": self.trips}
+                "switches": self.switches, "trips": self.trips,
+                "light_loads": self.light_loads}
 
 
 def parse_blas_policy(text: str) -> BlasPolicy | None:
@@ -73,6 +78,8 @@ def parse_blas_policy(text: str) -> BlasPolicy | None:
             got.narrowed[value] = n
         elif family == "thread_switches":
             got.switches = n
+        elif family == "light_loads":
+            got.light_loads = n
         else:
             got.trips = n
     return got if found else None

@@ -101,6 +101,7 @@ class PolicyCounts:
     switches: int  # thread count changes
     trips: int  # times the guard tripped (a wide forward TRIP_RATIO slower than narrow)
     narrowed: dict[str, int]  # forwards the timings would run wide that ran narrow, by reason
+    light_loads: int = 0  # probe readings that saw a lasting runnable task using little CPU
 
 
 def _running(stat_path: str) -> int:
@@ -354,7 +355,8 @@ class ThreadPolicy:
                             wide=self.wide if self.fixed is None else self.fixed,
                             forwards=dict(c.forwards), switches=c.switches, trips=c.trips,
                             narrowed={"busy": c.busy, "shared": c.shared,
-                                      "tripped": c.tripped})
+                                      "tripped": c.tripped},
+                            light_loads=int(getattr(self._runnable, "light", 0)))
 
     # ---------------------------------------------------------------- switching
 
