@@ -10,6 +10,7 @@ import collections
 from collections.abc import Mapping
 from typing import Any
 
+from skulkp2p.engine.blas_threads import NARROW_REASONS, PolicyCounts
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.metrics import PREFIX, Family
 
@@ -41,6 +42,44 @@ def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
                 calls.add(c.calls.get(width, 0), model=model, width=width, where=c.where)
         measured.add(round(c.measured_at, 3), model=model, where=c.where)  # as /v1/models
     return [seconds, relative, measured, calls]
+
+
+def blas_thread_families(counts: PolicyCounts | None) -> list[Family]:
+    """The process's OpenBLAS thread policy (engine/blas_threads.py): forwards per thread
+    count, why forwards the timings would run wide ran narrow, switches and guard trips; no
+    samples where no policy runs (no OpenBLAS, or no forward yet)."""
+    p = PREFIX + "blas_"
+    forwards = Family(p + "forwards_total", "counter",
+                      "Forwards (and pipelined decode steps) run with `threads` OpenBLAS "
+                      "threads.")
+    narrowed = Family(p + "narrowed_total", "counter",
+                      "Forwards the policy's timings would run wide that ran narrow, by reason "
+                      "(busy: another process had a runnable task; shared: another thread ran "
+                      "forwards; tripped: the guard was tripped).")
+    switches = Family(p + "thread_switches_total", "counter",
+                      "Changes of the OpenBLAS thread count between forwards.")
+    trips = Family(p + "guard_trips_total", "counter",
+                   "Two-thread forwards slower than the one-thread reference by the guard's "
+                   "ratio (each holds every forward narrow for a while).")
+    light = Family(p + "light_loads_total", "counter",
+                   "Load probe readings that saw another process's task runnable reading after "
+                   "reading while other processes used under a quarter core (a streaming "
+                   "server's clients): not counted as busy.")
+    bounds = Family(p + "threads", "gauge",
+                    "The policy's thread counts: `narrow` and `wide` (mode auto: chosen per "
+                    "forward; fixed: SKULKP2P_BLAS_THREADS, both bounds equal).")
+    if counts is not None:
+        for n in sorted({counts.narrow, counts.wide, *counts.forwards}):
+            forwards.add(counts.forwards.get(n, 0), threads=n)
+        for reason in NARROW_REASONS:
+            narrowed.add(counts.narrowed.get(reason, 0), reason=reason)
+        switches.add(counts.switches)
+        trips.add(counts.trips)
+        light.add(counts.light_loads)
+        narrow = counts.narrow if counts.mode == "auto" else counts.wide
+        bounds.add(narrow, bound="narrow", mode=counts.mode)
+        bounds.add(counts.wide, bound="wide", mode=counts.mode)
+    return [forwards, narrowed, switches, trips, light, bounds]
 
 
 def cluster_families(st: Mapping[str, Any]) -> list[Family]:

@@ -19,12 +19,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from skulkp2p.engine.blas_threads import PolicyCounts
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.results import (
     GenerationResult,
 )
 from skulkp2p.metrics import PREFIX, Family, Registry
-from skulkp2p.state_metrics import cluster_families, verify_cost_families
+from skulkp2p.state_metrics import (
+    blas_thread_families,
+    cluster_families,
+    verify_cost_families,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Events
@@ -96,6 +101,7 @@ class Telemetry:
         self._queues: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
         self._cluster: Callable[[], Mapping[str, Any] | None] | None = None
         self._verify_costs: Callable[[], Mapping[str, VerifyCosts]] | None = None
+        self._blas_threads: Callable[[], PolicyCounts | None] | None = None
         r = self.registry = Registry()
         p = PREFIX
         self.requests = r.counter(p + "requests_total", "Requests finished, by outcome "
@@ -146,6 +152,11 @@ class Telemetry:
         """`fn()` -> {model: VerifyCosts} for this node's engines that report a measured
         verify-cost table (the seam's `EngineInfo.verify_costs`)."""
         self._verify_costs = fn
+
+    def watch_blas_threads(self, fn: Callable[[], PolicyCounts | None]) -> None:
+        """`fn()` -> the process's OpenBLAS thread policy counters (engine/blas_threads.py's
+        `counts`), or None where none runs."""
+        self._blas_threads = fn
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -327,6 +338,12 @@ class Telemetry:
             waiting.add(int(info.get("waiting") or 0), model=model)
         fams.append(waiting)
         fams.extend(verify_cost_families(self._live_verify_costs()))
+        if self._blas_threads is not None:
+            try:
+                counts = self._blas_threads()
+            except Exception:  # a scrape must not break on a report
+                counts = None
+            fams.extend(blas_thread_families(counts))
         status = None
         if self._cluster is not None:
             try:

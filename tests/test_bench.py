@@ -369,6 +369,11 @@ def test_bench_concurrency_batched_against_fifo_equal_to_solo(tiny, tmp_path):
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["solo_ttft_s"] > 0
         assert r["max_batch"] == (3 if mode == "batched" else 1)
         assert ("speedup_vs_fifo" in r) == (mode == "batched")
+        # what the agent's OpenBLAS thread policy did in this cell's rounds (its /metrics
+        # before and after each round): forwards counted, every narrowing reason reported
+        b = r["blas"]
+        assert sum(b["forwards_per_threads"].values()) > 0 and 0 <= b["wide_share"] <= 1
+        assert all(b[k] >= 0 for k in ("busy", "shared", "tripped", "switches", "trips"))
     assert doc["outputs_equal_solo"] is True and doc["mismatches"] == []
     for arm in ("plain", "spec"):
         assert set(doc["solo"][arm]) == {"echo", "qa", "code-edit"}
@@ -394,6 +399,7 @@ def test_bench_concurrency_on_rings_of_agents(tiny, tmp_path):
     rows = {(r["arm"], r["mode"]): r for r in doc["results"]}
     assert set(rows) == {(a, m) for a in ("plain", "spec") for m in ("fifo", "batched")}
     assert all(r["aggregate_tok_s"] > 0 for r in rows.values())
+    assert all(sum(r["blas"]["forwards_per_threads"].values()) > 0 for r in rows.values())
     assert doc["outputs_equal_solo"] is True and doc["mismatches"] == []
     assert "rings of 2 agents" in proc.stdout
 

@@ -144,6 +144,10 @@ def test_a_cliff_trips_to_one_thread_and_backs_off() -> None:
     clock.t += bt.TRIP_S
     assert forward(policy, clock, 4, 0.060) == 2  # load gone: two threads again
     assert policy.timings[("forward", 4)].samples[2] == 1  # the cliffs were not averaged in
+    # What /metrics exports: the two forwards held narrow by a trip are counted as such.
+    counts = policy.counts()
+    assert counts.trips == 2 and counts.narrowed == {"busy": 0, "shared": 0, "tripped": 2}
+    assert counts.forwards == {1: bt.BASELINE + 2, 2: 3} and counts.mode == "auto"
 
 
 def test_another_runnable_task_means_one_thread() -> None:
@@ -270,6 +274,15 @@ class FakeProc:
         (d / "stat").unlink()
         d.rmdir()
 
+    def cpu(self, machine: int, ours: int) -> None:
+        """/proc/stat's busy ticks (user, nice, system and steal; idle and the rest beside
+        them) and this process's (/proc/self/stat's utime + stime)."""
+        u, n = machine // 2, machine // 4
+        sy = machine - u - n - 3
+        (self.root / "stat").write_text(f"cpu  {u} {n} {sy} 99999 7 5 6 3 0 0\ncpu0 1 2 3\n")
+        (self.root / "self" / "stat").write_text(
+            f"4567 (python3) R 1 4567 4567 0 -1 4194560 10 0 0 0 {ours - 2} 2 0 0 20 0 9 0\n")
+
 
 EVERY = 1.01 * bt.LoadProbe.EVERY_S  # one reading interval of the probe (and a hair: floats)
 
@@ -366,6 +379,44 @@ def test_probe_confirms_at_the_next_call_not_the_next_interval(tmp_path: Path) -
     assert probe.readings == 1 + bt.LoadProbe.CONFIRM
     clock.t += 0.001
     assert probe() == 1 and probe.readings == 1 + bt.LoadProbe.CONFIRM  # confirmed: cached
+
+
+def test_probe_ignores_runnable_tasks_that_use_little_cpu(tmp_path: Path) -> None:
+    """A lasting runnable count is a load only if other processes also used OTHERS_CPU_MIN of
+    a core: a server's streaming clients wake for each chunk just before the next step's
+    reading (runnable at every reading) but use ~1% of a core; a CPU-bound process uses one."""
+    probe, proc, clock = probe_on(tmp_path)
+    hz = bt._clock_ticks()
+    machine, ours = 1000, 600
+    proc.task(10, "R")
+    proc.running(2)  # another task runnable at every reading below
+    proc.cpu(machine, ours)
+
+    def after(seconds: float, others_cores: float, ours_cores: float = 1.0) -> int:
+        nonlocal machine, ours
+        clock.t += seconds
+        ours += round(ours_cores * seconds * hz)
+        machine += round(ours_cores * seconds * hz) + round(others_cores * seconds * hz)
+        proc.cpu(machine, ours)
+        return probe()
+
+    light = [after(EVERY, 0.01) for _ in range(8)]  # the clients: 1% of a core
+    assert light == [0] * 8 and probe.light >= 6
+    # A CPU-bound process: reported once a window has seen it, and from then on.
+    heavy = [after(EVERY, 1.0) for _ in range(4)]
+    assert heavy[-2:] == [1, 1], heavy
+    assert probe.others_cpu() == pytest.approx(1.0, abs=0.1)
+
+
+def test_probe_without_proc_stat_counts_runnable_tasks_alone(tmp_path: Path) -> None:
+    probe, proc, clock = probe_on(tmp_path)  # a /proc with loadavg and our tasks, no stat
+    proc.task(10, "R")
+    proc.running(2)
+    answers = []
+    for _ in range(bt.LoadProbe.CONFIRM):
+        answers.append(probe())
+        clock.t += EVERY
+    assert answers[-1] == 1 and probe.others_cpu() is None
 
 
 def test_probe_without_proc_says_quiet(tmp_path: Path) -> None:

@@ -408,3 +408,61 @@ def test_single_node_app_shows_its_engines_verify_costs():
                 assert got == {} and "verify_costs" not in fake
         finally:
             node.close()
+
+
+def _blas_policy(port: int) -> dict:
+    """The OpenBLAS thread policy's families on a node's /metrics: forwards per thread count,
+    narrowed forwards per reason, switches, trips and the bounds."""
+    with H11Client(port) as c:
+        r = c.request("GET", "/metrics")
+    assert r.status == 200
+    fams = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
+    p = "skulkp2p_blas_"
+    assert {fams[p + n].type for n in ("forwards", "narrowed", "thread_switches",
+                                       "guard_trips", "light_loads")} == {"counter"}
+    return {"forwards": {int(s.labels["threads"]): s.value
+                         for s in fams[p + "forwards"].samples},
+            "narrowed": {s.labels["reason"]: s.value for s in fams[p + "narrowed"].samples},
+            "switches": fams[p + "thread_switches"].samples[0].value,
+            "trips": fams[p + "guard_trips"].samples[0].value,
+            "bounds": {(s.labels["bound"], s.labels["mode"]): s.value
+                       for s in fams[p + "threads"].samples}}
+
+
+@pytest.mark.parametrize("setting", ["auto", "1"])
+def test_agents_metrics_show_its_blas_thread_policy(tiny_models, tmp_path, monkeypatch,
+                                                    setting):
+    """A real `join` agent's /metrics counts what its OpenBLAS thread policy
+    (engine/blas_threads.py) did: forwards per thread count (they grow with each request), the
+    forwards it kept narrow by reason, switches and trips. SKULKP2P_BLAS_THREADS=1: every
+    forward on one thread, nothing narrowed or switched."""
+    from tests.helpers.procs import JoinNode
+
+    monkeypatch.setenv("SKULKP2P_BLAS_THREADS", setting)
+    node = JoinNode(str(tiny_models["llama"]), tmp_path, "--data-dir", str(tmp_path))
+    try:
+        body = {"model": "llama", "messages": [{"role": "user", "content": ECHO}],
+                "max_tokens": 16, "temperature": 0, "speculation": "off"}
+        seen = []
+        for _ in range(2):
+            with H11Client(node.port, timeout=60) as c:
+                r = c.request("POST", "/v1/chat/completions", body)
+            assert r.status == 200, r.body[:500]
+            seen.append(_blas_policy(node.port))
+        first, second = seen
+        assert set(first["narrowed"]) == {"busy", "shared", "tripped"}
+        assert sum(first["forwards"].values()) > 0
+        assert sum(second["forwards"].values()) > sum(first["forwards"].values())
+        if setting == "1":
+            assert first["bounds"] == {("narrow", "fixed"): 1, ("wide", "fixed"): 1}
+            assert set(second["forwards"]) == {1}
+            assert second["narrowed"] == {"busy": 0, "shared": 0, "tripped": 0}
+            assert second["switches"] == 0 and second["trips"] == 0
+        else:
+            narrow, wide = (first["bounds"][("narrow", "auto")],
+                            first["bounds"][("wide", "auto")])
+            assert 1 <= narrow <= wide and set(second["forwards"]) == {narrow, wide}
+            # the first forwards of each width class are the narrow reference (BASELINE)
+            assert second["forwards"][narrow] > 0
+    finally:
+        assert node.stop() == 0, node.text()[-3000:]

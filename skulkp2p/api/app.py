@@ -17,6 +17,7 @@ from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.forward import forward
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
 from skulkp2p.api.worker import ModelWorker
+from skulkp2p.engine import blas_threads
 from skulkp2p.telemetry import Telemetry
 
 Handler = Callable[[ModelEndpoint, HttpRequest], Awaitable[Response | StreamingResponse]]
@@ -94,6 +95,7 @@ async def serve(worker: ModelWorker, host: str, port: int, stop: asyncio.Event, 
     endpoint = ModelEndpoint(worker.model_id, worker, aliases, keepalive_s)
     router = one_model_router(endpoint)
     worker.telemetry = Telemetry()
+    worker.telemetry.watch_blas_threads(blas_threads.counts)  # the process's, as /metrics shows
     dashboard.add_routes(router, worker.telemetry, lambda: None,
                          lambda: {worker.model_id: worker})
     server = HttpServer(router, config)

@@ -17,14 +17,16 @@ memory off: the rounds repeat the same prompts, which would otherwise be served 
 caches of earlier rounds.
 
 Per (arm, mode): aggregate tok/s (completion tokens of the round over its wall time, from the
-release of the clients to the last token; median over `--runs` rounds), per-request decode
-tok/s (median over every request), time to first token p50 and p99 (nearest rank over every
-request), and the speedup of batched over fifo. Before the rounds every workload is served once
-alone on the fifo agent (per arm): every output of every round must equal that solo output, or
-the command fails after writing its document (MLX cards; on a llama-server card every request
-gets a system line of its own, so that no slot serves a prompt it kept from an earlier round,
-and llama.cpp's text is not compared: it is not batch-invariant). Rounds are interleaved (round r of every arm and
-mode before round r+1).
+release of the clients to the last token; median over `--runs` rounds), per-request decode tok/s
+(median over every request), time to first token p50 and p99 (nearest rank over every request),
+what the agents' OpenBLAS thread policy did in its rounds (`blas`: forwards per thread count,
+the share run wide, forwards kept narrow by reason, switches, trips; from their /metrics before
+and after each round, bench/blas_policy.py), and the speedup of batched over fifo. Before the
+rounds every workload is served once alone on the fifo agent (per arm): every output of every
+round must equal that solo output, or the command fails after writing its document (MLX cards;
+on a llama-server card every request gets a system line of its own, so that no slot serves a
+prompt it kept from an earlier round, and llama.cpp's text is not compared: it is not
+batch-invariant). Rounds are interleaved (round r of every arm and mode before round r+1).
 
 With `--nodes K` (MLX cards) each mode is a pipeline ring instead of one agent: K `join` agents
 on 127.0.0.1 form a cluster of their own (its own secret), the model is placed on a ring of all
@@ -49,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from skulkp2p.bench.blas_policy import BlasPolicy, accumulate, read_all
 from skulkp2p.bench.concurrency_report import Round, markdown_table, summarize_cell
 from skulkp2p.bench.errors import BenchError
 from skulkp2p.bench.http_agents import (
@@ -247,12 +250,25 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                 log.info("solo %-5s %-10s %s tok/s, ttft %.3f s", arm, wl, fmt(g.tok_s, ".1f"),
                          g.ttft_s)
         rounds: dict[tuple[str, str], list[Round]] = {key: [] for key in nodes}
+        # What each (arm, mode)'s agents' OpenBLAS thread policy did during its rounds (their
+        # /metrics before and after each round; a ring: every stage's process).
+        blas: dict[tuple[str, str], BlasPolicy | None] = dict.fromkeys(nodes)
+
+        def policy_agents(arm: str, mode: str) -> list[tuple[str, int]]:
+            if mode.endswith("-direct"):
+                return []  # a llama-server child: no policy of ours runs there
+            agents = rings.get(mode) or [nodes[(arm, mode)]]
+            return [(a.host, a.port) for a in agents]
+
         mismatches: list[dict[str, Any]] = []
         for r in range(args.runs):
             for arm in ARMS:
                 for mode in modes:
+                    before = read_all(policy_agents(arm, mode))
                     rnd = run_round(nodes[(arm, mode)], body_for(arm, mode), client_workloads,
                                     f"{r}.{arm}.{mode}")
+                    blas[(arm, mode)] = accumulate(blas[(arm, mode)], before,
+                                                   read_all(policy_agents(arm, mode)))
                     rounds[(arm, mode)].append(rnd)
                     for i, (wl, g) in enumerate(rnd.generations):
                         if not served and g.text != solo[arm][wl].text:
@@ -284,6 +300,8 @@ def run_concurrency_bench(args: argparse.Namespace, store: Any) -> int:
                    "max_batch": None if url else (n if mode.startswith("batched") else 1),
                    **summarize_cell(rounds[(arm, mode)], solo_ttft),
                    "solo_ttft_s": round(solo_ttft, 4)}
+            policy = blas[(arm, mode)]
+            row["blas"] = policy.to_json() if policy is not None else None
             if mode.startswith("fifo"):
                 fifo = row["aggregate_tok_s"]
             elif mode.startswith("batched") and fifo and row["aggregate_tok_s"]:

@@ -59,6 +59,15 @@ def summarize_cell(rounds: list[Round], solo_ttft: float | None) -> dict[str, An
     return row
 
 
+def _blas(b: dict[str, Any] | None) -> str:
+    """The thread policy's share of wide forwards in a cell's rounds, and why the rest were
+    kept narrow."""
+    if not b or b.get("wide_share") is None:
+        return "-"
+    return (f"{100 * b['wide_share']:.0f}% ({b['busy']}/{b['shared']}/{b['tripped']}"
+            f"{', ' + str(b['trips']) + ' trips' if b['trips'] else ''})")
+
+
 def markdown_table(doc: dict[str, Any]) -> str:
     s = doc["settings"]
     ring = f", rings of {len(next(iter(s['rings'].values())))} agents" if s.get("rings") else ""
@@ -66,13 +75,14 @@ def markdown_table(doc: dict[str, Any]) -> str:
              f"({doc['engine']}), {s['max_tokens']} tokens, {s['runs']} rounds, clients: "
              f"{', '.join(s['client_workloads'])}\n",
              "| arm | mode | aggregate tok/s | x fifo | per-request tok/s | TTFT p50 | TTFT p99 "
-             "| p99 / solo |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| p99 / solo | BLAS wide (narrowed: busy/shared/tripped) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in doc["results"]:
         lines.append(f"| {row['arm']} | {row['mode']} | {fmt(row['aggregate_tok_s'], '.1f')} | "
                      f"{fmt(row.get('speedup_vs_fifo'), '.2f')} | "
                      f"{fmt(row['per_request_tok_s'], '.1f')} | "
                      f"{fmt(row['ttft_p50_s'], '.3f')} | {fmt(row['ttft_p99_s'], '.3f')} | "
-                     f"{fmt(row['ttft_p99_over_solo'], '.2f')} |")
+                     f"{fmt(row['ttft_p99_over_solo'], '.2f')} | {_blas(row.get('blas'))} |")
     if doc["mismatches"]:
         lines.append(f"\nMISMATCHES (output differs from solo): {len(doc['mismatches'])}")
     return "\n".join(lines) + "\n"

@@ -84,6 +84,24 @@ class Counters:
     trips: int = 0
     busy: int = 0  # decisions made narrow because another task was runnable
     shared: int = 0  # decisions made narrow because another thread ran forwards
+    tripped: int = 0  # decisions made narrow because the guard was tripped
+
+
+NARROW_REASONS = ("busy", "shared", "tripped")
+
+
+@dataclass(frozen=True)
+class PolicyCounts:
+    """A snapshot of the policy's settings and counters since the process started (what an
+    agent's /metrics exports; the concurrency bench reads their deltas per arm)."""
+    mode: str  # "auto" | "fixed"
+    narrow: int
+    wide: int  # the fixed count in "fixed" mode
+    forwards: dict[int, int]  # forwards (and pipelined steps) run with each thread count
+    switches: int  # thread count changes
+    trips: int  # times the guard tripped (a wide forward TRIP_RATIO slower than narrow)
+    narrowed: dict[str, int]  # forwards the timings would run wide that ran narrow, by reason
+    light_loads: int = 0  # probe readings that saw a lasting runnable task using little CPU
 
 
 def _running(stat_path: str) -> int:
@@ -116,13 +134,24 @@ class LoadProbe:
       that a reading which saw a load not yet confirmed is followed by another at the next
       call, so a lasting load is confirmed one forward after it is first seen.
 
+    * a confirmed count is a load only if other processes also used ``OTHERS_CPU_MIN`` of a
+      core over the last ``WINDOW_S`` (/proc/stat's busy ticks less this process's own). The
+      clients of a server streaming tokens wake for each chunk right after a step, when the
+      next step's reading is taken: runnable at every reading, yet using ~1% of a core
+      (bench --concurrency: every batched step of 4 clients was held narrow as "busy"). A
+      CPU-bound process uses a core or a fair share of one, whatever its nice value.
+
     A load that comes and goes faster than this is missed; the policy's guard (a two-thread
     forward ``TRIP_RATIO`` slower than one thread's) catches what it costs.
-    ``__call__`` returns the count of other runnable tasks, 0 while unconfirmed or where /proc
-    cannot be read."""
+    ``__call__`` returns the count of other runnable tasks, 0 while unconfirmed, while other
+    processes use less than OTHERS_CPU_MIN, or where /proc cannot be read (without /proc/stat:
+    the runnable count alone)."""
 
     CONFIRM = 2
     EVERY_S = 0.25
+    OTHERS_CPU_MIN = 0.25  # cores' worth of CPU other processes use for their tasks to count
+    WINDOW_S = 0.25  # CPU use is measured over windows this long (ticks are 10 ms)
+    MIN_SPAN_S = 0.1  # a window under way this long already counts (a load that just began)
 
     def __init__(self, proc: str = "/proc", clock: Callable[[], float] = time.monotonic):
         self.proc = proc
@@ -131,6 +160,10 @@ class LoadProbe:
         self._streak = 0  # consecutive readings that saw another runnable task
         self._answer = 0
         self.readings = 0  # how many times /proc was read (tests, reports)
+        self._hz = _clock_ticks()
+        self._window: tuple[float, int, int] | None = None  # (start, machine ticks, ours)
+        self._share: float | None = None  # the last complete window's, in cores
+        self.light = 0  # confirmed runnable counts ignored: others used little CPU (reports)
 
     def own_running(self) -> int:
         """This process's tasks in state R (the calling thread is one)."""
@@ -144,6 +177,42 @@ class LoadProbe:
     def _machine_running(self) -> int:
         with open(f"{self.proc}/loadavg", encoding="ascii") as fh:
             return int(fh.read().split()[3].split("/")[0])
+
+    def _cpu_ticks(self) -> tuple[int, int] | None:
+        """(the machine's busy ticks, this process's) now, from /proc/stat's first line (user,
+        nice, system, steal: another guest's use of our host is a load too) and
+        /proc/self/stat (utime, stime); None where they cannot be read."""
+        try:
+            with open(f"{self.proc}/stat", "rb") as fh:
+                cpu = fh.readline().split()
+            with open(f"{self.proc}/self/stat", "rb") as fh:
+                text = fh.read()
+            own = text[text.rfind(b")") + 2:].split()
+            machine = int(cpu[1]) + int(cpu[2]) + int(cpu[3]) + \
+                (int(cpu[8]) if len(cpu) > 8 else 0)
+            return machine, int(own[11]) + int(own[12])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def others_cpu(self) -> float | None:
+        """Cores' worth of CPU other processes used over the window under way (once it is
+        MIN_SPAN_S long; before that, the last complete one's); None before any window or
+        where /proc/stat cannot be read. A window closes after WINDOW_S."""
+        now = self._clock()
+        ticks = self._cpu_ticks()
+        if ticks is None:
+            return None
+        if self._window is None:
+            self._window = (now, *ticks)
+            return None
+        start, machine, own = self._window
+        span = now - start
+        if span < self.MIN_SPAN_S:
+            return self._share
+        share = max(0.0, (ticks[0] - machine) - (ticks[1] - own)) / self._hz / span
+        if span >= self.WINDOW_S:
+            self._share, self._window = share, (now, *ticks)
+        return share
 
     def read(self) -> int:
         """One reading: other processes' runnable tasks now (no confirmation, no rate limit)."""
@@ -164,9 +233,21 @@ class LoadProbe:
         self._last_read = now
         self.readings += 1
         others = self.read()
+        share = self.others_cpu()  # every reading: keeps the CPU windows current
         self._streak = self._streak + 1 if others > 0 else 0
         self._answer = others if self._streak >= self.CONFIRM else 0
+        if self._answer and share is not None and share < self.OTHERS_CPU_MIN:
+            self.light += 1
+            self._answer = 0
         return self._answer
+
+
+def _clock_ticks() -> int:
+    """/proc's time unit per second (USER_HZ, 100 on Linux)."""
+    try:
+        return int(os.sysconf("SC_CLK_TCK")) or 100
+    except (AttributeError, OSError, ValueError):
+        return 100
 
 
 def other_runnable() -> int:
@@ -262,7 +343,20 @@ class ThreadPolicy:
         return {"mode": AUTO if self.fixed is None else "fixed",
                 "narrow": self.narrow, "wide": self.wide if self.fixed is None else self.fixed,
                 "forwards_per_count": {str(k): v for k, v in sorted(c.forwards.items())},
-                "switches": c.switches, "trips": c.trips, "busy": c.busy, "shared": c.shared}
+                "switches": c.switches, "trips": c.trips, "busy": c.busy, "shared": c.shared,
+                "tripped": c.tripped}
+
+    def counts(self) -> PolicyCounts:
+        """The counters now. Read without the policy's lock, which a forward may hold while it
+        synchronizes (a scrape must not wait on it): each field is one read under the GIL
+        (dict() copies in one step), so a snapshot may be a forward behind, never torn."""
+        c = self.counters
+        return PolicyCounts(mode=AUTO if self.fixed is None else "fixed", narrow=self.narrow,
+                            wide=self.wide if self.fixed is None else self.fixed,
+                            forwards=dict(c.forwards), switches=c.switches, trips=c.trips,
+                            narrowed={"busy": c.busy, "shared": c.shared,
+                                      "tripped": c.tripped},
+                            light_loads=int(getattr(self._runnable, "light", 0)))
 
     # ---------------------------------------------------------------- switching
 
@@ -306,6 +400,7 @@ class ThreadPolicy:
             self.counters.shared += 1
             return True
         if now < self._trip_until:
+            self.counters.tripped += 1
             return True
         if self._runnable() > 0:  # read only here: /proc costs ~0.1 ms a call
             self._busy_until = now + BUSY_HOLD_S
@@ -418,6 +513,13 @@ def _make() -> ThreadPolicy | None:
     narrow = start
     wide = max(start, cores())
     return ThreadPolicy(blas, narrow, wide, fixed, mx.synchronize)
+
+
+def counts() -> PolicyCounts | None:
+    """The policy's counters, or None while no forward has made it (nothing ran here yet) or
+    where no OpenBLAS runs. Never makes the policy: a scrape must not load mlx."""
+    p = _policy
+    return None if p is None or p is _NO_POLICY else p.counts()
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
+from skulkp2p.engine import blas_threads
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, VerifyCosts
 from skulkp2p.telemetry import Telemetry
 
@@ -65,6 +66,8 @@ class LocalPlacements:
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
         self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
         self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
+        # The process's OpenBLAS thread policy, which every engine here shares.
+        self.telemetry.watch_blas_threads(blas_threads.counts)
         self.prefix_cache_mb = prefix_cache_mb  # each model's, and each ring stage's own
         self.max_batch = max_batch  # a ring's last stage's (None: the card's, else default)
         self.tensor_roles: dict[str, TensorRole] = {}  # model -> this node's rank of its group
