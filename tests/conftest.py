@@ -16,18 +16,11 @@ def pytest_configure(config: pytest.Config) -> None:
     (engine/blas.py: ensure_fast_blas, as `join` does), unless SKULKP2P_BLAS=off or it cannot
     load. Without it the test process ran MLX's reference float32 BLAS while the agents the
     tests start ran OpenBLAS, and the in-process prefills were ~20x slower (a 156-token prompt
-    13.4 s against 0.59 s): most of the suite's time. pytest's fd capture is suspended first,
-    so that the new process writes to the real stdout and stderr."""
+    13.4 s against 0.59 s): most of the suite's time. (pytest suspends its fd capture once the
+    initial conftests are loaded, before this hook: the new process gets the real stdout.)"""
     from skulkp2p.engine import blas
 
-    capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.suspend_global_capture(in_=True)
-    try:
-        blas.ensure_fast_blas()  # returns only where it did not re-exec
-    finally:
-        if capture is not None:
-            capture.resume_global_capture()
+    blas.ensure_fast_blas()  # returns only where it did not re-exec
 
 
 @pytest.fixture(scope="session")
