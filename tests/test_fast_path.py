@@ -48,3 +48,17 @@ def test_float32_openblas_greedy_equals_mlx_lm(smollm2_path):
     for case in out["cases"]:
         assert case["ours"] == case["ref"], case["spec"]
         assert len(case["ours"]) > 5
+
+
+def test_the_suite_runs_on_the_blas_the_agents_run_on():
+    """tests/conftest.py re-execs pytest with OpenBLAS preloaded, as `join` does: in-process
+    tests then run the same float32 products as the agents they start (and ~20x faster)."""
+    import os
+
+    from skulkp2p.engine import blas
+
+    if not sys.platform.startswith("linux") or blas.find_openblas() is None \
+            or os.environ.get(blas.ENV_MODE, "").strip().lower() in blas.OFF_VALUES:
+        pytest.skip("no OpenBLAS to preload here (or SKULKP2P_BLAS=off)")
+    report = blas.fast_path_report()
+    assert report["blas"] == "openblas", report
