@@ -22,7 +22,7 @@ from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.stage import StageModel
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.rings import full, stages
-from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, tree_drafter
+from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, same_rows, tree_drafter
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 PROMPT = list(range(5, 40))
@@ -116,13 +116,16 @@ def test_ring_caches_after_a_tree_equal_the_path_alone(paths, family, n, path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ring_tree_rows_equal_local_tree_rows(paths, family):
-    """The last stage's logits rows of a tree traversal are the single node's tree rows."""
+    """The last stage's logits rows of a tree traversal are the single node's tree rows (bit for
+    bit on the reference BLAS; the stages' products run on other row counts than the single
+    node's, so on OpenBLAS within helpers.trees.same_rows)."""
     lm = full(paths[family])
     local = LocalForward(lm.model)
     local.prefill(PROMPT)
     fwd = ring_forward(stages(paths[family], 3))
     fwd.prefill(PROMPT)
-    assert mx.array_equal(fwd.verify_tree(TOKENS, PARENTS), local.verify_tree(TOKENS, PARENTS))
+    why = same_rows(fwd.verify_tree(TOKENS, PARENTS), local.verify_tree(TOKENS, PARENTS))
+    assert why is None, f"the ring's tree rows and the single node's {why}"
 
 
 def test_stages_refuse_bad_paths_and_stray_trees(paths):

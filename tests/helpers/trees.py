@@ -31,3 +31,31 @@ def trees_on(lm) -> dict:
     return {**lm.speculation, "lookup": {**lm.speculation.get("lookup", {}), "trees": True}}
 
 
+
+
+# On the reference BLAS a product's row does not depend on how many rows are multiplied with
+# it, so a tree's rows are bit for bit its paths' rows. OpenBLAS (what the agents and, since
+# session 12, the suite run) picks its kernels and blocking by the row count: the same row
+# rounds differently in a 7-row tree and a 3-row chain (differences ~1e-7 on the tiny models'
+# logits). There, a row must pick the same token and agree to ROW_TOLERANCE; a wrong mask or
+# position moves logits by far more (a broken tree position: argmax 2 against 9690).
+ROW_TOLERANCE = 1e-4
+
+
+def same_rows(a, b) -> str | None:
+    """None when logits rows `a` and `b` agree as this process's BLAS allows (above), else why
+    not."""
+    import mlx.core as mx
+
+    from skulkp2p.engine import blas
+
+    if mx.array_equal(a, b):
+        return None
+    if blas.fast_path_report()["blas"] != "openblas":
+        return "differ (bit for bit expected on the reference BLAS)"
+    diff = float(mx.abs(a - b).max())
+    if not bool(mx.all(mx.argmax(a, axis=-1) == mx.argmax(b, axis=-1))):
+        return f"pick another token (max difference {diff:.3g})"
+    if diff > ROW_TOLERANCE:
+        return f"differ by {diff:.3g} > {ROW_TOLERANCE}"
+    return None
