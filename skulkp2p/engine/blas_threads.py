@@ -338,13 +338,11 @@ class ThreadPolicy:
         return self.fixed is None and self.wide > self.narrow
 
     def describe(self) -> dict[str, Any]:
-        """The policy's settings and what it did, for reports."""
-        c = self.counters
-        return {"mode": AUTO if self.fixed is None else "fixed",
-                "narrow": self.narrow, "wide": self.wide if self.fixed is None else self.fixed,
+        """The policy's settings and what it did, for reports (the `counts` snapshot as JSON)."""
+        c = self.counts()
+        return {"mode": c.mode, "narrow": c.narrow, "wide": c.wide,
                 "forwards_per_count": {str(k): v for k, v in sorted(c.forwards.items())},
-                "switches": c.switches, "trips": c.trips, "busy": c.busy, "shared": c.shared,
-                "tripped": c.tripped}
+                "switches": c.switches, "trips": c.trips, **c.narrowed}
 
     def counts(self) -> PolicyCounts:
         """The counters now. Read without the policy's lock, which a forward may hold while it
