@@ -90,7 +90,8 @@ def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--workloads", "nope"], ["--arms", "oracle:2"],
-                                 ["--runs", "0"], ["--dtype", "int8"]])
+                                 ["--runs", "0"], ["--dtype", "int8"],
+                                 ["--cores-per-node", "0"]])
 def test_bad_option_one_line_exit_2(bad):
     proc = run_cli("bench", *bad, timeout=60)
     assert proc.returncode == 2
@@ -233,6 +234,46 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
         assert cells["lookup:2"]["ring"]["traversals"] < cells["plain"]["ring"]["traversals"]
     assert "| head s | ranks s |" in proc.stdout
     for r in ranks:  # the rank processes are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (("--cores-per-node", "1"), "use it with --nodes N --parallel tensor"),
+    (("--nodes", "2", "--cores-per-node", "1"), "use it with --nodes N --parallel tensor"),
+    (("--nodes", "2", "--parallel", "tensor", "--cores-per-node", "4096"),
+     "--cores-per-node 4096 with --nodes 2 needs 8192 cores"),
+])
+def test_bench_cores_per_node_refused_before_anything_loads(bad, message):
+    proc = run_cli("bench", *bad, timeout=60)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
+    """`--cores-per-node 1`: node 0 (this bench's process: the loop, the head, the one-node
+    arms) and rank 0 on the first core, rank 1 on the second, as the kernel reports them; the
+    group's and the one node's outputs still equal their plain ones."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("emulating two one-core nodes needs two cores")
+    out = tmp_path / "pinned.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--max-tokens", "8", "--runs", "1", "--workloads", "echo",
+                   "--arms", "lookup:2", "--nodes", "2", "--parallel", "tensor",
+                   "--cores-per-node", "1", "--one-node", "--json", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    settings = doc["settings"]
+    assert settings["cores_per_node"] == 1 and settings["bench_cores"] == [cores[0]]
+    assert [r["cores"] for r in settings["ring"]["ranks"]] == [[cores[0]], [cores[1]]]
+    assert {r["arm"] for r in doc["results"]} >= {"plain", "spec", "one_node_spec"}
+    for r in doc["results"]:
+        assert r["identical_to_plain"] is True, r
+    for r in settings["ring"]["ranks"]:  # the rank processes are gone
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,15 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             or getattr(args, "nodes", 1) > 1 or getattr(args, "engine", "mlx") != "mlx"):
         raise BenchError("--temperature runs the workloads on one node (no --agent, "
                          "--concurrency, --nodes or --engine served)")
+    node_cpus = None
+    if getattr(args, "cores_per_node", None) is not None:
+        from skulkp2p.bench.cores import node_cores, pin_this_process
+
+        if getattr(args, "parallel", "pipeline") != "tensor" or getattr(args, "concurrency", None):
+            raise BenchError("--cores-per-node emulates the nodes of a tensor-parallel group: "
+                             "use it with --nodes N --parallel tensor")
+        node_cpus = node_cores(getattr(args, "nodes", 1), args.cores_per_node)
+        pin_this_process(node_cpus[0])  # node 0: the decode loop, its head, --one-node's arms
     if getattr(args, "concurrency", None):
         from skulkp2p.bench.concurrency import refuse_other_modes, run_concurrency_bench
 
@@ -140,7 +150,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     if getattr(args, "parallel", "pipeline") == "tensor":
         ring: Any = TensorBench(store, args.model, dtype, nodes,
                                 getattr(args, "link_delay_ms", 0.0),
-                                prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
+                                prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0),
+                                node_cpus=node_cpus)
     else:
         ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0),
                          prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
@@ -182,15 +193,19 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
 
     # The mlx-lm arms run in this process: every one of their forwards gets a fixed OpenBLAS
     # thread count (--peer-blas-threads, default the start count); ours, the engine's policy.
-    from skulkp2p.engine import blas_threads
+    from skulkp2p.bench.cores import allowed_cores
+    from skulkp2p.engine import blas, blas_threads
 
     threads = blas_threads.policy()
     peer_threads = getattr(args, "peer_blas_threads", None) or (
         threads.narrow if threads is not None else None)
+    # On an emulated node (--cores-per-node) every forward here gets that node's thread count.
+    cores_per_node = getattr(args, "cores_per_node", None)
+    node_threads = None if cores_per_node is None else blas.default_blas_threads(cores_per_node)
 
     def arm_threads(arm: Arm) -> Any:
         return blas_threads.pinned(peer_threads if arm.kind in ("mlx_lm", "mlx_lm_draft")
-                                   else None)
+                                   else node_threads)
 
     # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
     # cannot run on this model at all.
@@ -235,6 +250,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         "one_node_width_costs_used": None if single is None else _str_keys(
             getattr(single, "width_costs", None)),
         "prompt_tokens": {wl: prompt_len(loaded, wl) for wl in workloads},
+        "cores_per_node": cores_per_node,
+        "bench_cores": None if cores_per_node is None else allowed_cores(os.getpid()),
     }
     if ring is not None:
         settings["ring"] = ring.settings  # filled in as the ring runs: compute vs link seconds

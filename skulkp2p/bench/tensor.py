@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skulkp2p.bench.cores import allowed_cores
 from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable
 
 if TYPE_CHECKING:
@@ -59,13 +60,16 @@ class TensorBench:
 
     def __init__(self, store: ModelStore, spec: str, dtype: str, nodes: int,
                  link_delay_ms: float = 0.0, timeout_s: float | None = None,
-                 prefix_cache_mb: float = 0.0):
+                 prefix_cache_mb: float = 0.0, node_cpus: list[frozenset[int]] | None = None):
+        """`node_cpus`: the cores of each emulated node (bench/cores.py): rank i runs on
+        node i's; None: every process on every core."""
         if nodes < 2:
             raise ValueError("a tensor-parallel group has at least 2 nodes")
         self.store, self.spec, self.dtype, self.nodes = store, spec, dtype, nodes
         self.delay_s = max(0.0, link_delay_ms) / 1e3
         self.timeout_s = timeout_s
         self.prefix_cache_mb = prefix_cache_mb  # each rank's slice (used by --agent's arms)
+        self.node_cpus = node_cpus
         self.ranks: list[Any] = []
         self.proxy: FaultProxy | None = None
         self.command_proxy: FaultProxy | None = None  # the command link's, with a delay
@@ -127,7 +131,9 @@ class TensorBench:
             self.ranks.append(RankProcess(Path(path), r, addrs, self.dtype,
                                           label=f"bench rank {r}",
                                           prefix_cache_mb=self.prefix_cache_mb,
-                                          command_addrs=commands[r]))
+                                          command_addrs=commands[r],
+                                          cpus=None if self.node_cpus is None
+                                          else self.node_cpus[r]))
         if self.delay_s > 0:
             self._open_proxy(ips, real, via)
         loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
@@ -146,7 +152,8 @@ class TensorBench:
         self._measure_widths(loaded)
         self.settings.update(
             ranks=[{"rank": r, "addr": real[r], "pid": x.get("pid"),
-                    "param_bytes": x.get("param_bytes"), "active_bytes": x.get("active_bytes")}
+                    "param_bytes": x.get("param_bytes"), "active_bytes": x.get("active_bytes"),
+                    "cores": allowed_cores(self.ranks[r].pid)}
                    for r, x in enumerate(ready)],
             head_param_bytes=_param_bytes(loaded),
             allsum_us_one_row=round(self.allsum_s * 1e6, 1),

@@ -248,18 +248,19 @@ def _fast_env(lib: Path) -> tuple[dict[str, str] | None, str | None]:
     return env, None
 
 
-def default_blas_threads() -> int:
-    """OpenBLAS threads to use: one core fewer than this process may run on.
+def default_blas_threads(cores: int | None = None) -> int:
+    """OpenBLAS threads to use: one core fewer than this process may run on (or `cores`).
 
     mlx calls BLAS from its own stream thread while Python keeps working on the main thread;
     with as many OpenBLAS threads as cores the spinning workers get descheduled mid-product and
     a 128^3 product took 14 ms instead of 0.05 ms, and a 4-token forward of a 135M model 2.9 s
     instead of 0.1 s, on a 2-core machine (measured; tools/blas_probe.py).
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
     return max(1, cores - 1)
 
 

@@ -59,15 +59,26 @@ def _die_with_parent() -> None:
     os.setpgrp()
 
 
+def _start_child(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """The child's set-up before exec: `_die_with_parent`, and with `cpus` the cores it may run
+    on (every thread it starts inherits them: a bench's emulated node, `bench --cores-per-node`)."""
+    def start() -> None:
+        _die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+    return start
+
+
 class RankProcess:
     """One rank of a group: a child process started with its host file, watched through its
     stdout (frames) and ended by pid."""
 
     def __init__(self, model_path: Path | str, rank: int, addrs: list[str], dtype: str,
                  label: str = "", prefix_cache_mb: float = 0.0,
-                 command_addrs: list[str] | None = None):
+                 command_addrs: list[str] | None = None, cpus: frozenset[int] | None = None):
         """`command_addrs`: where the command link listens and dials (tensor_link.CommandLink:
-        a bench's delaying proxy); default ephemeral ports."""
+        a bench's delaying proxy); default ephemeral ports. `cpus`: the cores the process may
+        run on (default: this process's)."""
         from skulkp2p.engine.tensor_rank import write_hostfile
 
         self.rank = rank
@@ -83,8 +94,13 @@ class RankProcess:
                "--dtype", dtype, "--prefix-cache-mb", str(max(0.0, prefix_cache_mb))]
         if command_addrs:
             cmd += ["--command-addrs", ",".join(command_addrs)]
+        env = None
+        if cpus is not None:  # OpenBLAS threads as a node of that many cores would start with
+            from skulkp2p.engine.blas import default_blas_threads
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": str(default_blas_threads(len(cpus)))}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, preexec_fn=_die_with_parent)
+                                     stderr=self._stderr, env=env,
+                                     preexec_fn=_start_child(cpus))
         self.pid = self.proc.pid
         self.frames: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.ready: dict[str, Any] | None = None
