@@ -48,8 +48,3 @@ def allowed_cores(pid: int) -> list[int]:
     """The cores process `pid` (its main thread) may run on, as the kernel has it."""
     return sorted(os.sched_getaffinity(pid))
 
-
-def node_threads(cpus: frozenset[int]) -> int:
-    """OpenBLAS threads for a node of these cores (as a node's agent starts with)."""
-    from skulkp2p.engine.blas import default_blas_threads
-    return default_blas_threads(len(cpus))
