@@ -239,8 +239,8 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
 
 
 @pytest.mark.parametrize("bad,message", [
-    (("--cores-per-node", "1"), "use it with --nodes N --parallel tensor"),
-    (("--nodes", "2", "--cores-per-node", "1"), "use it with --nodes N --parallel tensor"),
+    (("--cores-per-node", "1"), "--cores-per-node needs --nodes 2 or more"),
+    (("--nodes", "2", "--cores-per-node", "1", "--agent"), "not with --concurrency or --agent"),
     (("--nodes", "2", "--parallel", "tensor", "--cores-per-node", "4096"),
      "--cores-per-node 4096 with --nodes 2 needs 8192 cores"),
 ])
@@ -276,6 +276,28 @@ def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
     for r in settings["ring"]["ranks"]:  # the rank processes are gone
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
+
+
+def test_bench_ring_on_emulated_one_core_nodes(tiny, tmp_path):
+    """`--nodes 2 --cores-per-node 1` on a pipeline ring: stage 1 (a child) on the first core,
+    the last stage (this bench's process, with the one-node arms) on the second."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("emulating two one-core nodes needs two cores")
+    out = tmp_path / "ring.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--max-tokens", "8", "--runs", "1", "--workloads", "echo",
+                   "--arms", "lookup:2", "--nodes", "2", "--cores-per-node", "1",
+                   "--one-node", "--json", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    settings = doc["settings"]
+    assert settings["cores_per_node"] == 1 and settings["bench_cores"] == [cores[1]]
+    assert [st["cores"] for st in settings["ring"]["stages"]] == [[cores[0]], [cores[1]]]
+    for r in doc["results"]:
+        assert r["identical_to_plain"] is True, r
 
 
 def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):

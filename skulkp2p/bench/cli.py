@@ -93,11 +93,14 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     if getattr(args, "cores_per_node", None) is not None:
         from skulkp2p.bench.cores import node_cores, pin_this_process
 
-        if getattr(args, "parallel", "pipeline") != "tensor" or getattr(args, "concurrency", None):
-            raise BenchError("--cores-per-node emulates the nodes of a tensor-parallel group: "
-                             "use it with --nodes N --parallel tensor")
+        if getattr(args, "concurrency", None) or getattr(args, "agent", False):
+            raise BenchError("--cores-per-node emulates the nodes of a ring or group of the "
+                             "workloads' bench: not with --concurrency or --agent")
         node_cpus = node_cores(getattr(args, "nodes", 1), args.cores_per_node)
-        pin_this_process(node_cpus[0])  # node 0: the decode loop, its head, --one-node's arms
+        # This process runs the decode loop and --one-node's arms: a group's node 0 (with rank
+        # 0), a pipeline ring's last node (its last stage).
+        pin_this_process(node_cpus[0] if getattr(args, "parallel", "pipeline") == "tensor"
+                         else node_cpus[-1])
     if getattr(args, "concurrency", None):
         from skulkp2p.bench.concurrency import refuse_other_modes, run_concurrency_bench
 
@@ -154,7 +157,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                                 node_cpus=node_cpus)
     else:
         ring = RingBench(store, args.model, dtype, nodes, getattr(args, "link_delay_ms", 0.0),
-                         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0))
+                         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0),
+                         node_cpus=node_cpus)
     try:  # the stage processes end with the bench, however it ends
         try:
             loaded = ring.open()

@@ -1,12 +1,13 @@
 """`bench --cores-per-node K`: emulate a cluster of small nodes on one bigger machine.
 
-On one machine every process of a group shares all of its cores, so a group's ranks and its
-loop member compete for them and a single-node arm gets all of them: neither is what N nodes
-of K cores each would do. With K set, node i's processes may run only on cores [iK, (i+1)K)
-(Linux CPU affinity, inherited by every thread they start): node 0 is the bench process (the
-decode loop, the head, the drafter, and the single-node arms of `--one-node`) with rank 0, node
-i > 0 is rank i. Each starts OpenBLAS with the threads a node of K cores would (K - 1, at least
-one). The links stay loopback (add `--link-delay-ms` for a LAN's latency).
+On one machine every process of a ring or group shares all of its cores, so its processes
+compete for them and a single-node arm gets all of them: neither is what N nodes of K cores
+each would do. With K set, node i's processes may run only on cores [iK, (i+1)K) (Linux CPU
+affinity, inherited by every thread they start). The bench process (the decode loop, the head,
+the drafter, and the single-node arms of `--one-node`) is a tensor group's node 0, beside rank
+0, and a pipeline ring's last node (it is the last stage); node i runs rank i or stage i. Each
+starts OpenBLAS with the threads a node of K cores would (K - 1, at least one). The links stay
+loopback (add `--link-delay-ms` for a LAN's latency).
 """
 
 from __future__ import annotations

@@ -140,10 +140,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "ring's or group's arms in the same run, so their gains compare side "
                         "by side")
     p.add_argument("--cores-per-node", type=_positive, default=None, metavar="K",
-                   help="with --nodes N --parallel tensor: emulate N nodes of K cores on this "
-                        "machine (CPU affinity): node 0 is this process (the decode loop, the "
-                        "head, --one-node's arms) and rank 0, node i rank i; each with the "
-                        "OpenBLAS threads of a K-core node. Needs N x K cores")
+                   help="with --nodes N: emulate N nodes of K cores on this machine (CPU "
+                        "affinity), each process with the OpenBLAS threads of a K-core node: "
+                        "node i runs stage i of a ring or rank i of a tensor group; this process "
+                        "(the decode loop, the head, --one-node's arms) is a ring's last node "
+                        "and a group's node 0. Needs N x K cores")
     p.add_argument("--widths", action="store_true",
                    help="also measure the verify-width cost table (w = 1..16) and save it under "
                         "<data-dir>/widths/")

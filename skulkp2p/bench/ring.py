@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skulkp2p.bench.cores import allowed_cores
 from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable
 
 if TYPE_CHECKING:
@@ -79,9 +80,12 @@ class RingBench:
 
     def __init__(self, store: ModelStore, spec: str, dtype: str, nodes: int,
                  link_delay_ms: float = 0.0, timeout_s: float | None = None,
-                 prefix_cache_mb: float = 0.0):
+                 prefix_cache_mb: float = 0.0, node_cpus: list[frozenset[int]] | None = None):
+        """`node_cpus`: the cores of each emulated node (bench/cores.py): stage i runs on node
+        i's (the last stage, this process, is pinned by the caller); None: every core."""
         if nodes < 2:
             raise ValueError("a ring has at least 2 nodes")
+        self.node_cpus = node_cpus
         self.store, self.spec, self.dtype, self.nodes = store, spec, dtype, nodes
         self.prefix_cache_mb = prefix_cache_mb  # each stage process's own prefix cache
         self.delay_s = max(0.0, link_delay_ms) / 1e3
@@ -175,7 +179,9 @@ class RingBench:
             {"stage": st.index + 1, "layers": list(st.layers), "addr": st.via,
              "pid": st.proc.pid if st.proc else os.getpid(),
              "param_bytes": (st.ready or {}).get("param_bytes") if st.proc
-             else param_bytes(loaded.model)} for st in self.stages]
+             else param_bytes(loaded.model),
+             "cores": allowed_cores(st.proc.pid if st.proc else os.getpid())}
+            for st in self.stages]
         self.settings["setup_s"] = round(time.monotonic() - t0, 2)
         log.info("ring of %d stages ready (layers %s, %.1f ms per hop) in %.1f s", self.nodes,
                  self.settings["layers"], self.delay_s * 1e3, self.settings["setup_s"])
@@ -189,9 +195,15 @@ class RingBench:
                "--host", st.ip, "--port", str(st.port), "--next", next_addr,
                "--data-dir", str(self.store.data_dir),
                "--prefix-cache-mb", str(self.prefix_cache_mb)]
+        cpus = None if self.node_cpus is None else self.node_cpus[st.index]
+        if cpus is not None:  # OpenBLAS threads as a node of that many cores would start with
+            from skulkp2p.engine.blas import default_blas_threads
+            env = {**env, "OPENBLAS_NUM_THREADS": str(default_blas_threads(len(cpus)))}
         with open(st.log_path, "wb") as err:
             st.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=err, env=env)
+                                       stderr=err, env=env,
+                                       preexec_fn=None if cpus is None
+                                       else (lambda: os.sched_setaffinity(0, cpus)))
         threading.Thread(target=self._read_stage, args=(st,), daemon=True,
                          name=f"bench-stage{st.index + 1}").start()
         log.info("stage %d of %d: pid %d, layers %d-%d, at %s", st.index + 1, self.nodes,
