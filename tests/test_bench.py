@@ -251,10 +251,9 @@ def test_bench_cores_per_node_refused_before_anything_loads(bad, message):
     assert len(errors) == 1 and message in errors[0], proc.stderr
 
 
-def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
-    """`--cores-per-node 1`: node 0 (this bench's process: the loop, the head, the one-node
-    arms) and rank 0 on the first core, rank 1 on the second, as the kernel reports them; the
-    group's and the one node's outputs still equal their plain ones."""
+def _on_two_one_core_nodes(tiny, tmp_path, *placement: str) -> tuple[dict, list[int]]:
+    """`bench --nodes 2 --cores-per-node 1 --one-node` on the tiny model (with `placement`'s
+    flags): its JSON, and the cores this process may run on (skips below two)."""
     import os
 
     cores = sorted(os.sched_getaffinity(0))
@@ -263,16 +262,27 @@ def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
     out = tmp_path / "pinned.json"
     proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
                    "--max-tokens", "8", "--runs", "1", "--workloads", "echo",
-                   "--arms", "lookup:2", "--nodes", "2", "--parallel", "tensor",
+                   "--arms", "lookup:2", "--nodes", "2", *placement,
                    "--cores-per-node", "1", "--one-node", "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
-    settings = doc["settings"]
-    assert settings["cores_per_node"] == 1 and settings["bench_cores"] == [cores[0]]
-    assert [r["cores"] for r in settings["ring"]["ranks"]] == [[cores[0]], [cores[1]]]
+    assert doc["settings"]["cores_per_node"] == 1
     assert {r["arm"] for r in doc["results"]} >= {"plain", "spec", "one_node_spec"}
     for r in doc["results"]:
         assert r["identical_to_plain"] is True, r
+    return doc, cores
+
+
+def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
+    """`--cores-per-node 1`: node 0 (this bench's process: the loop, the head, the one-node
+    arms) and rank 0 on the first core, rank 1 on the second, as the kernel reports them; the
+    group's and the one node's outputs still equal their plain ones."""
+    import os
+
+    doc, cores = _on_two_one_core_nodes(tiny, tmp_path, "--parallel", "tensor")
+    settings = doc["settings"]
+    assert settings["bench_cores"] == [cores[0]]
+    assert [r["cores"] for r in settings["ring"]["ranks"]] == [[cores[0]], [cores[1]]]
     for r in settings["ring"]["ranks"]:  # the rank processes are gone
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
@@ -281,23 +291,10 @@ def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
 def test_bench_ring_on_emulated_one_core_nodes(tiny, tmp_path):
     """`--nodes 2 --cores-per-node 1` on a pipeline ring: stage 1 (a child) on the first core,
     the last stage (this bench's process, with the one-node arms) on the second."""
-    import os
-
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("emulating two one-core nodes needs two cores")
-    out = tmp_path / "ring.json"
-    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
-                   "--max-tokens", "8", "--runs", "1", "--workloads", "echo",
-                   "--arms", "lookup:2", "--nodes", "2", "--cores-per-node", "1",
-                   "--one-node", "--json", str(out), timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(out.read_text())
+    doc, cores = _on_two_one_core_nodes(tiny, tmp_path)
     settings = doc["settings"]
-    assert settings["cores_per_node"] == 1 and settings["bench_cores"] == [cores[1]]
+    assert settings["bench_cores"] == [cores[1]]
     assert [st["cores"] for st in settings["ring"]["stages"]] == [[cores[0]], [cores[1]]]
-    for r in doc["results"]:
-        assert r["identical_to_plain"] is True, r
 
 
 def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):
