@@ -130,8 +130,10 @@ def test_group_speculative_equals_plain(models, family, n):
     group = Group(models[family], n)
     try:
         single = load_model(models[family], family, dtype="float32")
-        # Each rank holds about 1/n of the layers' weights, and no embedding or head.
+        # Each rank holds about 1/n of the layers' weights and of the head's rows, and no
+        # embedding.
         whole = sum(v.nbytes for layer in single.model.model.layers for _, v in _flat(layer))
+        whole += single.model.model.embed_tokens.weight.nbytes  # tied: the head
         for ready in group.ready:
             assert ready["param_bytes"] < whole / n * 1.2
         plain = generate(group.head, "off")
@@ -142,9 +144,11 @@ def test_group_speculative_equals_plain(models, family, n):
             assert got.text == plain.text
         lookup = generate(group.head, ARMS["lookup"])
         assert lookup.speculation.drafted > 0 and lookup.speculation.accepted > 0
-        # A verify of w rows is one call to the group, whatever w is.
+        # A verify of w rows is one call to the group, whatever w is, and the ranks computed
+        # every call's logits (the head is vocabulary-split).
         fwd = group.forwards[-1]
         assert fwd.calls < fwd.rows
+        assert fwd.split_calls == fwd.logit_calls > 0
         if family == "llama":  # the MTP head drafts on the member that runs the loop
             mtp = generate(group.head, {"drafter": "mtp", "depth": 2})
             assert mtp.tokens == plain.tokens and mtp.speculation.drafted > 0
@@ -155,6 +159,46 @@ def test_group_speculative_equals_plain(models, family, n):
         # Against one node the sums run in another order: report, do not require.
         ref = generate(single, "off")
         print(f"\n{family} on {n} ranks: greedy equals one node's: {ref.tokens == plain.tokens}")
+    finally:
+        group.close()
+
+
+def test_vocabulary_split_head_gives_the_whole_heads_logits(models):
+    """Every member's rows of the head, padded and stacked as an all-gather stacks them, put
+    back together are the whole head's logits, for splits even and uneven."""
+    import mlx.core as mx
+
+    from skulkp2p.engine.tensor_shard import head_slice
+    from skulkp2p.engine.trunk import Trunk
+
+    single = load_model(models["llama"], "llama", dtype="float32")
+    trunk = Trunk(single.model)
+    h = mx.random.normal((5, trunk.embed_tokens.weight.shape[1]), key=mx.random.key(3))
+    whole = trunk.head(trunk.norm(h))
+    vocab = whole.shape[1]
+    for n in (1, 2, 3, 7):
+        parts = [head_slice(single.model, r, n) for r in range(n)]
+        assert parts[0].spans[-1][1] == vocab and len({p.logits(h).shape for p in parts}) == 1
+        got = parts[0].assemble(mx.concatenate([p.logits(h) for p in parts], axis=0), 5)
+        assert got.shape == whole.shape
+        assert mx.allclose(got, whole, atol=1e-5).item(), n
+        assert mx.array_equal(mx.argmax(got, axis=1), mx.argmax(whole, axis=1)).item()
+
+
+def test_a_call_too_wide_for_its_logits_to_travel_gets_this_members_head(models, monkeypatch):
+    """Past SPLIT_LOGITS_MAX_BYTES the ranks send hidden rows only and the loop's member
+    applies its own head: the same greedy text."""
+    import skulkp2p.engine.tensor as tensor
+
+    group = Group(models["llama"], 2)
+    try:
+        split = generate(group.head, ARMS["lookup"], max_tokens=16)
+        assert group.forwards[-1].split_calls > 0
+        monkeypatch.setattr(tensor, "SPLIT_LOGITS_MAX_BYTES", 0)
+        local = generate(group.head, ARMS["lookup"], max_tokens=16)
+        fwd = group.forwards[-1]
+        assert fwd.split_calls == 0 and fwd.logit_calls > 0
+        assert local.tokens == split.tokens
     finally:
         group.close()
 

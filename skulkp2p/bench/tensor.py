@@ -17,7 +17,7 @@ estimate: at start every rank times its slice with no collective (`compute`: cal
 16 rows), so a run's compute is calls x the one-row time + the rows past the first x the time
 per row more; the rest of the ranks' time is the collectives and the ranks waiting on each
 other (on a loaded CPU, for a peer to be scheduled). The older estimate, calls x (2 per layer +
-2) x one all-sum of one row timed alone (`probe`), is kept as `allsum_probe_est_s`: alone, an
+3) x one all-sum of one row timed alone (`probe`), is kept as `allsum_probe_est_s`: alone, an
 all-sum is as cheap as the CPU is idle, so it says little when the machine is shared.
 
 The depth controller uses the group's own verify-width table, measured when the group is open
@@ -88,7 +88,8 @@ class TensorBench:
             "hops_per_traversal": nodes,
             "transport": "mx.distributed ring backend over TCP on loopback (through the "
                          "fault-injecting proxy, netfault.py, when a link delay is set); the "
-                         "ranks are child processes, the decode loop and head are the bench's",
+                         "ranks are child processes and compute the head's logits a share of "
+                         "the vocabulary each; the decode loop and embedding are the bench's",
             "traversals": 0, "bytes": 0, "head_compute_s": 0.0, "ranks_s": 0.0,
             "collectives_est_s": 0.0, "ranks_compute_est_s": 0.0, "pipe_s": 0.0,
             "loop_s": 0.0,
@@ -141,7 +142,7 @@ class TensorBench:
             ready = [rank.wait_ready(READY_TIMEOUT_S) for rank in self.ranks]
         except TensorError as e:
             raise TensorBenchError(f"tensor-parallel group: {e}") from None
-        self.per_call_collectives = 2 * spec.layers + 2
+        self.per_call_collectives = 2 * spec.layers + 3  # + the rows in, the logits out
         self.allsum_s = self.ranks[0].probe(1, PROBE_COUNT) / PROBE_COUNT
         # The ranks' own compute, timed with no collective: per call of one row, and per row
         # past the first (from calls of 16 rows).

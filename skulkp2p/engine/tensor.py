@@ -3,9 +3,10 @@
 Every member of the placement runs one rank process (tensor_rank.py) holding its slice of every
 layer (tensor_shard.py); the ranks form an `mx.distributed` group (the `ring` backend over TCP).
 The member that serves the model runs the decode loop and the drafter in its own process over a
-`TensorForward`: it embeds the tokens, sends the rows to its rank 0 (a pipe), gets the summed
-last hidden rows back, and applies the final norm and the output head, which live only there.
-A verify round of w tokens is one call: two all-reduces per layer whatever w is.
+`TensorForward`: it embeds the tokens, sends the rows to its rank 0 (a pipe), and gets the summed
+last hidden rows back with their logits, which the ranks computed a share of the vocabulary each
+(tensor_shard.HeadSlice). A verify round of w tokens is one call: two all-reduces per layer and
+one all-gather of logits, whatever w is.
 
 Failures stay bounded: a collective blocked on a frozen peer cannot be interrupted in its
 process, so the waiting side never blocks on it. It polls its rank 0's answers and, while
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import os
 import queue
 import signal
@@ -44,6 +47,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("skulkp2p.tensor")
 
 READY_TIMEOUT_S = 120.0  # load and group formation; a peer that never comes ends it
+# A call's logits come back up to this size; a wider call (a long prompt through __call__) gets
+# the hidden rows only and this member applies its own head, as before the split.
+SPLIT_LOGITS_MAX_BYTES = 16 << 20
+
+
+def _shared_logits() -> int:
+    """A descriptor of anonymous shared memory where rank 0 leaves each call's logits for this
+    member (RankProcess.read_logits); it has no name, so nothing is left behind however the two
+    processes end. Why not the pipe: a verify's logits are w x V values (3 MB for 16 rows of
+    SmolLM2), and framing them (msgpack, an HMAC on each side, the pipe's copies) cost about 0.7
+    ms a row, as much as the split saved on a wide call; through one mapping they are copied
+    twice."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("skulkp2p-tp-logits")
+    else:  # macOS: a file whose name goes at once
+        fd, name = tempfile.mkstemp(prefix="skulkp2p-tp-logits-")
+        os.unlink(name)
+    try:
+        os.ftruncate(fd, SPLIT_LOGITS_MAX_BYTES)  # pages come as they are written
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -92,15 +120,29 @@ class RankProcess:
         cmd = [sys.executable, "-m", "skulkp2p.engine.tensor_rank", "--model", str(model_path),
                "--rank", str(rank), "--size", str(self.size), "--hostfile", str(hostfile),
                "--dtype", dtype, "--prefix-cache-mb", str(max(0.0, prefix_cache_mb))]
+        self._logits_map: mmap.mmap | None = None
+        shared: tuple[int, ...] = ()
+        if rank == 0:  # the rank the loop's member talks to
+            try:
+                fd = _shared_logits()
+                shared = (fd,)  # closed here once the child has it (below)
+                self._logits_map = mmap.mmap(fd, SPLIT_LOGITS_MAX_BYTES)
+                cmd += ["--logits-fd", str(fd)]
+            except (OSError, ValueError) as e:
+                log.info("tensor %s: logits come over the pipe (%s)", self.label, e)
         if command_addrs:
             cmd += ["--command-addrs", ",".join(command_addrs)]
         env = None
         if cpus is not None:  # OpenBLAS threads as a node of that many cores would start with
             from skulkp2p.engine.blas import default_blas_threads
             env = {**os.environ, "OPENBLAS_NUM_THREADS": str(default_blas_threads(len(cpus)))}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, env=env,
-                                     preexec_fn=_start_child(cpus))
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self._stderr, env=env, pass_fds=shared,
+                                         preexec_fn=_start_child(cpus))
+        finally:
+            for fd in shared:  # the child holds its own; the mapping outlives the descriptor
+                os.close(fd)
         self.pid = self.proc.pid
         self.frames: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.ready: dict[str, Any] | None = None
@@ -193,8 +235,20 @@ class RankProcess:
         for the next command): engine/tensor_rank.RankTimes."""
         return list(self.call({"op": "stats"}, timeout, None)["ranks"])
 
+    def read_logits(self, meta: dict[str, Any]) -> mx.array:
+        """The logits rank 0 left in the shared file for the answer just read ({"dtype",
+        "shape"}); copied out, since the next call overwrites them."""
+        if self._logits_map is None:
+            raise TensorError(f"{self.label}: logits left in memory this process did not map")
+        _holder, itemsize = wire.ARRAY_DTYPES[meta["dtype"]]
+        n = itemsize * math.prod(meta["shape"])
+        if n > len(self._logits_map):
+            raise TensorError(f"{self.label}: logits of {n} bytes do not fit the shared file")
+        return wire.unpack_array({"dtype": meta["dtype"], "shape": meta["shape"],
+                                  "data": self._logits_map[:n]}, as_mlx=True)
+
     def kill(self) -> None:
-        """End the process by pid (idempotent)."""
+        """End the process by pid (idempotent), and remove its shared file."""
         if self.proc.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
@@ -210,6 +264,9 @@ class RankProcess:
             except OSError:
                 pass
         self._stderr.close()
+        if self._logits_map is not None:
+            self._logits_map.close()
+            self._logits_map = None
 
 
 class TensorForward:
@@ -250,6 +307,10 @@ class TensorForward:
         self.ranks_s = 0.0
         self.compute_s = 0.0
         self.rows = 0
+        self.logit_calls = 0  # calls that needed logits (the loop's; not the prefill's)
+        self.split_calls = 0  # of which the ranks computed them (the rest: this member's head)
+        weight = self.trunk.embed_tokens.weight
+        self._row_bytes = int(weight.shape[0]) * weight.dtype.size  # one row of logits
 
     def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -259,14 +320,18 @@ class TensorForward:
             raise TensorError(f"tensor-parallel group of {self.label} broke mid-request: "
                               f"{e}") from None
 
-    def _run(self, tokens: list[int]) -> mx.array:
+    def _run(self, tokens: list[int], logits: bool = False) -> tuple[mx.array, mx.array | None]:
+        """(the summed last hidden rows, and with `logits` the ranks' logits of every row, or
+        None when the call is too wide for them to travel)."""
         import mlx.core as mx
 
         t0 = time.perf_counter()
         x = self.trunk.embed_tokens(mx.array(tokens)[None])[0]
         mx.eval(x)
         self.compute_s += time.perf_counter() - t0
-        msg = {"op": "run", "x": wire.pack_array(x), "reset": self._reset,
+        self.logit_calls += int(logits)
+        want = logits and len(tokens) * self._row_bytes <= SPLIT_LOGITS_MAX_BYTES
+        msg = {"op": "run", "x": wire.pack_array(x), "reset": self._reset, "logits": want,
                "rollback": list(self._pending) if self._pending else None}
         t1 = time.perf_counter()
         out = self._call(msg)
@@ -276,14 +341,22 @@ class TensorForward:
         self.rows += len(tokens)
         self._reset = False
         self._pending = None
-        return wire.unpack_array(out["h"], as_mlx=True)
+        h = wire.unpack_array(out["h"], as_mlx=True)
+        if not want:
+            return h, None
+        self.split_calls += 1
+        if "logits_at" in out:
+            return h, self.rank0.read_logits(out["logits_at"])
+        return h, wire.unpack_array(out["logits"], as_mlx=True)
 
-    def _finish(self, h: mx.array, logits: bool) -> mx.array | None:
+    def _finish(self, h: mx.array, logits: bool, given: mx.array | None = None) -> mx.array | None:
+        """The call's logits (`given` by the ranks, or this member's head on `h` when the
+        call was too wide for theirs) and the hidden rows the drafter reads."""
         import mlx.core as mx
 
         t0 = time.perf_counter()
-        normed = self.trunk.norm(h[None])
-        out = self.trunk.head(normed)[0] if logits else None
+        normed = self.trunk.norm(h[None]) if (self.hidden == "after" or given is None) else None
+        out = given if given is not None else (self.trunk.head(normed)[0] if logits else None)
         if self.hidden == "before":
             self.last_hidden = h
         elif self.hidden == "after":
@@ -323,7 +396,7 @@ class TensorForward:
         for start in range(0, len(tokens), self.prefill_step):
             if self.interrupt is not None:
                 self.interrupt()
-            h = self._run(tokens[start:start + self.prefill_step])
+            h, _ = self._run(tokens[start:start + self.prefill_step])
             if self.hidden:
                 self._finish(h, logits=False)
                 rows.append(self.last_hidden)
@@ -332,7 +405,8 @@ class TensorForward:
 
     def __call__(self, tokens: list[int]) -> mx.array:
         t0 = time.perf_counter()
-        logits = self._finish(self._run(tokens), logits=True)
+        h, given = self._run(tokens, logits=True)
+        logits = self._finish(h, logits=True, given=given)
         if self.call_costs is not None:  # the whole call as the loop waits for it
             self.call_costs.observe(len(tokens), time.perf_counter() - t0)
         return logits

@@ -6,9 +6,10 @@ re-placement (new members, a new term) needs new processes; and a collective blo
 peer cannot be interrupted from inside, but its process can be killed. The node's control plane
 starts these, watches them, and kills them (by pid) when the placement goes.
 
-Every rank holds its share of every layer (tensor_shard.py) and no embedding or head. Rank 0
-talks to the process that runs the decode loop over its stdin/stdout (wire frames, one per
-call): rows in, the summed last hidden rows out. It passes each command's header to the other
+Every rank holds its share of every layer and its rows of the output head (tensor_shard.py), and
+no embedding. Rank 0 talks to the process that runs the decode loop over its stdin/stdout (wire
+frames, one per call): rows in, the summed last hidden rows out, and with "logits" the whole
+vocabulary's logits of every row (each rank computes its share; one all-gather). It passes each command's header to the other
 ranks over the group's command link (tensor_link.py: a TCP connection on which they block,
 where an all-sum would have them poll a core between calls), then the rows with an all-sum.
 Before any collective of model data the ranks check that they agree on the dtype and the model
@@ -16,7 +17,9 @@ files (tensor_link.agree). The other ranks only compute; each writes one "ready"
 stdout and exits when rank 0 closes the link or the group breaks.
 
 Commands (rank 0's stdin): {"op": "run", "x": rows [w, H], "rollback": [keep, dropped] | None,
-"reset": bool} -> {"op": "out", "h": rows [w, H], "cs": seconds}; {"op": "probe", "width": w,
+"reset": bool, "logits": bool} -> {"op": "out", "h": rows [w, H] (before the final norm),
+"logits": [w, V] | "logits_at": {"dtype", "shape"} (left in the shared memory of
+`--logits-fd`, mapped by both processes) | absent, "cs": seconds}; {"op": "probe", "width": w,
 "count": n} -> {"op": "probe", "s": seconds} (n all-sums of w rows alone: what the collectives
 cost, for the bench's split of the time); {"op": "restore", "length": n, "key": [ids]} ->
 {"op": "restored", "held": n | 0}; {"op": "store", "key": [ids], "rollback": [keep, dropped] |
@@ -49,7 +52,8 @@ FRAME = "tp"
 OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE, OP_COMPUTE, OP_STATS = 1, 2, 3, 4, 5, 6, 7
 COMPUTE_PREFILL = 64
 # A command's header (CommandLink): op, width (restore/store: the key's length), rollback
-# dropped (a probe: its count; a restore: the positions to restore), reset
+# dropped (a probe: its count; a restore: the positions to restore), flags (a run's)
+RUN_RESET, RUN_LOGITS = 1, 2
 
 
 def write_frame(out: BinaryIO, msg: dict[str, Any]) -> None:
@@ -72,27 +76,30 @@ def read_frame(inp: BinaryIO, decoder: wire.FrameDecoder) -> dict[str, Any] | No
             return frames[0]
 
 
-def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) -> Any:
-    """The model cut to this rank's share of every layer, without embedding, norm or head."""
+def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) -> tuple[Any, Any]:
+    """(the model cut to this rank's share of every layer, without embedding, norm or head;
+    this rank's rows of the head with the final norm, a tensor_shard.HeadSlice)."""
     import mlx.core as mx
     from mlx_lm.utils import load_model as mlx_load_model
 
     from skulkp2p.engine.model import DTYPES, _trunk_classes
     from skulkp2p.engine.stage import _NoEmbedding
-    from skulkp2p.engine.tensor_shard import layer_plan, shard_layers
+    from skulkp2p.engine.tensor_shard import head_slice, layer_plan, shard_layers
     from skulkp2p.engine.trunk import Trunk, _Identity
 
     model, _config = mlx_load_model(Path(path), lazy=True, get_model_classes=_trunk_classes)
     plan = layer_plan(model, rank, size)
+    model.set_dtype(DTYPES[dtype])
+    head = head_slice(model, rank, size)  # before the head goes; a copy of its rows
+    mx.eval(head.weight, head.norm.parameters())
     trunk = Trunk(model)
     trunk.body.embed_tokens = _NoEmbedding()
     trunk.body.norm = _Identity()  # the decode loop's member applies the final norm and head
     if hasattr(trunk.text, "lm_head"):
         trunk.text.lm_head = _Identity()
-    model.set_dtype(DTYPES[dtype])
     shard_layers(model, plan, group)
     mx.eval(model.parameters())
-    return model
+    return model, head
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostfile", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0)
+    ap.add_argument("--logits-fd", type=int, default=-1,
+                    help="rank 0: an inherited descriptor of shared memory where each call's "
+                         "logits are left for the process that runs the decode loop, instead "
+                         "of the pipe")
     ap.add_argument("--command-addrs", default="",
                     help="ip:port per rank, comma-separated, for the command link (this rank's "
                          "own entry: where it listens; the others': where rank 0 dials); "
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                f"expected {args.rank} of {args.size}")
         # Before any collective of model data: an all-sum of rows in two dtypes crashes.
         agree(group, args.rank, args.size, args.dtype, digest)
-        model = load_rank_model(Path(args.model), args.rank, args.size, group, args.dtype)
+        model, head = load_rank_model(Path(args.model), args.rank, args.size, group, args.dtype)
         # Everyone loaded: one collective before saying so.
         mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))
         link = CommandLink.open(group, args.rank, args.size, hosts_of(Path(args.hostfile)),
@@ -150,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     hidden = int(model.args.hidden_size) if hasattr(model, "args") else 0
     dtype = next(iter(v for _, v in _flat(model.parameters()))).dtype
     mx.clear_cache()
-    # param_bytes: what the shards add up to; active_bytes: what MLX really keeps (a slice
-    # that still pinned its whole tensor would show here).
-    write_frame(out, {"op": "ready", "rank": args.rank, "param_bytes": param_bytes(model),
+    # param_bytes: what the shards add up to (the layers' and the head's rows); active_bytes:
+    # what MLX really keeps (a slice that still pinned its whole tensor would show here).
+    held = param_bytes(model) + head.weight.nbytes + param_bytes(head.norm)
+    write_frame(out, {"op": "ready", "rank": args.rank, "param_bytes": held,
                       "active_bytes": mx.get_active_memory(), "pid": os.getpid()})
+    shared = _map_logits(args.logits_fd) if args.rank == 0 else None
     cache = make_prompt_cache(model)
     prefix = PrefixCache(int(args.prefix_cache_mb * MB)) if args.prefix_cache_mb > 0 else None
     decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
@@ -182,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 rb = msg.get("rollback") or [0, 0]
                 x_in = wire.unpack_array(msg["x"], as_mlx=True).astype(dtype)
-                header = [OP_RUN, x_in.shape[0], int(rb[1]), int(bool(msg.get("reset")))]
+                flags = (RUN_RESET if msg.get("reset") else 0) | (
+                    RUN_LOGITS if msg.get("logits") else 0)
+                header = [OP_RUN, x_in.shape[0], int(rb[1]), flags]
             try:
                 link.send(header)
             except OSError as e:  # a rank is gone: the group is over
@@ -193,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             if header is None:  # rank 0 is gone (killed, or its group ended)
                 print("tensor_rank: rank 0 closed the command link", file=sys.stderr)
                 return 0
-        op, width, dropped, reset = header
+        op, width, dropped, flags = header
         if op == OP_STOP:
             return 0
         times.busy_from()
@@ -211,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_frame(out, {"op": "probe", "s": round(time.perf_counter() - t0, 6)})
             continue
         if op == OP_COMPUTE:
-            took = _compute_alone(model, body, width, dropped, hidden, dtype)
+            took = _compute_alone(model, body, head, width, dropped, hidden, dtype)
             mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=group))  # everyone done
             if args.rank == 0:
                 write_frame(out, {"op": "compute", "s": round(took, 6)})
@@ -229,17 +244,48 @@ def main(argv: list[str] | None = None) -> int:
                 if args.rank == 0:
                     write_frame(out, {"op": "stored", "ok": ok, "bytes": nbytes})
             continue
-        if reset:
+        if flags & RUN_RESET:
             cache = make_prompt_cache(model)
         elif dropped:
             trim(cache, dropped)
         x = x_in if args.rank == 0 else mx.zeros((width, hidden), dtype=dtype)
         x = mx.distributed.all_sum(x, group=group)  # rank 0's rows, to everyone
         h = body(None, cache, input_embeddings=x[None])[0]
-        mx.eval(h)
+        logits = None
+        if flags & RUN_LOGITS:  # every rank has the whole rows now: each scores its ids
+            part = head.logits(h)
+            logits = mx.distributed.all_gather(part, group=group) if args.size > 1 else part
+            if args.rank == 0:
+                logits = head.assemble(logits, width)
+        mx.eval([a for a in (h, logits) if a is not None])
         if args.rank == 0:
-            write_frame(out, {"op": "out", "h": wire.pack_array(h),
-                              "cs": round(time.perf_counter() - t0, 6)})
+            reply = {"op": "out", "h": wire.pack_array(h),
+                     "cs": round(time.perf_counter() - t0, 6)}
+            if logits is not None:
+                packed = wire.pack_array(logits)
+                data = packed.pop("data")
+                if shared is not None and len(data) <= len(shared):
+                    shared[:len(data)] = data  # before the frame that says it is there
+                    reply["logits_at"] = packed
+                else:
+                    reply["logits"] = {**packed, "data": data}
+            write_frame(out, reply)
+
+
+def _map_logits(fd: int) -> Any:
+    """The shared memory the loop's member reads logits from (mapped whole), or None: then they
+    travel in the reply frame."""
+    import mmap
+
+    if fd < 0:
+        return None
+    try:
+        return mmap.mmap(fd, 0)
+    except (OSError, ValueError) as e:
+        print(f"tensor_rank: logits over the pipe ({e})", file=sys.stderr)
+        return None
+    finally:
+        os.close(fd)
 
 
 class RankTimes:
@@ -292,10 +338,11 @@ def _gather_times(times: RankTimes, rank: int, size: int, group: Any) -> list[di
     return [{k: round(float(v), 4) for k, v in zip(STAT_FIELDS, r, strict=True)} for r in rows]
 
 
-def _compute_alone(model: Any, body: Any, width: int, count: int, hidden: int,
+def _compute_alone(model: Any, body: Any, head: Any, width: int, count: int, hidden: int,
                    dtype: Any) -> float:
     """Seconds of `count` forwards of `width` rows through this rank's slice alone (no
-    collective), each rolled back, after a COMPUTE_PREFILL-row prefill; a scratch cache."""
+    collective; its rows of the head included), each rolled back, after a
+    COMPUTE_PREFILL-row prefill; a scratch cache."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -311,7 +358,7 @@ def _compute_alone(model: Any, body: Any, width: int, count: int, hidden: int,
         trim(scratch, width)
         t0 = time.perf_counter()
         for _ in range(count):
-            mx.eval(body(None, scratch, input_embeddings=rows))
+            mx.eval(head.logits(body(None, scratch, input_embeddings=rows)[0]))
             trim(scratch, width)
         return time.perf_counter() - t0
 

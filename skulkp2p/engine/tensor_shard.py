@@ -11,11 +11,15 @@ Why our own split rather than mlx-lm's `Model.shard`: that one divides head coun
 here the groups are split as evenly as they go (2 + 1) and the MLP columns in the same
 proportion. Quantised layers are refused (the cards here load as bf16/f32 arrays).
 
-The embedding and the output head are NOT sharded: they live once, on the member that runs the
-decode loop (engine/tensor.py), which embeds the tokens and applies the final norm and head to
-the summed rows. Vocabulary-splitting the head would need an all-gather of w x V logits (or a
-distributed argmax that the exact sampling path cannot use) on every call; holding it once costs
-that member V x H more memory instead.
+The output head is vocabulary-split: a member holds rows [a, b) of it (`HeadSlice`) and the
+final norm, and after the last layer's all-sum (every member then has the whole hidden rows)
+computes the logits of its vocabulary ids; one all-gather hands rank 0 all of them. Why split
+rather than replicate: on the member that runs the decode loop the head (V x H; 49,152 x 576 for
+SmolLM2) is one matrix-vector product as large as a third of a member's whole slice of the
+layers, and it ran there alone while every other member waited; split, each member computes 1/N
+of it at the same time, and the all-gather of w x V logits costs far less on a verify's few rows.
+The embedding is not split: only the loop's member embeds (a table look-up, not a product), so it
+keeps the whole table, which for tied models is the head too.
 """
 
 from __future__ import annotations
@@ -139,6 +143,58 @@ def without_collectives() -> Iterator[None]:
         yield
     finally:
         _local_only = False
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """A member's share of the output: the final norm and the head's rows for vocabulary ids
+    [start, stop) of `vocab` (`spans` is every member's range, for putting the logits back
+    together in order)."""
+
+    norm: nn.Module
+    weight: mx.array  # [stop - start, hidden]
+    bias: mx.array | None
+    start: int
+    stop: int
+    vocab: int
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def widest(self) -> int:
+        return max(b - a for a, b in self.spans)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """norm(h) @ W[start:stop].T for rows h [w, hidden], padded with zero columns to the
+        widest member's share (an all-gather takes equal shapes)."""
+        y = self.norm(h) @ self.weight.T
+        if self.bias is not None:
+            y = y + self.bias
+        pad = self.widest - (self.stop - self.start)
+        return mx.pad(y, [(0, 0), (0, pad)]) if pad else y
+
+    def assemble(self, gathered: mx.array, rows: int) -> mx.array:
+        """Every member's padded logits as an all-gather stacks them ([size x rows, widest])
+        -> the whole vocabulary's logits [rows, vocab], in order."""
+        parts = [gathered[i * rows:(i + 1) * rows, :b - a] for i, (a, b) in enumerate(self.spans)]
+        return mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def head_slice(model: nn.Module, rank: int, size: int) -> HeadSlice:
+    """This member's rows of the output head (the tied embedding's, or lm_head's) and the final
+    norm; taken before the model drops its embedding, norm and head. The rows are copied, so the
+    whole matrix can be let go."""
+    trunk = Trunk(model)
+    if trunk.softcap:
+        raise ShardError("a head with capped logits is not vocabulary-split here")
+    layer = trunk.body.embed_tokens if trunk.tied else trunk.text.lm_head
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        raise ShardError(f"cannot shard a {type(layer).__name__} (quantised layers are not "
+                         "split tensor-parallel here)")
+    vocab = int(layer.weight.shape[0])
+    spans = tuple(even_split(vocab, size))
+    a, b = spans[rank]
+    bias = mx.contiguous(layer.bias[a:b]) if (not trunk.tied and "bias" in layer) else None
+    return HeadSlice(trunk.body.norm, mx.contiguous(layer.weight[a:b]), bias, a, b, vocab, spans)
 
 
 class _AllSum(nn.Module):
