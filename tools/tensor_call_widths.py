@@ -6,12 +6,19 @@ with no collective (`compute`). Run it under the bench lock:
 
     flock /tmp/skulk-bench.lock python tools/tensor_call_widths.py [--calls 20] [--widths 1,2,3,4,5,8,16]
 
-Prints one line per width; a width listed twice is measured twice (noise shows as a change)."""
+    python tools/tensor_call_widths.py --cores-per-node 1 --head-ab 6 --widths 1,2,3,4,8,16
+
+Prints one line per width; a width listed twice is measured twice (noise shows as a change).
+`--cores-per-node K` pins the ranks and this process as `bench --cores-per-node` does.
+`--head-ab N` instead times whole calls as the loop waits for them, the vocabulary-split head
+(the ranks' logits) against this member's own head on the same group, alternating N times,
+3 calls per width each time, and prints the medians side by side."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 from skulkp2p.bench.tensor import TensorBench
 from skulkp2p.engine.loader import serving_dtype
@@ -25,11 +32,23 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--widths", default="1,2,3,4,5,8,16,3,1")
+    ap.add_argument("--cores-per-node", type=int, default=0)
+    ap.add_argument("--head-ab", type=int, default=0, metavar="N")
     args = ap.parse_args()
+    from skulkp2p.engine import blas
+    blas.ensure_fast_blas()  # as the bench's own CLI: OpenBLAS, inherited by the ranks
     widths = [int(w) for w in args.widths.split(",")]
-    bench = TensorBench(ModelStore(), args.model, serving_dtype(), 2)
+    node_cpus = None
+    if args.cores_per_node:
+        from skulkp2p.bench.cores import node_cores, pin_this_process
+        node_cpus = node_cores(2, args.cores_per_node)
+        pin_this_process(node_cpus[0])
+    bench = TensorBench(ModelStore(), args.model, serving_dtype(), 2, node_cpus=node_cpus)
     loaded = bench.open()
     try:
+        if args.head_ab:
+            head_ab(loaded, sorted(set(widths)), args.head_ab)
+            return
         fwd = loaded.make_forward(None, None, None)
         ids = list(loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20))
         fwd.prefill(ids[:PREFILL])
@@ -49,6 +68,32 @@ def main() -> None:
                   f"{alone * 1e3:6.1f} ms; compute alone {compute * 1e3:6.1f} ms", flush=True)
     finally:
         bench.close()
+
+
+def head_ab(loaded, widths: list[int], rounds: int) -> None:
+    import skulkp2p.engine.tensor as tensor
+
+    split_max = tensor.SPLIT_LOGITS_MAX_BYTES
+    ids = list(loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20))
+    took: dict[tuple[str, int], list[float]] = {}
+    for n in range(rounds):
+        for mode in (("split", "own") if n % 2 == 0 else ("own", "split")):
+            tensor.SPLIT_LOGITS_MAX_BYTES = split_max if mode == "split" else 0
+            fwd = loaded.make_forward(None, "after", None)
+            fwd.prefill(ids[:PREFILL - 1])
+            fwd(ids[PREFILL - 1:PREFILL])
+            for width in widths:
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    fwd(ids[PREFILL:PREFILL + width])
+                    took.setdefault((mode, width), []).append(time.perf_counter() - t0)
+                    fwd.rollback(PREFILL, width)
+    tensor.SPLIT_LOGITS_MAX_BYTES = split_max
+    for width in widths:
+        split = statistics.median(took[("split", width)])
+        own = statistics.median(took[("own", width)])
+        print(f"w={width:2d}: split head {split * 1e3:6.1f} ms, the member's own head "
+              f"{own * 1e3:6.1f} ms, split / own {split / own:.2f}", flush=True)
 
 
 if __name__ == "__main__":
