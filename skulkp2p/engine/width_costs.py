@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +28,11 @@ WIDTH_REPS = 7
 # A tensor-parallel group measures its own table when it forms (engine/tensor.py): fewer widths
 # (the controller interpolates between them) and reps, so that forming a group stays quick.
 GROUP_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
-GROUP_REPS = 3
+# The median of 5, not the fastest of 3: the table seeds the live one (call_costs.py), which
+# prices by the medians of real calls, and a width the gates never choose is never corrected by
+# one. The fastest of 3 priced 2 rows at 1.42-1.61x one where the medians of whole calls read
+# 1.19-1.31x, enough to price a group's MTP head off from its first token.
+GROUP_REPS = 5
 # Text for the measurement where no workload is at hand (the group's: dense layers only, so the
 # tokens do not change the cost; a mixture of experts would route by them).
 WIDTH_TEXT = ("def add(a, b):\n    return a + b\n\nclass Stack:\n    def __init__(self):\n"
@@ -80,7 +85,8 @@ def measure_forward_seconds(forward: Any, tokens: list[int], widths: Sequence[in
     """As measure_width_seconds, through any Forward whose caches trim back exactly (a tensor
     group's `TensorForward`, whose caches live in other processes and cannot be snapshotted
     here): every verify of w rows is rolled back (`rollback(0, w)`) before the next one, so each
-    width sees the same context length. Times the whole call as the decode loop sees it."""
+    width sees the same context length. Times the whole call as the decode loop sees it; each
+    width's median (GROUP_REPS)."""
     widths = sorted(set(widths))
     if len(tokens) < prefill + max(widths):
         raise ValueError(f"need {prefill + max(widths)} tokens, got {len(tokens)}")
@@ -94,7 +100,7 @@ def measure_forward_seconds(forward: Any, tokens: list[int], widths: Sequence[in
             forward.rollback(0, w)
             if rep:
                 times[w].append(dt)
-    return {w: min(ts) for w, ts in times.items()}
+    return {w: statistics.median(ts) for w, ts in times.items()}
 
 
 def non_decreasing(seconds: dict[int, float]) -> dict[int, float]:
