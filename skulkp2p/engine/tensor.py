@@ -54,7 +54,7 @@ SPLIT_LOGITS_MAX_BYTES = 16 << 20
 
 def _shared_logits() -> int:
     """A descriptor of anonymous shared memory where rank 0 leaves each call's logits for this
-    member (RankProcess.read_logits); it has no name, so nothing is left behind however the two
+    member (RankProcess.call); it has no name, so nothing is left behind however the two
     processes end. Why not the pipe: a verify's logits are w x V values (3 MB for 16 rows of
     SmolLM2), and framing them (msgpack, an HMAC on each side, the pipe's copies) cost about 0.7
     ms a row, as much as the split saved on a wide call; through one mapping they are copied
@@ -216,7 +216,10 @@ class RankProcess:
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError) as e:
                 raise TensorError(f"{self.label}: {e}") from None
-            return self._next(timeout, check, "a forward call")
+            reply = self._next(timeout, check, "a forward call")
+            if "logits_at" in reply:  # read before the lock lets the next call overwrite them
+                reply["logits_array"] = self._read_logits(reply.pop("logits_at"))
+            return reply
 
     def probe(self, width: int, count: int, timeout: float = 60.0) -> float:
         """Seconds that `count` all-sums of `width` rows take in the group, alone (rank 0)."""
@@ -235,20 +238,20 @@ class RankProcess:
         for the next command): engine/tensor_rank.RankTimes."""
         return list(self.call({"op": "stats"}, timeout, None)["ranks"])
 
-    def read_logits(self, meta: dict[str, Any]) -> mx.array:
-        """The logits rank 0 left in the shared file for the answer just read ({"dtype",
+    def _read_logits(self, meta: dict[str, Any]) -> mx.array:
+        """The logits rank 0 left in the shared memory for the answer just read ({"dtype",
         "shape"}); copied out, since the next call overwrites them."""
         if self._logits_map is None:
             raise TensorError(f"{self.label}: logits left in memory this process did not map")
         _holder, itemsize = wire.ARRAY_DTYPES[meta["dtype"]]
         n = itemsize * math.prod(meta["shape"])
         if n > len(self._logits_map):
-            raise TensorError(f"{self.label}: logits of {n} bytes do not fit the shared file")
+            raise TensorError(f"{self.label}: logits of {n} bytes do not fit the shared memory")
         return wire.unpack_array({"dtype": meta["dtype"], "shape": meta["shape"],
                                   "data": self._logits_map[:n]}, as_mlx=True)
 
     def kill(self) -> None:
-        """End the process by pid (idempotent), and remove its shared file."""
+        """End the process by pid (idempotent), and unmap the shared memory."""
         if self.proc.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
@@ -345,8 +348,8 @@ class TensorForward:
         if not want:
             return h, None
         self.split_calls += 1
-        if "logits_at" in out:
-            return h, self.rank0.read_logits(out["logits_at"])
+        if "logits_array" in out:
+            return h, out["logits_array"]
         return h, wire.unpack_array(out["logits"], as_mlx=True)
 
     def _finish(self, h: mx.array, logits: bool, given: mx.array | None = None) -> mx.array | None:
