@@ -149,6 +149,8 @@ def test_group_speculative_equals_plain(models, family, n):
         fwd = group.forwards[-1]
         assert fwd.calls < fwd.rows
         assert fwd.split_calls == fwd.logit_calls > 0
+        # ... through the shared memory, not the pipe (every call so far, on every forward)
+        assert group.ranks[0].shared_reads == sum(f.split_calls for f in group.forwards) > 0
         if family == "llama":  # the MTP head drafts on the member that runs the loop
             mtp = generate(group.head, {"drafter": "mtp", "depth": 2})
             assert mtp.tokens == plain.tokens and mtp.speculation.drafted > 0

@@ -121,6 +121,7 @@ class RankProcess:
                "--rank", str(rank), "--size", str(self.size), "--hostfile", str(hostfile),
                "--dtype", dtype, "--prefix-cache-mb", str(max(0.0, prefix_cache_mb))]
         self._logits_map: mmap.mmap | None = None
+        self.shared_reads = 0  # calls whose logits came through the shared memory
         shared: tuple[int, ...] = ()
         if rank == 0:  # the rank the loop's member talks to
             try:
@@ -219,6 +220,7 @@ class RankProcess:
             reply = self._next(timeout, check, "a forward call")
             if "logits_at" in reply:  # read before the lock lets the next call overwrite them
                 reply["logits_array"] = self._read_logits(reply.pop("logits_at"))
+                self.shared_reads += 1
             return reply
 
     def probe(self, width: int, count: int, timeout: float = 60.0) -> float:
