@@ -9,9 +9,10 @@ starts these, watches them, and kills them (by pid) when the placement goes.
 Every rank holds its share of every layer and its rows of the output head (tensor_shard.py), and
 no embedding. Rank 0 talks to the process that runs the decode loop over its stdin/stdout (wire
 frames, one per call): rows in, the summed last hidden rows out, and with "logits" the whole
-vocabulary's logits of every row (each rank computes its share; one all-gather). It passes each command's header to the other
-ranks over the group's command link (tensor_link.py: a TCP connection on which they block,
-where an all-sum would have them poll a core between calls), then the rows with an all-sum.
+vocabulary's logits of every row (each rank computes its share; one all-gather). It passes
+each command's header to the other ranks over the group's command link (tensor_link.py: a TCP
+connection on which they block, where an all-sum would have them poll a core between calls),
+then the rows with an all-sum.
 Before any collective of model data the ranks check that they agree on the dtype and the model
 files (tensor_link.agree). The other ranks only compute; each writes one "ready" frame on its
 stdout and exits when rank 0 closes the link or the group breaks.
@@ -94,7 +95,7 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
     mx.eval(head.weight, head.norm.parameters())
     trunk = Trunk(model)
     trunk.body.embed_tokens = _NoEmbedding()
-    trunk.body.norm = _Identity()  # the decode loop's member applies the final norm and head
+    trunk.body.norm = _Identity()  # the rows go out before the norm; `head` applies it
     if hasattr(trunk.text, "lm_head"):
         trunk.text.lm_head = _Identity()
     shard_layers(model, plan, group)

@@ -148,15 +148,14 @@ def without_collectives() -> Iterator[None]:
 @dataclass(frozen=True)
 class HeadSlice:
     """A member's share of the output: the final norm and the head's rows for vocabulary ids
-    [start, stop) of `vocab` (`spans` is every member's range, for putting the logits back
-    together in order)."""
+    [start, stop) (`spans` is every member's range, for putting the logits back together in
+    order)."""
 
     norm: nn.Module
     weight: mx.array  # [stop - start, hidden]
     bias: mx.array | None
     start: int
     stop: int
-    vocab: int
     spans: tuple[tuple[int, int], ...]
 
     @property
@@ -194,7 +193,7 @@ def head_slice(model: nn.Module, rank: int, size: int) -> HeadSlice:
     spans = tuple(even_split(vocab, size))
     a, b = spans[rank]
     bias = mx.contiguous(layer.bias[a:b]) if (not trunk.tied and "bias" in layer) else None
-    return HeadSlice(trunk.body.norm, mx.contiguous(layer.weight[a:b]), bias, a, b, vocab, spans)
+    return HeadSlice(trunk.body.norm, mx.contiguous(layer.weight[a:b]), bias, a, b, spans)
 
 
 class _AllSum(nn.Module):
