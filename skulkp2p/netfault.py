@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import selectors
 import socket
+import statistics
 import threading
+import time
 from dataclasses import dataclass
 
 
@@ -51,9 +54,17 @@ class _Conn:
     state: tuple[bool, float]  # (blocked, delay) when the rules last touched it
 
 
+def _timer_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose timers fire within microseconds, not milliseconds: Python's epoll
+    (and poll) selector rounds every wait up to a whole millisecond, so a 0.2 ms delay was
+    delivered after 1.2 ms; select() takes its timeout in microseconds. Its FD_SETSIZE limit
+    (1024) is far above the few links a proxy carries."""
+    return asyncio.SelectorEventLoop(selectors.SelectSelector())
+
+
 class FaultProxy:
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
+        self.loop = _timer_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._servers: list[asyncio.base_events.Server] = []
@@ -172,3 +183,50 @@ class FaultProxy:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
+
+
+def round_trip_seconds(proxy: FaultProxy, src: str, dst: str, count: int = 50,
+                       timeout_s: float = 5.0) -> float:
+    """The median round trip of one byte from `src` to an echo listener on `dst` through
+    `proxy` under its current rules: what a delayed link really costs per exchange (the
+    delay twice, plus the proxy's own hops). Its sockets are closed before it returns (the
+    proxy's listener for it stays until the proxy closes); a link that does not answer within
+    `timeout_s` raises OSError."""
+    server = socket.create_server((dst, 0))
+    server.settimeout(timeout_s)
+    via = free_port(dst)
+
+    def echo() -> None:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                while data := conn.recv(64):
+                    conn.sendall(data)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        proxy.listen(dst, via, server.getsockname()[1])
+        with socket.socket() as client:
+            client.settimeout(timeout_s)
+            client.bind((src, 0))
+            client.connect((dst, via))
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            times = []
+            for _ in range(max(1, count)):
+                t = time.perf_counter()
+                client.sendall(b"x")
+                if not client.recv(1):
+                    raise OSError(f"the link {src} -> {dst} closed during the round trip")
+                times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        server.close()
+        thread.join(5)

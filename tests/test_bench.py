@@ -152,6 +152,10 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
     ring = doc["settings"]["ring"]
     assert ring["nodes"] == 2 and ring["layers"] == [[0, 2], [2, 4]]
     assert ring["link_delay_ms"] == 2 and ring["hops_per_traversal"] == 2
+    # a round trip through the proxy, measured at start, crossed the delay both ways
+    assert ring["link_round_trip_ms"] >= 2 * 2
+    assert f"a round trip through the proxy measured {ring['link_round_trip_ms']:g} ms" \
+        in proc.stdout
     stages = ring["stages"]
     assert [s["layers"] for s in stages] == [[0, 2], [2, 4]]
     assert stages[0]["pid"] != stages[1]["pid"] and stages[0]["param_bytes"] > 0
@@ -197,6 +201,7 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     assert all(r["param_bytes"] > 0 for r in ranks)
     # every all-sum crosses the proxy's 1 ms hops: the probe saw it
     assert group["allsum_us_one_row"] >= 1000
+    assert group["link_round_trip_ms"] >= 2 * 1  # measured through the proxy, both ways
     # two all-sums a layer, the rows in, the logits out (the vocabulary-split head)
     assert group["collectives_per_call"] == 2 * 4 + 3 and group["bytes"] > 0
     # ... and so did the command link: each call's header (4 int32) to rank 1, delayed alike

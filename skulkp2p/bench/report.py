@@ -189,6 +189,11 @@ def ring_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _measured_link(ring: dict[str, Any]) -> str:
+    rtt = ring.get("link_round_trip_ms")
+    return "" if rtt is None else f" (a round trip through the proxy measured {rtt:g} ms)"
+
+
 def ring_table(doc: dict[str, Any]) -> str:
     ring = doc["settings"].get("ring")
     if not ring:
@@ -196,8 +201,8 @@ def ring_table(doc: dict[str, Any]) -> str:
     if ring.get("parallel") == "tensor":
         return tensor_table(doc)
     lines = [f"\nring: {ring['nodes']} stages {ring.get('layers')}, "
-             f"{ring['link_delay_ms']:g} ms per hop x {ring['hops_per_traversal']} hops per "
-             "traversal; seconds per run (median):", "",
+             f"{ring['link_delay_ms']:g} ms per hop{_measured_link(ring)} x "
+             f"{ring['hops_per_traversal']} hops per traversal; seconds per run (median):", "",
              "| workload | arm | total s | last stage s | other stages s | link s | loop s "
              "| traversals | link ms / traversal |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -216,7 +221,8 @@ def ring_table(doc: dict[str, Any]) -> str:
 def tensor_table(doc: dict[str, Any]) -> str:
     """bench --nodes N --parallel tensor: where the time of the group went (tensor.py)."""
     g = doc["settings"]["ring"]
-    lines = [f"\ntensor-parallel group: {g['nodes']} ranks, {g['link_delay_ms']:g} ms per hop, "
+    lines = [f"\ntensor-parallel group: {g['nodes']} ranks, {g['link_delay_ms']:g} ms per hop"
+             f"{_measured_link(g)}, "
              f"one all-sum of one row {g.get('allsum_us_one_row', 0):g} us alone, "
              f"{g.get('collectives_per_call')} collectives per call, a rank's slice alone "
              f"{g.get('rank_compute_ms_one_row', 0):g} ms a call + "
