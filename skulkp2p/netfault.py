@@ -57,8 +57,9 @@ class _Conn:
 def _timer_loop() -> asyncio.AbstractEventLoop:
     """An event loop whose timers fire within microseconds, not milliseconds: Python's epoll
     (and poll) selector rounds every wait up to a whole millisecond, so a 0.2 ms delay was
-    delivered after 1.2 ms; select() takes its timeout in microseconds. Its FD_SETSIZE limit
-    (1024) is far above the few links a proxy carries."""
+    delivered after 1.2 ms; select() takes its timeout in microseconds. select() cannot watch
+    a descriptor numbered 1024 or more: the proxy runs in benches and tests, whose processes
+    hold far fewer open files."""
     return asyncio.SelectorEventLoop(selectors.SelectSelector())
 
 
