@@ -231,3 +231,13 @@ def round_trip_seconds(proxy: FaultProxy, src: str, dst: str, count: int = 50,
     finally:
         server.close()
         thread.join(5)
+
+
+def link_round_trip_ms(proxy: FaultProxy, ips: list[str]) -> float | None:
+    """A bench's record of what a hop really costs through `proxy` (its own hops and timers
+    included): the round trip between the first two distinct nodes' IPs, in ms to the
+    microsecond; None when the nodes share one IP (no rule tells their links apart)."""
+    distinct = list(dict.fromkeys(ips))
+    if len(distinct) < 2:
+        return None
+    return round(round_trip_seconds(proxy, distinct[0], distinct[1]) * 1e3, 3)

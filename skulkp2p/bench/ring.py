@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skulkp2p.bench.cores import allowed_cores
-from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable, round_trip_seconds
+from skulkp2p.netfault import FaultProxy, free_port, link_round_trip_ms, loopback_ips_usable
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model import LoadedModel
@@ -153,10 +153,8 @@ class RingBench:
             self.stages.append(_Stage(i, r, ip, port, f"{ip}:{via}"))
         for i in range(self.nodes):  # every hop: last -> first, i -> i+1
             self.proxy.delay(ips[i - 1], ips[i], self.delay_s)
-        if self.nodes > 1 and len(set(ips)) > 1:
-            # What a hop really costs through the proxy (its own hops and timers included).
-            self.settings["link_round_trip_ms"] = round(
-                round_trip_seconds(self.proxy, ips[0], ips[1]) * 1e3, 3)
+        if (rtt := link_round_trip_ms(self.proxy, ips)) is not None:
+            self.settings["link_round_trip_ms"] = rtt
 
         secret = secrets.token_hex(16)
         self._tmp = Path(tempfile.mkdtemp(prefix="skulkp2p-bench-ring-"))

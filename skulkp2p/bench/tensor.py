@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skulkp2p.bench.cores import allowed_cores
-from skulkp2p.netfault import FaultProxy, free_port, loopback_ips_usable, round_trip_seconds
+from skulkp2p.netfault import FaultProxy, free_port, link_round_trip_ms, loopback_ips_usable
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model import LoadedModel
@@ -137,10 +137,8 @@ class TensorBench:
                                           else self.node_cpus[r]))
         if self.delay_s > 0:
             self._open_proxy(ips, real, via)
-            if len(set(ips)) > 1:
-                # What a hop really costs through the proxy (its own hops and timers included).
-                self.settings["link_round_trip_ms"] = round(
-                    round_trip_seconds(self.proxy, ips[0], ips[1]) * 1e3, 3)
+            if (rtt := link_round_trip_ms(self.proxy, ips)) is not None:
+                self.settings["link_round_trip_ms"] = rtt
         loaded = open_model(self.store, self.spec, self.dtype, head_only=True)
         try:
             ready = [rank.wait_ready(READY_TIMEOUT_S) for rank in self.ranks]
