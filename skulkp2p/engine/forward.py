@@ -22,6 +22,7 @@ from skulkp2p.engine import blas_threads, caches
 from skulkp2p.engine.stage import StageModel, StageSpan
 from skulkp2p.engine.tree import check_path, compact_kv, tree_capable
 from skulkp2p.engine.trunk import Trunk
+from skulkp2p.engine.weight_first import verify_rows
 
 
 class Forward(Protocol):
@@ -81,7 +82,7 @@ class StageCache:
                 raise ValueError(f"a tree of {len(tree)} parents for {width} inputs")
             self._tree_start = self.cache[0].offset
             self._tree = list(tree)
-            with blas_threads.waited(width, owner=self.owner):
+            with blas_threads.waited(width, owner=self.owner), verify_rows(width > 1):
                 out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
                 mx.eval([a for a in (out, h) if a is not None])
             return out, h
@@ -89,7 +90,8 @@ class StageCache:
             self._snapshot = caches.snapshot(self.cache, width)
             self._inputs = x
         # The OpenBLAS thread count for this forward (blas_threads.py): this thread waits on it.
-        with blas_threads.waited(width, owner=self.owner):
+        # A verify's products go weight-first (weight_first.py); a prefill's stay mlx-lm's.
+        with blas_threads.waited(width, owner=self.owner), verify_rows(verify and width > 1):
             out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden)
             results = [a for a in (out, h) if a is not None]
             # A call with nothing to return (prefill) still evaluates its caches now, chunk by

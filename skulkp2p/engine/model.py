@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from skulkp2p.engine import weight_first
 from skulkp2p.engine.arrays import materialize
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.stage import StageSpan, slice_model
@@ -146,6 +147,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,
                  head.conventions.max_depth)
+    if dtype == "float32" and weight_first.enabled():
+        weight_first.install(model)  # verify rows weight-first on a CPU node's BLAS
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,
                        caches_trim=caches_trim, whole_params=whole_params)
