@@ -100,6 +100,9 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
         trunk.text.lm_head = _Identity()
     shard_layers(model, plan, group)
     mx.eval(model.parameters())
+    from skulkp2p.engine import weight_first
+    if dtype == "float32" and weight_first.enabled():
+        weight_first.install(model)  # a verify's rows weight-first, as on one node
     return model, head
 
 
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         model_digest,
     )
     from skulkp2p.engine.trunk import Trunk
+    from skulkp2p.engine.weight_first import verify_rows
 
     try:
         digest = model_digest(Path(args.model))
@@ -251,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             trim(cache, dropped)
         x = x_in if args.rank == 0 else mx.zeros((width, hidden), dtype=dtype)
         x = mx.distributed.all_sum(x, group=group)  # rank 0's rows, to everyone
-        h = body(None, cache, input_embeddings=x[None])[0]
+        # A call that wants logits is a verify (or a step): its products weight-first where
+        # it has 2+ rows (weight_first.py); a prefill's stay mlx-lm's.
+        with verify_rows(bool(flags & RUN_LOGITS) and width > 1):
+            h = body(None, cache, input_embeddings=x[None])[0]
+            part = head.logits(h) if flags & RUN_LOGITS else None
         logits = None
-        if flags & RUN_LOGITS:  # every rank has the whole rows now: each scores its ids
-            part = head.logits(h)
+        if part is not None:  # every rank has the whole rows now: each scores its ids
             logits = mx.distributed.all_gather(part, group=group) if args.size > 1 else part
             if args.rank == 0:
                 logits = head.assemble(logits, width)
@@ -349,6 +356,7 @@ def _compute_alone(model: Any, body: Any, head: Any, width: int, count: int, hid
 
     from skulkp2p.engine.caches import trim
     from skulkp2p.engine.tensor_shard import without_collectives
+    from skulkp2p.engine.weight_first import verify_rows
 
     scratch = make_prompt_cache(model)
     with without_collectives():
@@ -359,7 +367,8 @@ def _compute_alone(model: Any, body: Any, head: Any, width: int, count: int, hid
         trim(scratch, width)
         t0 = time.perf_counter()
         for _ in range(count):
-            mx.eval(head.logits(body(None, scratch, input_embeddings=rows)[0]))
+            with verify_rows(width > 1):  # as a verify of this width runs
+                mx.eval(head.logits(body(None, scratch, input_embeddings=rows)[0]))
             trim(scratch, width)
         return time.perf_counter() - t0
 

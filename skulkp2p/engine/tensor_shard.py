@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.trunk import Trunk
+from skulkp2p.engine.weight_first import product
 
 # Families whose layers are plain attention + gated MLP with these names (llama, qwen2/2.5,
 # qwen3 with its per-head q/k norms, mistral). qwen3_5's recurrent layers are not sharded.
@@ -165,7 +166,7 @@ class HeadSlice:
     def logits(self, h: mx.array) -> mx.array:
         """norm(h) @ W[start:stop].T for rows h [w, hidden], padded with zero columns to the
         widest member's share (an all-gather takes equal shapes)."""
-        y = self.norm(h) @ self.weight.T
+        y = product(self.norm(h), self.weight)
         if self.bias is not None:
             y = y + self.bias
         pad = self.widest - (self.stop - self.start)
@@ -208,7 +209,7 @@ class _AllSum(nn.Module):
         self._group = group
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self.weight.T
+        y = product(x, self.weight)  # weight-first inside a verify (weight_first.py)
         if not _local_only:
             y = mx.distributed.all_sum(y, group=self._group)
         return y + self.bias if "bias" in self else y
