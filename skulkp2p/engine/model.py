@@ -147,7 +147,7 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,
                  head.conventions.max_depth)
-    if dtype == "float32" and weight_first.enabled():
+    if weight_first.enabled(dtype):
         weight_first.install(model)  # verify rows weight-first on a CPU node's BLAS
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,

@@ -101,7 +101,7 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
     shard_layers(model, plan, group)
     mx.eval(model.parameters())
     from skulkp2p.engine import weight_first
-    if dtype == "float32" and weight_first.enabled():
+    if weight_first.enabled(dtype):
         weight_first.install(model)  # a verify's rows weight-first, as on one node
     return model, head
 

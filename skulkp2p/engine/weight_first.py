@@ -4,11 +4,11 @@ A linear layer computes `x @ W.T`: x the token rows (1 to ~17 in a verify), W th
 in, thousands of rows). On the float32 OpenBLAS path of a Linux CPU node (engine/blas.py), with
 two OpenBLAS threads, that product is slower for a few rows than the same numbers computed as
 `(W @ x.T).T`, where the weight is the operand with many rows: measured on SmolLM2-135M
-(2-core Intel Xeon, two threads, whole verify forwards, median of 5, 64 tokens of context),
+(2-core Intel Xeon, two threads, whole verify forwards, fastest of 5, 64 tokens of context),
 `x @ W.T` / weight-first 86.6 / 73.7 ms at 2 rows, 98.9 / 75.0 at 4, 135.5 / 113.7 at 16; one
 row is a matrix-vector product either way and is left alone. In the decode loop that made
-speculative rounds 3-15% faster with the same drafts (docs/measurements/decode-loop.md,
-"Weight-first verify products").
+echo's and code-edit's speculative runs 8-12% faster with the same drafts (median of the per-pair
+ratios; docs/measurements/decode-loop.md, "Weight-first verify products").
 
 Only verify forwards (`verify_rows()`, entered by forward.StageCache.run around a verify of
 2+ rows) take the weight-first product. Prefill chunks and one-token steps run mlx-lm's own
@@ -71,10 +71,10 @@ class WeightFirstEmbedding(nn.Embedding):
         return product(x, self.weight)
 
 
-def enabled() -> bool:
-    """Whether load_model installs it here: float32 on the CPU, not turned off."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no") \
-        and mx.default_device() == mx.cpu
+def enabled(dtype: str) -> bool:
+    """Whether a model loaded in `dtype` gets it here: float32 on the CPU, not turned off."""
+    return dtype == "float32" and mx.default_device() == mx.cpu \
+        and os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def install(model: nn.Module) -> int:
