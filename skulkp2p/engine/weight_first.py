@@ -49,6 +49,11 @@ def verify_rows(on: bool = True) -> Iterator[None]:
         _verifying.reset(token)
 
 
+def is_verifying() -> bool:
+    """Whether the graph being built is a verify's (inside `verify_rows()`, on)."""
+    return _verifying.get()
+
+
 def product(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T`, weight-first for 2..MAX_ROWS rows inside `verify_rows()`."""
     rows = x.size // x.shape[-1] if x.ndim else 0
