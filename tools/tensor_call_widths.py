@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--widths", default="1,2,3,4,5,8,16,3,1")
     ap.add_argument("--cores-per-node", type=int, default=0)
     ap.add_argument("--head-ab", type=int, default=0, metavar="N")
+    ap.add_argument("--link-delay-ms", type=float, default=0.0,
+                    help="every hop through the bench's delaying proxy, as bench --link-delay-ms")
     args = ap.parse_args()
     from skulkp2p.engine import blas
     blas.ensure_fast_blas()  # as the bench's own CLI: OpenBLAS, inherited by the ranks
@@ -43,7 +45,8 @@ def main() -> None:
         from skulkp2p.bench.cores import node_cores, pin_this_process
         node_cpus = node_cores(2, args.cores_per_node)
         pin_this_process(node_cpus[0])
-    bench = TensorBench(ModelStore(), args.model, serving_dtype(), 2, node_cpus=node_cpus)
+    bench = TensorBench(ModelStore(), args.model, serving_dtype(), 2,
+                        link_delay_ms=args.link_delay_ms, node_cpus=node_cpus)
     loaded = bench.open()
     try:
         if args.head_ab:
