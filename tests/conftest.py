@@ -45,10 +45,11 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture
-def mlx_lm_attention(monkeypatch):
-    """Verify forwards take mlx-lm's own attention (engine/verify_attention.py hands every call
-    back): for checks of bit-for-bit cache equality between forwards of different widths, which
-    that module's numpy softmax keeps only within rounding (its products run on other shapes)."""
-    from skulkp2p.engine import verify_attention
+def mlx_lm_functions(monkeypatch):
+    """Verify forwards take mlx-lm's own attention and SwiGLU (engine/numpy_verify.py hands
+    every call back): for checks of bit-for-bit cache equality between forwards of different
+    widths, which that module's numpy keeps only within rounding (its products run on other
+    shapes)."""
+    from skulkp2p.engine import numpy_verify
 
-    monkeypatch.setattr(verify_attention, "attention", lambda *args, **kwargs: None)
+    monkeypatch.setattr(numpy_verify, "active", False)

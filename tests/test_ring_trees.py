@@ -90,13 +90,13 @@ def test_ring_greedy_with_trees_equals_plain_and_mlx_lm(paths, family, n):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("path", [[3, 6], [1, 2, 5], [3], [], [1, 2]])
-@pytest.mark.usefixtures("mlx_lm_attention")
+@pytest.mark.usefixtures("mlx_lm_functions")
 def test_ring_caches_after_a_tree_equal_the_path_alone(paths, family, n, path):
     """A tree round, its path kept, one more round (it carries the path to the other
     stages): every stage's caches and the round's logits equal those of a ring that ran only
     the accepted path; a stage that skips the compaction fails the same check. (Bit for bit
-    with mlx-lm's attention; a float32 CPU node's verify attention keeps it within rounding,
-    tests/test_verify_attention.py.)"""
+    with mlx-lm's functions; a float32 CPU node's numpy verify keeps it within rounding,
+    tests/test_numpy_verify.py.)"""
     parts = stages(paths[family], n)
     ref = ring_forward(parts, request="ref")
     ref.prefill(PROMPT)

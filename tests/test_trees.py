@@ -109,9 +109,10 @@ def test_tree_forward_rows_equal_each_path_alone(models, family):
 
 @pytest.mark.parametrize("family", TREE_FAMILIES)
 @pytest.mark.parametrize("path", [[3, 6], [1, 2, 5], [3], [], [1, 2]])
-@pytest.mark.usefixtures("mlx_lm_attention")
+@pytest.mark.usefixtures("mlx_lm_functions")
 def test_compaction_equals_cache_of_the_path_alone(models, family, path):
-    # (With the verify attention of float32 CPU nodes, within rounding: test_verify_attention.)
+    # (With numpy's verify attention and SwiGLU on float32 CPU nodes, within rounding:
+    # test_numpy_verify.)
     lm = models[family]
     prompt = list(range(5, 40))
     f = _prefilled(lm, prompt)

@@ -1,5 +1,5 @@
-"""Weight-first verify products (engine/weight_first.py), or the verify attention
-(engine/verify_attention.py) with `--part attention`, on and off, side by side in one process.
+"""Weight-first verify products (engine/weight_first.py), or with `--part numpy` a verify's
+softmax and SwiGLU in numpy (engine/numpy_verify.py), on and off, side by side in one process.
 
 Default: N pairs per workload of the bench's engine run (SmolLM2-135M float32 by default, greedy,
 `auto` speculation, a fresh engine each), the model's linear layers switched between
@@ -12,10 +12,10 @@ call by call (each rolled back), at one and two OpenBLAS threads; the median rat
 
     python tools/weight_first_ab.py --workloads echo,code-edit,qa,creative --pairs 3
     python tools/weight_first_ab.py --widths 2,4,8,16,17 --reps 8
-    python tools/weight_first_ab.py --part attention --widths 2,8,16 --context 450
+    python tools/weight_first_ab.py --part numpy --widths 2,8,16 --context 450
 
-With `--part attention` the products stay weight-first in both arms and "off" hands every
-verify's attention back to mlx-lm's (as `SKULKP2P_VERIFY_ATTENTION=0` would at load).
+With `--part numpy` the products stay weight-first in both arms and "off" hands every verify's
+attention and SwiGLU back to mlx-lm's (as `SKULKP2P_NUMPY_VERIFY=0` would at load).
 """
 
 from __future__ import annotations
@@ -31,19 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 PART = "weight-first"
-_ATTENTION: Any = None  # verify_attention.attention, kept while "off" replaces it
 
 
 def switch(model: Any, on: bool) -> None:
     import mlx.nn as nn
 
-    from skulkp2p.engine import verify_attention, weight_first
+    from skulkp2p.engine import numpy_verify, weight_first
 
-    if PART == "attention":
-        global _ATTENTION
-        if _ATTENTION is None:
-            _ATTENTION = verify_attention.attention
-        verify_attention.attention = _ATTENTION if on else (lambda *args, **kwargs: None)
+    if PART == "numpy":
+        numpy_verify.active = on
         return
 
     for _, module in model.named_modules():
@@ -119,7 +115,7 @@ def main() -> None:
                    "widths, on and off interleaved")
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--part", choices=("weight-first", "attention"), default="weight-first")
+    p.add_argument("--part", choices=("weight-first", "numpy"), default="weight-first")
     p.add_argument("--model", default=None, help="a card id from the default store (default: "
                    "SmolLM2-135M from the test model store)")
     args = p.parse_args()

@@ -100,11 +100,11 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
         trunk.text.lm_head = _Identity()
     shard_layers(model, plan, group)
     mx.eval(model.parameters())
-    from skulkp2p.engine import verify_attention, weight_first
+    from skulkp2p.engine import numpy_verify, weight_first
     if weight_first.enabled(dtype):
         weight_first.install(model)  # a verify's rows weight-first, as on one node
-    if verify_attention.enabled(dtype):
-        verify_attention.install(model)  # and its softmax by numpy, as on one node
+    if numpy_verify.enabled(dtype):
+        numpy_verify.install(model)  # and its softmax by numpy, as on one node
     return model, head
 
 
