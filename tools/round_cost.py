@@ -8,7 +8,9 @@ MlxEngine per run (no prefix cache, no draft memory: the bench's measured reques
 around the parts of every round after the prefill:
 
 - forward: the verify forward (`Forward.__call__`: its graph built, then evaluated), with the
-  graph building also shown alone, and the rollback after it;
+  graph building also shown alone, and the rollback after it (on a float32 CPU node a verify
+  of 3+ rows hands its softmax and SwiGLU to numpy, engine/numpy_verify.py, which evaluates
+  the graph layer by layer as it is built, so there "graph build" holds most of the forward);
 - drafter: `propose`/`propose_tree` and `observe`/`observe_tree` of the request's drafter,
   gates included; under `auto` also
   split into the suffix drafter and the MTP head (their own propose/observe/follow);
