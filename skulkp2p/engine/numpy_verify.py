@@ -82,13 +82,6 @@ def install(model: Any) -> list[str]:
     return routed
 
 
-def uninstall() -> None:
-    """Give every family its own functions back."""
-    for (name, fn), original in _original.items():
-        setattr(importlib.import_module(name), fn, original)
-    _original.clear()
-
-
 def _diverted(a: mx.array) -> bool:
     return active and is_verifying() and a.dtype == mx.float32 and mx.default_device() == mx.cpu
 
