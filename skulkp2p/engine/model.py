@@ -150,7 +150,7 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     if weight_first.enabled(dtype):
         weight_first.install(model)  # verify rows weight-first on a CPU node's BLAS
     if numpy_verify.enabled(dtype):
-        numpy_verify.install(model)  # a verify's softmax by numpy on a CPU node
+        numpy_verify.install(model)  # a verify's softmax and SwiGLU by numpy
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,
                        caches_trim=caches_trim, whole_params=whole_params)

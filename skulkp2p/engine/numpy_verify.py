@@ -48,8 +48,9 @@ ATTENTION, SWIGLU = "scaled_dot_product_attention", "swiglu"
 
 _original: dict[tuple[str, str], Any] = {}  # (module name, function name) -> mlx-lm's function
 # Fewer rows stay mlx-lm's: a 2-row verify (an MTP head's one-token draft) saved too little to
-# pay for leaving MLX twice a layer (whole forwards with / without at 100 tokens of context:
-# 1.03x at one and two OpenBLAS threads; 0.97-0.99x at 5 rows, 0.68-0.85x at 16).
+# pay for leaving MLX twice a layer. Whole forwards, with ÷ without: 2 rows 1.03 at 100 tokens
+# of context on one and two OpenBLAS threads; 5 rows 0.96-0.97 there; 16 rows 0.68-0.98 at
+# 200-450 tokens.
 MIN_ROWS = 3
 # False: the installed dispatchers hand every call to mlx-lm's functions (an A/B, or a test of
 # bit-for-bit equality between forwards of different widths, which these keep within rounding).

@@ -104,7 +104,7 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
     if weight_first.enabled(dtype):
         weight_first.install(model)  # a verify's rows weight-first, as on one node
     if numpy_verify.enabled(dtype):
-        numpy_verify.install(model)  # and its softmax by numpy, as on one node
+        numpy_verify.install(model)  # its softmax and SwiGLU by numpy, as on one node
     return model, head
 
 
