@@ -7,8 +7,8 @@ tokens of context takes heads x w x S exponentials per layer in its softmax, and
 intermediate more in the MLP's SiLU (SmolLM2-135M: 1,536 a row and layer, so 28 ms of a
 16-row verify's forward, 5 ms of a 2-row one). On SmolLM2-135M (float32, two OpenBLAS threads,
 450 tokens of context) the softmax alone took whole verify forwards from 249.8 to 195.2 ms at
-16 rows, 179.4 to 156.2 at 8 and 131.6 to 124.5 at 2 (64 tokens of context: 187.2 to 180.2 at
-16). Nothing in mlx or mlx-lm offers a faster CPU exp, so these two steps leave MLX for numpy
+16 rows and 179.4 to 156.2 at 8 (64 tokens of context: 187.2 to 180.2 at 16); at 2 rows the
+gain was within what leaving MLX costs, so 2-row verifies stay mlx-lm's (MIN_ROWS). Nothing in mlx or mlx-lm offers a faster CPU exp, so these two steps leave MLX for numpy
 (the matrix products stay MLX's).
 
 Only inside `weight_first.verify_rows()` (a verify forward; forward.StageCache.run and the
@@ -34,13 +34,12 @@ in the same process. `SKULKP2P_NUMPY_VERIFY=0` turns it off (read when a model l
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from skulkp2p.engine.weight_first import is_verifying
+from skulkp2p.engine.weight_first import cpu_float32_switch, is_verifying
 
 ENV = "SKULKP2P_NUMPY_VERIFY"
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -59,8 +58,7 @@ active = True
 
 def enabled(dtype: str) -> bool:
     """Whether a model loaded in `dtype` gets it: float32 on the CPU, not turned off."""
-    return dtype == "float32" and mx.default_device() == mx.cpu \
-        and os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return cpu_float32_switch(dtype, ENV)
 
 
 def install(model: Any) -> list[str]:

@@ -78,8 +78,14 @@ class WeightFirstEmbedding(nn.Embedding):
 
 def enabled(dtype: str) -> bool:
     """Whether a model loaded in `dtype` gets it here: float32 on the CPU, not turned off."""
+    return cpu_float32_switch(dtype, ENV)
+
+
+def cpu_float32_switch(dtype: str, env: str) -> bool:
+    """A CPU-node verify switch (this one, numpy_verify's): float32 on the CPU, and `env` not
+    set to 0 / off / false / no."""
     return dtype == "float32" and mx.default_device() == mx.cpu \
-        and os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+        and os.environ.get(env, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def install(model: nn.Module) -> int:
