@@ -27,7 +27,8 @@ MLX_MODULES = {"caches", "decode", "draft_model", "forward", "generate", "loader
                "model", "mtp_head", "mtp_drafter", "prefix_cache", "sampling", "stage", "trunk",
                "drafters", "gates", "blas", "width_costs", "batch_cache", "scheduler", "assistant",
                "tensor_shard", "ring_batch", "tree", "tree_accept", "arrays", "head_batch",
-               "packed", "step_rope", "row_forward", "weight_first", "numpy_verify"}
+               "packed", "step_rope", "row_forward", "weight_first", "numpy_verify",
+               "table_rope"}
 
 
 def _modules() -> dict[str, Path]:

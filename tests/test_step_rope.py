@@ -13,6 +13,7 @@ import pytest
 
 from skulkp2p.engine import scheduler as scheduler_mod
 from skulkp2p.engine.step_rope import RopeTables, SharedRope, shared_ropes, shares_tables
+from skulkp2p.engine.table_rope import TableRoPE
 from tests.helpers.batch import loaded, rows_joined_by_hand, step_by_hand
 
 
@@ -42,6 +43,9 @@ def test_only_the_plain_half_split_rope_on_the_cpu_shares_tables():
     from mlx_lm.models.rope_utils import SuScaledRoPE
 
     assert shares_tables(nn.RoPE(64))
+    table = nn.RoPE(64)
+    table.__class__ = TableRoPE  # as load_model leaves a CPU float32 model's ropes
+    assert shares_tables(table)
     assert not shares_tables(nn.RoPE(64, traditional=True))  # interleaved pairs
     assert not shares_tables(SuScaledRoPE(64))  # scales its input: not the plain fallback
     assert not shares_tables(None)
@@ -75,5 +79,5 @@ def test_a_step_with_the_shared_table_is_bit_for_bit_the_step_without(tiny_model
             assert mx.array_equal(a.keys[i, :, :n], b.keys[i, :, :n]).item()
             assert mx.array_equal(a.values[i, :, :n], b.values[i, :, :n]).item()
     # the layers' own ropes are back after every forward
-    assert all(type(la.self_attn.rope) is nn.RoPE for la in layers)
+    assert all(type(la.self_attn.rope) in (nn.RoPE, TableRoPE) for la in layers)
     assert not any(isinstance(la.self_attn.rope, SharedRope) for la in layers)

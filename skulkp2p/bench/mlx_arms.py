@@ -230,6 +230,7 @@ def run_mlx_lm(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
     import mlx.core as mx
     from mlx_lm import stream_generate
 
+    from skulkp2p.engine import table_rope
     from skulkp2p.engine.generate import prompt_tokens
 
     prompt = prompt_tokens(loaded, engine_request(messages, max_tokens, "off"))
@@ -242,14 +243,16 @@ def run_mlx_lm(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
     t_first = t_last = None
     t0 = time.perf_counter()
     try:
-        for resp in stream_generate(loaded.model, loaded.tokenizer, mx.array(prompt),
-                                    max_tokens=max_tokens, **kwargs):
-            if resp.finish_reason == "stop" and resp.token in eos:
-                break  # mlx-lm reports the EOS token in its last response; it is not output
-            t_last = time.perf_counter()
-            t_first = t_first or t_last
-            tokens.append(int(resp.token))
-            from_draft.append(bool(resp.from_draft))
+        # mlx-lm as it ships: its own rope, not the engine's table (engine/table_rope.py)
+        with table_rope.stock():
+            for resp in stream_generate(loaded.model, loaded.tokenizer, mx.array(prompt),
+                                        max_tokens=max_tokens, **kwargs):
+                if resp.finish_reason == "stop" and resp.token in eos:
+                    break  # mlx-lm reports the EOS token in its last response; not output
+                t_last = time.perf_counter()
+                t_first = t_first or t_last
+                tokens.append(int(resp.token))
+                from_draft.append(bool(resp.from_draft))
     except ValueError as e:  # e.g. "Speculative decoding requires a trimmable prompt cache"
         raise SkipArm(f"mlx-lm: {e}") from None
     end = t_last or time.perf_counter()

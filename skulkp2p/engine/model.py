@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from skulkp2p.engine import numpy_verify, weight_first
+from skulkp2p.engine import numpy_verify, table_rope, weight_first
 from skulkp2p.engine.arrays import materialize
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.stage import StageSpan, slice_model
@@ -151,6 +151,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         weight_first.install(model)  # verify rows weight-first on a CPU node's BLAS
     if numpy_verify.enabled(dtype):
         numpy_verify.install(model)  # a verify's softmax and SwiGLU by numpy
+    if table_rope.enabled(dtype):
+        table_rope.install(model)  # rotary embeddings from a table (bit-identical, cheaper)
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,
                        caches_trim=caches_trim, whole_params=whole_params)

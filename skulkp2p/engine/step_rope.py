@@ -24,11 +24,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.swapped import swapped
+from skulkp2p.engine.table_rope import TableRoPE
 
 
 def shares_tables(rope: Any) -> bool:
     """Whether this rope's output can come from a shared table bit for bit (module doc)."""
-    return (type(rope) is nn.RoPE and not rope.traditional
+    # (TableRoPE: the same rope, whose int offsets come from its table; a batch's array offsets
+    # run the fallback, as here)
+    return (type(rope) in (nn.RoPE, TableRoPE) and not rope.traditional
             and mx.default_device() == mx.cpu)
 
 

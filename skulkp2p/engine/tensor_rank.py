@@ -100,11 +100,13 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
         trunk.text.lm_head = _Identity()
     shard_layers(model, plan, group)
     mx.eval(model.parameters())
-    from skulkp2p.engine import numpy_verify, weight_first
+    from skulkp2p.engine import numpy_verify, table_rope, weight_first
     if weight_first.enabled(dtype):
         weight_first.install(model)  # a verify's rows weight-first, as on one node
     if numpy_verify.enabled(dtype):
         numpy_verify.install(model)  # its softmax and SwiGLU by numpy, as on one node
+    if table_rope.enabled(dtype):
+        table_rope.install(model)  # rotary embeddings from a table, as on one node
     return model, head
 
 
