@@ -82,7 +82,7 @@ def enabled(dtype: str) -> bool:
 
 
 def cpu_float32_switch(dtype: str, env: str) -> bool:
-    """A CPU-node verify switch (this one, numpy_verify's): float32 on the CPU, and `env` not
+    """A CPU-node switch (this one, numpy_verify's, table_rope's): float32 on the CPU, `env` not
     set to 0 / off / false / no."""
     return dtype == "float32" and mx.default_device() == mx.cpu \
         and os.environ.get(env, "1").strip().lower() not in ("0", "off", "false", "no")
