@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from skulkp2p.engine.swapped import swapped
-from skulkp2p.engine.table_rope import TableRoPE
+from skulkp2p.engine.table_rope import TableRoPE, rotate_halves
 
 
 def shares_tables(rope: Any) -> bool:
@@ -45,7 +45,7 @@ class RopeTables:
     def rotate(self, rope: nn.RoPE, x: mx.array, offset: Any) -> mx.array:
         if x.ndim != 4 or not isinstance(offset, mx.array):
             return rope(x, offset=offset)
-        b, _, t, d = x.shape
+        b, _, t, _ = x.shape
         dims = rope.dims
         # (the offset array itself is kept in the entry, so its id is not reused meanwhile)
         key = (dims, rope.base, rope.scale, x.dtype, b, t, id(offset))
@@ -59,12 +59,7 @@ class RopeTables:
             self._tables[key] = entry
             self.built += 1
         cos, sin, _ = entry
-        half = dims // 2
-        x1, x2 = x[..., :half], x[..., half:dims]
-        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
-        if dims < d:
-            parts.append(x[..., dims:])
-        return mx.concatenate(parts, axis=-1)
+        return rotate_halves(x, cos, sin)
 
 
 class SharedRope(nn.Module):

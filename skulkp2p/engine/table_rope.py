@@ -123,6 +123,12 @@ def _rotate_pairs(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 _rotate = {False: mx.compile(_rotate_halves), True: mx.compile(_rotate_pairs)}
 
 
+def rotate_halves(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """The fallback's non-traditional rotation of x [..., D] by cos and sin [..., dims / 2]
+    (broadcast against x), the unrotated tail past dims appended; compiled."""
+    return _rotate[False](x, cos, sin)
+
+
 def rope(x: mx.array, dims: int, traditional: bool, base: float, scale: float,
          offset: int) -> mx.array:
     """`mx.fast.rope(x, dims, traditional=, base=, scale=, offset=)` for x [..., T, D] with
