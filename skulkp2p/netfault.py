@@ -56,8 +56,9 @@ class _Conn:
 
 def _timer_loop() -> asyncio.AbstractEventLoop:
     """An event loop whose timers fire within microseconds, not milliseconds: Python's epoll
-    (and poll) selector rounds every wait up to a whole millisecond, so a 0.2 ms delay was
-    delivered after 1.2 ms; select() takes its timeout in microseconds. select() cannot watch
+    (and poll) selector rounds every wait up to a whole millisecond, so a 0.2 ms delay would be
+    delivered after about 1.2 ms (docs/measurements/tensor-parallel.md, "the delay honoured
+    below a millisecond"); select() takes its timeout in microseconds. select() cannot watch
     a descriptor numbered 1024 or more: the proxy runs in benches and tests, whose processes
     hold far fewer open files."""
     return asyncio.SelectorEventLoop(selectors.SelectSelector())

@@ -68,8 +68,8 @@ def run_llama(binary: Path, gguf: Path, arm: str, setup: list[list[dict[str, str
     args = ["-m", str(gguf), "-c", "4096", "--parallel", "1", "--no-webui", *LLAMA_ARMS[arm]]
     # As many threads as our engine's BLAS uses (one core fewer than this process may run on):
     # with a thread per core, llama.cpp's threads spin at every op's barrier and one of them
-    # descheduled by other work stalls all (measured here, qa, 60 tokens, load average 4-5:
-    # -t 2 6-13 tok/s, -t 1 66-94 tok/s).
+    # descheduled by other work stalls all (docs/measurements/served-engine.md; the bench's
+    # llama-server arms under load).
     threads = os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS") or str(default_blas_threads())
     args += ["-t", threads]
     child = ServedChild(f"bench-{arm}", binary, args, ready_timeout_s=READY_TIMEOUT_S)

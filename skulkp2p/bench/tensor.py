@@ -8,7 +8,8 @@ With `--link-delay-ms D` every rank is reached by the others only through the fa
 proxy (`skulkp2p/netfault.py`): each rank gets its own host file in which its own entry is its
 real listener and the others' are their proxy ports, so D delays every collective's every hop,
 and rank 0's command link (each call's header) crosses a proxy of its own with the same delay;
-without it the ranks connect directly (the proxy's own hops cost ~1 ms per all-sum here).
+without it the ranks connect directly (the proxy's own hops would add to every all-sum:
+docs/measurements/tensor-parallel.md, "the delay honoured below a millisecond").
 
 Where the time goes, per run: the bench's own compute (embedding, norm, head), rank 0's time per
 call (compute of its slice plus the collectives, as it measures it), the pipe between the bench

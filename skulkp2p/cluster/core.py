@@ -258,8 +258,8 @@ class ClusterCore:
 
     def _fresh_heartbeats(self, outs: list[Out]) -> list[Out]:
         """A node elected within this call sent its first heartbeats before it planned: they
-        carry the plan made just now. (They once carried the payload of its previous
-        leadership, and followers briefly adopted placements from terms ago.)"""
+        carry the plan made just now. (Else they would carry the payload of its previous
+        leadership, and followers would briefly adopt placements from terms ago.)"""
         for _addr, msg in outs:
             if msg.get("t") == "lead" and msg.get("term") == self.election.term \
                     and self.election.role == LEADER:

@@ -4,9 +4,10 @@ A process starts with ``OPENBLAS_NUM_THREADS`` = cores - 1 (engine/blas.py: with
 workers as cores, a product whose worker is descheduled stalls). On a quiet 2-core node a second
 thread still pays off where Python waits on the forward (a verify round, prefill): nothing of
 ours needs the second core then. On a loaded node (other processes runnable: a 3-node CI cluster,
-other jobs, even niced ones) two threads are a cliff: a 4-token forward of a 135M model took
-2.2-2.9 s instead of 70 ms (tools/blas_threads_probe.py). So this module raises the count per
-forward only while it pays, and the forward calls it without knowing what it decides:
+other jobs, even niced ones) two threads are a cliff: a forward takes many times as long
+(docs/measurements/blas-threads.md; tools/blas_threads_probe.py --load 1). So this module
+raises the count per forward only while it pays, and the forward calls it without knowing what
+it decides:
 
 * ``waited(width)``: a forward whose result the calling thread waits for. Two threads when the
   machine looks quiet (no other runnable task, per /proc/loadavg, now and for the last
@@ -28,7 +29,7 @@ running two requests' forwards side by side) pins one thread until it has been i
 turns running its steps under its lock, so they never overlap): a batched step may run wide.
 
 ``SKULKP2P_BLAS_THREADS``: ``auto`` (default: the policy above), or a number (every forward
-runs with that many threads; ``1`` is what the engine ran before this policy).
+runs with that many threads; ``1``: one thread everywhere).
 """
 
 from __future__ import annotations
@@ -129,16 +130,19 @@ class LoadProbe:
       both woke and slept within ~0.1 ms);
     * one excess is noise until seen again: a load counts when the last ``CONFIRM`` readings
       all saw one (a CPU-bound process is runnable at every reading; a transient is not);
-    * readings are at most one per ``EVERY_S`` (0.1-0.3 ms each, on the decode's path: a
-      reading per 50 ms step was up to 0.3% of it): in between, the last answer stands, except
+    * readings are at most one per ``EVERY_S`` (0.1-0.3 ms each, on the decode's path:
+      docs/measurements/blas-threads.md, "What the load probe sees";
+      tools/load_probe_trace.py): in between, the last answer stands, except
       that a reading which saw a load not yet confirmed is followed by another at the next
       call, so a lasting load is confirmed one forward after it is first seen.
 
     * a confirmed count is a load only if other processes also used ``OTHERS_CPU_MIN`` of a
       core over the last ``WINDOW_S`` (/proc/stat's busy ticks less this process's own). The
       clients of a server streaming tokens wake for each chunk right after a step, when the
-      next step's reading is taken: runnable at every reading, yet using ~1% of a core
-      (bench --concurrency: every batched step of 4 clients was held narrow as "busy"). A
+      next step's reading is taken: runnable at every reading yet using a sliver of a core,
+      they held batched steps narrow as "busy" where nothing else ran
+      (docs/measurements/concurrency.md, "What the thread policy does through HTTP";
+      bench --concurrency 4). A
       CPU-bound process uses a core or a fair share of one, whatever its nice value.
 
     A load that comes and goes faster than this is missed; the policy's guard (a two-thread

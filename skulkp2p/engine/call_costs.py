@@ -3,9 +3,10 @@
 The depth controller and the gates (gates.py) price a draft of k tokens by c(k + 1), the cost of
 a verify call of k + 1 rows relative to one row. Where that table comes from a single probe (a
 tensor-parallel group times its widths once, when it forms: engine/tensor.py), it holds whatever
-state the machine was in that minute: on a shared CPU the group's probe read nearly flat (w16 =
-1.05x w1) while its decode calls later cost 77 / 127 / 214 / 340 ms at 1 / 4 / 8 / 16 rows, so
-the controller drafted as deep as where wide verifies really are cheap.
+state the machine was in that minute: on a shared CPU a probe can read nearly flat while the
+decode calls later grow steeply with their rows, so the controller drafts as deep as where wide
+verifies really are cheap (docs/measurements/tensor-parallel.md, "A call's cost grows with its
+rows"; tools/tensor_call_widths.py).
 
 A `LiveWidthCosts` is that table, seeded by the probe's seconds and then following the seconds
 of the forward's own verify calls: the forward that runs them records each (`observe`), the
@@ -18,30 +19,27 @@ four calls of a width outvote the probe. Relative to its own minute:
 a call of w > 1 rows is kept as its seconds over the one-row estimate at the time it was made,
 and the table's w is the median of those ratios (times the one-row estimate now, for seconds).
 Kept in seconds, each width's estimate held calls of whatever minute that width was last called
-in: on the shared CPU the one-row calls came from a plain arm's last quiet minute (63 ms) and
-the four two-row calls from a spec arm's busy one (809 ms), so the table said w2 = 12.9x w1, the
-gates switched drafting off and, drafting no more wide calls, the table never learned otherwise
-(code-edit on the group drafted 14 tokens where one node drafted 80).
+in: one-row calls of a quiet minute against a few two-row calls of a busy one priced drafting
+off, and, drafting no more wide calls, the table never learned otherwise
+(docs/measurements/tensor-parallel.md, "a call priced against its own minute").
 
-Why 32 calls and not 16, and why a wide width goes stale (session 11): load comes in bursts of
-a second or two in which every call costs 2-10x (the collectives wait for a core), and a spec
-arm's two-row MTP rounds are few. In a recorded code-edit bench 13 of the last 16 two-row calls
-fell in bursts, each priced against the one-row calls before it: w2 read 1.42-1.68x where quiet
-two-row calls cost 1.05-1.15x, the MTP head's gate (33% acceptance at depth 1 pays only while
-w2 < ~1.3) switched it off for the request, and, no two-row call coming to correct it, at
-token 0 in the next ones: on the quiet machine of session 10 the group's code-edit drafted
-58-67 tokens for 24-25 accepted where one node drafted 80 for 31 (README, "Tensor-parallel
-placements"). Replayed on those calls, the median of 32 stays at or below 1.15x. And a wide
+Why 32 calls and not 16, and why a wide width goes stale: load comes in bursts of a second or
+two in which every call costs several times more (the collectives wait for a core), and a spec
+arm's two-row MTP rounds are few. With 16, most of a window could fall in bursts, each call
+priced against the one-row calls before it, so w2 read above what the MTP head's gate allows;
+the gate switched the head off for the request and, no two-row call coming to correct it, at
+token 0 in the next ones. Replayed on recorded calls, the median of 32 stays near the quiet
+two-row cost (docs/measurements/tensor-parallel.md, "why code-edit missed"). And a wide
 width's calls are forgotten once `stale_calls` calls of more than one row (any width) came
 after them, so a width that the gates stopped drafting (the MTP head off at token 0 in every
 later request, while lookup still drafts wider calls) falls back to its neighbours' and the
 probe's estimate instead of staying dear for good. Counted in wide calls, not all calls: a
 plain request's one-row calls say nothing about a wide width (counted in all calls, a spec
 run's two-row calls went stale across the next plain run, leaving a burst's few calls to
-decide). One-row calls, the reference of every ratio, never go stale. (A low quantile instead
-of the median, tried: against a one-row reference taken the same way it priced wide calls
-steeper on a loaded machine, w4 4.7x and w16 9.3x at load 7, since the many one-row calls
-find the quiet moments the few wide ones do not.)
+decide). One-row calls, the reference of every ratio, never go stale. (Not a low quantile
+instead of the median: against a one-row reference taken the same way it priced wide calls
+steeper on a loaded machine, since the many one-row calls find the quiet moments the few wide
+ones do not; same page.)
 
 Widths
 with no call yet are interpolated between the observed ones; past the widest observed, each row
@@ -65,15 +63,15 @@ if TYPE_CHECKING:
     from skulkp2p.engine.protocol import VerifyCosts
 
 # The last this many calls of a width make its estimate (with the probe's prior). 32, not 16:
-# replaying a code-edit bench's calls (README), a window of 16 two-row calls held 13 from bursts
-# and w2 read 1.68; with 32 it stayed at or below 1.15 (quiet two-row calls: 1.05-1.15x).
+# on a code-edit bench's recorded calls 16 priced w2 by its bursts, 32 near its quiet cost
+# (docs/measurements/tensor-parallel.md, "why code-edit missed"; python -m skulkp2p bench
+# --nodes 2 --parallel tensor).
 WINDOW = 32
 # The probe's time weighs as much as this many calls: two calls move nothing, four outvote it.
-# 3, not 2 (session 11): with 2, the median of the probe's two and two calls is their midpoint,
-# and at load 4-7 the first two two-row calls (the warm-up's and echo's, in bursts) set w2 to
-# 1.58x, which switched the MTP head off at token 0 in every later request, so that no two-row
-# call came to correct it. The probe (every width interleaved, back to back) is the cleanest
-# relative measurement the group has.
+# 3, not 2: with 2, the median of the probe's two and two calls is their midpoint, so the first
+# two two-row calls, in a burst, could price the MTP head off for every later request, with no
+# two-row call coming to correct it (same page). The probe (every width interleaved, back to
+# back) is the cleanest relative measurement the group has.
 PRIOR_CALLS = 3
 # A wide width's calls are forgotten once this many calls of more than one row came after them
 # (about ten requests drafting only lookup's copies; three or four drafting on most rounds).

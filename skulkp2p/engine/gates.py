@@ -581,7 +581,7 @@ class LookupThenModel:
         """After a round: when lookup will have no draft for the next one, the model drafter
         will be asked, so let it start its draft now (an MTP head's `prefetch`: its evaluation
         then overlaps the loop's Python between rounds instead of following it). Where lookup
-        drafts, the head's rows stay unevaluated until a round needs them, as before."""
+        drafts, the head's rows stay unevaluated until a round needs them."""
         prefetch = getattr(self.model.inner, "prefetch", None)
         if prefetch is None or not self.model.on:
             return

@@ -63,8 +63,9 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
 # the whole request (the measurement behind it: docs/architecture.md).
 MTP_PRIOR_WEIGHT = 8.0
 # The head drafts nothing where its own probability of its guess is below this. Off (0) by
-# default: the replay modelled 0.3 as a 1-4% gain on every workload, but a one-process A/B on
-# this CPU measured it 1-3% slower on code-edit and qa (README #15, "The head's confidence").
+# default: the replay modelled 0.3 as a gain on every workload, but a one-thread A/B measured
+# it 1-3% slower on code-edit and qa (docs/measurements/drafting.md, "The head's confidence";
+# tools/draft_trace.py --replay).
 MTP_MIN_CONFIDENCE = 0.0
 
 # Beside a model drafter, lookup takes only matches of at least this many tokens: a one-token
@@ -88,7 +89,8 @@ def _lookup(loaded: LoadedModel, min_key: int = 1, memory: SuffixMemory | None =
 
 
 # Depth and starting belief of the suffix drafter's controller: measured on echo, code-edit and
-# agent (bench), 16 and 0.8 beat 12 and 0.5 on all three (docs/architecture.md).
+# agent, 16 and 0.8 beat 12 and 0.5 on all three (docs/architecture.md, "Constants that came
+# from measurements"; python -m skulkp2p bench --workloads echo,code-edit,agent).
 SUFFIX_MAX_DEPTH = 16
 SUFFIX_PRIOR_ACCEPT = 0.8
 
@@ -162,8 +164,8 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     cfg = loaded.speculation.get("lookup", {})
     # Token trees (engine/tree.py) where the counts disagree (lookup) or the MTP head's top two
     # are close, when the card's `trees = true`: off by default, as on a quiet machine they
-    # cost 3-5% against chains on every bench workload without accepting a token more
-    # (README, "Token trees").
+    # cost 3-5% against chains without accepting a token more (docs/measurements/token-trees.md;
+    # python -m skulkp2p bench --arms spec_trees).
     trees = bool(cfg.get("trees", False))
     if loaded.mtp is not None:
         model_depth = loaded.mtp.conventions.max_depth
@@ -201,9 +203,9 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # Beside a model drafter (with lookup.edits, the default) lookup starts on whatever the
     # prompt: the head drafts every round lookup has no match of 2+ tokens for, so a lookup
     # that is on costs nothing where it finds nothing, and on novel answers that quote their
-    # question it drafts runs the head cannot (tools/draft_trace.py on qa: 45 rounds with a
-    # copy of 2+ tokens there while the gate kept lookup off). Alone, the gate stays: its
-    # rounds would otherwise run pipelined (quiet stretches).
+    # question it drafts runs the head cannot (on qa the gate kept lookup off through rounds
+    # with a copy of 2+ tokens: docs/architecture.md, "Drafting edits"; tools/draft_trace.py).
+    # Alone, the gate stays: its rounds would otherwise run pipelined (quiet stretches).
     edits = bool(cfg.get("edits", True))
     default_gate = 0.02 if alone or not edits else 0.0
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", default_gate))

@@ -21,7 +21,8 @@ from skulkp2p.engine.suffix import SuffixMemory
 DEFAULT_MEMORY_TOKENS = 65536
 
 # Requests decoded together when neither the caller nor the card (`[runtime] max_batch`) says
-# (measured: README, "Concurrent requests decode together").
+# (8 rows cost 1.46x one row: docs/measurements/concurrency.md, "Batching in one process";
+# tools/batch_bench.py --widths).
 DEFAULT_MAX_BATCH = 8
 
 
@@ -31,7 +32,7 @@ class MlxEngine:
     thread, decoded together by the model's BatchScheduler (engine/scheduler.py), whose lock
     every request holds while its own code runs: the prefix cache and the draft memory are used
     by one request at a time, without locks of their own. With max_concurrent 1 a generation
-    runs alone on its thread, exactly as before batching (the pipelined plain path included).
+    runs alone on its thread, exactly as without batching (the pipelined plain path included).
     Each running generation must be iterated on a thread of its own (the worker's runners do):
     a row waits in its forward until every other row has handed in its tokens, so one thread
     taking turns between two generations would wait on itself."""

@@ -19,8 +19,9 @@ Context bias (`context_bias`, the card's `mtp_context_bias`): before taking the 
 tokens already in the request's verified context (prompt and answer so far) get this bonus on
 their logits. A small trained head under-predicts repeating the names and words of the question
 and of its own answer; on the smollm2-135m head's held-out replay a bonus of 0.5 moved depth-1
-acceptance from 49.0% to 49.8% (validation prompts: 52.2% to 53.0%; README, "MTP sidecars"). The drafts stay deterministic (q = None),
-so greedy and sampled decoding stay exact whatever the bonus.
+acceptance from 49.0% to 49.8% (docs/measurements/mtp-sidecars.md, "A context bias";
+tools/head_vocab_probe.py --context-bias). The drafts stay deterministic (q = None), so greedy
+and sampled decoding stay exact whatever the bonus.
 
 In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
 cache moves into the batch's `HeadRows` (engine/head_batch.py) and every head call (the
@@ -236,7 +237,8 @@ class MtpDrafter:
                       else int(mx.argmax(rows[0]).item())]
         if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
             # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
-            # verify and the head's call for nothing (README #15, "The head's confidence").
+            # verify and the head's call for nothing (docs/measurements/drafting.md, "The head's
+            # confidence"; tools/draft_trace.py --replay).
             self.unsure += 1
             return [], []
         chain = self.head.conventions.chain

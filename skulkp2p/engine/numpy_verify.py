@@ -1,15 +1,14 @@
 """A verify's exponentials on a CPU node, taken by numpy: attention's softmax and the MLP's SiLU.
 
-On the CPU, MLX 0.32's `exp` costs about 29 ns an element on this Intel Xeon and its sigmoid 37
-(numpy's vectorised exp: 0.6 ns; 67,000 elements, 1.9 ms against 0.04). MLX has no fused CPU
-attention (`mx.fast.scaled_dot_product_attention` runs as ops), so a verify of w rows over S
-tokens of context takes heads x w x S exponentials per layer in its softmax, and w x
-intermediate more in the MLP's SiLU (SmolLM2-135M: 1,536 a row and layer, so 28 ms of a
-16-row verify's forward, 5 ms of a 2-row one). On SmolLM2-135M (float32, two OpenBLAS threads,
-450 tokens of context) the softmax alone took whole verify forwards from 249.8 to 195.2 ms at
-16 rows and 179.4 to 156.2 at 8 (64 tokens of context: 187.2 to 180.2 at 16); at 2 rows the
-gain was within what leaving MLX costs, so 2-row verifies stay mlx-lm's (MIN_ROWS). Nothing in mlx or mlx-lm offers a faster CPU exp, so these two steps leave MLX for numpy
-(the matrix products stay MLX's).
+On the CPU, MLX 0.32's `exp` and sigmoid cost tens of nanoseconds an element, numpy's
+vectorised exp under one. MLX has no fused CPU attention (`mx.fast.scaled_dot_product_attention`
+runs as ops), so a verify of w rows over S tokens of context takes heads x w x S exponentials
+per layer in its softmax, and w x intermediate more in the MLP's SiLU: a large share of a wide
+verify's forward, most of which numpy saves (docs/measurements/decode-loop.md, "A verify's
+exponentials in numpy"; tools/weight_first_ab.py --part numpy). At 2 rows the gain is within
+what leaving MLX costs, so 2-row verifies stay mlx-lm's (MIN_ROWS). Nothing in mlx or mlx-lm
+offers a faster CPU exp, so these two steps leave MLX for numpy (the matrix products stay
+MLX's).
 
 Only inside `weight_first.verify_rows()` (a verify forward; forward.StageCache.run and the
 tensor ranks enter it) of MIN_ROWS rows or more, float32 on the CPU:
@@ -47,9 +46,8 @@ ATTENTION, SWIGLU = "scaled_dot_product_attention", "swiglu"
 
 _original: dict[tuple[str, str], Any] = {}  # (module name, function name) -> mlx-lm's function
 # Fewer rows stay mlx-lm's: a 2-row verify (an MTP head's one-token draft) saved too little to
-# pay for leaving MLX twice a layer. Whole forwards, with ÷ without: 2 rows 1.03 at 100 tokens
-# of context on one and two OpenBLAS threads; 5 rows 0.96-0.97 there; 16 rows 0.68-0.98 at
-# 200-450 tokens.
+# pay for leaving MLX twice a layer; from 3 rows it gains (docs/measurements/decode-loop.md,
+# "A verify's exponentials in numpy"; tools/weight_first_ab.py --part numpy).
 MIN_ROWS = 3
 # False: the installed dispatchers hand every call to mlx-lm's functions (an A/B, or a test of
 # bit-for-bit equality between forwards of different widths, which these keep within rounding).

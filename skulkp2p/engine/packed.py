@@ -9,9 +9,10 @@ into one [N, H] block (N = the sum of the rows' widths), and the MLP's output go
 own key and value, which sit past its row's length, are masked from every real query, and are
 overwritten by the row's next step, so what it holds never reaches a real token.
 
-On this CPU a forward over many token rows is compute-bound (README, "Concurrent requests"): the
-MLPs are about three quarters of a SmolLM2 layer's weights and the head a fifth of the model's,
-so the padded rows' share of them is what this saves.
+A CPU forward over many token rows is compute-bound (docs/measurements/concurrency.md,
+"Batching in one process"; tools/batch_bench.py --widths): the MLPs are about three quarters of
+a SmolLM2 layer's weights and the head a fifth of the model's, so the padded rows' share of them
+is what this saves.
 
 A mixed step (a joining prompt's chunk riding in the decoding rows' step: scheduler.py) is
 ragged at its widest, one row of C tokens beside rows of 1: there the attention projections

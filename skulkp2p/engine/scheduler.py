@@ -88,15 +88,16 @@ BATCH_PREFILL_CHUNK = 512
 # recurrent layers) may prefill inside their steps, a chunk of at most this many tokens per step:
 # one more ragged row of the step, its MLPs, attention projections and (no) head packed to the
 # real tokens (engine/packed.py), so the decoding rows go on instead of waiting for whole
-# prompts. Off (0) by default: measured (tools/batch_timeline.py, SmolLM2-135M, load ~3-4) a mixed
-# step cost 4.5 ms per real token (4 rows x 128: 270 tokens in 1.21 s) against 2.4-2.8 ms in a
-# prefill forward of its own, more than the decode steps it saves; exact (tests/
+# prompts. Off (0) by default: a mixed step costs more per real token than a prefill forward of
+# its own (4.5 against 2.4-2.8 ms), more than the decode steps it saves (docs/measurements/
+# concurrency.md, "first tokens and the prefill path"; tools/batch_timeline.py); exact (tests/
 # test_batch_mixed.py), so `BatchScheduler.mixed_chunk` turns it on where it pays.
 MIXED_PREFILL_CHUNK = 0
 
 # A ragged step's MLPs run on its real tokens only from this many padded token rows on
 # (engine/packed.py; its head always does): below it the gathers cost about what they save
-# (tools/packed_ab.py: 3 padded rows of 8 cost 1.08x padded, 9 of 16 0.99x, 18 of 28 0.82x).
+# (8 padded rows 1.08x padded, 28 0.82x: docs/measurements/concurrency.md, "Ragged speculative
+# steps packed"; tools/packed_ab.py).
 PACK_MLPS_FROM = 8
 
 
@@ -204,7 +205,7 @@ class BatchScheduler:
         self.pack_ragged = packs_mlps(self.stage.trunk.body.layers)
         self.pack_mlps_from = PACK_MLPS_FROM
         # The gates price a ragged step as it runs packed (gates.step_cost); False prices it
-        # padded to the widest, as before packing (A/B in tools/batch_profile.py).
+        # padded to the widest (A/B in tools/batch_profile.py).
         self.price_packed = True
         trunk = self.stage.trunk
         head = trunk.body.embed_tokens if trunk.tied else getattr(trunk.text, "lm_head", None)

@@ -4,7 +4,8 @@ On a CPU, `mx.fast.rope` has no kernel of its own: MLX builds it from ~30 primit
 and a third of them (positions, inverse frequencies, their product, cos, sin) compute the same
 table in every call of a forward: twice per layer (queries and keys), once per layer, for the
 same positions. In a 4-row step of SmolLM2-135M that is 60 calls and about a third of the step's
-~4,300 primitives; each costs its dispatch whatever its size (tools/step_parts.py measures it).
+~4,300 primitives; each costs its dispatch whatever its size (docs/measurements/concurrency.md,
+"The cost of one batched step"; tools/step_parts.py).
 
 Here the first call of a forward asks the layer's own rope for the table, by rotating a unit
 input (first half ones, second half zeros: MLX's own fallback then returns exactly its cos in

@@ -42,16 +42,18 @@ import numpy as np
 # The copy cursor (SuffixDrafter): below an own match of CURSOR_TRUST tokens, the occurrence of
 # the text's last 2 tokens nearest the cursor (at most CURSOR_WINDOW past it) is drafted from
 # instead of the longest match's latest one. One-token occurrences and resuming at the cursor
-# after a new token were tried too and lost (tools/draft_trace.py --replay, README #15).
+# after a new token were tried too and lost (docs/measurements/drafting.md, "Drafting edits";
+# tools/draft_trace.py --replay).
 CURSOR_TRUST = 8
 CURSOR_WINDOW = 64
-# A match of m tokens drafts at most max(m, MIN_CAP) (was m: a 2-token match drafted 2).
+# A match of m tokens drafts at most max(m, MIN_CAP), not m: a 2-token match drafting only 2
+# left copyable tokens undrafted (docs/measurements/drafting.md; tools/draft_trace.py --replay).
 MIN_CAP = 4
 # A match this long is its own context for the gate, starting from a belief of LONG_PRIOR.
 LONG_MATCH = 16
 LONG_PRIOR = 0.95
-# continue_after drafts at most this many tokens past another drafter's guess (more lost on
-# echo in the replay, 2 was the best of 1-6 on code-edit and agent together).
+# continue_after drafts at most this many tokens past another drafter's guess: more lost on echo
+# in the replay (tools/draft_trace.py --replay; docs/architecture.md, constants table).
 CONTINUE_CAP = 2
 
 
@@ -269,8 +271,8 @@ class SuffixDrafter:
     def __init__(self, min_match: int = 1, memory: SuffixMemory | None = None,
                  long_enough: int = 32, edits: bool = True):
         """`edits`: the copy cursor, drafts of at least MIN_CAP and the long-match context
-        (off: each draft continues the longest match, capped at its length, as before #15's
-        second round; the card's `[speculation.lookup] edits = false`, the bench's
+        (off: each draft continues the longest match, capped at its length, as before the
+        copy cursor; the card's `[speculation.lookup] edits = false`, the bench's
         `spec_noedits` arm)."""
         self.min_match = max(1, min_match)
         self.edits = edits

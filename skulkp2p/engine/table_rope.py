@@ -2,9 +2,9 @@
 
 MLX 0.32 has no CPU kernel for `mx.fast.rope`: each call runs its fallback as about twenty ops,
 recomputing the frequencies and the cosines and sines of its positions every time, for the
-queries and the keys of every layer, each op paying its dispatch however small. With the table,
-whole forwards of SmolLM2-135M (float32, two OpenBLAS threads, 300 tokens of context) went
-from 102 to 89 ms at one row, 110 to 106 at two and 136 to 130 at sixteen.
+queries and the keys of every layer, each op paying its dispatch however small. With the table
+every forward costs less, one row most (SmolLM2-135M: 102 to 89 ms; docs/measurements/
+decode-loop.md, "Rotary embeddings from a table"; tools/table_rope_ab.py in the decode loop).
 
 `TableRoPE` computes the same cosines and sines once, for positions 0..N (N doubling as
 contexts grow), with the fallback's own formula and ops (positions x scale times

@@ -48,7 +48,7 @@ log = logging.getLogger("skulkp2p.tensor")
 
 READY_TIMEOUT_S = 120.0  # load and group formation; a peer that never comes ends it
 # A call's logits come back up to this size; a wider call (a long prompt through __call__) gets
-# the hidden rows only and this member applies its own head, as before the split.
+# the hidden rows only and this member applies its own whole head.
 SPLIT_LOGITS_MAX_BYTES = 16 << 20
 
 
@@ -56,9 +56,10 @@ def _shared_logits() -> int:
     """A descriptor of anonymous shared memory where rank 0 leaves each call's logits for this
     member (RankProcess.call); it has no name, so nothing is left behind however the two
     processes end. Why not the pipe: a verify's logits are w x V values (3 MB for 16 rows of
-    SmolLM2), and framing them (msgpack, an HMAC on each side, the pipe's copies) cost about 0.7
-    ms a row, as much as the split saved on a wide call; through one mapping they are copied
-    twice."""
+    SmolLM2), and framing them (msgpack, an HMAC on each side, the pipe's copies) cost as much
+    as the split saved on a wide call (docs/measurements/tensor-parallel.md, "The
+    vocabulary-split head"; tools/tensor_call_widths.py --head-ab); through one mapping they are
+    copied twice."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("skulkp2p-tp-logits")
     else:  # macOS: a file whose name goes at once
@@ -429,9 +430,9 @@ def measure_group_widths(head: Any, tokenizer: Any, rank0: RankProcess,
                          timeout: float | None = None) -> dict[int, float]:
     """Seconds of one verify call of w rows on this group, as the decode loop pays it (embedding,
     the pipe, the ranks' slices and collectives, norm and head), for the widths the depth
-    controller interpolates between: the fastest of a few reps after a short prefill, each
-    capped by the wider widths' (`non_decreasing`: a shared CPU's noise). Run when
-    a group forms, before any request may use it (the calls reset the ranks' caches).
+    controller interpolates between: the median of a few reps (GROUP_REPS) after a short
+    prefill, each capped by the wider widths' (`non_decreasing`: a shared CPU's noise). Run
+    when a group forms, before any request may use it (the calls reset the ranks' caches).
 
     Why the group's own table: one process's table (`bench --widths`) grows with w as its
     matmuls do, while a group's call is dominated by its collectives and the pipe, which cost

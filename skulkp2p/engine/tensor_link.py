@@ -13,10 +13,10 @@ the same shape on every rank, so this collective itself is safe whatever the ran
 **Commands.** MLX's ring backend waits for a collective by polling its sockets (it never blocks
 in the kernel), so a rank other than rank 0, which learned each command from an all-sum, kept a
 core busy between calls: while the loop's member drafted, sampled and ran the head, that rank
-spun on the same 2 cores (measured on SmolLM2 from /proc/PID/stat: 88% of a core, idle
-between calls; README "Tensor-parallel placements"). Now rank 0 sends each command's
-header over a plain TCP connection to every other rank, which blocks in `recv` until it comes
-(0% of a core between calls). Failure stays bounded as before: rank 0 killed closes the
+spun on the same 2 cores (most of a core, idle between calls: docs/measurements/
+tensor-parallel.md, "The follower blocks between calls"; /proc/PID/stat of the ranks). So rank 0
+sends each command's header over a plain TCP connection to every other rank, which blocks in
+`recv` until it comes (no CPU between calls). Failure stays bounded: rank 0 killed closes the
 connection (the rank reads EOF and exits); a rank killed makes rank 0's next collective fail on
 its closed ring socket; a frozen peer is found by the waiting member (engine/tensor.py) and the
 group's processes are killed by pid. The connection is set up over the group itself: each other
@@ -48,9 +48,10 @@ def model_digest(path: Path) -> str:
     """sha256 over what tells two copies of a model apart: config.json whole, and of every
     *.safetensors (in name order) its size, its header (every tensor's name, dtype, shape and
     offsets) and SAMPLES evenly spaced samples of SAMPLE_BYTES of its data. A sample, not every
-    byte: reading all of SmolLM2's 269 MB took 0.6-6.6 s per rank start on this shared CPU;
-    other weights of the same shapes differ in every sample, and a download corrupted in
-    place is the store's to catch (it checks the card's sha256)."""
+    byte: reading all of a model's weights took seconds per rank start on a shared CPU
+    (docs/architecture.md, the agreement check); other weights of the same shapes differ in
+    every sample, and a download corrupted in place is the store's to catch (it checks the
+    card's sha256)."""
     h = hashlib.sha256()
     files = sorted([p for p in Path(path).iterdir() if p.name == "config.json"
                     or p.name.endswith(".safetensors")], key=lambda p: p.name)

@@ -3,19 +3,18 @@
 A linear layer computes `x @ W.T`: x the token rows (1 to ~17 in a verify), W the weight (out x
 in, thousands of rows). On the float32 OpenBLAS path of a Linux CPU node (engine/blas.py), with
 two OpenBLAS threads, that product is slower for a few rows than the same numbers computed as
-`(W @ x.T).T`, where the weight is the operand with many rows: measured on SmolLM2-135M
-(2-core Intel Xeon, two threads, whole verify forwards, fastest of 5, 64 tokens of context),
-`x @ W.T` / weight-first 86.6 / 73.7 ms at 2 rows, 98.9 / 75.0 at 4, 135.5 / 113.7 at 16; one
-row is a matrix-vector product either way and is left alone. In the decode loop that made
-echo's and code-edit's speculative runs 8-12% faster with the same drafts (median of the per-pair
-ratios; docs/measurements/decode-loop.md, "Weight-first verify products").
+`(W @ x.T).T`, where the weight is the operand with many rows (whole verify forwards 10-25%
+cheaper with two threads, a wash with one); one row is a matrix-vector product either way and
+is left alone. In the decode loop that made echo's and code-edit's speculative runs faster
+with the same drafts (docs/measurements/decode-loop.md, "Weight-first verify products";
+tools/weight_first_ab.py).
 
 Only verify forwards (`verify_rows()`, entered by forward.StageCache.run around a verify of
 2+ rows) take the weight-first product. Prefill chunks and one-token steps run mlx-lm's own
 `x @ W.T`, so a prompt's cache and plain decoding stay bit-identical to `mlx_lm.generate`. A
 verify row's numbers were already summed in another order than a one-token step's (a matrix
 product against a matrix-vector one); greedy output equal to plain decoding is what the
-exactness tests check, as before.
+exactness tests check.
 
 `install(model)` turns a loaded model's plain `nn.Linear` layers and its `nn.Embedding` (a
 tied output head calls `as_linear`) into the subclasses below, in place and sharing their

@@ -31,7 +31,9 @@ GROUP_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 # The median of 5, not the fastest of 3: the table seeds the live one (call_costs.py), which
 # prices by the medians of real calls, and a width the gates never choose is never corrected by
 # one. The fastest of 3 priced 2 rows at 1.42-1.61x one where the medians of whole calls read
-# 1.19-1.31x, enough to price a group's MTP head off from its first token.
+# about 1.2-1.3x, enough to price a group's MTP head off from its first token (docs/measurements/
+# tensor-parallel.md, "The probe's statistic"; python -m skulkp2p bench --nodes 2 --parallel
+# tensor).
 GROUP_REPS = 5
 # Text for the measurement where no workload is at hand (the group's: dense layers only, so the
 # tokens do not change the cost; a mixture of experts would route by them).

@@ -388,7 +388,7 @@ def _loads(payload: bytes) -> Any:
     try:
         return orjson.loads(payload)
     except orjson.JSONDecodeError:
-        # What orjson refuses but json takes (a lone surrogate escape, NaN): parsed as before.
+        # What orjson refuses but json takes (a lone surrogate escape, NaN): parsed by json.
         return json.loads(payload)
 
 

@@ -34,8 +34,8 @@ def trees_on(lm) -> dict:
 
 
 # On the reference BLAS a product's row does not depend on how many rows are multiplied with
-# it, so a tree's rows are bit for bit its paths' rows. OpenBLAS (what the agents and, since
-# session 12, the suite run) picks its kernels and blocking by the row count: the same row
+# it, so a tree's rows are bit for bit its paths' rows. OpenBLAS (what the agents and the
+# suite run) picks its kernels and blocking by the row count: the same row
 # rounds differently in a 7-row tree and a 3-row chain (differences ~1e-7 on the tiny models'
 # logits). There, a row must pick the same token and agree to ROW_TOLERANCE; a wrong mask or
 # position moves logits by far more (a broken tree position: argmax 2 against 9690).
