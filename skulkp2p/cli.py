@@ -214,9 +214,22 @@ def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
                    f"never on disk; default {DEFAULT_PREFIX_CACHE_MB}; 0 turns it off)")
 
 
+def package_version() -> str:
+    """The installed distribution's version (its metadata), else the package's __version__ (a
+    source tree on sys.path without an install)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("skulkp2p")
+    except PackageNotFoundError:
+        from skulkp2p import __version__
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m skulkp2p",
                                 description="Serve LLMs from a cluster of identical agents.")
+    p.add_argument("--version", action="version", version=f"skulkp2p {package_version()}")
     p.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

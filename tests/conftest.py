@@ -4,6 +4,8 @@ that survives between runs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,47 @@ def pytest_configure(config: pytest.Config) -> None:
     from skulkp2p.engine import blas
 
     blas.ensure_fast_blas()  # returns only where it did not re-exec
+
+
+# The tiers: every test carrying one of these also carries ``heavy``; the quick tier deselects
+# them (``-m "not heavy"``). A test that starts a process must carry one of PROCESS_MARKERS (the
+# guard below fails it otherwise), and one that uses the real SmolLM2 is marked ``model`` here.
+HEAVY_MARKERS = ("process", "cluster", "browser", "served", "model", "training", "slow")
+PROCESS_MARKERS = ("process", "cluster", "browser", "served")
+# Programs the standard library and our BLAS probe run to look things up (ctypes.util's
+# find_library, platform): not processes a test starts.
+SYSTEM_PROBES = frozenset({"ldconfig", "gcc", "cc", "ld", "objdump", "uname"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "smollm2_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
+        if any(item.get_closest_marker(name) for name in HEAVY_MARKERS):
+            item.add_marker(pytest.mark.heavy)
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Fail a test that starts a child process but carries no process marker, so the quick tier
+    stays free of processes. (Session-scoped fixtures are set up before this one and are not
+    watched: the tests that use them are marked by what they use.)"""
+    if any(request.node.get_closest_marker(name) for name in PROCESS_MARKERS):
+        yield
+        return
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    test = request.node.nodeid
+
+    def refuse(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(os.fsdecode(argv[0])) if argv else ""
+        if program in SYSTEM_PROBES:
+            return execute_child(self, args, *rest, **kwargs)
+        raise AssertionError(f"{test} starts a process ({program}) but carries none of the "
+                             f"markers {', '.join(PROCESS_MARKERS)}: mark it")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    yield
 
 
 @pytest.fixture(scope="session")

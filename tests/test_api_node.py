@@ -35,6 +35,7 @@ def oai(node):
     return openai.OpenAI(base_url=node.base + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
+@pytest.mark.process
 def test_health_503_while_loading_then_200(node):
     statuses = [s for s, _ in node.health_while_loading]
     assert statuses and statuses[0] == 503, statuses  # the API was up before the model
@@ -45,6 +46,7 @@ def test_health_503_while_loading_then_200(node):
     assert "http: OpenAI/Anthropic API on http://127.0.0.1:" in node.text()
 
 
+@pytest.mark.process
 def test_openai_chat(oai):
     models = oai.models.list()
     assert [m.id for m in models.data] == ["llama"]
@@ -70,6 +72,7 @@ def test_openai_chat(oai):
     assert r.model_extra["speculation"]["drafter"] == "lookup"
 
 
+@pytest.mark.process
 def test_openai_stop_and_seed(oai):
     full = oai.completions.create(model="llama", prompt="Once upon a time", max_tokens=20,
                                   temperature=0)
@@ -93,6 +96,7 @@ def test_openai_stop_and_seed(oai):
     assert a == b == c
 
 
+@pytest.mark.process
 def test_openai_unsupported_options_are_refused_by_name(oai):
     import openai
 
@@ -125,6 +129,7 @@ def test_openai_unsupported_options_are_refused_by_name(oai):
     assert r.usage.completion_tokens == 2
 
 
+@pytest.mark.process
 def test_anthropic_messages(node):
     anthropic = pytest.importorskip("anthropic")
     client = anthropic.Anthropic(base_url=node.base, api_key="none", max_retries=0, timeout=60)
@@ -147,6 +152,7 @@ def test_anthropic_messages(node):
     assert info.value.body["error"]["param"] == "stop_sequences"
 
 
+@pytest.mark.process
 def test_prefix_cache_usage_over_http(node, oai):
     """A repeated prompt comes from the prefix cache: OpenAI says so in
     usage.prompt_tokens_details.cached_tokens (also in a stream's usage chunk), Anthropic in
@@ -172,6 +178,7 @@ def test_prefix_cache_usage_over_http(node, oai):
     assert delta["usage"]["cache_read_input_tokens"] == msg.usage.input_tokens - 1
 
 
+@pytest.mark.process
 def test_anthropic_event_sequence_raw(node):
     with H11Client(node.port) as c:
         r = c.request("POST", "/v1/messages", {"model": "llama", "max_tokens": 5, "stream": True,
@@ -188,6 +195,7 @@ def test_anthropic_event_sequence_raw(node):
     assert datas[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
+@pytest.mark.process
 def test_h11_strict_keep_alive_streaming_and_errors(node):
     """One connection, every reply parsed strictly by h11 as a client."""
     with H11Client(node.port) as c:
@@ -260,6 +268,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name,raw,statuses", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_inputs(node, name, raw, statuses):
     replies = parse_responses(raw_exchange(node.port, raw))
@@ -270,6 +279,7 @@ def test_hostile_inputs(node, name, raw, statuses):
     assert node.healthy()
 
 
+@pytest.mark.process
 def test_hostile_slow_headers_get_408(node):
     t0 = time.monotonic()
     replies = parse_responses(raw_exchange(node.port, [b"GET /health HTTP/1.1\r\n", b"Host:",
@@ -298,6 +308,7 @@ def _stream_then_vanish(port: int, body: dict, chunks: int) -> float:
     return rate
 
 
+@pytest.mark.process
 def test_disconnect_mid_stream_frees_the_engine(node, oai):
     long = {"messages": CHAT, "max_tokens": 3000, "speculation": "off", "stream": True}
     rate = _stream_then_vanish(node.port, long, chunks=30)
@@ -313,6 +324,7 @@ def test_disconnect_mid_stream_frees_the_engine(node, oai):
         time.sleep(0.05)
 
 
+@pytest.mark.process
 def test_disconnect_of_a_non_streaming_request_frees_the_engine(node, oai):
     """No byte is written before the end here: the read side tells us the client left."""
     s = socket.create_connection(("127.0.0.1", node.port))
@@ -327,6 +339,7 @@ def test_disconnect_of_a_non_streaming_request_frees_the_engine(node, oai):
     assert node.text().count("cancelled after") == before + 1
 
 
+@pytest.mark.process
 def test_greedy_http_equals_pipe(node, oai, tiny_models):
     reqs = [{"id": "chat", "messages": CHAT, "max_tokens": 24},
             {"id": "raw", "prompt": "The capital of France is", "max_tokens": 24},
@@ -347,6 +360,7 @@ def test_greedy_http_equals_pipe(node, oai, tiny_models):
         assert r.usage.prompt_tokens == piped[rid]["usage"]["prompt_tokens"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_smollm2_over_http(smollm2_path, tmp_path):
     import openai

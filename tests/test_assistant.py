@@ -336,6 +336,7 @@ served_spec_n_max = 3
     assert args[args.index("--spec-draft-n-max") + 1] == "3"
 
 
+@pytest.mark.process
 def test_pipe_runs_a_card_that_pairs_the_assistant(gemma, tmp_path):
     """The whole path a user takes: a card in SKULKP2P_CARDS_DIR naming the target folder and its
     assistant beside it, `python -m skulkp2p pipe`, explicit and auto speculation."""
@@ -356,6 +357,7 @@ def test_pipe_runs_a_card_that_pairs_the_assistant(gemma, tmp_path):
     assert "assistant" in auto["speculation"]["drafter"]
 
 
+@pytest.mark.process
 def test_pipe_names_the_field_of_a_mismatched_pair(gemma, tmp_path):
     from tests.helpers.procs import run_cli
 

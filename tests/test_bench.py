@@ -24,6 +24,7 @@ def tiny(tiny_model):
     return tiny_model("llama", name="m")
 
 
+@pytest.mark.process
 def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
     out = tmp_path / "out.json"
     args = ["bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
@@ -73,6 +74,7 @@ def test_bench_tiny_model_json_widths_and_plot(tiny, tmp_path):
         assert (tmp_path / "speedups.png").stat().st_size > 1000
 
 
+@pytest.mark.process
 def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
     proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path), "--max-tokens", "4",
                    "--runs", "2", "--workloads", "qa", "--no-peers", timeout=120)
@@ -89,6 +91,7 @@ def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
     assert "| qa | plain |" in proc.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("bad", [["--workloads", "nope"], ["--arms", "oracle:2"],
                                  ["--runs", "0"], ["--dtype", "int8"],
                                  ["--cores-per-node", "0"]])
@@ -137,6 +140,7 @@ def test_mlx_lm_acceptance_rebuilt_from_flags():
     assert per_pos == [round(2 / 4, 4), round(1 / 3, 4)]
 
 
+@pytest.mark.process
 def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
     """`bench --nodes 2`: a stage process and the bench, over TCP through the delaying proxy;
     where the time went per run; speculative output equal to plain; no stage left behind."""
@@ -182,6 +186,7 @@ def test_bench_on_a_ring_of_processes_reports_compute_and_link(tiny, tmp_path):
             os.kill(s["pid"], 0)
 
 
+@pytest.mark.process
 def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path):
     """`bench --nodes 2 --parallel tensor`: two rank processes through the delaying proxy and
     the bench holding the head; speculative output equal to plain; no rank left behind."""
@@ -244,6 +249,7 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
             os.kill(r["pid"], 0)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("bad,message", [
     (("--cores-per-node", "1"), "--cores-per-node needs --nodes 2 or more"),
     (("--nodes", "2", "--cores-per-node", "1", "--agent"), "not with --concurrency or --agent"),
@@ -279,6 +285,7 @@ def _on_two_one_core_nodes(tiny, tmp_path, *placement: str) -> tuple[dict, list[
     return doc, cores
 
 
+@pytest.mark.process
 def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
     """`--cores-per-node 1`: node 0 (this bench's process: the loop, the head, the one-node
     arms) and rank 0 on the first core, rank 1 on the second, as the kernel reports them; the
@@ -294,6 +301,7 @@ def test_bench_tensor_group_on_emulated_one_core_nodes(tiny, tmp_path):
             os.kill(r["pid"], 0)
 
 
+@pytest.mark.process
 def test_bench_ring_on_emulated_one_core_nodes(tiny, tmp_path):
     """`--nodes 2 --cores-per-node 1` on a pipeline ring: stage 1 (a child) on the first core,
     the last stage (this bench's process, with the one-node arms) on the second."""
@@ -303,6 +311,7 @@ def test_bench_ring_on_emulated_one_core_nodes(tiny, tmp_path):
     assert [st["cores"] for st in settings["ring"]["stages"]] == [[cores[0]], [cores[1]]]
 
 
+@pytest.mark.process
 def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):
     """`bench --agent --nodes 2 --parallel tensor`: the ranks keep their slices of the prefix
     cache; from turn 2 on, the conversation so far is restored on the group, exactly."""
@@ -322,6 +331,7 @@ def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):
             assert t["arms"]["spec+prefix"]["cached_tokens"] > turns[i - 1]["prompt_tokens"] / 2
 
 
+@pytest.mark.process
 def test_bench_agent_turns_with_and_without_the_prefix_cache(tiny, tmp_path):
     """`bench --agent`: six turns of one conversation and the shared-prefix pair, four arms
     (plain, spec, each with the prefix cache off and on) in one run: per-turn TTFT, decode
@@ -352,6 +362,7 @@ def test_bench_agent_turns_with_and_without_the_prefix_cache(tiny, tmp_path):
     assert "| turn | prompt | cached |" in proc.stdout
 
 
+@pytest.mark.process
 def test_bench_options_import_no_mlx():
     """The CLI builds the bench's parser before the fast BLAS is set up: no mlx may load."""
     code = ("import sys\n"
@@ -365,6 +376,7 @@ def test_bench_options_import_no_mlx():
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.process
 def test_bench_sessions_memory_ablation_and_summary(tiny, tmp_path):
     """The retry workload's second request drafts from the first in the engine's memory (spec)
     and not without it (spec_nomem); every arm starts from a fresh engine; exact throughout."""
@@ -412,6 +424,7 @@ def test_llama_arms_on_a_fresh_server_each(smollm2_path):
     assert runs["llama_plain"].tokens == 24
 
 
+@pytest.mark.process
 def test_bench_concurrency_batched_against_fifo_equal_to_solo(tiny, tmp_path):
     """`bench --concurrency 3` starts two agents (--max-batch 3 and 1) and sends 3 clients at
     once, each a different workload: the document's shape, and every output equal to the same
@@ -447,6 +460,7 @@ def test_bench_concurrency_batched_against_fifo_equal_to_solo(tiny, tmp_path):
     assert "| arm | mode | aggregate tok/s |" in proc.stdout
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_bench_concurrency_on_rings_of_agents(tiny, tmp_path):
     """`bench --concurrency 2 --nodes 2`: each mode a ring of two `join` agents in a cluster of
@@ -470,6 +484,7 @@ def test_bench_concurrency_on_rings_of_agents(tiny, tmp_path):
     assert "rings of 2 agents" in proc.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("bad,message", [
     (("--concurrency", "0"), "--concurrency: must be a positive integer"),
     (("--concurrency", "2", "--nodes", "2", "--url", "http://127.0.0.1:1"),
@@ -493,6 +508,7 @@ def test_percentile_nearest_rank():
     assert percentile([3.0], 99) == 3.0 and percentile([], 50) is None
 
 
+@pytest.mark.process
 def test_bench_sampled_runs_seeded_and_equal_plain_run_by_run(tiny, tmp_path):
     """--temperature T --seed S: engine arms sample (run r with seed S + r); arms that draft
     deterministically emit plain's text run by run (the same seed), acceptance sums every run,
@@ -518,6 +534,7 @@ def test_bench_sampled_runs_seeded_and_equal_plain_run_by_run(tiny, tmp_path):
     assert docs[1]["settings"]["plain_text"] == doc["settings"]["plain_text"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("bad,message", [
     (("--temperature", "-1"), "--temperature: must be a finite number >= 0"),
     (("--temperature", "nan"), "--temperature: must be a finite number >= 0"),

@@ -51,6 +51,7 @@ def run_child(env: dict[str, str], args: list[str] | None = None) -> tuple[int, 
     return lines.count("START"), json.loads(report_lines[0][len("REPORT "):]), out.stderr
 
 
+@pytest.mark.process
 def test_reexec_turns_openblas_on() -> None:
     fast_path_available()
     starts, report, err = run_child(child_env())
@@ -66,6 +67,7 @@ def test_reexec_turns_openblas_on() -> None:
     assert "WARNING" not in err
 
 
+@pytest.mark.process
 def test_reexec_keeps_python_dash_m(tmp_path: Path) -> None:
     fast_path_available()
     (tmp_path / "blas_child_mod.py").write_text(CHILD)
@@ -77,6 +79,7 @@ def test_reexec_keeps_python_dash_m(tmp_path: Path) -> None:
     assert report["blas"] == "openblas"
 
 
+@pytest.mark.process
 def test_user_thread_setting_is_kept() -> None:
     fast_path_available()
     _, report, _ = run_child(child_env(OPENBLAS_NUM_THREADS="1"))
@@ -84,6 +87,7 @@ def test_user_thread_setting_is_kept() -> None:
     assert report["blas"] == "openblas"
 
 
+@pytest.mark.process
 def test_bundled_gfortran_fallback(tmp_path: Path) -> None:
     fast_path_available()
     if blas._bundled_gfortran() is None:
@@ -96,6 +100,7 @@ def test_bundled_gfortran_fallback(tmp_path: Path) -> None:
     assert (Path(report["ld_library_path"].split(":")[0]) / "libgfortran.so.5").exists()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
 def test_missing_library_falls_back_and_warns_once() -> None:
     starts, report, err = run_child(child_env(SKULKP2P_BLAS_LIB="/nonexistent/libopenblas.so"))
@@ -108,6 +113,7 @@ def test_missing_library_falls_back_and_warns_once() -> None:
     assert "reference BLAS" in err
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
 def test_off_keeps_reference() -> None:
     starts, report, err = run_child(child_env(SKULKP2P_BLAS="off"))
@@ -120,6 +126,7 @@ def test_off_keeps_reference() -> None:
     assert err.count("reference BLAS") == 1
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
 def test_marker_prevents_a_second_exec() -> None:
     # A process that already went through the re-exec but lost LD_PRELOAD must not exec again.
@@ -130,6 +137,7 @@ def test_marker_prevents_a_second_exec() -> None:
     assert err.count("WARNING") == 1
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
 def test_dtype_override() -> None:
     _, report, err = run_child(child_env(SKULKP2P_BLAS="off", SKULKP2P_DTYPE="float16"))
@@ -159,6 +167,7 @@ def test_find_openblas_from_the_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "cmeel.prefix" in str(lib)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not LINUX or shutil.which("ldd") is None, reason="needs Linux and ldd")
 def test_missing_dependencies_names_what_is_missing(tmp_path: Path) -> None:
     assert blas.missing_dependencies(tmp_path / "nope.so") == [f"{tmp_path / 'nope.so'}: no such file"]
@@ -182,6 +191,65 @@ def test_missing_dependencies_names_what_is_missing(tmp_path: Path) -> None:
     assert blas.missing_dependencies(top, env) == ["libskulkdep.so.7 not found"]
     assert blas.missing_dependencies(top, dict(env, LD_LIBRARY_PATH=str(dep_dir))) == []
     assert blas.probe_library(top, env) is not None  # dlopen fails the same way
+
+
+def _shared_library(cc: str, path: Path, source: str, *needs: Path, soname: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    c_file = path.with_suffix(".c")
+    c_file.write_text(source)
+    subprocess.run([cc, "-shared", "-fPIC", *([f"-Wl,-soname,{soname}"] if soname else []),
+                    "-o", str(path), str(c_file), *map(str, needs)], check=True)
+    return path
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not LINUX or shutil.which("ldd") is None, reason="needs Linux and ldd")
+def test_dependency_checks_do_not_inherit_a_preload_that_cannot_load(tmp_path: Path) -> None:
+    """A process we re-executed preloads libopenblas, and where the system has no libgfortran5
+    finds the mlx wheel's copy only through the LD_LIBRARY_PATH that came with the preload.
+    Checking a library under an environment without that path must not start ldd's shell (or
+    the probe's interpreter) with that preload: they died before looking at anything ("bash:
+    error while loading shared libraries: libgfortran.so.5"). Simulated with a preload whose
+    dependency lives in a folder only LD_LIBRARY_PATH names."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the test libraries")
+    gfortran = _shared_library(cc, tmp_path / "gf" / "libskulkgf.so.5",
+                               "int skulk_gf(void) { return 5; }\n", soname="libskulkgf.so.5")
+    preload = _shared_library(cc, tmp_path / "libpreblas.so",
+                              "int skulk_gf(void);\nint pre(void) { return skulk_gf(); }\n",
+                              gfortran)
+    dep = _shared_library(cc, tmp_path / "dep" / "libskulkdep.so.7",
+                          "int skulk_dep(void) { return 1; }\n", soname="libskulkdep.so.7")
+    top = _shared_library(cc, tmp_path / "libtop.so",
+                          "int skulk_dep(void);\nint top(void) { return skulk_dep(); }\n", dep)
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
+    preloaded = dict(base, LD_PRELOAD=str(preload))
+    # The preload really cannot load without its folder on the path (and can with it).
+    assert subprocess.run([sys.executable, "-c", "pass"], env=preloaded,
+                          capture_output=True).returncode != 0
+    assert subprocess.run([sys.executable, "-c", "pass"], capture_output=True, env=dict(
+        preloaded, LD_LIBRARY_PATH=str(gfortran.parent))).returncode == 0
+
+    assert blas.missing_dependencies(top, dict(preloaded, LD_LIBRARY_PATH=str(dep.parent))) == []
+    assert blas.missing_dependencies(top, preloaded) == ["libskulkdep.so.7 not found"]
+    # The probe's interpreter starts and loads the library; this one has no cblas_sgemm.
+    why = blas.probe_library(top, dict(preloaded, LD_LIBRARY_PATH=str(dep.parent)))
+    assert why is not None and "cblas_sgemm" in why, why
+
+    # The default environment is this process's: as in a re-executed process, the preload's
+    # folder is on LD_LIBRARY_PATH here, and the check asks about another path.
+    script = ("import os, sys\n"
+              "from skulkp2p.engine import blas\n"
+              "env = {k: v for k, v in os.environ.items() if k != 'LD_LIBRARY_PATH'}\n"
+              "print(blas.missing_dependencies(sys.argv[1], env))\n"
+              "print(blas.missing_dependencies(sys.argv[1]))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(top)], capture_output=True,
+                         text=True, timeout=60, env=dict(
+                             child_env(), LD_PRELOAD=str(preload),
+                             LD_LIBRARY_PATH=f"{gfortran.parent}:{dep.parent}"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['libskulkdep.so.7 not found']", "[]"], out.stdout
 
 
 @pytest.mark.skipif(not LINUX, reason="the OpenBLAS preload is for Linux only")
@@ -224,6 +292,7 @@ print("REPORT " + json.dumps(got), flush=True)
 """
 
 
+@pytest.mark.process
 def test_a_loaded_machine_keeps_the_fast_path() -> None:
     """With OpenBLAS preloaded, a wall-clock rate under the bar (the process waited behind
     others) with a CPU-time rate over it still means the preload took effect: float32, as on a

@@ -501,6 +501,7 @@ def run_child(model, tokens: int, **env: str) -> dict:
     return json.loads(line[len("REPORT "):])
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["1", "2", "auto"])
 def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(smollm2_path, setting):
@@ -520,6 +521,7 @@ def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(smollm2_path, 
     assert report["spec"] == report["plain"] == report["reference"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_busy_machine_keeps_one_thread(smollm2_path):
     """With the real /proc probe and a CPU-bound process beside it, auto keeps one thread."""

@@ -307,6 +307,7 @@ def test_a_node_that_cannot_save_its_state_does_not_ack_plans_until_it_can(tmp_p
 # Real processes
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.skipif(not loopback_ips_usable(),
                     reason="needs the 127.0.0.0/8 loopback range (Linux)")

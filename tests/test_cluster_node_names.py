@@ -103,6 +103,7 @@ def test_a_second_live_node_with_the_same_name_and_data_dir_is_refused(tmp_path)
     asyncio.run(run())
 
 
+@pytest.mark.process
 def test_two_processes_with_one_name_and_data_dir(tmp_path):
     """Real processes: the second exits with status 1 and one line on stderr; the first runs on
     and stops cleanly on SIGTERM."""

@@ -45,6 +45,7 @@ def _member_state(st, name):
     return next((m["state"] for m in st["members"] if m["name"] == name), None) if st else None
 
 
+@pytest.mark.cluster
 def test_three_nodes_converge_and_memory_limit_splits_a_model(cluster):
     # smollm2-135m needs about 540 MB (bf16 weights x 1.3 + KV for 8k tokens): with 300 MB
     # each, the smallest ring is two nodes, layers split in proportion.
@@ -63,6 +64,7 @@ def test_three_nodes_converge_and_memory_limit_splits_a_model(cluster):
     assert p["layers"] == [[0, 15], [15, 30]]
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_five_nodes_converge_then_leader_kill_elects_and_replaces(cluster):
     nodes = cluster.start_many(5, args=["--memory-limit", "700MB"])
@@ -88,6 +90,7 @@ def test_five_nodes_converge_then_leader_kill_elects_and_replaces(cluster):
     assert elected < 10
 
 
+@pytest.mark.cluster
 def test_sigstop_suspect_then_dead_and_sigcont_rejoins_without_unseating(cluster):
     cluster.start_many(4)
     everyone = [0, 1, 2, 3]
@@ -112,6 +115,7 @@ def test_sigstop_suspect_then_dead_and_sigcont_rejoins_without_unseating(cluster
     print(f"SIGSTOP: suspect after {t_suspect:.1f}s, dead after {t_suspect + t_dead:.1f}s")
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_partition_minority_has_no_leader_and_healing_restores_one(proxied):
     c = proxied
@@ -138,6 +142,7 @@ def test_partition_minority_has_no_leader_and_healing_restores_one(proxied):
            "one leader again after healing")
 
 
+@pytest.mark.cluster
 def test_live_node_survives_garbage_and_counts_it(cluster):
     node = cluster.start(0)
     cluster.wait(lambda: cluster.status(0), 10, "the node to answer")
@@ -168,6 +173,7 @@ def test_live_node_survives_garbage_and_counts_it(cluster):
     assert st["members"] == [m for m in st["members"] if m["name"] == "n0"]  # nobody joined
 
 
+@pytest.mark.process
 def test_no_secret_refuses_a_non_loopback_listener(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SKULKP2P_SECRET"}
     r = subprocess.run([sys.executable, "-m", "skulkp2p.cluster.node", "--host", "0.0.0.0",
@@ -178,6 +184,7 @@ def test_no_secret_refuses_a_non_loopback_listener(tmp_path):
     assert "SKULKP2P_SECRET" in r.stderr
 
 
+@pytest.mark.cluster
 def test_no_secret_on_loopback_works(tmp_path):
     c = ProcCluster(tmp_path, env={"SKULKP2P_SECRET": ""})
     try:
@@ -197,6 +204,7 @@ def test_no_secret_on_loopback_works(tmp_path):
         c.close()
 
 
+@pytest.mark.cluster
 def test_graceful_leave_stops_counting_towards_quorum(cluster):
     """Two of three nodes stop with SIGTERM (they say goodbye): the last one still leads,
     because members that left do not count; a kill -9 would have left it without quorum."""

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not loopback_ips_usable(),
                                 reason="needs the 127.0.0.0/8 loopback range (Linux)")
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_place_is_acknowledged_with_two_of_three_and_refused_with_one(tmp_path, tiny_models):
     # A leader lease (the election timeout) longer than the place request's 5 s bound: the

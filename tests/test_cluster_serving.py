@@ -74,6 +74,7 @@ def trio(tiny_models, tmp_path_factory):
         c.close()
 
 
+@pytest.mark.cluster
 def test_cluster_endpoint(trio):
     status, _, st = call(trio.nodes[2].http, "GET", "/v1/cluster")
     assert status == 200
@@ -87,6 +88,7 @@ def test_cluster_endpoint(trio):
     assert p["model"] == "llama" and p["ring"] == ["n0"] and p["layers"] == [[0, 4]]
 
 
+@pytest.mark.cluster
 def test_any_node_answers_the_same(trio):
     texts = {i: greedy(n.http) for i, n in trio.nodes.items()}
     assert len(set(texts.values())) == 1, texts
@@ -101,6 +103,7 @@ def test_any_node_answers_the_same(trio):
     assert status == 200 and msg["content"][0]["text"] == texts[0]
 
 
+@pytest.mark.cluster
 def test_place_another_model_on_a_named_node(trio, tiny_models):
     status, _, body = call(trio.nodes[1].http, "POST", "/v1/cluster/place",
                            {"model": str(tiny_models["qwen3"]), "nodes": ["n2"]})
@@ -115,6 +118,7 @@ def test_place_another_model_on_a_named_node(trio, tiny_models):
     assert r.model == "qwen3" and r.choices[0].message.content is not None
 
 
+@pytest.mark.cluster
 def test_place_errors_are_clear(trio):
     status, _, body = call(trio.nodes[0].http, "POST", "/v1/cluster/place",
                            {"model": "huge-test"})
@@ -138,6 +142,7 @@ def test_place_errors_are_clear(trio):
     assert status == 404
 
 
+@pytest.mark.cluster
 def test_pipe_through_the_cluster(trio):
     lines = [json.dumps({"id": 1, "messages": CHAT, "max_tokens": 24}),
              json.dumps({"id": 2, "messages": CHAT, "max_tokens": 4, "bogus": 1}),
@@ -157,6 +162,7 @@ def test_pipe_through_the_cluster(trio):
     assert bad.returncode == 1 and "secret" in bad.stderr
 
 
+@pytest.mark.cluster
 def test_no_leader_means_503_with_retry_after(tmp_path, tiny_models):
     c = ProcCluster(tmp_path)
     try:
@@ -175,6 +181,7 @@ def test_no_leader_means_503_with_retry_after(tmp_path, tiny_models):
         c.close()
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_failover_frozen_node_rejoin_and_killed_leader(tmp_path, tiny_models):
     import openai

@@ -96,6 +96,7 @@ def duo(tiny_models, tmp_path_factory):
         c.close()
 
 
+@pytest.mark.cluster
 @cluster_only
 def test_metrics_scrape(duo):
     first = duo.first["speculation"]
@@ -139,6 +140,7 @@ def test_metrics_scrape(duo):
     assert sorted(leaders) == [0, 1]
 
 
+@pytest.mark.cluster
 @cluster_only
 def test_rejected_frames_are_counted(duo):
     """Frames signed with another secret, on the control plane and on the data plane, are
@@ -169,6 +171,7 @@ def test_rejected_frames_are_counted(duo):
     assert status_of(n0.http) == 200  # and goes on serving
 
 
+@pytest.mark.cluster
 @cluster_only
 def test_stats_json(duo):
     status, _, own = call(duo.nodes[1].http, "GET", "/v1/stats")
@@ -191,6 +194,7 @@ def test_stats_json(duo):
     assert status == 400 and err["error"]["param"] == "scope"
 
 
+@pytest.mark.cluster
 @cluster_only
 def test_page_and_assets(duo):
     addr = duo.nodes[0].http
@@ -208,6 +212,8 @@ def test_page_and_assets(duo):
     assert call(addr, "GET", "/nope")[0] == 404
 
 
+@pytest.mark.cluster
+@pytest.mark.browser
 @cluster_only
 def test_browser_shows_cluster_model_and_acceptance(duo, tmp_path):
     binary = chromium_binary()
@@ -302,6 +308,7 @@ def _verify_costs(http: str) -> dict | None:
     return listed[0].get("verify_costs")
 
 
+@pytest.mark.cluster
 @cluster_only
 def test_tensor_group_verify_costs_on_metrics(duo):
     """Placed as a tensor-parallel group (as the browser test leaves it), the group measures
@@ -429,6 +436,7 @@ def _blas_policy(port: int) -> dict:
                        for s in fams[p + "threads"].samples}}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("setting", ["auto", "1"])
 def test_agents_metrics_show_its_blas_thread_policy(tiny_models, tmp_path, monkeypatch,
                                                     setting):

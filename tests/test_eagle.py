@@ -6,8 +6,6 @@ to mlx-lm's generate (slow)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from skulkp2p.engine.mtp_conventions import detect_conventions, has_mtp_tensors
 from skulkp2p.engine.mtp_drafter import MtpDrafter
 from skulkp2p.engine.sampling import SamplingParams, make_rng, process_logits, target_probs
 from skulkp2p.engine.trunk import Trunk
+from skulkp2p.models.cards import PACKAGE_CARDS_DIR
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.stats import goodness_of_fit, two_sample
 from tools import train_sidecar
@@ -27,8 +26,7 @@ from tools import train_sidecar
 ALPHA = 1e-3
 SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exactness.py does)
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
-ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ROOT / "cards" / "sidecars" / "smollm2-135m" / "mtp.safetensors"
+SHIPPED = PACKAGE_CARDS_DIR / "sidecars" / "smollm2-135m" / "mtp.safetensors"
 
 
 def _decode(lm, head=None, depth=0, stats=None) -> list[int]:
@@ -120,6 +118,7 @@ def test_context_bias_drafts_seen_tokens_and_stays_exact(eagle_llama):
         MtpDrafter(lm.mtp, context_bias=-1.0)
 
 
+@pytest.mark.training
 def test_second_step_training_rows_are_what_the_drafter_computes(eagle_llama):
     """The training-time test's second step (all positions in one forward, a mask standing in
     for the speculative row) gives, at every position, the state the drafter computes for its
@@ -147,6 +146,7 @@ def test_second_step_training_rows_are_what_the_drafter_computes(eagle_llama):
                                        rtol=1e-4, atol=1e-4, err_msg=f"row {b}, {t}")
 
 
+@pytest.mark.training
 def test_depth2_loss_trains_the_second_step(eagle_llama):
     """With --depth2-weight the loss grows by the second step's cross-entropy, and its
     gradient reaches the head (a weight of 0 is the depth-1 loss exactly)."""
@@ -310,7 +310,7 @@ def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
     from skulkp2p.models.cards import load_card
 
     # The card's own [speculation] (its mtp_context_bias among it), as serving loads it.
-    card = load_card(ROOT / "cards" / "smollm2-135m.toml")
+    card = load_card(PACKAGE_CARDS_DIR / "smollm2-135m.toml")
     lm = load_model(smollm2_path, "smollm2-135m", dtype="float32", sidecar=SHIPPED,
                     speculation={k: v for k, v in card.speculation.items() if k != "mtp_sidecar"})
     assert lm.mtp is not None and lm.mtp.conventions.style == "eagle"

@@ -1,5 +1,5 @@
-"""Issue 9: greedy output on the OpenBLAS float32 path equals mlx-lm's own generate on the same
-float32 weights, in one process (so both run on the same BLAS)."""
+"""Greedy output on the OpenBLAS float32 path equals mlx-lm's own generate on the same float32
+weights, in one process (so both run on the same BLAS)."""
 
 import json
 import subprocess
@@ -37,6 +37,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_float32_openblas_greedy_equals_mlx_lm(smollm2_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(smollm2_path)], cwd=ROOT,

@@ -154,6 +154,7 @@ def test_lookup_stays_on_for_repetitive_output(llama):
     assert stats.drafted > 0
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_auto_lookup_on_echo_and_beside_the_head_on_novel_smollm2(smollm2_path):
     """The real model with its card (a trained MTP head): on an echo prompt lookup stays on and

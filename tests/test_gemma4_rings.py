@@ -238,6 +238,7 @@ def _ask(c, http: str, arm: str) -> dict:
     return got
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
     from tests.helpers.http_client import call, status_of

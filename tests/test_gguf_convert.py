@@ -202,6 +202,7 @@ def test_reconversion_replaces_folder(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.process
 def test_stale_temp_of_killed_process_is_removed(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -22,6 +22,7 @@ from tests.helpers.procs import JoinNode, free_port, running_join
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_join_ready_then_clean_exit(tiny_models, sig, tmp_path):
     with running_join(tiny_models["llama"], tmp_path, b"ready: model") as (proc, log):
@@ -30,6 +31,7 @@ def test_join_ready_then_clean_exit(tiny_models, sig, tmp_path):
         assert "stopped" in log.read_text()
 
 
+@pytest.mark.process
 def test_join_unknown_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "skulkp2p", "join", "--model", "nope"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -37,6 +39,7 @@ def test_join_unknown_model(tmp_path):
     assert "unknown model 'nope'" in proc.stderr
 
 
+@pytest.mark.process
 def test_join_sigint_while_loading_exits_promptly(tiny_models, tmp_path):
     """Ctrl-C as soon as the API is up (the model may still be loading) ends the node."""
     with running_join(tiny_models["llama"], tmp_path, b"http: ") as (proc, log):
@@ -85,6 +88,7 @@ def port_held(host: str, port: int) -> Iterator[None]:
         yield
 
 
+@pytest.mark.process
 def test_health_is_503_or_200_from_the_first_connection(tiny_models, tmp_path):
     """A fresh `join` polled on /health as fast as we can, from the first accepted connection
     until it answers 200: every answer is 503 (a JSON error and Retry-After: not ready yet) or

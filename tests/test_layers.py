@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "skulkp2p"
 
@@ -162,6 +164,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.process
 def test_layers_above_the_mlx_engine_import_without_mlx():
     names = sorted(m for m in _modules() if not m.endswith("__main__") and not (
         _area(m) == "engine" and m.split(".")[-1] in MLX_MODULES))

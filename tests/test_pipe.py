@@ -13,6 +13,7 @@ def pipe(model, lines, args=(), **kw):
     return proc, [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+@pytest.mark.process
 def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
     lines = [
         "this is not json",
@@ -43,6 +44,7 @@ def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
         "message"]
 
 
+@pytest.mark.process
 def test_a_model_that_fails_to_load_is_a_clear_error_per_line_and_the_pipe_goes_on(
         tiny_models, tmp_path):
     broken = tmp_path / "broken"
@@ -59,11 +61,13 @@ def test_a_model_that_fails_to_load_is_a_clear_error_per_line_and_the_pipe_goes_
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.process
 def test_pipe_empty_stdin(tiny_models):
     proc, out = pipe(tiny_models["llama"], [])
     assert proc.returncode == 0 and out == []
 
 
+@pytest.mark.process
 def test_pipe_unknown_model_flag_fails_once():
     proc = run_cli("pipe", "--model", "no-such-model", input="")
     assert proc.returncode == 1
@@ -71,12 +75,14 @@ def test_pipe_unknown_model_flag_fails_once():
     assert len(lines) == 1 and "unknown model 'no-such-model'" in lines[0]
 
 
+@pytest.mark.process
 def test_pipe_prompt_too_long(tiny_models):
     prompt = "word " * 3000  # the tiny models take 512 positions
     proc, out = pipe(tiny_models["qwen3"], [json.dumps({"id": 1, "prompt": prompt})])
     assert out[0]["id"] == 1 and "prompt is" in out[0]["error"]["message"]
 
 
+@pytest.mark.process
 def test_pipe_prefix_cache_flag(tiny_models):
     """The second of two requests on one document reuses the first's caches (usage says how
     many prompt tokens), decodes the same tokens as without the cache; 0 MB turns it off."""
@@ -98,6 +104,7 @@ def test_pipe_prefix_cache_flag(tiny_models):
     assert bad.returncode == 2 and "--prefix-cache-mb" in bad.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("value", ["0", "-2", "four", "1.5", "100000"])
 def test_pipe_and_join_refuse_a_bad_max_batch(tiny_models, value):
     for command in ("pipe", "join"):
@@ -107,6 +114,7 @@ def test_pipe_and_join_refuse_a_bad_max_batch(tiny_models, value):
         assert f"--max-batch: must be a whole number from 1 to 256, got {value!r}" in bad.stderr
 
 
+@pytest.mark.process
 def test_pipe_max_batch_flag_runs(tiny_models):
     """--max-batch reaches the engine factory; the pipe answers the same with any value."""
     lines = [json.dumps({"id": i, "prompt": p, "max_tokens": 6})
@@ -117,6 +125,7 @@ def test_pipe_max_batch_flag_runs(tiny_models):
     assert [r["tokens"] for r in runs[0][1]] == [r["tokens"] for r in runs[1][1]]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_smollm2_pipe(smollm2_path, tmp_path):
     """The real default model: chat and raw prompts, greedy equal to mlx-lm, stops, seeds."""

@@ -101,6 +101,7 @@ def test_the_route_answers_a_broken_group_or_ring_503_with_the_http_apis_code(no
     assert status == 200 and out["text"] == "w0 w1 " and out["id"] == 9, out
 
 
+@pytest.mark.process
 def test_pipe_peer_without_retries_writes_the_codes_and_goes_on(node, script):
     out = _pipe_peer(node, [
         {"id": "g", "model": "fake", "prompt": "tokens=5 tensorfail=2"},
@@ -119,6 +120,7 @@ def test_pipe_peer_without_retries_writes_the_codes_and_goes_on(node, script):
     assert len(script.started) == 4  # one attempt each
 
 
+@pytest.mark.process
 def test_pipe_peer_retries_a_broken_group_then_says_so(node, script):
     prompt = "tokens=5 tensorfail=2"
     out = _pipe_peer(node, [{"id": 1, "model": "fake", "prompt": prompt}], retry_for="2.5")
@@ -127,6 +129,7 @@ def test_pipe_peer_retries_a_broken_group_then_says_so(node, script):
     assert script.started.count(prompt) >= 2, script.started
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
 def test_a_bad_retry_for_is_refused(value):
     bad = run_cli("pipe", "--peer", "127.0.0.1:1", "--retry-for", value, input="")

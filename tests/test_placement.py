@@ -154,10 +154,9 @@ def test_served_card_needs_kv_for_every_parallel_slot():
     of it (the card's [runtime] max_batch slots, else the default 4), not one context."""
     import dataclasses
 
-    from skulkp2p.models.cards import SERVED_DEFAULT_SLOTS, load_card
-    from tests.helpers import ROOT
+    from skulkp2p.models.cards import PACKAGE_CARDS_DIR, SERVED_DEFAULT_SLOTS, load_card
 
-    card = load_card(ROOT / "cards" / "smollm2-135m-gguf.toml")
+    card = load_card(PACKAGE_CARDS_DIR / "smollm2-135m-gguf.toml")
     assert card.engine == "llama_server"
     spec = ModelSpec.from_card(card)
     assert spec.kv_tokens == SERVED_DEFAULT_SLOTS * card.served_slot_context
@@ -168,6 +167,6 @@ def test_served_card_needs_kv_for_every_parallel_slot():
     assert two.kv_tokens == 2 * card.served_slot_context
     assert ModelSpec.from_dict(spec.to_dict()) == spec
     # An MLX card's KV is its context (rows grow as they decode): no slot count.
-    assert ModelSpec.from_card(load_card(ROOT / "cards" / "smollm2-135m.toml")).kv_tokens == 0
+    assert ModelSpec.from_card(load_card(PACKAGE_CARDS_DIR / "smollm2-135m.toml")).kv_tokens == 0
     with pytest.raises(ValueError, match="kv_tokens"):
         ModelSpec.from_dict({**SPEC.to_dict(), "kv_tokens": -1})

@@ -80,6 +80,7 @@ def test_terminal_gets_a_bar_redrawn_in_place(columns):
     assert all(len(d.rstrip("\n")) <= (columns or 80) for d in draws), draws
 
 
+@pytest.mark.process
 def test_models_pull_logs_two_lines_per_step(tmp_path):
     """`models pull` of a GGUF file with stderr in a log (a pipe): the conversion says when it
     starts and when it ends, nothing in between."""

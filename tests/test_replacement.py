@@ -157,6 +157,7 @@ def _ask(addr: str, stream: bool) -> tuple[str, str]:
         conn.close()
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_requests_during_replacement_all_end(tiny_model, tmp_path):
     """Clients ask n0 continuously (streaming and not) while n1 joins and llama moves between

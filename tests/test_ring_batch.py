@@ -235,6 +235,7 @@ def _generate(addr: str, i: int) -> dict:
     raise AssertionError(f"no answer from {addr}: {status} {out}")
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_ring_of_processes_batches_requests_exactly(llama, tmp_path):
     from tests.helpers.batch import PROMPTS

@@ -232,6 +232,7 @@ def test_batched_ring_rows_verify_trees_exactly(paths, family, n):
             assert not same
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_ring_of_processes_with_trees_equals_plain(paths, tmp_path):
     """`join` nodes on loopback serve tiny llama from a card with `[speculation.lookup]

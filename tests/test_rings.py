@@ -226,6 +226,7 @@ def ring_cluster(models, tmp_path_factory):
         c.close()
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_rings_of_processes_equal_single_node(ring_cluster, models):
     c = ring_cluster
@@ -318,6 +319,7 @@ def _ring_failed(status: int, headers: dict, out: dict) -> None:
     assert out["error"]["message"].endswith("retry"), out
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_stage_frozen_mid_request(ring_cluster):
     """A stage that stops answering (SIGSTOP) mid-request: the request ends with a clear error
@@ -349,6 +351,7 @@ def test_stage_frozen_mid_request(ring_cluster):
         m["state"] == "alive" for m in s["members"]), 30, "n1 back after SIGCONT")
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_stage_killed_mid_request(ring_cluster):
     import signal

@@ -383,6 +383,7 @@ def _bigram_drafts() -> list[int]:
     return [BIGRAM_X] * DEPTH
 
 
+@pytest.mark.process
 def test_penalty_window_includes_the_rounds_drafts(bigram_plain):
     drafts = _bigram_drafts()
     spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts)
@@ -390,6 +391,7 @@ def test_penalty_window_includes_the_rounds_drafts(bigram_plain):
     _check_against_plain(spec, bigram_plain, _bigram_p1(BIGRAM_PARAMS))
 
 
+@pytest.mark.process
 def test_penalty_test_rejects_a_forgetful_window(bigram_plain):
     drafts = _bigram_drafts()
     spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts, forgetful=True)

@@ -207,6 +207,7 @@ def test_parallel_slots_overlap_and_equal_solo(binary, store):
         model.close()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store, tmp_path):
     old = os.environ.get("SKULKP2P_CARDS_DIR")
@@ -378,6 +379,7 @@ def _bench_cli(card_dir: Path, *args: str, env: dict | None = None, timeout: flo
                    env={"SKULKP2P_CARDS_DIR": str(card_dir), **(env or {})}, timeout=timeout)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_bench_concurrency_on_a_served_card(binary, card_dir, tmp_path):
     """bench --concurrency 2 on a llama-server card: an agent per arm and mode (-np 2 and -np 1
@@ -404,6 +406,7 @@ def test_bench_concurrency_on_a_served_card(binary, card_dir, tmp_path):
     assert agents["plain-fifo"][agents["plain-fifo"].index("--max-batch") + 1] == "1"
 
 
+@pytest.mark.process
 def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_path):
     out = tmp_path / "bench.json"
     # one llama.cpp thread per child: on a busy 2-core machine two spinning threads collapse
@@ -450,6 +453,7 @@ def test_bench_served_proxy_vs_direct_and_spec_vs_plain(binary, card_dir, tmp_pa
     assert not left, f"bench left processes behind: {left}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args, env, message", [
     (["--engine", "served", "--model", "smollm2-135m"], {}, "--engine served needs a card"),
     (["--model", CARD_ID], {}, "run the bench with --engine served"),
@@ -490,6 +494,7 @@ def test_bench_served_overhead_math_and_mismatch():
     assert mismatched == ["served-plain/qa"] and results[0]["identical_to_direct"] is False
 
 
+@pytest.mark.process
 def test_pipe_serves_a_gguf_card_through_its_llama_server(binary, card_dir, store):
     """The engine comes from the card everywhere: the pipe runs the card's llama-server child
     (never a silent GGUF -> MLX conversion), with the same greedy text the child gives, and the

@@ -337,6 +337,7 @@ def test_card_sidecar_from_hf_offline(tmp_path, monkeypatch):
 # --- training ---------------------------------------------------------------------------------
 
 
+@pytest.mark.training
 @pytest.mark.parametrize("kind,data", [("eagle", "broad"), ("qwen", "stdlib")])
 def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     base = tiny_models["llama"]
@@ -410,6 +411,7 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
     assert _decode(lq, lq.mtp, 2) == _decode(lq)
 
 
+@pytest.mark.training
 def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
     """--skip-batches: a broad batch held for validation (tools/validation_shards.py answers it)
     is never answered into a training shard, and a folder that already trained on it, or an
@@ -473,6 +475,7 @@ def test_terse_prompts_are_fresh_and_deterministic():
                                                             range(len(questions))]
 
 
+@pytest.mark.training
 def test_a_larger_terse_count_adds_only_messages_not_yet_answered(tmp_path):
     """--terse N then a larger N': the batches N made stay first and unchanged, and the new
     ones hold only messages no earlier batch answered (re-sorting the whole list by length
@@ -502,6 +505,7 @@ def test_a_larger_terse_count_adds_only_messages_not_yet_answered(tmp_path):
         train_sidecar.terse_bounds(manifest, 300, shards_made=True)
 
 
+@pytest.mark.training
 def test_feature_noise_jitters_only_the_training_features():
     rng = np.random.default_rng(0)
     n_seq, n, dim, vocab = 4, 9, 16, 50

@@ -38,6 +38,7 @@ def _heldout_tokens(work) -> np.ndarray:
     return np.concatenate(got)
 
 
+@pytest.mark.training
 def test_probe_counts_what_the_replay_counts(trained, tmp_path, capsys):
     base, out = trained
     report = tmp_path / "probe.json"
@@ -68,6 +69,7 @@ def test_probe_counts_what_the_replay_counts(trained, tmp_path, capsys):
     assert sum(1 for line in capsys.readouterr().out.splitlines() if '"vocab"' in line) == 2
 
 
+@pytest.mark.training
 def test_probe_refuses_bad_arguments(trained, tmp_path, capsys):
     base, out = trained
     with pytest.raises(SystemExit) as e:
@@ -91,6 +93,7 @@ def test_validation_prompts_are_fresh():
         assert text not in training and text not in HELDOUT_PROMPTS and text not in bench
 
 
+@pytest.mark.training
 def test_validation_shards_replay_through_the_probe(trained, tmp_path):
     from tools import validation_shards
     from tools.sidecar_prompts import VALIDATION_PROMPTS

@@ -131,6 +131,7 @@ def resources(pid: int) -> tuple[int, int, float]:
     return fds, threads, rss_kb / 1024
 
 
+@pytest.mark.cluster
 def test_soak_16_streams_cancels_and_a_killed_node(tmp_path, tiny_models):
     model = str(tiny_models["llama"])
     args = ["--memory-limit", "2GB", "--max-queue", "32"]

@@ -14,6 +14,7 @@ from tests.helpers.models import test_data_dir
 from tests.helpers.procs import run_cli
 
 
+@pytest.mark.process
 def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelStoreError, match="unknown model 'nope'"):
         ModelStore(tmp_path).resolve("nope")
@@ -26,6 +27,7 @@ def test_local_folder_resolves_to_itself(tiny_models, tmp_path):
     assert store.pull(str(tiny_models["llama"])) == tiny_models["llama"].resolve()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_killed_conversion_leaves_nothing_and_second_pull_is_noop(smollm2_path, tmp_path):
 
@@ -95,6 +97,7 @@ print(ModelStore(Path(sys.argv[2]), cards={card.id: card}).fetch_gguf(card))
 """
 
 
+@pytest.mark.process
 def test_agents_sharing_a_data_dir_fetch_a_gguf_at_once_without_collision(tmp_path):
     """Two agents starting on the same served card fetch its file at the same moment: both get
     the whole file and no partial file is left (they used to share one `.partial` name)."""

@@ -249,6 +249,7 @@ def test_card_field_turns_memory_off(llama):
     assert MlxEngine(llama).memory.enabled is True
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("memory", [None, "0"])
 def test_pipe_retry_drafts_from_memory_unless_the_flag_turns_it_off(tiny_models, memory):
     import json

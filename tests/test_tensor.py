@@ -101,9 +101,9 @@ def test_asking_for_tensor_re_places_a_ring():
 
 
 def test_card_field_parallel(tmp_path):
-    from skulkp2p.models.cards import CardError, load_card
+    from skulkp2p.models.cards import PACKAGE_CARDS_DIR, CardError, load_card
 
-    base = Path(__file__).resolve().parents[1] / "cards" / "smollm2-135m.toml"
+    base = PACKAGE_CARDS_DIR / "smollm2-135m.toml"
     text = base.read_text()
     good = tmp_path / "good.toml"
     good.write_text(text + '\n[placement]\nparallel = "tensor"\n')

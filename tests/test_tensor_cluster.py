@@ -93,6 +93,7 @@ def _rank_pids(c, http: str) -> dict[str, int]:
             for m in st["members"]}
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_group_of_processes_speculative_equals_plain(cluster):
     c = cluster
@@ -233,6 +234,7 @@ def _replaced_without_n1(c) -> None:
     _grouped(c, [0, 2], lambda ring: "n1" not in ring)
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_member_frozen_mid_request(cluster):
     """The member's agent and its rank process stop (SIGSTOP: a frozen machine): the request
@@ -258,6 +260,7 @@ def test_member_frozen_mid_request(cluster):
     _n1_back(c)
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_pipe_peer_line_is_retried_across_a_frozen_member(cluster):
     """A `pipe --peer` line under way on the group when a member freezes: the group's failure
@@ -303,6 +306,7 @@ def test_pipe_peer_line_is_retried_across_a_frozen_member(cluster):
     _n1_back(c)
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_member_killed_mid_request(cluster):
     c = cluster
@@ -317,6 +321,7 @@ def test_member_killed_mid_request(cluster):
     assert _pipe(c.nodes[2].http, "plain")["tokens"] == reference["tokens"]
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_members_that_disagree_on_dtype_do_not_form_a_group(llama, tmp_path):
     """Two members serving the model in different dtypes (float32 and bfloat16: an all-sum of

@@ -64,6 +64,7 @@ def _generate(http: str) -> tuple[int, dict]:
     return status, out
 
 
+@pytest.mark.cluster
 @pytest.mark.slow
 def test_group_re_forms_at_once_when_a_member_comes_back_mid_formation(tiny_model,
                                                                         tmp_path):

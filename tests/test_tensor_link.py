@@ -62,8 +62,8 @@ def test_ranks_that_disagree_end_formation_with_a_clear_error(tiny_model, case):
 
 def test_a_follower_rank_waits_for_commands_without_spending_cpu(tiny_model):
     """MLX's ring backend polls while a collective waits; a rank that learned each command
-    from an all-sum kept a core busy between calls (88% of one, idle, SmolLM2 on main). Over
-    the command link it blocks in the kernel."""
+    from an all-sum kept a core busy between calls (docs/measurements/tensor-parallel.md, "The
+    follower blocks between calls"). Over the command link it blocks in the kernel."""
     path = tiny_model("llama")
     group = Group(path, 2)
     try:

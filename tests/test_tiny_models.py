@@ -131,6 +131,7 @@ def test_same_seed_same_bytes(build, tmp_path, family):
     assert _sha256(first / "tokenizer.json") == _sha256(other / "tokenizer.json")
 
 
+@pytest.mark.process
 def test_cli_in_a_fresh_process_matches(build, tmp_path):
     out = tmp_path / "cli"
     args = ["--family", "llama", "--out", str(out), "--seed", "0", "--mtp", "--mtp-style", "mimo"]

@@ -122,6 +122,7 @@ def test_tiny_forced_call_is_exact_with_and_without_speculation(tiny_node):
     assert outs[0] == outs[1] == outs[2]
 
 
+@pytest.mark.process
 def test_tiny_pipe_gives_what_http_gives(tiny_node, tiny_tools):
     from tests.helpers.procs import run_cli
 

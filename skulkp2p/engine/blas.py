@@ -98,10 +98,27 @@ def find_openblas() -> Path | None:
     return None
 
 
+def _helper_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``env`` (default: this process's) for a helper that inspects a library (``ldd``'s shell,
+    the probe's interpreter), without ``LD_PRELOAD``.
+
+    A process we re-executed preloads libopenblas, whose libgfortran may be found only through
+    the LD_LIBRARY_PATH that came with the preload. A check under an environment without that
+    path would otherwise start its helper with a preload that cannot load there, and the helper
+    dies before it looks at anything ("bash: error while loading shared libraries:
+    libgfortran.so.5"). The question asked is whether ``lib`` loads under ``env``'s search path;
+    what this process preloads is no part of it.
+    """
+    helper = dict(os.environ if env is None else env)
+    helper.pop("LD_PRELOAD", None)
+    return helper
+
+
 def missing_dependencies(lib: Path, env: dict[str, str] | None = None) -> list[str]:
     """What keeps ``lib`` from loading, per ``ldd``: e.g. ``["libgfortran.so.5 not found"]``.
 
-    An empty list means every dependency resolves (under ``env``, default: this process's).
+    An empty list means every dependency resolves (under ``env``, default: this process's;
+    ``LD_PRELOAD`` is not passed on, see :func:`_helper_env`).
     """
     lib = Path(lib)
     if not lib.is_file():
@@ -113,7 +130,8 @@ def missing_dependencies(lib: Path, env: dict[str, str] | None = None) -> list[s
         return [err] if err else []
     try:
         out = subprocess.run(
-            [ldd, str(lib)], env=env, capture_output=True, text=True, timeout=30, check=False
+            [ldd, str(lib)], env=_helper_env(env), capture_output=True, text=True, timeout=30,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return [f"ldd failed: {exc}"]
@@ -146,11 +164,14 @@ if cfg is not None:
 
 
 def probe_library(lib: Path, env: dict[str, str] | None = None) -> str | None:
-    """Load ``lib`` in a subprocess and run a small sgemm; None if that works, else why not."""
+    """Load ``lib`` in a subprocess and run a small sgemm; None if that works, else why not.
+
+    The subprocess gets ``env`` (default: this process's) without ``LD_PRELOAD``
+    (:func:`_helper_env`)."""
     try:
         out = subprocess.run(
             [sys.executable, "-I", "-S", "-c", _PROBE, str(lib)],
-            env=env,
+            env=_helper_env(env),
             capture_output=True,
             text=True,
             timeout=60,
@@ -252,9 +273,9 @@ def default_blas_threads(cores: int | None = None) -> int:
     """OpenBLAS threads to use: one core fewer than this process may run on (or `cores`).
 
     mlx calls BLAS from its own stream thread while Python keeps working on the main thread;
-    with as many OpenBLAS threads as cores the spinning workers get descheduled mid-product and
-    a 128^3 product took 14 ms instead of 0.05 ms, and a 4-token forward of a 135M model 2.9 s
-    instead of 0.1 s, on a 2-core machine (measured; tools/blas_probe.py).
+    with as many OpenBLAS threads as cores the spinning workers get descheduled mid-product,
+    and products and forwards take many times as long on a 2-core machine
+    (docs/measurements/blas-threads.md; tools/blas_probe.py).
     """
     if cores is None:
         try:

@@ -390,10 +390,15 @@ def load_card(file: Path) -> Card:
     return parse_card(data, file)
 
 
+# The cards shipped with the package, and the trained heads they name (sidecars/): package data,
+# installed unzipped beside the modules, so a wheel or a non-editable install has them too.
+PACKAGE_CARDS_DIR = Path(__file__).resolve().parent.parent / "cards"
+
+
 def cards_dirs() -> list[Path]:
-    """Where cards live: SKULKP2P_CARDS_DIR (os.pathsep-separated) first, then the project's own."""
+    """Where cards live: SKULKP2P_CARDS_DIR (os.pathsep-separated) first, then the package's own."""
     dirs = [Path(p) for p in os.environ.get("SKULKP2P_CARDS_DIR", "").split(os.pathsep) if p]
-    dirs.append(Path(__file__).resolve().parent.parent.parent / "cards")
+    dirs.append(PACKAGE_CARDS_DIR)
     return dirs
 
 

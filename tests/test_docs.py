@@ -1,0 +1,172 @@
+"""The documentation holds together: the README stays a short user's guide that links every
+reference page, every relative link in the README and docs/*.md resolves (to a file, and to a
+heading where it names one), the README cites no issue or session numbers, and docs/cli.md is
+what the argument parsers generate. Plain file reads: no processes, no models."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 300
+
+FENCE = re.compile(r"^ {0,3}(```|~~~)")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+ISSUE = re.compile(r"(?<![&\w/#])#\d+\b")
+SESSION = re.compile(r"\bsessions?\s+\d+", re.IGNORECASE)
+EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)  # http:, https:, mailto:, ...
+
+
+def doc_pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def links(text: str) -> list[str]:
+    """Every link target in the prose (not in code blocks or code spans)."""
+    found = []
+    for line in prose_lines(text):
+        found += LINK.findall(INLINE_CODE.sub("", line))
+    return found
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, markup and punctuation dropped, spaces as
+    hyphens."""
+    text = INLINE_CODE.sub(lambda m: m.group(2), heading)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link keeps its text
+    text = re.sub(r"<[^>]+>", "", text).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    for line in prose_lines(path.read_text(encoding="utf-8")):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        yield_slug = base if n == 0 else f"{base}-{n}"
+        seen.setdefault(yield_slug, 1)
+    return set(seen)
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of one Markdown file that lead nowhere: a missing file or folder, or
+    a heading the target page does not have."""
+    broken = []
+    for target in links(path.read_text(encoding="utf-8")):
+        if EXTERNAL.match(target):
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / unquote(file_part)).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(f"{target} (no such file: {dest.relative_to(ROOT)})"
+                          if dest.is_relative_to(ROOT) else f"{target} (outside the repository)")
+            continue
+        if anchor and dest.is_file() and dest.suffix == ".md" and unquote(anchor) not in anchors(dest):
+            broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
+    return broken
+
+
+def issue_and_session_numbers(text: str) -> list[str]:
+    """Issue references (`#` and digits) and session numbers in prose, code spans included;
+    link targets such as `(#section)` and fenced code blocks do not count."""
+    found = []
+    for line in prose_lines(text):
+        line = LINK.sub(lambda m: m.group(0)[: m.group(0).rindex("](") + 1], line)
+        found += ISSUE.findall(line) + SESSION.findall(line)
+    return found
+
+
+# --- the checks on the real files --------------------------------------------------------------
+
+
+def test_readme_is_short():
+    n = len(README.read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, (f"README.md has {n} lines, more than {README_MAX_LINES}: move "
+                                   "reference material to a page in docs/ and link it")
+
+
+def test_readme_links_every_docs_page_and_the_measurements():
+    targets = {unquote(t.partition("#")[0]).rstrip("/") for t in links(README.read_text("utf-8"))}
+    wanted = [f"docs/{p.name}" for p in doc_pages()] + ["docs/measurements"]
+    missing = [w for w in wanted if w not in targets]
+    assert not missing, f"README.md does not link {', '.join(missing)}: add it to its docs index"
+
+
+@pytest.mark.parametrize("page", [README, *doc_pages()], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page: Path):
+    broken = broken_links(page)
+    assert not broken, f"{page.relative_to(ROOT)}: broken links: " + "; ".join(broken)
+
+
+def test_readme_cites_no_issue_or_session_numbers():
+    found = issue_and_session_numbers(README.read_text(encoding="utf-8"))
+    assert not found, (f"README.md cites {', '.join(found)}: the README never cites issue or "
+                       "session numbers (history belongs in docs/measurements/ and CHANGELOG.md)")
+
+
+def test_cli_reference_is_up_to_date():
+    from skulkp2p.cli_reference import render
+
+    current = (DOCS / "cli.md").read_text(encoding="utf-8")
+    assert current == render(), ("docs/cli.md is out of date with the argument parsers: run "
+                                 "`python -m skulkp2p.cli_reference > docs/cli.md`")
+
+
+# --- the checkers catch what they are for ------------------------------------------------------
+
+
+def test_the_link_checker_finds_a_missing_file_and_a_missing_heading(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path, raising=False)
+    (tmp_path / "other.md").write_text("# Title\n\n## A `flag`: --x\n", encoding="utf-8")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md) [ok](other.md#a-flag---x) [web](https://example.org/x)\n"
+                    "[here](#local) `[code](gone.md)`\n```\n[fenced](gone.md)\n```\n## Local\n"
+                    "[gone](gone.md) [bad anchor](other.md#nope)\n", encoding="utf-8")
+    broken = broken_links(page)
+    assert len(broken) == 2 and broken[0].startswith("gone.md") and "#nope" in broken[1]
+
+
+def test_slugs_follow_githubs_rules():
+    assert slug("`python -m skulkp2p join`") == "python--m-skulkp2p-join"
+    assert slug("A verify's exponentials in numpy (session 17)") == \
+        "a-verifys-exponentials-in-numpy-session-17"
+    assert slug("/v1/stats") == "v1stats"
+    assert slug("Through a cluster: `pipe --peer`") == "through-a-cluster-pipe---peer"
+
+
+def test_the_history_checker_finds_issue_and_session_numbers():
+    assert issue_and_session_numbers("Fixed in #15, second round.") == ["#15"]
+    assert issue_and_session_numbers("Measured in session 18.") == ["session 18"]
+    assert issue_and_session_numbers("`bench` (issue #16)") == ["#16"]
+    assert issue_and_session_numbers("See [the API](docs/http-api.md#2-errors) and "
+                                     "[this](#section), the &#160; entity.\n"
+                                     "```\n# 1 a comment, session 3\n```\n") == []
+
+
+def test_the_readme_length_check_counts_lines():
+    assert len(("line\n" * (README_MAX_LINES + 1)).splitlines()) > README_MAX_LINES
