@@ -53,7 +53,7 @@ MIN_CAP = 4
 LONG_MATCH = 16
 LONG_PRIOR = 0.95
 # continue_after drafts at most this many tokens past another drafter's guess: more lost on echo
-# in the replay (tools/draft_trace.py --replay; docs/architecture.md, constants table).
+# in the replay (tools/draft_trace.py --replay; docs/measurements/drafting.md, "Drafting edits").
 CONTINUE_CAP = 2
 
 

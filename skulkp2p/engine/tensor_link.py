@@ -49,7 +49,7 @@ def model_digest(path: Path) -> str:
     *.safetensors (in name order) its size, its header (every tensor's name, dtype, shape and
     offsets) and SAMPLES evenly spaced samples of SAMPLE_BYTES of its data. A sample, not every
     byte: reading all of a model's weights took seconds per rank start on a shared CPU
-    (docs/architecture.md, the agreement check); other weights of the same shapes differ in
+    (docs/measurements/tensor-parallel.md, "The follower blocks between calls"); other weights of the same shapes differ in
     every sample, and a download corrupted in place is the store's to catch (it checks the
     card's sha256)."""
     h = hashlib.sha256()
