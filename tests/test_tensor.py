@@ -125,6 +125,7 @@ def models(tiny_model) -> dict[str, Path]:
             "qwen3_5": tiny_model("qwen3_5")}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("family,n", [("llama", 2), ("qwen3", 2)])
 def test_group_speculative_equals_plain(models, family, n):
     group = Group(models[family], n)
@@ -187,6 +188,7 @@ def test_vocabulary_split_head_gives_the_whole_heads_logits(models):
         assert mx.array_equal(mx.argmax(got, axis=1), mx.argmax(whole, axis=1)).item()
 
 
+@pytest.mark.process
 def test_a_call_too_wide_for_its_logits_to_travel_gets_this_members_head(models, monkeypatch):
     """Past SPLIT_LOGITS_MAX_BYTES the ranks send hidden rows only and the loop's member
     applies its own head: the same greedy text."""
@@ -211,6 +213,7 @@ def _flat(module):
     return tree_flatten(module.parameters())
 
 
+@pytest.mark.process
 def test_hybrid_recurrent_model_is_refused_clearly(models):
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     ranks = [RankProcess(models["qwen3_5"], r, addrs, "float32") for r in range(2)]
@@ -222,6 +225,7 @@ def test_hybrid_recurrent_model_is_refused_clearly(models):
             r.kill()
 
 
+@pytest.mark.process
 def test_killed_rank_ends_the_call_at_once(models):
     group = Group(models["llama"], 2)
     try:
@@ -244,6 +248,7 @@ def test_killed_rank_ends_the_call_at_once(models):
         group.close()
 
 
+@pytest.mark.process
 def test_frozen_rank_ends_the_call_in_bounded_time(models):
     group = Group(models["llama"], 2, timeout=3.0)
     try:
@@ -307,6 +312,7 @@ def test_drafter_cost_is_relative_to_the_whole_model_on_a_rings_last_stage(model
     assert _relative_cost(last.mtp, last) == pytest.approx(_relative_cost(whole.mtp, whole))
 
 
+@pytest.mark.process
 def test_prefix_cache_on_a_group_decodes_what_a_cold_group_does(models):
     """Each rank keeps its own slice of every entry; the loop's member keeps the index, decides
     the hit and tells the ranks which entry to adopt. A hit decodes exactly what a cold group
@@ -358,6 +364,7 @@ def test_width_times_never_fall_with_width():
     assert non_decreasing({1: 2.0, 2: 5.0, 4: 3.0, 8: 4.0}) == {1: 2.0, 2: 3.0, 4: 3.0, 8: 4.0}
 
 
+@pytest.mark.process
 def test_group_measures_its_own_verify_width_costs(models):
     """The group's width table is measured through the TensorForward (what the decode loop
     pays per call), every width the controller interpolates between; the requests after the
@@ -383,6 +390,7 @@ def test_group_measures_its_own_verify_width_costs(models):
         group.close()
 
 
+@pytest.mark.process
 def test_group_times_its_verify_calls_into_its_live_width_table(models):
     """Seeded by the group's probe, the table then holds every verify call the requests make
     (not the prefill's), by width; greedy output is the same with it as without (depth never

@@ -38,6 +38,7 @@ def _form(paths, dtypes):
                                                                         strict=True))]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", ["dtype", "files"])
 def test_ranks_that_disagree_end_formation_with_a_clear_error(tiny_model, case):
     same = tiny_model("llama")
@@ -60,6 +61,7 @@ def test_ranks_that_disagree_end_formation_with_a_clear_error(tiny_model, case):
             r.kill()
 
 
+@pytest.mark.process
 def test_a_follower_rank_waits_for_commands_without_spending_cpu(tiny_model):
     """MLX's ring backend polls while a collective waits; a rank that learned each command
     from an all-sum kept a core busy between calls (docs/measurements/tensor-parallel.md, "The
