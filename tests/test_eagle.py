@@ -1,5 +1,5 @@
-"""The EAGLE-style drafting head (engine/mtp_head.py, style "eagle"): a random head of that kind on a
-tiny model loads from its own tensor names (fc bias, reduced vocabulary) and drafts exactly
+"""The EAGLE-style drafting head (engine/mtp_head.py, style "eagle"): a random head of that kind
+on a tiny model loads from its own tensor names (fc bias, reduced vocabulary) and drafts exactly
 (greedy byte-identical at depths 1-3; sampled output keeps the target's distribution); the head
 shipped for smollm2-135m loads as that kind and decodes byte-identically to plain decoding and
 to mlx-lm's generate (slow)."""
@@ -20,6 +20,7 @@ from skulkp2p.engine.sampling import SamplingParams, make_rng, process_logits, t
 from skulkp2p.engine.trunk import Trunk
 from skulkp2p.models.cards import PACKAGE_CARDS_DIR
 from tests.helpers.eagle import make_eagle_sidecar
+from tests.helpers.sampled import ForwardMemo
 from tests.helpers.stats import goodness_of_fit, two_sample
 from tools import train_sidecar
 
@@ -211,10 +212,17 @@ def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
     n = 1500
 
     def first_two(drafter_head, seed0: int) -> tuple[list[tuple[int, ...]], DecodeStats]:
+        # The runs repeat a few dozen sequences of forward and head calls (the head's drafts
+        # are deterministic): each computed once, by a LocalForward and an MtpDrafter
+        # (tests/helpers/sampled.py), so the tokens are the ones those would give.
+        if drafter_head:
+            memo = ForwardMemo(lambda: LocalForward(lm.model, hidden="after"),
+                               lambda: MtpDrafter(drafter_head))
+        else:
+            memo = ForwardMemo(lambda: LocalForward(lm.model))
         stats, out = DecodeStats(), []
         for i in range(n):
-            fwd = LocalForward(lm.model, hidden="after" if drafter_head else None)
-            drafter = MtpDrafter(drafter_head) if drafter_head else None
+            fwd, drafter = memo.pair() if drafter_head else (memo.forward(), None)
             steps = decode(fwd, prompt, params, 5, make_rng(seed0 + i), drafter,
                            3 if drafter_head else 0, stats)
             out.append((next(steps), next(steps)))
@@ -314,22 +322,27 @@ def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
     lm = load_model(smollm2_path, "smollm2-135m", dtype="float32", sidecar=SHIPPED,
                     speculation={k: v for k, v in card.speculation.items() if k != "mtp_sidecar"})
     assert lm.mtp is not None and lm.mtp.conventions.style == "eagle"
-    for content in ("Why do leaves change colour in autumn? Answer in a few sentences.",
-                    "Write a short poem about a fox in the snow."):
-        messages = [{"role": "user", "content": content}]
-        prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ref = []
-        for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=64):
-            if r.token in lm.tokenizer.eos_token_ids:
-                break
-            ref.append(r.token)
-        plain = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
-                                            "speculation": "off"}))["tokens"]
-        assert plain == ref and len(ref) > 10
-        for spec in ({"drafter": "mtp", "depth": 1}, {"drafter": "mtp", "depth": 3}, "auto"):
-            out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
-                                              "speculation": spec}))
-            assert out["tokens"] == ref, spec
+    # One prompt (a second one took every path this one takes): its answer repeats itself, so
+    # in auto both lookup and the head draft, and every drafter's drafts are accepted in some
+    # rounds and rejected in others (asserted below).
+    messages = [{"role": "user", "content": "Write a short poem about a fox in the snow."}]
+    prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ref = []
+    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=64):
+        if r.token in lm.tokenizer.eos_token_ids:
+            break
+        ref.append(r.token)
+    plain = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
+                                        "speculation": "off"}))["tokens"]
+    assert plain == ref and len(ref) > 10
+    for spec in ({"drafter": "mtp", "depth": 1}, {"drafter": "mtp", "depth": 3}, "auto"):
+        out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
+                                          "speculation": spec}))
+        assert out["tokens"] == ref, spec
+        counts = out["speculation"].get("by_drafter") or {"mtp": out["speculation"]}
+        assert set(counts) == ({"lookup", "mtp"} if spec == "auto" else {"mtp"}), spec
+        for name, c in counts.items():
+            assert c["drafted"] > c["accepted"] > 0, (spec, name, c)
 
 
 def test_head_starts_its_draft_early_only_where_lookup_has_none(eagle_llama, monkeypatch):

@@ -15,14 +15,19 @@ A skewed drafter is the hard case, so every test here uses one.
   those of plain decoding (`decode()` without a drafter) over thousands of seeds, two-sample
   chi-square; the first token also against the exact target distribution. A synthetic bigram
   target with strong self-transitions checks that the repetition penalty of a verify row
-  includes the earlier drafts of the same round (and compares the third token too).
+  includes the earlier drafts of the same round: its first token, first two and third token
+  against the exact distributions of plain decoding, computed from its table.
+* Cost: the thousands of short runs on the tiny llama repeat a few dozen sequences of forward
+  calls (the same prompt, the same drafts, a handful of emitted tokens). A ForwardMemo
+  (tests/helpers/sampled.py) computes each sequence once and hands the same arrays to every
+  run that repeats it, so the samples are the ones a forward per run gives, bit for bit.
 
 False-alarm rate: every statistical assertion rejects at alpha = 1e-3 (p-values from an exact
 chi-square tail, below), and the passing tests make 17 of them, so a correct implementation fails
 with probability at most about 1.7% over the choice of seeds (checked: on 2,000 simulated null
-replications the binned tests rejected 0.75-0.85% at alpha = 0.01). All seeds are fixed, so given the code the
-outcome is deterministic: a change that only reorders random draws can flip a test with that
-small probability, a real bias flips it for sure.
+replications the binned tests rejected 0.75-0.85% at alpha = 0.01). All seeds are fixed, so
+given the code the outcome is deterministic: a change that only reorders random draws can flip a
+test with that small probability, a real bias flips it for sure.
 
 Power: the tests must not pass vacuously, so the same tests are run on deliberately wrong
 verifiers (always accept the draft; resample from p instead of the residual on rejection; a
@@ -60,7 +65,14 @@ from skulkp2p.engine.sampling import (
     target_probs,
 )
 from tests.helpers.prefilled import PrefilledForward
-from tests.helpers.sampled import FixedDrafter, probs_after, skewed_sequence
+from tests.helpers.sampled import (
+    FixedDrafter,
+    ForwardMemo,
+    draws_from,
+    joint_fit,
+    probs_after,
+    skewed_sequence,
+)
 from tests.helpers.stats import chi2_sf, goodness_of_fit, two_sample
 
 ALPHA = 1e-3
@@ -136,8 +148,7 @@ def _emitted(case: str, draft_kind: str, n: int, verifier: Verifier = verify_one
             out.append(verifier(row, draft, None, params, rng)[0])
     else:
         q = _skewed_q(p)
-        for _ in range(n):
-            draft = sample_from(q, draft_rng)
+        for draft in draws_from(q, draft_rng, n).tolist():
             out.append(verifier(row, draft, q, params, rng)[0])
     return out, p
 
@@ -209,15 +220,23 @@ def _first_tokens(forward_factory: Callable[[], object], prompt: list[int],
 
 
 @pytest.fixture(scope="module")
-def plain_samples(sharp_llama):
+def forwards(sharp_llama) -> ForwardMemo:
+    """The target's forwards for every end-to-end run on sharp_llama: each distinct sequence of
+    forward calls is computed once (tests/helpers/sampled.py), the logits are the ones a
+    PrefilledForward gives, so the samples are too."""
+    return ForwardMemo(lambda: PrefilledForward(sharp_llama.model))
+
+
+@pytest.fixture(scope="module")
+def plain_samples(forwards):
     """Plain sampled decoding, memoised per (prompt, params): shared by several tests."""
     cache: dict = {}
 
     def get(prompt: list[int], params: SamplingParams) -> list[tuple[int, ...]]:
         key = (tuple(prompt), params)
         if key not in cache:
-            cache[key] = _first_tokens(lambda: PrefilledForward(sharp_llama.model), prompt,
-                                       params, N_E2E, seed0=0, take=2)
+            cache[key] = _first_tokens(forwards.forward, prompt, params, N_E2E, seed0=0,
+                                       take=2)
         return cache[key]
 
     return get
@@ -237,11 +256,11 @@ def _prompt(lm: LoadedModel, params: SamplingParams) -> list[int]:
     return base + list(greedy)
 
 
-def _spec_samples(lm: LoadedModel, prompt: list[int], params: SamplingParams,
+def _spec_samples(forwards: ForwardMemo, prompt: list[int], params: SamplingParams,
                   drafter_factory: Callable[[int], object], depth: int,
                   n: int = N_E2E) -> list[tuple[int, ...]]:
-    return _first_tokens(lambda: PrefilledForward(lm.model), prompt, params, n,
-                         seed0=1_000_000, drafter_factory=drafter_factory, depth=depth, take=2)
+    return _first_tokens(forwards.forward, prompt, params, n, seed0=1_000_000,
+                         drafter_factory=drafter_factory, depth=depth, take=2)
 
 
 def _check_against_plain(spec: list[tuple[int, ...]], plain: list[tuple[int, ...]],
@@ -254,11 +273,11 @@ def _check_against_plain(spec: list[tuple[int, ...]], plain: list[tuple[int, ...
 
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [TOPK, PENALTY], ids=["topk30", "topk30-penalty1.3"])
-def test_fixed_skewed_drafts_match_plain(sharp_llama, plain_samples, params):
+def test_fixed_skewed_drafts_match_plain(sharp_llama, forwards, plain_samples, params):
     lm = sharp_llama
     prompt = _prompt(lm, params)
     drafts = skewed_sequence(lm.model, prompt, params)
-    spec = _spec_samples(lm, prompt, params, lambda i: FixedDrafter(drafts), DEPTH)
+    spec = _spec_samples(forwards, prompt, params, lambda i: FixedDrafter(drafts), DEPTH)
     # The drafts were accepted in some samples and rejected in others, at both positions.
     first_two = Counter(s[:2] for s in spec)
     assert 0.1 * N_E2E < sum(v for k, v in first_two.items() if k[0] == drafts[0]) < 0.9 * N_E2E
@@ -268,31 +287,36 @@ def test_fixed_skewed_drafts_match_plain(sharp_llama, plain_samples, params):
 
 
 @pytest.mark.slow
-def test_draft_model_with_skewed_q_matches_plain(sharp_llama, plain_samples):
+def test_draft_model_with_skewed_q_matches_plain(sharp_llama, forwards, plain_samples):
     """A stochastic drafter whose q (temperature 1.6, top-k 60) is far from p (temperature 1,
     top-k 30): half of q's support lies where p is zero."""
     lm = sharp_llama
     prompt = _prompt(lm, TOPK)
     q_params = SamplingParams(temperature=1.6, top_k=60)
+    # The draft model's own forwards: the same computation as a PrefilledForward's (prefill
+    # reused), each distinct call sequence computed once (its first call is every run's).
+    draft_forwards = ForwardMemo(lambda: PrefilledForward(lm.model))
 
     def drafter(i: int) -> DraftModelDrafter:
         d = DraftModelDrafter(lm, q_params, make_rng(2_000_000 + i))
-        d.forward = PrefilledForward(lm.model)  # same computation, prefill reused
+        d.forward = draft_forwards.forward()
         return d
 
-    spec = _spec_samples(lm, prompt, TOPK, drafter, 2, n=N_E2E * 3 // 4)  # + 2 draft calls each
+    spec = _spec_samples(forwards, prompt, TOPK, drafter, 2, n=N_E2E * 3 // 4)  # + 2 draft calls
     _check_against_plain(spec, plain_samples(prompt, TOPK), probs_after(lm.model, prompt, TOPK))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrong", [_always_accept, _resample_from_p],
                          ids=["always-accept", "resample-from-p"])
-def test_end_to_end_test_rejects_wrong_rules(sharp_llama, plain_samples, monkeypatch, wrong):
+def test_end_to_end_test_rejects_wrong_rules(sharp_llama, forwards, plain_samples, monkeypatch,
+                                             wrong):
     lm = sharp_llama
     prompt = _prompt(lm, TOPK)
     drafts = skewed_sequence(lm.model, prompt, TOPK)
     monkeypatch.setattr(decode_module, "verify_one", wrong)
-    spec = _spec_samples(lm, prompt, TOPK, lambda i: FixedDrafter(drafts), DEPTH, n=N_E2E // 3)
+    spec = _spec_samples(forwards, prompt, TOPK, lambda i: FixedDrafter(drafts), DEPTH,
+                         n=N_E2E // 3)
     assert two_sample([s[:2] for s in spec], [s[:2] for s in plain_samples(prompt, TOPK)]) < ALPHA
 
 
@@ -300,7 +324,11 @@ def test_end_to_end_test_rejects_wrong_rules(sharp_llama, plain_samples, monkeyp
 
 
 BIGRAM_V = 64
-N_BIGRAM = 6000
+# Tested against the exact distributions (bigram_exact), which carry no sampling noise of their
+# own: a bias moves the chi-square of 3,000 runs against them as much as that of 6,000 runs
+# against 6,000 plain ones (n m / (n + m) = 3,000), the two-sample test this replaces. Measured:
+# the forgetful window is rejected at 6e-120 here, at 6e-89 there.
+N_BIGRAM = 3000
 
 
 class BigramForward:
@@ -365,17 +393,29 @@ def _bigram_samples(params: SamplingParams, n: int, seed0: int, drafts: list[int
                              lambda i: FixedDrafter(drafts), DEPTH)
 
 
-def _bigram_p1(params: SamplingParams) -> np.ndarray:
-    row = _bigram_table()[BIGRAM_PROMPT[-1]][None]
-    return target_probs(process_logits(row, BIGRAM_PROMPT, params), params)
-
-
 BIGRAM_PARAMS = SamplingParams(temperature=1.0, top_k=30, repetition_penalty=1.3)
 
 
 @pytest.fixture(scope="module")
-def bigram_plain() -> list[tuple[int, ...]]:
-    return _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 0, None)
+def bigram_exact() -> tuple[np.ndarray, dict[tuple, float], np.ndarray]:
+    """What plain decoding draws from, exactly: p(t1), p(t1, t2) and the marginal p(t3), each
+    row the table's row of the last token processed with the whole history before it (the
+    bigram target has no other state)."""
+    table = _bigram_table()
+
+    def after(history: list[int]) -> np.ndarray:
+        row = table[history[-1]][None]
+        return target_probs(process_logits(row, history, BIGRAM_PARAMS), BIGRAM_PARAMS)
+
+    p1 = after(BIGRAM_PROMPT)
+    joint: dict[tuple, float] = {}
+    p3 = np.zeros(BIGRAM_V)
+    for a in np.nonzero(p1)[0].tolist():
+        p2 = after(BIGRAM_PROMPT + [a])
+        for b in np.nonzero(p2)[0].tolist():
+            joint[(a, b)] = p1[a] * p2[b]
+            p3 += joint[(a, b)] * after(BIGRAM_PROMPT + [a, b])
+    return p1, joint, p3
 
 
 def _bigram_drafts() -> list[int]:
@@ -384,33 +424,36 @@ def _bigram_drafts() -> list[int]:
 
 
 @pytest.mark.process
-def test_penalty_window_includes_the_rounds_drafts(bigram_plain):
+def test_penalty_window_includes_the_rounds_drafts(bigram_exact):
+    p1, joint, p3 = bigram_exact
     drafts = _bigram_drafts()
     spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts)
     assert sum(s[:2] == tuple(drafts[:2]) for s in spec) > 0.1 * N_BIGRAM  # chains happen
-    _check_against_plain(spec, bigram_plain, _bigram_p1(BIGRAM_PARAMS))
+    assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA
+    assert joint_fit([s[:2] for s in spec], joint) > ALPHA
+    assert goodness_of_fit((s[2] for s in spec), p3) > ALPHA
 
 
 @pytest.mark.process
-def test_penalty_test_rejects_a_forgetful_window(bigram_plain):
+def test_penalty_test_rejects_a_forgetful_window(bigram_exact):
+    _, joint, _ = bigram_exact
     drafts = _bigram_drafts()
     spec = _bigram_samples(BIGRAM_PARAMS, N_BIGRAM, 1_000_000, drafts, forgetful=True)
-    assert two_sample([s[:2] for s in spec], [s[:2] for s in bigram_plain]) < ALPHA
+    pairs = [s[:2] for s in spec]
+    # A pair of zero probability would reject outright (joint_fit fails on it); here the
+    # p-value does, at about 6e-120.
+    assert any(pair not in joint for pair in pairs) or joint_fit(pairs, joint) < ALPHA
 
 
 @pytest.mark.slow
-def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_models):
+def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(sharp_llama, forwards,
+                                                                         plain_samples):
     """The memory holds the prompt followed by skewed tokens (a likely, a likely, then the least
     likely token the target allows), so the suffix drafter drafts them; sampled output must
     still be distributed as plain sampling's (the chi-square tests above)."""
-    from skulkp2p.engine.model import load_model
     from skulkp2p.engine.suffix import SuffixDrafter, SuffixMemory
 
-    lm = load_model(tiny_models["llama"], "llama-sharp")
-    import mlx.core as mx
-
-    w = lm.model.lm_head.weight
-    lm.model.lm_head.weight = (w.astype(mx.float32) * SHARPEN).astype(w.dtype)
+    lm = sharp_llama
     params = TOPK
     prompt = _prompt(lm, params)
     drafts = skewed_sequence(lm.model, prompt, params)
@@ -420,11 +463,10 @@ def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(tiny_mo
     def drafter(i: int) -> SuffixDrafter:
         return SuffixDrafter(memory=mem)
 
-    spec = _spec_samples(lm, prompt, params, drafter, DEPTH)
+    spec = _spec_samples(forwards, prompt, params, drafter, DEPTH)
     assert mem.hits > 0.5 * N_E2E
-    plain = _first_tokens(lambda: PrefilledForward(lm.model), prompt, params, N_E2E,
-                             seed0=0, take=2)
-    _check_against_plain(spec, plain, probs_after(lm.model, prompt, params))
+    _check_against_plain(spec, plain_samples(prompt, params),
+                         probs_after(lm.model, prompt, params))
 
 
 # --- the Gemma 4 assistant (engine/assistant.py) -----------------------------------------------
@@ -459,19 +501,21 @@ def test_gemma4_assistant_sampling_matches_plain(tmp_path_factory):
     def drafter(i: int) -> AssistantDrafter:
         return AssistantDrafter(assistant, params, make_rng(3_000_000 + i))
 
-    def run(factory, seed0):
+    def run(forward, factory, seed0):
         out = []
         for i in range(N_ASSISTANT):
             d = factory(i) if factory else None
-            steps = decode(LocalForward(model, hidden="after" if d else None), prompt, params,
-                           2 + 3 + 1, make_rng(seed0 + i), d, 3 if d else 0, stats)
+            steps = decode(forward(), prompt, params, 2 + 3 + 1, make_rng(seed0 + i), d,
+                           3 if d else 0, stats)
             out.append(tuple(itertools.islice(steps, 2)))
             steps.close()
         return out
 
-    spec = run(drafter, 1_000_000)
+    # The assistant reads the target's live caches: a real forward for every speculative run.
+    spec = run(lambda: LocalForward(model, hidden="after"), drafter, 1_000_000)
     assert stats.accepted_at[0] > 0.1 * N_ASSISTANT and stats.accepted_at[1] > 0
-    plain = run(None, 0)
+    # Plain runs repeat a few call sequences: each computed once (tests/helpers/sampled.py).
+    plain = run(ForwardMemo(lambda: LocalForward(model)).forward, None, 0)
     p1 = probs_after(model, prompt, params)
     assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA
     assert two_sample(spec, plain) > ALPHA

@@ -11,7 +11,9 @@ exactness.
   first, one under the second, deliberately not in p's order) verified in one tree forward;
   the first THREE emitted tokens of N seeded runs against the exact joint distribution of plain
   sampling, computed from the model's own rows (p(t1) p(t2 | t1) p(t3 | t1, t2) over the
-  top-k support), with top-k 8 and with a repetition penalty (which must see the path).
+  top-k support), with top-k 8 and with a repetition penalty (which must see the path). The
+  runs repeat a few dozen sequences of forward calls: a ForwardMemo (tests/helpers/sampled.py)
+  computes each once, so the samples are the ones a forward per run gives, bit for bit.
 * Power: the same tests on a rule that accepts each child with its own p(t) and skips the
   residual update must fail (unit: p below 1e-10 from 5,000 draws; end to end: about 1e-9
   from 1,000 runs, against alpha = 1e-3).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +50,15 @@ from skulkp2p.engine.suffix import SuffixDrafter
 from skulkp2p.engine.tree import DraftTree
 from skulkp2p.engine.tree_accept import accept_child
 from tests.helpers.prefilled import PrefilledForward
-from tests.helpers.sampled import FixedDrafter, FixedTreeDrafter, exact_joint, fixed_tree, joint_fit
+from tests.helpers.sampled import (
+    FixedDrafter,
+    FixedTreeDrafter,
+    ForwardMemo,
+    draws_from,
+    exact_joint,
+    fixed_tree,
+    joint_fit,
+)
 from tests.helpers.stats import goodness_of_fit
 from tests.helpers.trees import CODE, FREE_WIDTH, tree_drafter, trees_on
 
@@ -94,9 +105,10 @@ def _unit_draws(kind: str, rule=accept_child, n: int = N_UNIT) -> tuple[list[int
         q *= (2 / 3) / q.sum()
         q[np.nonzero(p == 0)[0][:10]] = (1 / 3) / 10
         qs = [q, q, q]
-    for _ in range(n):
+        drafted = draws_from(q, draft_rng, 3 * n).reshape(n, 3).tolist()
+    for i in range(n):
         if kind != "one-hot":
-            tokens = [sample_from(q, draft_rng) for _ in range(3)]
+            tokens = drafted[i]
         pick, residual = rule(p, tokens, qs, rng)
         out.append(tokens[pick] if pick is not None else sample_from(residual, rng))
     return out, p
@@ -177,11 +189,16 @@ def _prompt(lm: LoadedModel, params: SamplingParams) -> list[int]:
 
 
 def _tree_samples(lm: LoadedModel, prompt: list[int], params: SamplingParams,
-                  tree: DraftTree, n: int) -> tuple[list[tuple[int, ...]], DecodeStats]:
+                  tree: DraftTree, n: int, forward: Callable[[], object] | None = None
+                  ) -> tuple[list[tuple[int, ...]], DecodeStats]:
+    """The first three tokens of n seeded runs; `forward` makes each run's forward (default a
+    PrefilledForward; the statistical tests pass their case's ForwardMemo, which gives the
+    same logits and so the same samples, computing each distinct call sequence once)."""
+    forward = forward or (lambda: PrefilledForward(lm.model))
     stats = DecodeStats()
     out = []
     for i in range(n):
-        steps = decode(PrefilledForward(lm.model), prompt, params, 6, make_rng(10_000 + i),
+        steps = decode(forward(), prompt, params, 6, make_rng(10_000 + i),
                        FixedTreeDrafter(tree), 2, stats)
         out.append(tuple(itertools.islice(steps, 3)))
         steps.close()
@@ -190,13 +207,16 @@ def _tree_samples(lm: LoadedModel, prompt: list[int], params: SamplingParams,
 
 @pytest.fixture(scope="module")
 def cases(sharp_llama):
+    """Per params: the prompt, the fixed tree, the exact joint, and the forwards' memo (one per
+    module: the power test's runs repeat most of the exact test's call sequences)."""
     memo = {}
+    forwards = ForwardMemo(lambda: PrefilledForward(sharp_llama.model))
 
     def get(params):
         if params not in memo:
             prompt = _prompt(sharp_llama, params)
             memo[params] = (prompt, fixed_tree(sharp_llama.model, prompt, params),
-                            exact_joint(sharp_llama.model, prompt, params))
+                            exact_joint(sharp_llama.model, prompt, params), forwards.forward)
         return memo[params]
 
     return get
@@ -205,8 +225,8 @@ def cases(sharp_llama):
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [TOPK, PENALTY], ids=["topk8", "topk8-penalty1.5"])
 def test_sampled_tree_matches_theexact_joint(sharp_llama, cases, params):
-    prompt, tree, joint = cases(params)
-    samples, stats = _tree_samples(sharp_llama, prompt, params, tree, N_E2E)
+    prompt, tree, joint, forward = cases(params)
+    samples, stats = _tree_samples(sharp_llama, prompt, params, tree, N_E2E, forward)
     # every round of the first three tokens' was a tree; each root child and a depth-2 node
     # were taken in a fair share of the runs, so every child's rule was exercised
     assert stats.tree_rounds >= N_E2E
@@ -219,14 +239,14 @@ def test_sampled_tree_matches_theexact_joint(sharp_llama, cases, params):
 
 @pytest.mark.slow
 def test_end_to_end_test_rejects_a_rule_without_the_residual(sharp_llama, cases, monkeypatch):
-    prompt, tree, joint = cases(TOPK)
+    prompt, tree, joint, forward = cases(TOPK)
     monkeypatch.setattr(tree_accept, "draw_child", _no_residual_draw)  # its nodes are one-hot
-    samples, _ = _tree_samples(sharp_llama, prompt, TOPK, tree, N_E2E // 3)
+    samples, _ = _tree_samples(sharp_llama, prompt, TOPK, tree, N_E2E // 3, forward)
     assert joint_fit(samples, joint) < ALPHA  # (about 1e-9 from these 1,000 runs)
 
 
 def test_sampled_tree_round_is_seeded(sharp_llama, cases):
-    prompt, tree, _ = cases(TOPK)
+    prompt, tree, _, _ = cases(TOPK)
     a, stats = _tree_samples(sharp_llama, prompt, TOPK, tree, 20)
     b, _ = _tree_samples(sharp_llama, prompt, TOPK, tree, 20)
     assert a == b and stats.tree_rounds >= 20 and len(set(a)) > 1
@@ -258,19 +278,30 @@ def test_greedy_with_a_repetition_penalty_takes_trees_exactly(tiny_models):
     assert out == plain and stats.tree_rounds > 0
 
 
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+
+
+@pytest.fixture(scope="module")
+def seeded_plain(sharp_llama) -> list[list[int]]:
+    """Plain sampled decoding of CODE with seeds 0-5 (SEEDED): what every drafting below must
+    reproduce, computed once for all of them."""
+    prompt = sharp_llama.tokenizer.encode(CODE)
+    return [list(decode(LocalForward(sharp_llama.model), prompt, SEEDED, 40, make_rng(seed)))
+            for seed in range(6)]
+
+
 @pytest.mark.parametrize("drafting", ["suffix-chains", "suffix-trees", "skewed-fixed-chain"])
-def test_seeded_sampled_output_does_not_depend_on_the_drafts(sharp_llama, drafting):
+def test_seeded_sampled_output_does_not_depend_on_the_drafts(sharp_llama, seeded_plain,
+                                                             drafting):
     """With deterministic drafts a sampled request emits the tokens plain sampling with the same
     seed emits, draft or no draft, accepted or not: the output of a seeded request does not
     depend on the drafter, the gates' timing or the placement."""
     lm = sharp_llama
     prompt = lm.tokenizer.encode(CODE)
-    params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    params = SEEDED
     stats = DecodeStats()
-    first = []
-    for seed in range(6):
-        plain = list(decode(LocalForward(lm.model), prompt, params, 40, make_rng(seed)))
-        first = first or plain[:6]  # seed 0's opening, drafted every round of every seed
+    first = seeded_plain[0][:6]  # seed 0's opening, drafted every round of every seed
+    for seed, plain in enumerate(seeded_plain):
         if drafting == "skewed-fixed-chain":
             drafter = FixedDrafter(first)
         else:
