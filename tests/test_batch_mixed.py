@@ -25,6 +25,7 @@ from tests.helpers.batch import (
     together,
     worker_run,
 )
+from tests.helpers.loaded import smollm2_float32
 
 LONG = " ".join(PROMPTS * 3)  # a prompt of many mixed chunks
 
@@ -152,18 +153,17 @@ def test_cancel_while_the_prompt_rides_frees_the_row(tiny_models):
 @pytest.mark.slow
 def test_real_model_long_chat_joins_decoding_rows_exactly():
     """SmolLM2-135M: three short chat requests (greedy and seeded) decode while the bench's
-    long echo prompt goes in inside their steps; each gives what it gives alone."""
+    long echo prompt goes in inside their steps; each gives what it gives alone. (12 tokens
+    each: the echo prompt's 6 chunks of 64 all ride in the short rows' steps, asserted.)"""
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.loader import open_model
-    from skulkp2p.models.store import ModelStore
-    from tests.helpers.models import test_data_dir
+    from skulkp2p.engine.generate import prompt_tokens
 
-    lm = open_model(ModelStore(test_data_dir()), "smollm2-135m", dtype="float32")
+    lm = smollm2_float32()
     msgs = [[{"role": "user", "content": "Name three rivers in Europe."}],
             [{"role": "user", "content": "Write a haiku about rain."}],
             [{"role": "user", "content": "Explain what a linked list is."}],
             WORKLOADS["echo"]]
-    reqs = [parse_request({"messages": m, "max_tokens": 24, "speculation": "off",
+    reqs = [parse_request({"messages": m, "max_tokens": 12, "speculation": "off",
                            **({"temperature": 0.7, "seed": i} if i % 2 else {})})
             for i, m in enumerate(msgs)]
     alone = solo(MlxEngine(lm, 0, memory_tokens=0, max_batch=1), reqs)
@@ -171,4 +171,8 @@ def test_real_model_long_chat_joins_decoding_rows_exactly():
     batched = together(engine, reqs)
     for a, b in zip(alone, batched, strict=True):
         assert b.tokens == a.tokens and b.text == a.text
-    assert engine.scheduler.mixed_steps > 0
+    # The whole echo prompt (but the token its first verify takes) went in inside the short
+    # rows' steps, one 64-token chunk a step: they were still decoding until it was in.
+    long_prompt = len(prompt_tokens(lm, reqs[3])) - 1
+    assert engine.scheduler.mixed_tokens == long_prompt
+    assert engine.scheduler.mixed_steps == -(-long_prompt // 64) > 1

@@ -3,9 +3,9 @@
 The decisions are tested on a ThreadPolicy with a clock the test advances (a forward "takes" what
 the test says) and a load probe the test sets; the calls into OpenBLAS are recorded. Whether the
 real libopenblas runs with the count the policy says, and whether greedy decoding stays exact
-whatever the count, is tested in child interpreters with OpenBLAS preloaded (the preload only
+whatever the count, is tested in a child interpreter with OpenBLAS preloaded (the preload only
 counts at process start), on SmolLM2-135M: a tiny model's products are too small for OpenBLAS
-to split across threads at all.
+to split across threads at all. The child runs every setting in turn (see CHILD).
 """
 
 from __future__ import annotations
@@ -451,8 +451,14 @@ def test_policy_on_a_fake_proc_goes_narrow_only_for_a_lasting_load(tmp_path: Pat
 # --------------------------------------------------------------------------------------------
 # Real OpenBLAS, preloaded in a child interpreter
 
+# One child runs every setting in turn (SmolLM2-135M loaded once, mlx-lm's reference generated
+# once): before each, the thread count goes back to the one the process started with and the
+# policy is made afresh from the setting, as at a process's first forward (blas_threads._make
+# reads the setting and the start count then). The quiet settings come first; the busy run
+# last, with a CPU-bound process of the child's own beside it (killed by its pid once the run
+# ends; it also ends itself if the child dies first).
 CHILD = r"""
-import json, os, sys
+import json, os, subprocess, sys
 from skulkp2p.engine import blas
 blas.ensure_fast_blas()
 import mlx.core as mx
@@ -465,48 +471,79 @@ from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tests.helpers.reference import mlx_lm_tokens
 
 lm = load_model(sys.argv[1], "smollm2", dtype="float32")
-policy = blas_threads.policy()
-assert policy is not None, "no OpenBLAS in the child"
-if os.environ.get("QUIET") == "1":
-    policy._runnable = lambda: 0  # decide as on a quiet machine, whatever runs beside the test
-seen = []
-real_use = policy._use
-def use(n):
-    real_use(n)
-    seen.append((n, policy.blas.get()))  # what the policy set, what libopenblas says it runs
-policy._use = use
+runs = json.loads(sys.argv[2])
+libopenblas = blas_threads.OpenBlasThreads.find()
+assert libopenblas is not None, "no OpenBLAS in the child"
+start = libopenblas.get()
 text = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"
 prompt = lm.tokenizer.encode(text)
-n = int(sys.argv[2])
-plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), n, make_rng(0)))
-stats = DecodeStats()
-spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), n, make_rng(0),
-                   PromptLookup(), 4, stats))
-decoding = list(seen)  # (mlx-lm's reference below runs pinned to the start count)
-with blas_threads.pinned(policy.narrow):
-    reference = mlx_lm_tokens(lm, prompt, n)
-print("REPORT " + json.dumps({"plain": plain, "spec": spec, "reference": reference,
-                              "drafted": stats.drafted, "seen": decoding,
-                              "start": int(os.environ.get("OPENBLAS_NUM_THREADS", "0")),
-                              "policy": policy.describe()}))
+reference = None
+HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+for run in runs:
+    libopenblas.set(start)
+    os.environ[blas_threads.ENV] = run["setting"]
+    blas_threads._policy = None  # made afresh at the next forward, from the setting above
+    policy = blas_threads.policy()
+    assert policy is not None, "no OpenBLAS in the child"
+    if run["quiet"]:
+        policy._runnable = lambda: 0  # decide as on a quiet machine, whatever runs beside it
+    seen = []
+    real_use = policy._use
+    def use(n, real_use=real_use, seen=seen, policy=policy):
+        real_use(n)
+        seen.append((n, policy.blas.get()))  # what the policy set, what libopenblas runs
+    policy._use = use
+    if reference is None:  # (pinned to the start count, the narrow count of every setting)
+        with blas_threads.pinned(policy.narrow):
+            reference = mlx_lm_tokens(lm, prompt, max(r["tokens"] for r in runs))
+        seen.clear()
+    n = run["tokens"]
+    hog = subprocess.Popen([sys.executable, "-c", HOG]) if run["hog"] else None
+    try:
+        plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), n, make_rng(0)))
+        stats = DecodeStats()
+        spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), n, make_rng(0),
+                           PromptLookup(), 4, stats))
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait(timeout=30)
+    print("REPORT " + json.dumps({"name": run["name"], "plain": plain, "spec": spec,
+                                  "reference": reference[:n], "drafted": stats.drafted,
+                                  "seen": list(seen),
+                                  "start": int(os.environ.get("OPENBLAS_NUM_THREADS", "0")),
+                                  "policy": policy.describe()}), flush=True)
 """
 
+# (name, SKULKP2P_BLAS_THREADS, decides as on a quiet machine, tokens, a hog beside it). Every
+# run decodes plain steps and verifies lookup's drafts (asserted: it drafted); auto's 16 plain
+# steps time both counts (BASELINE forwards each) before choosing. Two threads on every
+# forward cost a busy 2-core machine several times one thread's CPU (OpenBLAS's threads spin
+# while the other core is taken): that run decodes 8 tokens.
+RUNS = [("1", "1", True, 16, False), ("2", "2", True, 8, False),
+        ("auto", "auto", True, 16, False), ("busy", "auto", False, 12, True)]
 
-def run_child(model, tokens: int, **env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(model), str(tokens)],
-                         env=child_env(**env), capture_output=True, text=True, timeout=600,
+
+@pytest.fixture(scope="module")
+def child_reports(smollm2_path) -> dict[str, dict]:
+    """Each run's report, by name, from one child interpreter (see CHILD)."""
+    fast_path_available()
+    runs = [{"name": n, "setting": s, "quiet": q, "tokens": t, "hog": h}
+            for n, s, q, t, h in RUNS]
+    out = subprocess.run([sys.executable, "-c", CHILD, str(smollm2_path), json.dumps(runs)],
+                         env=child_env(), capture_output=True, text=True, timeout=600,
                          check=False)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("REPORT "))
-    return json.loads(line[len("REPORT "):])
+    reports = [json.loads(ln[len("REPORT "):]) for ln in out.stdout.splitlines()
+               if ln.startswith("REPORT ")]
+    return {r["name"]: r for r in reports}
 
 
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["1", "2", "auto"])
-def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(smollm2_path, setting):
-    fast_path_available()
-    report = run_child(smollm2_path, 24, SKULKP2P_BLAS_THREADS=setting, QUIET="1")
+def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(child_reports, setting):
+    report = child_reports[setting]
     # Every count the policy set is the count libopenblas reports.
     assert report["seen"] and all(said == runs for said, runs in report["seen"])
     counts = {said for said, _ in report["seen"]}
@@ -523,15 +560,9 @@ def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(smollm2_path, 
 
 @pytest.mark.process
 @pytest.mark.slow
-def test_busy_machine_keeps_one_thread(smollm2_path):
+def test_busy_machine_keeps_one_thread(child_reports):
     """With the real /proc probe and a CPU-bound process beside it, auto keeps one thread."""
-    fast_path_available()
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        report = run_child(smollm2_path, 12, SKULKP2P_BLAS_THREADS="auto")
-    finally:
-        hog.kill()
-        hog.wait(timeout=30)
+    report = child_reports["busy"]
     p = report["policy"]
     if p["wide"] == p["narrow"]:
         pytest.skip("one core: nothing to decide")

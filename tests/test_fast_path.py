@@ -23,16 +23,17 @@ lm = load_model(sys.argv[1], "smollm2-135m", dtype="float32")
 out = {"report": report, "cases": []}
 for messages in ([{"role": "user", "content": "What is the capital of France?"}],
                  [{"role": "user", "content": "Write a Python function that reverses a string."}]):
+    prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ref = []  # mlx-lm's greedy tokens: one generation per prompt, compared with both arms
+    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=32):
+        if r.token in lm.tokenizer.eos_token_ids:
+            break
+        ref.append(r.token)
     for spec in ("off", {"drafter": "lookup", "depth": 4}):
-        req = parse_request({"messages": messages, "max_tokens": 48, "speculation": spec})
-        ours = generate(lm, req)["tokens"]
-        prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ref = []
-        for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=48):
-            if r.token in lm.tokenizer.eos_token_ids:
-                break
-            ref.append(r.token)
-        out["cases"].append({"ours": ours, "ref": ref, "spec": str(spec)})
+        req = parse_request({"messages": messages, "max_tokens": 32, "speculation": spec})
+        ours = generate(lm, req)
+        out["cases"].append({"ours": ours["tokens"], "ref": ref, "spec": str(spec),
+                             "speculation": ours.get("speculation")})
 print(json.dumps(out))
 """
 
@@ -49,6 +50,8 @@ def test_float32_openblas_greedy_equals_mlx_lm(smollm2_path):
     for case in out["cases"]:
         assert case["ours"] == case["ref"], case["spec"]
         assert len(case["ours"]) > 5
+        if case["speculation"] is not None:  # lookup drafted; drafts accepted and rejected
+            assert 0 < case["speculation"]["accepted"] < case["speculation"]["drafted"], case
 
 
 def test_the_suite_runs_on_the_blas_the_agents_run_on():

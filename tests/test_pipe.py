@@ -13,23 +13,38 @@ def pipe(model, lines, args=(), **kw):
     return proc, [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+BAD_LINES = [
+    "this is not json",
+    json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    json.dumps({"id": "b", "prompt": "x", "max_tokens": "four"}),
+    json.dumps({"id": "c", "prompt": "x", "model": "no-such-model"}),
+    json.dumps([1, 2, 3]),
+    json.dumps({"id": "d", "prompt": "x", "temperature": "hot"}),
+    json.dumps({"id": "e", "prompt": "x", "speculation": {"drafter": "oracle"}}),
+    json.dumps({"id": "f", "prompt": "hello", "max_tokens": 3}),
+    json.dumps({"id": "g", "prompt": "x", "speculation": {"drafter": "mtp", "depth": 2}}),
+    json.dumps({"id": "h", "prompt": "x", "speculation": {"drafter": "draft"}}),
+]
+
+
+@pytest.fixture(scope="module")
+def errors_pipe(tiny_models, tmp_path_factory):
+    """One pipe on the tiny llama for the two tests below: the bad lines, then a request for a
+    model that fails to load and one after it. (proc, answers to the bad lines, the rest.)"""
+    broken = tmp_path_factory.mktemp("pipe") / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no weights
+    load_lines = [json.dumps({"id": "a", "prompt": "x", "model": str(broken)}),
+                  json.dumps({"id": "b", "prompt": "hello", "max_tokens": 2})]
+    proc, out = pipe(tiny_models["llama"], BAD_LINES + load_lines)
+    return proc, out[:len(BAD_LINES)], out[len(BAD_LINES):]
+
+
 @pytest.mark.process
-def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
-    lines = [
-        "this is not json",
-        json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
-        json.dumps({"id": "b", "prompt": "x", "max_tokens": "four"}),
-        json.dumps({"id": "c", "prompt": "x", "model": "no-such-model"}),
-        json.dumps([1, 2, 3]),
-        json.dumps({"id": "d", "prompt": "x", "temperature": "hot"}),
-        json.dumps({"id": "e", "prompt": "x", "speculation": {"drafter": "oracle"}}),
-        json.dumps({"id": "f", "prompt": "hello", "max_tokens": 3}),
-        json.dumps({"id": "g", "prompt": "x", "speculation": {"drafter": "mtp", "depth": 2}}),
-        json.dumps({"id": "h", "prompt": "x", "speculation": {"drafter": "draft"}}),
-    ]
-    proc, out = pipe(tiny_models["llama"], lines)
+def test_pipe_bad_lines_get_errors_and_pipe_goes_on(errors_pipe):
+    proc, out, rest = errors_pipe
     assert proc.returncode == 0, proc.stderr
-    assert len(out) == len(lines)
+    assert len(out) == len(BAD_LINES) and len(rest) == 2
     assert out[0]["error"]["type"] == "invalid_json" and "id" not in out[0]
     assert out[1]["id"] == "a" and len(out[1]["tokens"]) == 4 and out[1]["finish_reason"] == "length"
     assert out[2]["id"] == "b" and out[2]["error"]["param"] == "max_tokens"
@@ -46,13 +61,8 @@ def test_pipe_bad_lines_get_errors_and_pipe_goes_on(tiny_models):
 
 @pytest.mark.process
 def test_a_model_that_fails_to_load_is_a_clear_error_per_line_and_the_pipe_goes_on(
-        tiny_models, tmp_path):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no weights
-    lines = [json.dumps({"id": "a", "prompt": "x", "model": str(broken)}),
-             json.dumps({"id": "b", "prompt": "hello", "max_tokens": 2})]
-    proc, out = pipe(tiny_models["llama"], lines)
+        errors_pipe):
+    proc, _, out = errors_pipe
     assert proc.returncode == 0, proc.stderr
     assert out[0]["id"] == "a" and out[0]["error"]["type"] == "model_load_failed"
     assert out[0]["error"]["param"] == "model" and "broken could not be loaded" in out[0][
@@ -135,11 +145,11 @@ def test_smollm2_pipe(smollm2_path, tmp_path):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     lines = [
         json.dumps({"id": "chat", "messages": chat, "max_tokens": 40}),
-        json.dumps({"id": "raw", "prompt": "The three primary colors are", "max_tokens": 30}),
+        json.dumps({"id": "raw", "prompt": "The three primary colors are", "max_tokens": 16}),
         json.dumps({"id": "stop", "messages": chat, "max_tokens": 40, "stop": ["Paris"]}),
-        json.dumps({"id": "s1", "messages": chat, "max_tokens": 20, "temperature": 0.8,
+        json.dumps({"id": "s1", "messages": chat, "max_tokens": 8, "temperature": 0.8,
                     "seed": 42}),
-        json.dumps({"id": "s2", "messages": chat, "max_tokens": 20, "temperature": 0.8,
+        json.dumps({"id": "s2", "messages": chat, "max_tokens": 8, "temperature": 0.8,
                     "seed": 42}),
     ]
     env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent), "SKULKP2P_DTYPE": "bfloat16"}
@@ -149,7 +159,7 @@ def test_smollm2_pipe(smollm2_path, tmp_path):
     assert "Paris" in res["chat"]["text"]
     assert res["stop"]["finish_reason"] == "stop" and "Paris" not in res["stop"]["text"]
     assert res["chat"]["text"].startswith(res["stop"]["text"])
-    assert res["s1"]["tokens"] == res["s2"]["tokens"]
+    assert res["s1"]["tokens"] == res["s2"]["tokens"] and len(res["s1"]["tokens"]) == 8
 
     model, tok = load(str(smollm2_path))
     for rid, prompt in (("chat", tok.apply_chat_template(chat, add_generation_prompt=True)),

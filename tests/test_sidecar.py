@@ -4,6 +4,7 @@ and train_sidecar on a tiny model."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tomllib
@@ -339,7 +340,7 @@ def test_card_sidecar_from_hf_offline(tmp_path, monkeypatch):
 
 @pytest.mark.training
 @pytest.mark.parametrize("kind,data", [("eagle", "broad"), ("qwen", "stdlib")])
-def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
+def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, monkeypatch, kind, data):
     base = tiny_models["llama"]
     out = tmp_path / "trained"
     p = train_sidecar.PREFIXES[kind]
@@ -348,6 +349,17 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, kind, data):
               "--heldout-batches", "2"]
     if data == "stdlib":
         common += ["--limit-files", "30", "--heldout-batch", "4"]
+        # The resumed run below builds the very prompts the first run built (the same files,
+        # seed and tokenizer): it gets a copy of them rather than parsing the stdlib again
+        # (~5 s: ast.get_source_segment splits a whole file into lines per function).
+        build, built = train_sidecar.build_prompts, {}
+
+        def build_once(tokenizer, seed, limit_files=None):
+            if (seed, limit_files) not in built:
+                built[seed, limit_files] = build(tokenizer, seed, limit_files)
+            return copy.deepcopy(built[seed, limit_files])
+
+        monkeypatch.setattr(train_sidecar, "build_prompts", build_once)
     assert train_sidecar.main([*common, "--steps", "3"]) == 0
     prov = tomllib.loads((out / "mtp.provenance.toml").read_text())
     assert prov["conventions"]["style"] == kind

@@ -22,6 +22,7 @@ from skulkp2p.engine.request import parse_request
 from skulkp2p.engine.sampling import SamplingParams, make_rng
 from skulkp2p.engine.suffix import Branch
 from skulkp2p.engine.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
+from tests.helpers.loaded import smollm2_float32
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import (
     CODE,
@@ -235,8 +236,10 @@ def test_trees_in_a_batch_equal_plain(models, family, monkeypatch):
 def test_smollm2_trees_exact(smollm2_path):
     """On SmolLM2-135M (float32 OpenBLAS): a tree forward's rows against each path alone (how
     close: a chain verify of k + 1 rows is itself not bit-identical to k + 1 single steps on
-    this backend), and greedy decoding with trees equal to plain and to mlx-lm's generate."""
-    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32")
+    this backend), and greedy decoding with trees equal to plain and to mlx-lm's generate.
+    (32 tokens: 4 rounds, 3 of them trees with 11 side branches offered beside their chains;
+    tree rounds, side branches and drafts both accepted and rejected are asserted.)"""
+    lm = smollm2_float32()
     prompt = lm.tokenizer.encode(CODE * 3)
     # The prompt is prefilled once; every forward below starts from a copy of these caches
     # (what a prefill of its own would hold: the same ops), and each node's single steps go on
@@ -259,12 +262,14 @@ def test_smollm2_trees_exact(smollm2_path):
     print(f"tree row vs single steps: {worst_tree:.2e}; chain verify vs single steps: "
           f"{worst_chain:.2e}")
     assert worst_tree <= max(4 * worst_chain, 1e-4)
-    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 96, make_rng(0)))
-    assert plain == mlx_lm_tokens(lm, prompt, 96)
+    plain = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 32, make_rng(0)))
+    assert plain == mlx_lm_tokens(lm, prompt, 32)
     stats = DecodeStats()
-    spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 96, make_rng(0),
-                       tree_drafter(), 8, stats))
-    assert spec == plain and stats.tree_rounds > 0
+    drafter = tree_drafter()
+    spec = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 32, make_rng(0),
+                       drafter, 8, stats))
+    assert spec == plain and stats.tree_rounds > 0 and drafter.side_offered > 0
+    assert 0 < stats.accepted < stats.drafted  # drafts accepted and rejected
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
