@@ -94,7 +94,7 @@ def test_bench_default_output_json_on_stdout_table_on_stderr(tiny, tmp_path):
 @pytest.mark.process
 @pytest.mark.parametrize("bad", [["--workloads", "nope"], ["--arms", "oracle:2"],
                                  ["--runs", "0"], ["--dtype", "int8"],
-                                 ["--cores-per-node", "0"]])
+                                 ["--cores-per-node", "0"], ["--agent", "--turns", "7"]])
 def test_bad_option_one_line_exit_2(bad):
     proc = run_cli("bench", *bad, timeout=60)
     assert proc.returncode == 2
@@ -263,6 +263,15 @@ def test_bench_cores_per_node_refused_before_anything_loads(bad, message):
     assert len(errors) == 1 and message in errors[0], proc.stderr
 
 
+@pytest.mark.process
+def test_bench_turns_needs_agent_one_line():
+    proc = run_cli("bench", "--turns", "2", timeout=60)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "--turns is the length of --agent's conversation: it needs " \
+        "--agent" in errors[0], proc.stderr
+
+
 def _on_two_one_core_nodes(tiny, tmp_path, *placement: str) -> tuple[dict, list[int]]:
     """`bench --nodes 2 --cores-per-node 1 --one-node` on the tiny model (with `placement`'s
     flags): its JSON, and the cores this process may run on (skips below two)."""
@@ -315,15 +324,20 @@ def test_bench_ring_on_emulated_one_core_nodes(tiny, tmp_path):
 def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):
     """`bench --agent --nodes 2 --parallel tensor`: the ranks keep their slices of the prefix
     cache; from turn 2 on, the conversation so far is restored on the group, exactly."""
+    # Two turns: turn 2 restores turn 1 from the group's cache (as every later turn restores
+    # the one before); the shared-prefix pair still runs, its second request restoring most of
+    # the first's ~2,500 tokens on the group, exactly (the command fails on a mismatch).
     out = tmp_path / "agent-tensor.json"
-    proc = run_cli("bench", "--agent", "--model", str(tiny), "--data-dir", str(tmp_path),
-                   "--max-tokens", "6", "--runs", "1", "--prefix-cache-mb", "64",
+    proc = run_cli("bench", "--agent", "--turns", "2", "--model", str(tiny), "--data-dir",
+                   str(tmp_path), "--max-tokens", "6", "--runs", "1", "--prefix-cache-mb", "64",
                    "--nodes", "2", "--parallel", "tensor", "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["mismatched"] == []
     assert doc["settings"]["ring"]["parallel"] == "tensor"
     turns = doc["turns"]
+    assert len(turns) == 2 == len(doc["settings"]["turns"])
+    assert doc["shared_prefix"]["arms"]["plain+prefix"]["second_cached_tokens"] > 500
     for i, t in enumerate(turns):
         assert all(r["identical_to_plain"] for r in t["arms"].values())
         if i > 0:
@@ -402,6 +416,7 @@ def test_ablation_arms_parse():
     assert mlx_arms.parse_arm("spec_scan").lookup == "scan"
 
 
+@pytest.mark.served
 def test_llama_arms_on_a_fresh_server_each(smollm2_path):
     """The peer arms on the real llama-server (when one is installed): a fresh server per
     request, greedy text equal with and without its n-gram drafter, the child gone after."""

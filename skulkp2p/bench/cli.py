@@ -82,6 +82,8 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             else DEFAULT_MAX_TOKENS
     if getattr(args, "agent", False) and (args.plot or args.widths):
         raise BenchError("--agent has its own tables: run --plot and --widths without it")
+    if getattr(args, "turns", None) and not getattr(args, "agent", False):
+        raise BenchError("--turns is the length of --agent's conversation: it needs --agent")
     if getattr(args, "url", None) and not getattr(args, "concurrency", None):
         raise BenchError("--url needs --concurrency N")
     if getattr(args, "temperature", 0.0) > 0.0 and (

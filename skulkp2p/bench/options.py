@@ -15,7 +15,7 @@ from skulkp2p.bench.mlx_arms import (
     Arm,
     parse_arm,
 )
-from skulkp2p.bench.workloads import WORKLOADS
+from skulkp2p.bench.workloads import AGENT_TURNS, WORKLOADS
 
 DEFAULT_MAX_TOKENS = 200
 DEFAULT_RUNS = 3
@@ -44,6 +44,14 @@ def _positive(value: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
+def _turns(value: str) -> int:
+    n = _positive(value)
+    if n > len(AGENT_TURNS):
+        raise argparse.ArgumentTypeError(f"the conversation has {len(AGENT_TURNS)} turns, "
+                                         f"got {value!r}")
     return n
 
 
@@ -153,6 +161,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "~1,000-token file read, edits, tool results) and a shared-prefix pair; "
                         "per-turn time to first token and decode tok/s with the prefix cache "
                         "on and off, plain and spec")
+    p.add_argument("--turns", type=_turns, default=None, metavar="N",
+                   help=f"with --agent: only the conversation's first N turns (default all "
+                        f"{len(AGENT_TURNS)}), for a shorter run")
     p.add_argument("--concurrency", type=_positive, default=None, metavar="N",
                    help="instead of the workloads one by one: N clients at once through HTTP "
                         "(each a different workload) against an agent with --max-batch N and "
