@@ -85,6 +85,7 @@ def test_qwen3_5_mtp_rows_match_solo(tiny_model, sampling):
     assert sched.peak == 4 and sched.replays > 0 and sched.replay_peak <= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_gemma4_assistant_rows_match_solo(tiny_model, gemma_assistant, sampling):
     """Each row's assistant reads its row's caches (a rotating cache rebuilt from the row)."""
@@ -207,6 +208,7 @@ def test_a_model_loaded_on_one_thread_decodes_on_another(tiny_model, gemma_assis
         results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", list(SPECULATION))
 def test_sliding_window_rows_keep_only_their_window(tiny_model, spec):
     """A batch that runs long: each sliding-window row drops the positions no query can see any

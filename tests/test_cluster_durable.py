@@ -99,6 +99,7 @@ def test_a_restarted_voter_does_not_vote_twice_in_a_term():
     assert not net.safety_violations()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_acknowledged_requests_survive_power_cuts_chaos(seed):
     """Requests keep coming through random nodes while a majority (or all) of five nodes lose

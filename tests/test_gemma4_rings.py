@@ -113,6 +113,7 @@ def test_ring_seeded_sampling_equals_one_node(gemma):
                params=params, seed=3) == single
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ordered", "dense"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_assistant_on_the_ring_drafts_what_it_drafts_on_one_node(gemma, kind, n):

@@ -200,6 +200,7 @@ def test_disconnect_while_queued_drops_the_job(node):
     assert node.script.started == ["block first"]
 
 
+@pytest.mark.slow
 def test_slow_headers_and_bodies_get_408_and_idle_connections_close(node):
     t0 = time.monotonic()
     raw = raw_exchange(node.port, [b"GET /health HTTP/1.1\r\n", b"Host: x\r\n"], pause=0.4,

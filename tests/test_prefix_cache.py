@@ -112,6 +112,7 @@ def test_hits_decode_what_a_cold_engine_decodes(tiny_models, family, spec, sampl
     assert cache.hits == (3 if family != "qwen3_5" else 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("spec", ["mtp", "auto"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -279,6 +280,7 @@ def ring_engine(path: Path, family: str, mb: float = 64) -> tuple[MlxEngine, lis
     return MlxEngine(last, prefix_cache_mb=mb), workers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_ring_stages_restore_their_own_entries(mtp_models, family):
     lm = _loaded(mtp_models[family], family)

@@ -290,6 +290,7 @@ def seeded_plain(sharp_llama) -> list[list[int]]:
             for seed in range(6)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["suffix-chains", "suffix-trees", "skewed-fixed-chain"])
 def test_seeded_sampled_output_does_not_depend_on_the_drafts(sharp_llama, seeded_plain,
                                                              drafting):
