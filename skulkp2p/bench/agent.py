@@ -251,7 +251,7 @@ def run_agent(args: Any, engine_report: dict[str, Any], load_before: list[float]
         raise BenchError("--agent compares the prefix cache on and off: --prefix-cache-mb must "
                          "be more than 0")
     max_tokens = args.max_tokens
-    n_turns = getattr(args, "turns", None) or len(AGENT_TURNS)  # --turns: the first N only
+    n_turns = args.turns or len(AGENT_TURNS)  # --turns: the first N only
     cells = {arm.name: ArmRuns() for arm in ARMS}
     settings = {
         "max_tokens": max_tokens, "runs": args.runs, "statistic": "median",
