@@ -30,7 +30,7 @@ def _store(args):
 def _prepare_engine_process() -> None:
     """Before mlx is imported: arrange the fast BLAS (may re-exec this process once)."""
     try:
-        from skulkp2p.engine import blas, blas_threads
+        from skulkp2p.engine.cpu import blas, blas_threads
     except ImportError:
         return
     try:  # a bad setting fails here, not at the first forward
@@ -42,7 +42,7 @@ def _prepare_engine_process() -> None:
 
 def _log_engine_path() -> None:
     try:
-        from skulkp2p.engine import blas
+        from skulkp2p.engine.cpu import blas
     except ImportError:
         return
     blas.log_fast_path(blas.fast_path_report(), logging.getLogger("skulkp2p"))

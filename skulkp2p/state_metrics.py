@@ -10,7 +10,7 @@ import collections
 from collections.abc import Mapping
 from typing import Any
 
-from skulkp2p.engine.blas_threads import NARROW_REASONS, PolicyCounts
+from skulkp2p.engine.cpu.blas_threads import NARROW_REASONS, PolicyCounts
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.metrics import PREFIX, Family
 
@@ -45,7 +45,7 @@ def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
 
 
 def blas_thread_families(counts: PolicyCounts | None) -> list[Family]:
-    """The process's OpenBLAS thread policy (engine/blas_threads.py): forwards per thread
+    """The process's OpenBLAS thread policy (engine/cpu/blas_threads.py): forwards per thread
     count, why forwards the timings would run wide ran narrow, switches and guard trips; no
     samples where no policy runs (no OpenBLAS, or no forward yet)."""
     p = PREFIX + "blas_"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from skulkp2p.engine.blas_threads import PolicyCounts
+from skulkp2p.engine.cpu.blas_threads import PolicyCounts
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.engine.results import (
     GenerationResult,
@@ -154,7 +154,7 @@ class Telemetry:
         self._verify_costs = fn
 
     def watch_blas_threads(self, fn: Callable[[], PolicyCounts | None]) -> None:
-        """`fn()` -> the process's OpenBLAS thread policy counters (engine/blas_threads.py's
+        """`fn()` -> the process's OpenBLAS thread policy counters (engine/cpu/blas_threads.py's
         `counts`), or None where none runs."""
         self._blas_threads = fn
 

@@ -15,12 +15,12 @@ from tests.helpers.models import FAMILIES, TinyModels, test_data_dir
 
 def pytest_configure(config: pytest.Config) -> None:
     """Run the suite on the BLAS the agents run on: re-exec pytest once with OpenBLAS preloaded
-    (engine/blas.py: ensure_fast_blas, as `join` does), unless SKULKP2P_BLAS=off or it cannot
+    (engine/cpu/blas.py: ensure_fast_blas, as `join` does), unless SKULKP2P_BLAS=off or it cannot
     load. Without it the test process ran MLX's reference float32 BLAS while the agents the
     tests start ran OpenBLAS, and the in-process prefills were ~20x slower (a 156-token prompt
     13.4 s against 0.59 s): most of the suite's time. (pytest suspends its fd capture once the
     initial conftests are loaded, before this hook: the new process gets the real stdout.)"""
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     blas.ensure_fast_blas()  # returns only where it did not re-exec
 
@@ -89,10 +89,10 @@ def smollm2_path() -> Path:
 
 @pytest.fixture
 def mlx_lm_functions(monkeypatch):
-    """Verify forwards take mlx-lm's own attention and SwiGLU (engine/numpy_verify.py hands
+    """Verify forwards take mlx-lm's own attention and SwiGLU (engine/cpu/numpy_verify.py hands
     every call back): for checks of bit-for-bit cache equality between forwards of different
     widths, which that module's numpy keeps only within rounding (its products run on other
     shapes)."""
-    from skulkp2p.engine import numpy_verify
+    from skulkp2p.engine.cpu import numpy_verify
 
     monkeypatch.setattr(numpy_verify, "active", False)

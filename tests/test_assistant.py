@@ -1,4 +1,4 @@
-"""The Gemma 4 assistant drafter (engine/assistant.py) on the tiny gemma4_text target and its two
+"""The Gemma 4 assistant drafter (engine/drafting/assistant.py) on the tiny gemma4_text target and its two
 tiny assistants (centroid head, tied dense head) from tools/tiny_gemma4.py.
 
 Random weights draft tokens the target rarely keeps, so these tests check what must hold for
@@ -24,18 +24,18 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from skulkp2p.engine import generate as engine_generate
-from skulkp2p.engine.assistant import (
+from skulkp2p.engine.decode import generate as engine_generate
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams
+from skulkp2p.engine.drafting.assistant import (
     AssistantDrafter,
     AssistantError,
     draft_row,
     load_assistant,
 )
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.request import RequestError, parse_request
-from skulkp2p.engine.sampling import SamplingParams
 from skulkp2p.models.cards import CardError, parse_card
 from tests.helpers.gemma_cards import write_gemma_card
 from tools import tiny_gemma4
@@ -254,7 +254,7 @@ def test_served_cards_pair_the_assistant_gguf_with_draft_mtp():
 
 
 def test_loader_resolves_a_folder_beside_the_card(gemma, tmp_path):
-    from skulkp2p.engine.loader import open_assistant, resolve_assistant
+    from skulkp2p.engine.model.loader import open_assistant, resolve_assistant
     from skulkp2p.models.store import ModelStore
 
     store = ModelStore(tmp_path / "data", cards={})
@@ -381,7 +381,7 @@ def test_a_quantized_assistant_loads_and_drafts_close_to_the_full_one(target, ge
     `.scales`/`.biases` beside packed weights (8-bit here, groups of 32)."""
     from mlx.utils import tree_flatten
 
-    from skulkp2p.engine.assistant import AssistantModel, read_config
+    from skulkp2p.engine.drafting.assistant import AssistantModel, read_config
 
     model, tokenizer = target
     full = load_assistant(gemma[kind], model, mx.float32)

@@ -1,4 +1,4 @@
-"""Continuous batching (engine/scheduler.py, engine/batch_cache.py): requests decoded together
+"""Continuous batching (engine/batching/scheduler.py, engine/cache/batch_cache.py): requests decoded together
 give each request exactly what it gives served alone (tokens and text; greedy and seeded
 sampling; speculation off, lookup, the MTP head), whatever else is in the batch; rows join and
 leave at any step; the prefix cache and the draft memory keep working; the worker admits up to
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skulkp2p.api.worker import Finished, Produced
-from skulkp2p.engine import scheduler
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.batching import scheduler
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.request import parse_request
+from skulkp2p.runtime.worker import Finished, Produced
 from tests.helpers.batch import (
     PROMPTS,
     SAMPLINGS,
@@ -51,7 +51,7 @@ def mtp_llama(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("spec", list(SPECULATION))
 def test_batched_requests_match_solo(tiny_models, family, sampling, spec, monkeypatch):
-    # every ragged step runs its MLPs packed too (engine/packed.py), however little it pads
+    # every ragged step runs its MLPs packed too (engine/model/packed.py), however little it pads
     monkeypatch.setattr(scheduler, "PACK_MLPS_FROM", 0)
     lm = _loaded(tiny_models[family])
     reqs = requests(SAMPLINGS[sampling], SPECULATION[spec])
@@ -69,7 +69,7 @@ def test_batched_requests_match_solo(tiny_models, family, sampling, spec, monkey
     if spec == "lookup":
         drafted = sum(r.speculation.drafted for r in batched)
         assert drafted > 0 and sched.ragged > 0  # rows of different widths in one forward
-        # ... which ran their MLPs and head on the real tokens only (engine/packed.py)
+        # ... which ran their MLPs and head on the real tokens only (engine/model/packed.py)
         assert sched.packed_steps > 0 and sched.padding_skipped > 0
         assert [r.speculation.drafted for r in batched] == [
             r.speculation.drafted for r in alone]
@@ -81,7 +81,7 @@ def test_a_row_with_nothing_prefilled_joining_first_keeps_the_rows_aligned():
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from skulkp2p.engine.batch_cache import RowLengths, RowsKVCache
+    from skulkp2p.engine.cache.batch_cache import RowLengths, RowsKVCache
 
     rows = RowLengths()
     layer = RowsKVCache(rows)
@@ -100,7 +100,7 @@ def test_a_row_with_nothing_prefilled_joining_first_keeps_the_rows_aligned():
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_batched_mtp_rows_match_solo(mtp_llama, sampling, monkeypatch):
     """Each row drafts with its own MTP head, which reads its row's hidden states (of ragged
-    steps run packed too: engine/packed.py)."""
+    steps run packed too: engine/model/packed.py)."""
     monkeypatch.setattr(scheduler, "PACK_MLPS_FROM", 0)
     lm = _loaded(mtp_llama)
     reqs = requests(SAMPLINGS[sampling], {"drafter": "mtp", "depth": 2})
@@ -331,7 +331,7 @@ def test_drafting_backs_off_among_plain_rows_and_drafts_with_drafting_rows():
     pays when the other rows draft too (all widening together), and for free up to the width
     the others already verify. The gate backs off for the round, drafts again once the batch
     says so, and a seeded sampled request's gate ignores the batch."""
-    from skulkp2p.engine.gates import (
+    from skulkp2p.engine.drafting.gates import (
         DEFAULT_WIDTH_COSTS,
         SOLO,
         BatchView,
@@ -393,7 +393,7 @@ def test_drafting_backs_off_among_plain_rows_and_drafts_with_drafting_rows():
 def test_ticket_lock_hands_over_in_arrival_order():
     """The model's lock goes to its waiters in the order they asked (a release hands it to the
     oldest waiter), works under a Condition, and refuses a release by a thread not holding it."""
-    from skulkp2p.engine.scheduler import TicketLock
+    from skulkp2p.engine.batching.scheduler import TicketLock
     lock = TicketLock()
     cond = threading.Condition(lock)
     order: list[int] = []
@@ -433,7 +433,7 @@ def _record(errors: list[BaseException], call) -> None:
 def test_prefill_chunks_pack_by_width():
     """Chunks that arrive together share a forward only while padding them to the widest costs
     at most PREFILL_PADDING_BOUND of their tokens; the narrowest go first."""
-    from skulkp2p.engine.scheduler import PrefillChunk, _packed
+    from skulkp2p.engine.batching.scheduler import PrefillChunk, _packed
     chunks = [PrefillChunk(None, [0] * w) for w in (8, 2, 8, 3, 8, 512)]  # type: ignore[arg-type]
     assert [[len(c.tokens) for c in g] for g in _packed(chunks)] == [[2, 3], [8, 8, 8], [512]]
     assert _packed([]) == []

@@ -1,4 +1,4 @@
-"""The batch's per-row KV buffers (engine/batch_cache.py) at the level of one layer: where a
+"""The batch's per-row KV buffers (engine/cache/batch_cache.py) at the level of one layer: where a
 step writes each row's keys, and what a sliding-window layer keeps. The end-to-end exactness of
 batched requests against solo ones is tests/test_batch.py and tests/test_batch_rowstate.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from skulkp2p.engine.batch_cache import STEP, RowLengths, RowsKVCache
+from skulkp2p.engine.cache.batch_cache import STEP, RowLengths, RowsKVCache
 
 
 def _keys(rows: int, width: int, base: float) -> mx.array:

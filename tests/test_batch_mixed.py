@@ -1,4 +1,4 @@
-"""Mixed steps (engine/row_forward.py: RowForward.mixes): a prompt that joins while rows decode
+"""Mixed steps (engine/batching/row_forward.py: RowForward.mixes): a prompt that joins while rows decode
 prefills inside their steps, one chunk per step, and the prompts of a burst release their first
 tokens forward by forward (narrowest first), not after every prompt is in. Every request still
 decodes exactly what it decodes alone (greedy and seeded), the rows keep decoding while a long
@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from skulkp2p.api.worker import Finished
-from skulkp2p.engine import scheduler
-from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.batching import scheduler
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.request import parse_request
+from skulkp2p.runtime.worker import Finished
 from tests.helpers.batch import (
     PROMPTS,
     SAMPLINGS,
@@ -156,7 +156,7 @@ def test_real_model_long_chat_joins_decoding_rows_exactly():
     long echo prompt goes in inside their steps; each gives what it gives alone. (12 tokens
     each: the echo prompt's 6 chunks of 64 all ride in the short rows' steps, asserted.)"""
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.engine.decode.generate import prompt_tokens
 
     lm = smollm2_float32()
     msgs = [[{"role": "user", "content": "Name three rivers in Europe."}],

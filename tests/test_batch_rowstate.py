@@ -15,10 +15,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from skulkp2p.engine.assistant import load_assistant
-from skulkp2p.engine.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.cache.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.drafting.assistant import load_assistant
+from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.request import parse_request
 from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, requests, solo, together
 from tools import tiny_gemma4
@@ -215,7 +215,7 @@ def test_sliding_window_rows_keep_only_their_window(tiny_model, spec):
     more (RowsKVCache.trim), so its buffer stays about a window wide, not its whole history, and
     every request still decodes exactly what it decodes alone (rollbacks of rejected drafts
     included). One prompt is long: its row joins holding only its last window."""
-    from skulkp2p.engine.batch_cache import STEP
+    from skulkp2p.engine.cache.batch_cache import STEP
 
     lm = _loaded(tiny_model("gemma4_text"))
     long_prompt = " ".join(["the river runs by the old mill and the bird sings"] * 40)

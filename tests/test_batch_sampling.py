@@ -4,7 +4,7 @@ check the same rules through decode() alone; the batch's rows share that code bu
 checked by seeded equality with their solo runs).
 
 Every request goes through the engine (`MlxEngine.generate`: the batching scheduler's rows,
-engine/scheduler.py) on a tiny llama (float32, lm_head sharpened so that drafts are often
+engine/batching/scheduler.py) on a tiny llama (float32, lm_head sharpened so that drafts are often
 accepted). Two other requests decode all the while, each restarted when it ends: a greedy one with
 the suffix drafter on a code prompt, and a sampled one with top-p and a repetition penalty on
 another prompt; so every measured request joins a batch whose other rows have other prompts,
@@ -28,11 +28,11 @@ import threading
 import mlx.core as mx
 import pytest
 
-from skulkp2p.engine import generate
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import LoadedModel, load_model
+from skulkp2p.engine.decode import generate
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import SamplingParams
+from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import SamplingParams
 from tests.helpers.sampled import (
     FixedDrafter,
     FixedTreeDrafter,
@@ -145,7 +145,7 @@ def _served_in_a_batch(lm: LoadedModel, monkeypatch, drafter, depth: int, n: int
 
 @pytest.fixture(scope="module")
 def case(sharp_llama):
-    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.engine.decode.generate import prompt_tokens
 
     prompt = prompt_tokens(sharp_llama, parse_request(_measured(0)))
     joint = exact_joint(sharp_llama.model, prompt, PARAMS)

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from skulkp2p.bench import BenchError, mlx_arms, report
-from skulkp2p.engine import width_costs
+from skulkp2p.bench import BenchError, report
+from skulkp2p.bench.arms import mlx_arms
+from skulkp2p.engine.drafting import width_costs
 from tests.helpers import ROOT
 from tests.helpers.procs import run_cli
 
@@ -214,7 +215,7 @@ def test_bench_tensor_parallel_group_reports_where_the_time_goes(tiny, tmp_path)
     assert group["command_link_bytes"] >= 16 * group["traversals"] > 0
     assert group["rank_compute_ms_one_row"] > 0  # a rank's slice timed with no collective
     # The depth controller used the group's own width table, measured at start, as the seed
-    # of the live table every verify call is timed into (engine/call_costs.py).
+    # of the live table every verify call is timed into (engine/drafting/call_costs.py).
     assert set(group["group_width_seconds"]) == {"1", "2", "3", "4", "6", "8", "12", "16"}
     assert set(doc["settings"]["width_costs_used"]) >= set(group["group_width_costs"])
     assert set(group["group_width_costs_live"]) >= set(group["group_width_costs"])
@@ -423,7 +424,7 @@ def test_llama_arms_on_a_fresh_server_each(smollm2_path):
     import os
     from pathlib import Path
 
-    from skulkp2p.bench import peers
+    from skulkp2p.bench.arms import peers
     from skulkp2p.bench.workloads import SESSIONS, WORKLOADS
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
@@ -516,7 +517,7 @@ def test_bench_concurrency_bad_options_one_line(bad, message):
 
 
 def test_percentile_nearest_rank():
-    from skulkp2p.bench.concurrency_report import percentile
+    from skulkp2p.bench.arms.concurrency_report import percentile
 
     xs = [float(i) for i in range(1, 101)]
     assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0

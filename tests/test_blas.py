@@ -1,4 +1,4 @@
-"""OpenBLAS preload for mlx on Linux CPU (skulkp2p.engine.blas).
+"""OpenBLAS preload for mlx on Linux CPU (skulkp2p.engine.cpu.blas).
 
 LD_PRELOAD only counts at process start, so the re-exec is tested in child interpreters with a
 controlled environment; each child prints START before ensure_fast_blas() (so a re-exec shows as
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine import blas
+from skulkp2p.engine.cpu import blas
 from tests.helpers.blas import child_env, fast_path_available
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Per-forward OpenBLAS thread counts (skulkp2p.engine.blas_threads).
+"""Per-forward OpenBLAS thread counts (skulkp2p.engine.cpu.blas_threads).
 
 The decisions are tested on a ThreadPolicy with a clock the test advances (a forward "takes" what
 the test says) and a load probe the test sets; the calls into OpenBLAS are recorded. Whether the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine import blas_threads as bt
+from skulkp2p.engine.cpu import blas_threads as bt
 from tests.helpers.blas import child_env, fast_path_available
 
 
@@ -463,11 +463,11 @@ from skulkp2p.engine import blas
 blas.ensure_fast_blas()
 import mlx.core as mx
 from skulkp2p.engine import blas_threads
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.drafters import PromptLookup
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.sampling import SamplingParams, make_rng
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from tests.helpers.reference import mlx_lm_tokens
 
 lm = load_model(sys.argv[1], "smollm2", dtype="float32")
@@ -548,7 +548,7 @@ def test_real_openblas_runs_the_count_said_and_greedy_stays_exact(child_reports,
     assert report["seen"] and all(said == runs for said, runs in report["seen"])
     counts = {said for said, _ in report["seen"]}
     if setting == "auto":
-        # Quiet (as the child says): the start count (cores - 1, engine/blas.py) for the
+        # Quiet (as the child says): the start count (cores - 1, engine/cpu/blas.py) for the
         # baseline, one thread per core after it.
         p = report["policy"]
         assert p["narrow"] == report["start"] and counts == {p["narrow"], p["wide"]}, p
@@ -578,7 +578,7 @@ def test_a_batch_of_requests_counts_as_one_owner(tiny_models, monkeypatch) -> No
     """Four requests decoded together on the batching engine (each on its own thread, steps
     run by whichever holds the lock): the policy never sees a shared forward, so a quiet node
     may run the batch's steps on two threads; outputs as served alone."""
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
     from tests.helpers.batch import loaded, requests, solo, together
 
     policy, blas, clock = make()

@@ -5,9 +5,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
-from skulkp2p.engine import caches
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.cache import caches
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 
 
 def _feed(cache, tokens):

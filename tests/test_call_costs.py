@@ -1,4 +1,4 @@
-"""The live verify-width table (engine/call_costs.py): seeded by a probe, it follows the seconds
+"""The live verify-width table (engine/drafting/call_costs.py): seeded by a probe, it follows the seconds
 of the calls a forward really makes, robust to a slow call, and the depth controller drafts
 shallower once wide calls turn out dear. Recorded call times, no clock."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from skulkp2p.engine.call_costs import LiveWidthCosts
-from skulkp2p.engine.gates import DepthController, width_cost
+from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+from skulkp2p.engine.drafting.gates import DepthController, width_cost
 
 # A group's probe at formation on a busy CPU: every width's fastest call about the same
 # (README, tensor-parallel placements: "flat at 07:01").

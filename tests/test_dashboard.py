@@ -441,7 +441,7 @@ def _blas_policy(port: int) -> dict:
 def test_agents_metrics_show_its_blas_thread_policy(tiny_models, tmp_path, monkeypatch,
                                                     setting):
     """A real `join` agent's /metrics counts what its OpenBLAS thread policy
-    (engine/blas_threads.py) did: forwards per thread count (they grow with each request), the
+    (engine/cpu/blas_threads.py) did: forwards per thread count (they grow with each request), the
     forwards it kept narrow by reason, switches and trips. SKULKP2P_BLAS_THREADS=1: every
     forward on one thread, nothing narrowed or switched."""
     from tests.helpers.procs import JoinNode

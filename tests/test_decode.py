@@ -3,13 +3,13 @@ depth equals plain, for each tiny family (llama, qwen3, hybrid qwen3_5 with recu
 
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.drafters import PromptLookup
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import generate
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.decode.generate import generate
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tests.helpers.models import FAMILIES
 from tests.helpers.reference import mlx_lm_tokens
 

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.draft_model import DraftModelDrafter, check_compatible, vocab_size
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import LoadedModel, load_model
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.draft_model import DraftModelDrafter, check_compatible, vocab_size
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.request import RequestError
-from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tests.helpers.models import FAMILIES
 
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"

@@ -15,8 +15,8 @@ from skulkp2p.engine import blas
 blas.ensure_fast_blas()
 import mlx.core as mx
 from mlx_lm import stream_generate
-from skulkp2p.engine.generate import generate
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.decode.generate import generate
+from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.request import parse_request
 report = blas.fast_path_report()
 lm = load_model(sys.argv[1], "smollm2-135m", dtype="float32")
@@ -59,7 +59,7 @@ def test_the_suite_runs_on_the_blas_the_agents_run_on():
     tests then run the same float32 products as the agents they start (and ~20x faster)."""
     import os
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     if not sys.platform.startswith("linux") or blas.find_openblas() is None \
             or os.environ.get(blas.ENV_MODE, "").strip().lower() in blas.OFF_VALUES:

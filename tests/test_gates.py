@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.drafters import PromptLookup
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import (
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.gates import (
     DEFAULT_WIDTH_COSTS,
     REPRICE_EVERY,
     BatchView,
@@ -18,8 +17,9 @@ from skulkp2p.engine.gates import (
     step_cost,
     width_cost,
 )
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 from tests.helpers.procs import run_cli
 
 F32 = DEFAULT_WIDTH_COSTS["float32"]
@@ -335,8 +335,8 @@ def test_lookup_continues_the_model_drafters_guess():
     """Where lookup has no match of its own, the head's one-token guess is continued by lookup
     when the guess makes a match (gates.LookupThenModel._continued); otherwise it goes alone,
     and with lookup.edits off it always goes alone."""
-    from skulkp2p.engine.gates import LookupThenModel
-    from skulkp2p.engine.suffix import SuffixDrafter
+    from skulkp2p.engine.drafting.gates import LookupThenModel
+    from skulkp2p.engine.drafting.suffix import SuffixDrafter
 
     costs = DEFAULT_WIDTH_COSTS["float32"]
     text = [1, 2, 3, 4, 5, 6, 9, 8, 1]
@@ -355,8 +355,8 @@ def test_prompt_gate_applies_to_lookup_alone(tiny_model, monkeypatch):
     """On a novel prompt, lookup starts off when it drafts alone (the prompt gate), and on
     beside a model drafter (the head takes the rounds it has nothing for), unless the card
     turns lookup.edits off (then the gate applies as before)."""
-    from skulkp2p.engine.gates import LookupThenModel
-    from skulkp2p.engine.generate import _choose_drafter
+    from skulkp2p.engine.decode.generate import _choose_drafter
+    from skulkp2p.engine.drafting.gates import LookupThenModel
     from skulkp2p.engine.request import parse_request
 
     req = parse_request({"prompt": "x", "max_tokens": 8})

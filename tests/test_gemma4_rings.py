@@ -21,14 +21,14 @@ from skulkp2p.cluster.placement import (
     split_with_tail,
     tail_start_of,
 )
-from skulkp2p.engine.assistant import AssistantDrafter, AssistantError, load_assistant
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.drafters import PromptLookup
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel, StageSpan
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.assistant import AssistantDrafter, AssistantError, load_assistant
+from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.stage import StageModel, StageSpan
+from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
 from skulkp2p.models.cards import CardError, parse_card
 from tests.helpers.gemma_cards import write_gemma_card
 from tools import tiny_gemma4
@@ -278,8 +278,8 @@ def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
 
 
 def test_a_tensor_groups_loop_member_loads_no_assistant_and_says_why(gemma, tmp_path):
-    from skulkp2p.engine.generate import _choose_drafter
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.decode.generate import _choose_drafter
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.engine.request import RequestError, parse_request
     from skulkp2p.models.store import ModelStore
     card = parse_card({**_card(), "placement": {},

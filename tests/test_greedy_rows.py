@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine.sampling import greedy_token, greedy_tokens, log_probs
+from skulkp2p.engine.decode.sampling import greedy_token, greedy_tokens, log_probs
 
 V = 49152  # SmolLM2's vocabulary
 

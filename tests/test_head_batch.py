@@ -1,4 +1,4 @@
-"""The batch's MTP/EAGLE head drafts in one head forward per depth (engine/head_batch.py):
+"""The batch's MTP/EAGLE head drafts in one head forward per depth (engine/batching/head_batch.py):
 each row gets the drafts its own head gives it served alone, every request's output stays
 exactly its solo output, rows join, roll back and leave the head batch (a head switched off
 leaves, the prefix cache takes a row's head rows out of it), and a batched head forward runs
@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.mtp_drafter import MtpDrafter
+from skulkp2p.engine.batching.scheduler import BatchScheduler
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.scheduler import BatchScheduler
-from skulkp2p.engine.trunk import Trunk
 from tests.helpers.batch import PROMPTS, SAMPLINGS, loaded, requests, solo, together
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.loaded import smollm2_float32
@@ -141,7 +141,7 @@ def test_a_head_switched_off_mid_batch_leaves_it(tiny_model, tmp_path_factory, m
     """Seeded requests whose gates ignore the batch (what a request gets whose drafts are drawn
     from a q: patched in here, as this model drafts with a head) draft in the batch as alone, and
     the gate switches two heads off mid-batch: they leave the head batch, outputs still solo's."""
-    from skulkp2p.engine import generate
+    from skulkp2p.engine.decode import generate
 
     monkeypatch.setattr(generate, "drafts_sampled", lambda loaded, spec: True)
     lm = _head_model(tiny_model, tmp_path_factory, "llama", "eagle")
@@ -300,7 +300,7 @@ def test_gate_prices_a_batched_heads_drafts_as_one_forward():
     draft in one forward per depth (d k c(4)); alone both price it alike. The gate of a
     drafter that says it drafts in the batch's forward prices it so once its row is a batch
     row (and not for a seeded sampled request, whose gate ignores the batch)."""
-    from skulkp2p.engine.gates import (
+    from skulkp2p.engine.drafting.gates import (
         DEFAULT_WIDTH_COSTS,
         SOLO,
         BatchView,

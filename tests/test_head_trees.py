@@ -11,15 +11,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import GatedDrafter
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import LoadedModel, load_model
-from skulkp2p.engine.mtp_drafter import HEAD_BRANCH_CLOSE, MtpDrafter
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.gates import GatedDrafter
+from skulkp2p.engine.drafting.mtp_drafter import HEAD_BRANCH_CLOSE, MtpDrafter
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import LoadedModel, load_model
+from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.trunk import Trunk
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import FREE_WIDTH, trees_on

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen3, qwen3_5
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.mtp_conventions import MtpConventions, detect_conventions
-from skulkp2p.engine.mtp_drafter import MtpDrafter
-from skulkp2p.engine.mtp_head import _stack_experts, load_mtp_head
-from skulkp2p.engine.sampling import SamplingParams, make_rng
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.mtp_conventions import MtpConventions, detect_conventions
+from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+from skulkp2p.engine.drafting.mtp_head import _stack_experts, load_mtp_head
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 from tools.make_tiny_model import RMS_EPS, mtp_tensor_shapes
 
 CASES = [("llama", "qwen"), ("llama", "deepseek"), ("llama", "mimo"), ("qwen3", "qwen"),
@@ -386,8 +386,8 @@ def test_stack_experts():
 def test_lookup_then_mtp_is_exact_and_keeps_the_head_in_step(tiny):
     """Lookup drafts where it matches, the head elsewhere; greedy output equals plain and the
     head's cache still equals one pass over the sequence after rounds that lookup drafted."""
-    from skulkp2p.engine.gates import GatedDrafter, LookupThenModel
-    from skulkp2p.engine.generate import _lookup
+    from skulkp2p.engine.decode.generate import _lookup
+    from skulkp2p.engine.drafting.gates import GatedDrafter, LookupThenModel
 
     t = tiny("llama", "qwen")
     t.prompt = t.lm.tokenizer.encode(TEXT + " " + TEXT + " " + TEXT)
@@ -416,7 +416,7 @@ def test_lookup_then_mtp_is_exact_and_keeps_the_head_in_step(tiny):
 
 def test_auto_mode_with_a_head_uses_lookup_and_mtp(tiny):
     """A model with a head, in auto mode: the combined drafter, exact, counted per drafter."""
-    from skulkp2p.engine.generate import generate
+    from skulkp2p.engine.decode.generate import generate
     from skulkp2p.engine.request import parse_request
 
     t = tiny("llama", "qwen")
@@ -436,7 +436,7 @@ def test_head_priced_off_catches_up_and_drafts_exactly_when_costs_fall(tiny):
     group's live table), keeps only references to the rows it skips, and when the costs fall
     it is priced again, catches its cache up in one call and drafts: the output stays the
     plain one and the head's cache ends where a head that drafted throughout ends."""
-    from skulkp2p.engine.gates import REPRICE_EVERY, GatedDrafter
+    from skulkp2p.engine.drafting.gates import REPRICE_EVERY, GatedDrafter
 
     t = tiny("llama", "qwen")
     head = t.head()

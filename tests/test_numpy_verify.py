@@ -1,4 +1,4 @@
-"""A verify's softmax and SwiGLU in numpy (engine/numpy_verify.py): the same numbers as MLX's
+"""A verify's softmax and SwiGLU in numpy (engine/cpu/numpy_verify.py): the same numbers as MLX's
 attention within rounding for every mask a verify passes (causal, a tree's boolean mask,
 additive, per head, batched rows) and as mlx-lm's SwiGLU, mlx-lm's own functions everywhere
 else (one row, outside a verify, another dtype, a quantized cache, switched off), routed by
@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine import numpy_verify
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.numpy_verify import attention, install, swiglu
-from skulkp2p.engine.weight_first import verify_rows
+from skulkp2p.engine.cpu import numpy_verify
+from skulkp2p.engine.cpu.numpy_verify import attention, install, swiglu
+from skulkp2p.engine.cpu.weight_first import verify_rows
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 
 
 def qkv(b: int, hq: int, hkv: int, w: int, s: int, seed: int = 0, d: int = 16):

@@ -1,5 +1,5 @@
 """Ragged batched steps run the layers' MLPs and the head on their real tokens only
-(engine/packed.py). The end-to-end exactness (every request's tokens equal to the request
+(engine/model/packed.py). The end-to-end exactness (every request's tokens equal to the request
 alone) is tests/test_batch.py's, which also checks that its lookup batches ran packed steps;
 here: the packing's index arithmetic, and one ragged step's logits and caches packed against
 padded on a tiny model."""
@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from skulkp2p.engine.gates import step_cost
-from skulkp2p.engine.packed import packed_rows, packs_mlps
+from skulkp2p.engine.drafting.gates import step_cost
+from skulkp2p.engine.model.packed import packed_rows, packs_mlps
 from tests.helpers.batch import loaded, rows_joined_by_hand, step_by_hand
 
 

@@ -18,7 +18,7 @@ from skulkp2p.api.app import OneModel, routed
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.pipe_route import pipe_generate
 from skulkp2p.api.server import HttpServer, Router
-from skulkp2p.api.worker import ModelWorker
+from skulkp2p.runtime.worker import ModelWorker
 from tests.helpers.fake_engine import FakeEngine, Script
 from tests.helpers.http_client import call
 from tests.helpers.procs import run_cli

@@ -12,13 +12,13 @@ import threading
 import mlx.core as mx
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import stream
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.prefix_cache import MB, PrefixCache
+from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
+from skulkp2p.engine.decode.generate import stream
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import SamplingParams, make_rng
 from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded
 from tests.helpers.reference import mlx_lm_tokens

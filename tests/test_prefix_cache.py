@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py): a request that reuses an earlier request's caches
+"""The prefix cache (engine/cache/prefix_cache.py): a request that reuses an earlier request's caches
 decodes exactly what a cold engine decodes (tokens and text, greedy and seeded sampling), for
 attention-only and hybrid recurrent-state models, with the MTP head's own cache (same drafts),
 and on pipeline rings (each stage restores its own entries; a stage that misses makes the ring
@@ -13,17 +13,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine.decode import decode
-from skulkp2p.engine.drafters import PromptLookup
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.generate import prompt_tokens, stream
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.prefix_cache import MB, PrefixCache
+from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
+from skulkp2p.engine.decode.generate import prompt_tokens, stream
+from skulkp2p.engine.decode.loop import decode
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.stage import StageModel, StageSpan
+from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel, StageSpan
 from tools.make_tiny_model import make_tiny_model
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")

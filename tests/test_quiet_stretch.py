@@ -11,13 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
-from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
+from skulkp2p.engine.drafting.suffix import SuffixDrafter
+from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.suffix import SuffixDrafter
 from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded
 from tests.helpers.reference import mlx_lm_tokens

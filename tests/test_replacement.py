@@ -19,7 +19,9 @@ import pytest
 
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
-from skulkp2p.api.worker import (
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.request import parse_request
+from skulkp2p.runtime.worker import (
     Failed,
     Finished,
     ModelWorker,
@@ -27,8 +29,6 @@ from skulkp2p.api.worker import (
     Produced,
     WorkerStopped,
 )
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.request import parse_request
 from tests.helpers.batch import PROMPTS, loaded
 
 LONG = {"max_tokens": 4000, "speculation": "off"}

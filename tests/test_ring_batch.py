@@ -1,4 +1,4 @@
-"""Batched pipeline rings (engine/ring_batch.py): the rows of several requests cross the ring in
+"""Batched pipeline rings (engine/parallel/ring/batch_rows.py): the rows of several requests cross the ring in
 ONE frame per step, each stage runs them as one forward over its rows' caches, and every
 request decodes exactly what it decodes alone on the ring and on one node (greedy and seeded;
 speculation off, lookup, MTP). A finished or cancelled request's row is freed on every stage at
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.model.stage import StageModel
+from skulkp2p.engine.parallel.ring.traversal import RingError, StageWorker
 from skulkp2p.engine.protocol import Cancelled
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.ring import RingError, StageWorker
-from skulkp2p.engine.stage import StageModel
 from tests.helpers.batch import requests, solo, together
 from tests.helpers.rings import Ring, full, stages
 
@@ -155,7 +155,7 @@ def test_hybrid_models_stay_one_request_at_a_time_on_rings(tiny_model):
     """qwen3_5 cut so that the last stage holds only attention layers: its engine still serves
     one request at a time (the first stage's layers hold recurrent state), and a batch frame
     sent to that first stage anyway is dropped."""
-    from skulkp2p.engine.ring import header
+    from skulkp2p.engine.parallel.ring.traversal import header
 
     path = tiny_model("qwen3_5", seed=0)
     parts = stages(path, 3)
@@ -173,7 +173,7 @@ def test_hybrid_models_stay_one_request_at_a_time_on_rings(tiny_model):
 
 
 def test_bad_batch_frames_are_dropped(llama):
-    from skulkp2p.engine.ring import header
+    from skulkp2p.engine.parallel.ring.traversal import header
 
     parts = stages(llama, 3)
     first = StageWorker(StageModel(parts[0].model, parts[0].span), term=4)

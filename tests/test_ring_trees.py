@@ -1,4 +1,4 @@
-"""Token trees on pipeline rings (engine/ring.py): a tree is verified in ONE traversal, every
+"""Token trees on pipeline rings (engine/parallel/ring/traversal.py): a tree is verified in ONE traversal, every
 stage runs it under the tree's mask and positions, and the accepted path travels to every stage
 with the next frame, where each compacts its caches to it. Greedy output with trees on equals
 plain decoding and mlx-lm's generate on rings of 2 and 3 stages (tiny llama, qwen2, qwen3);
@@ -14,12 +14,12 @@ import mlx.core as mx
 import pytest
 
 from skulkp2p import wire
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
-from skulkp2p.engine.ring_frames import header, tree_payload
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.stage import StageModel
+from skulkp2p.engine.parallel.ring.frames import header, tree_payload
+from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.rings import full, stages
 from tests.helpers.trees import CODE, FREE_WIDTH, PARENTS, TOKENS, same_rows, tree_drafter
@@ -193,7 +193,7 @@ def test_batched_ring_rows_verify_trees_exactly(paths, family, n):
     row is freed on every stage at the end."""
     import dataclasses
 
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
     from skulkp2p.engine.request import parse_request
     from tests.helpers.batch import solo, together
     from tests.helpers.rings import Ring
@@ -240,7 +240,7 @@ def test_ring_of_processes_with_trees_equals_plain(paths, tmp_path):
     on a ring of 2 processes, both ways round, equals plain decoding on one node."""
     import json
 
-    from skulkp2p.engine.width_costs import save_width_costs
+    from skulkp2p.engine.drafting.width_costs import save_width_costs
     from tests.helpers.http_client import call, status_of
     from tests.helpers.procs import ProcCluster, loopback_ips_usable
 

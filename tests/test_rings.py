@@ -8,19 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.drafters import PromptLookup
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.mtp_drafter import MtpDrafter
-from skulkp2p.engine.ring import (
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.stage import StageModel, param_bytes
+from skulkp2p.engine.parallel.ring.traversal import (
     InProcessLink,
     RingError,
     RingForward,
     StageWorker,
     header,
 )
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.stage import StageModel, param_bytes
 from tests.helpers.http_client import call, status_of
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
 from tests.helpers.rings import full, stages
@@ -151,7 +151,7 @@ def test_frames_for_another_cut_of_the_layers_are_dropped(models):
 
 
 def test_card_gate_turns_speculation_off_on_rings(models):
-    from skulkp2p.engine.generate import _choose_drafter
+    from skulkp2p.engine.decode.generate import _choose_drafter
     from skulkp2p.engine.request import parse_request
 
     req = parse_request({"prompt": ECHO, "speculation": {"drafter": "mtp"}})

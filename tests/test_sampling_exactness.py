@@ -52,18 +52,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine import decode as decode_module
-from skulkp2p.engine.decode import decode, verify_one
-from skulkp2p.engine.draft_model import DraftModelDrafter
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import LoadedModel, load_model
-from skulkp2p.engine.sampling import (
+from skulkp2p.engine.decode import loop as decode_module
+from skulkp2p.engine.decode.loop import decode, verify_one
+from skulkp2p.engine.decode.sampling import (
     SamplingParams,
     make_rng,
     process_logits,
     sample_from,
     target_probs,
 )
+from skulkp2p.engine.drafting.draft_model import DraftModelDrafter
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from tests.helpers.prefilled import PrefilledForward
 from tests.helpers.sampled import (
     FixedDrafter,
@@ -451,7 +451,7 @@ def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(sharp_l
     """The memory holds the prompt followed by skewed tokens (a likely, a likely, then the least
     likely token the target allows), so the suffix drafter drafts them; sampled output must
     still be distributed as plain sampling's (the chi-square tests above)."""
-    from skulkp2p.engine.suffix import SuffixDrafter, SuffixMemory
+    from skulkp2p.engine.drafting.suffix import SuffixDrafter, SuffixMemory
 
     lm = sharp_llama
     params = TOPK
@@ -469,7 +469,7 @@ def test_sampled_output_keeps_the_target_distribution_with_memory_drafts(sharp_l
                          probs_after(lm.model, prompt, params))
 
 
-# --- the Gemma 4 assistant (engine/assistant.py) -----------------------------------------------
+# --- the Gemma 4 assistant (engine/drafting/assistant.py) -----------------------------------------------
 
 
 N_ASSISTANT = 600
@@ -484,8 +484,8 @@ def test_gemma4_assistant_sampling_matches_plain(tmp_path_factory):
     27% and 7% of offers measured here), so the residual draws past a first acceptance run."""
     from mlx_lm import load as mlx_load
 
-    from skulkp2p.engine.assistant import AssistantDrafter, load_assistant
-    from skulkp2p.engine.decode import DecodeStats
+    from skulkp2p.engine.decode.loop import DecodeStats
+    from skulkp2p.engine.drafting.assistant import AssistantDrafter, load_assistant
     from tools import tiny_gemma4
 
     base = tmp_path_factory.mktemp("gemma4-sampling")

@@ -24,7 +24,7 @@ from skulkp2p.models.store import ModelStore
 from skulkp2p.served.binary import engines, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
 from skulkp2p.served.child_config import DEFAULT_MAX_BATCH, server_args
-from skulkp2p.served.model import ServedModel, open_served
+from skulkp2p.served.served_engine import ServedModel, open_served
 from tests.helpers.models import test_data_dir
 from tests.helpers.procs import JoinNode, run_cli
 
@@ -339,7 +339,7 @@ def test_draft_mtp_without_mtp_layers_fails_with_reason(binary, store):
     import asyncio
 
     from skulkp2p.api.endpoint import ModelEndpoint
-    from skulkp2p.api.worker import ModelWorker
+    from skulkp2p.runtime.worker import ModelWorker
 
     async def main() -> ApiError:
         worker = ModelWorker("smollm2-mtp", lambda: open_served(store, "smollm2-mtp",
@@ -498,7 +498,7 @@ def test_bench_served_bad_input_one_line(card_dir, args, env, message):
 
 
 def test_bench_served_overhead_math_and_mismatch():
-    from skulkp2p.bench.served_report import PLAIN, Generation, summarize
+    from skulkp2p.bench.arms.served_report import PLAIN, Generation, summarize
 
     def gen(text: str, tok_s: float, ttft: float) -> Generation:
         return Generation(text=text, tokens=11, ttft_s=ttft, decode_s=10 / tok_s)

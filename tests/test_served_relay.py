@@ -14,11 +14,11 @@ import types
 import pytest
 
 from skulkp2p.api.errors import engine_error
-from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced, Started
 from skulkp2p.engine.request import RequestError, parse_request
 from skulkp2p.models.cards import Card, Source
+from skulkp2p.runtime.worker import Failed, Finished, ModelWorker, Produced, Started
 from skulkp2p.served.child import free_port
-from skulkp2p.served.model import ServedModel
+from skulkp2p.served.served_engine import ServedModel
 
 PIECES = ["Hel", "lo", " wor", "ld ", "\u00e9\u4e16", "!"]
 TIMINGS = {"prompt_n": 7, "prompt_ms": 3.5, "predicted_n": 6, "predicted_per_second": 99.0,

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from skulkp2p.engine import loader
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import is_mtp_key, load_model
-from skulkp2p.engine.mtp_drafter import MtpDrafter
-from skulkp2p.engine.mtp_head import load_mtp_head
-from skulkp2p.engine.sampling import SamplingParams, make_rng
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+from skulkp2p.engine.drafting.mtp_head import load_mtp_head
+from skulkp2p.engine.model import loader
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import is_mtp_key, load_model
 from tools import publish_sidecar, train_sidecar
 
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
@@ -430,7 +430,7 @@ def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
     index past the list, is refused."""
     import random
 
-    from skulkp2p.engine.model import load_model as load
+    from skulkp2p.engine.model.loaded import load_model as load
     base = tiny_models["llama"]
     out = tmp_path / "trained"
     common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "4",

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from skulkp2p.engine.suffix import MIN_CAP, SuffixAutomaton, SuffixDrafter, SuffixMemory
+from skulkp2p.engine.drafting.suffix import MIN_CAP, SuffixAutomaton, SuffixDrafter, SuffixMemory
 from tests.helpers.loaded import smollm2_float32
 
 
@@ -148,7 +148,7 @@ ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\n
 
 @pytest.fixture(scope="module")
 def llama(tiny_models):
-    from skulkp2p.engine.model import load_model
+    from skulkp2p.engine.model.loaded import load_model
 
     return load_model(tiny_models["llama"], "llama")
 
@@ -157,10 +157,10 @@ def llama(tiny_models):
 def echo_plain(tiny_models, llama):
     """Per family: the model (default dtype), the ECHO prompt and its plain greedy 48 tokens
     (the same for every depth below: computed once)."""
-    from skulkp2p.engine.decode import decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.model import load_model
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.decode.loop import decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.model.forward import LocalForward
+    from skulkp2p.engine.model.loaded import load_model
 
     out = {}
     for fam, lm in (("llama", llama), ("qwen3_5", load_model(tiny_models["qwen3_5"], "qwen3_5"))):
@@ -172,9 +172,9 @@ def echo_plain(tiny_models, llama):
 
 @pytest.mark.parametrize("depth", [1, 3, 6])
 def test_suffix_drafter_equals_plain(echo_plain, depth):
-    from skulkp2p.engine.decode import DecodeStats, decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.decode.loop import DecodeStats, decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.model.forward import LocalForward
 
     for fam in ("llama", "qwen3_5"):
         lm, prompt, plain = echo_plain[fam]
@@ -191,13 +191,13 @@ def test_smollm2_code_edit_cursor_and_long_matches_exact(smollm2_path):
     cursor and the long-match context both draft there, and greedy output equals plain
     decoding and mlx-lm's generate. (160 tokens: the first long-match round comes ~145
     tokens in, where the model repeats its own docstring.)"""
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.decode import DecodeStats, decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
-    from skulkp2p.engine.generate import prompt_tokens
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.decode.loop import DecodeStats, decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
+    from skulkp2p.engine.model.forward import LocalForward
     from tests.helpers.reference import mlx_lm_tokens
 
     lm = smollm2_float32()
@@ -234,7 +234,7 @@ def _run(engine, req):
 
 @pytest.mark.parametrize("speculation", ["auto", {"drafter": "lookup", "depth": 6}])
 def test_a_retried_request_drafts_from_memory_and_stays_exact(llama, speculation):
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
 
     engine = MlxEngine(llama, memory_tokens=4096)
     plain = _run(engine, _request("Tell me about the sea.", "off"))
@@ -254,7 +254,7 @@ def test_a_retried_request_drafts_from_memory_and_stays_exact(llama, speculation
 
 
 def test_card_field_turns_memory_off(llama):
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
 
     saved = llama.speculation
     llama.speculation = {**saved, "lookup": {"memory_tokens": 0}}
@@ -290,7 +290,7 @@ def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
     """A seeded sampled request drafts from memory (its drafts are deterministic, so plain
     sampling's own draw decides every token): the same seed gives the same text on a fresh
     engine, after itself (drafting its earlier output from memory) and with speculation off."""
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
     from skulkp2p.engine.request import parse_request
 
     def req(spec=None):

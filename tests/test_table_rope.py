@@ -1,4 +1,4 @@
-"""Rotary embeddings from a table (engine/table_rope.py): bit for bit `mx.fast.rope` for every
+"""Rotary embeddings from a table (engine/cpu/table_rope.py): bit for bit `mx.fast.rope` for every
 layout, partial rotation, base, scale, width and offset (across the table's growth), mlx's own
 rope for what it does not take (array offsets, bfloat16, inside `stock()`), installed by
 load_model on float32 CPU models, and whole forwards of tiny models of each family equal to
@@ -11,10 +11,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from skulkp2p.engine import table_rope
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.table_rope import TableRoPE, install, stock
+from skulkp2p.engine.cpu import table_rope
+from skulkp2p.engine.cpu.table_rope import TableRoPE, install, stock
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 
 
 def _x(shape: tuple[int, ...], seed: int = 0, dtype=mx.float32) -> mx.array:

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from skulkp2p.api.errors import engine_error
-from skulkp2p.api.worker import TensorGroupFailed
 from skulkp2p.cluster.placement import (
     ModelSpec,
     NodeOffer,
@@ -23,11 +22,12 @@ from skulkp2p.cluster.placement import (
     place_model,
     plan,
 )
-from skulkp2p.engine.call_costs import LiveWidthCosts
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorError
+from skulkp2p.engine.parallel.tensor.shard import ShardError, plan_shards
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.tensor import RankProcess, TensorError
-from skulkp2p.engine.tensor_shard import ShardError, plan_shards
+from skulkp2p.runtime.worker import TensorGroupFailed
 from tests.helpers.procs import free_port
 from tests.helpers.tensor_group import ECHO, Group, generate
 
@@ -190,8 +190,8 @@ def test_vocabulary_split_head_gives_the_whole_heads_logits(models):
     back together are the whole head's logits, for splits even and uneven."""
     import mlx.core as mx
 
-    from skulkp2p.engine.tensor_shard import head_slice
-    from skulkp2p.engine.trunk import Trunk
+    from skulkp2p.engine.model.trunk import Trunk
+    from skulkp2p.engine.parallel.tensor.shard import head_slice
 
     single = load_model(models["llama"], "llama", dtype="float32")
     trunk = Trunk(single.model)
@@ -212,7 +212,7 @@ def test_a_call_too_wide_for_its_logits_to_travel_gets_this_members_head(llama_g
                                                                           monkeypatch):
     """Past SPLIT_LOGITS_MAX_BYTES the ranks send hidden rows only and the loop's member
     applies its own head: the same greedy text."""
-    import skulkp2p.engine.tensor as tensor
+    import skulkp2p.engine.parallel.tensor.group as tensor
 
     group = llama_group
     split = generate(group.head, ARMS["lookup"], max_tokens=16)
@@ -307,7 +307,7 @@ def test_real_model_speculative_equals_plain_on_two_ranks(smollm2_path):
 def test_drafter_cost_is_relative_to_the_whole_model_on_the_loop_member(models):
     """The loop's member holds no layers; the MTP head's cost per draft must still be weighed
     against a step of the whole model (else the gate switches the head off at once)."""
-    from skulkp2p.engine.generate import _relative_cost
+    from skulkp2p.engine.decode.generate import _relative_cost
 
     path = models["llama"]
     head = load_model(path, "llama", dtype="float32", head_only=True)
@@ -320,8 +320,8 @@ def test_drafter_cost_is_relative_to_the_whole_model_on_the_loop_member(models):
 def test_drafter_cost_is_relative_to_the_whole_model_on_a_rings_last_stage(models):
     """Likewise on a pipeline ring: the last stage holds a few layers, yet a draft saves a step
     of every stage's layers."""
-    from skulkp2p.engine.generate import _relative_cost
-    from skulkp2p.engine.stage import StageSpan
+    from skulkp2p.engine.decode.generate import _relative_cost
+    from skulkp2p.engine.model.stage import StageSpan
 
     path = models["llama"]
     whole = load_model(path, "llama", dtype="float32")
@@ -339,8 +339,8 @@ def test_prefix_cache_on_a_group_decodes_what_a_cold_group_does(llama_group):
     decodes (plain, lookup and the MTP head), a follow-up turn hits the entry stored at the
     end of the turn before, and an entry the ranks lack falls back to a whole prefill. (12
     tokens a turn, 8 a follow-up: the drafting arms draft in both, asserted.)"""
-    from skulkp2p.engine.generate import prompt_tokens
-    from skulkp2p.engine.prefix_cache import MB, PrefixCache
+    from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
+    from skulkp2p.engine.decode.generate import prompt_tokens
 
     group = llama_group
     head = group.head
@@ -379,7 +379,7 @@ def test_prefix_cache_on_a_group_decodes_what_a_cold_group_does(llama_group):
 
 
 def test_width_times_never_fall_with_width():
-    from skulkp2p.engine.width_costs import non_decreasing
+    from skulkp2p.engine.drafting.width_costs import non_decreasing
 
     assert non_decreasing({1: 2.0, 2: 5.0, 4: 3.0, 8: 4.0}) == {1: 2.0, 2: 3.0, 4: 3.0, 8: 4.0}
 
@@ -389,8 +389,8 @@ def test_group_measures_its_own_verify_width_costs(llama_group):
     """The group's width table is measured through the TensorForward (what the decode loop
     pays per call), every width the controller interpolates between; the requests after the
     measurement decode as before it (its calls leave nothing behind in the ranks' caches)."""
-    from skulkp2p.engine.tensor import measure_group_widths
-    from skulkp2p.engine.width_costs import GROUP_WIDTHS, relative_costs
+    from skulkp2p.engine.drafting.width_costs import GROUP_WIDTHS, relative_costs
+    from skulkp2p.engine.parallel.tensor.group import measure_group_widths
 
     group = llama_group
     table = group.head.width_costs
@@ -416,7 +416,7 @@ def test_group_times_its_verify_calls_into_its_live_width_table(llama_group):
     """Seeded by the group's probe, the table then holds every verify call the requests make
     (not the prefill's), by width; greedy output is the same with it as without (depth never
     changes greedy tokens), plain and speculative."""
-    from skulkp2p.engine.tensor import measure_group_widths
+    from skulkp2p.engine.parallel.tensor.group import measure_group_widths
 
     group = llama_group
     table = group.head.width_costs

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine.tensor import READY_TIMEOUT_S
+from skulkp2p.engine.parallel.tensor.group import READY_TIMEOUT_S
 from tests.helpers import ROOT
 from tests.helpers.http_client import call, status_of
 from tests.helpers.procs import SECRET, ProcCluster, loopback_ips_usable
@@ -137,7 +137,7 @@ def test_group_of_processes_speculative_equals_plain(cluster):
         # (capped by the wider widths': never cheaper for more rows)
         seconds = [row["seconds"] for row in costs["widths"]]
         assert seconds == sorted(seconds)
-    # What is shown is the live table the controller prices drafts with (engine/call_costs.py):
+    # What is shown is the live table the controller prices drafts with (engine/drafting/call_costs.py):
     # the probe it was seeded with, and the calls of the requests above behind each width.
     live = _verify_costs(c, 0)
     assert live["source"] == "live"

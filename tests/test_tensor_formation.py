@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine.tensor import READY_TIMEOUT_S
+from skulkp2p.engine.parallel.tensor.group import READY_TIMEOUT_S
 from tests.helpers.http_client import call, status_of
 from tests.helpers.procs import ProcCluster, loopback_ips_usable
 
@@ -50,7 +50,7 @@ def _children(pid: int) -> list[tuple[int, str]]:
 
 def _rank_started(pid: int) -> int | None:
     for child, cmdline in _children(pid):
-        if "skulkp2p.engine.tensor_rank" in cmdline:
+        if "skulkp2p.engine.parallel.tensor.rank" in cmdline:
             return child
     return None
 

@@ -1,5 +1,5 @@
 """What a tensor-parallel group's ranks exchange besides the model's collectives
-(engine/tensor_link.py), on real rank processes on loopback: they agree on the dtype and the
+(engine/parallel/tensor/link.py), on real rank processes on loopback: they agree on the dtype and the
 model files before any collective of model data (a mismatch is a clear error on every rank, not
 a crash), and a rank other than rank 0 waits for the next command without spending CPU."""
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.tensor import RankProcess, TensorAgreementError
-from skulkp2p.engine.tensor_link import DTYPE_CODES, disagreement
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorAgreementError
+from skulkp2p.engine.parallel.tensor.link import DTYPE_CODES, disagreement
 from tests.helpers.procs import free_port
 from tests.helpers.tensor_group import Group, generate
 

@@ -1,4 +1,4 @@
-from skulkp2p.engine.text import TextAssembler
+from skulkp2p.engine.decode.text import TextAssembler
 
 
 class CharTokenizer:

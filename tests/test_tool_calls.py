@@ -8,15 +8,15 @@ import random
 
 import pytest
 
-from skulkp2p.engine.request import RequestError, ToolChoice, parse_request
-from skulkp2p.engine.results import ToolCallDelta
-from skulkp2p.engine.tool_calls import (
+from skulkp2p.engine.decode.tool_calls import (
     ToolCallParser,
     call_opening,
     json_tools_template,
     load_format,
     template_messages,
 )
+from skulkp2p.engine.request import RequestError, ToolChoice, parse_request
+from skulkp2p.engine.results import ToolCallDelta
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

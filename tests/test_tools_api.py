@@ -11,6 +11,12 @@ import json
 import pytest
 
 from skulkp2p.api.response_store import ResponseStore
+from skulkp2p.engine.decode.tool_calls import (
+    ToolCallParser,
+    ToolCallStream,
+    forced_opening,
+    load_format,
+)
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.results import (
     Chunk,
@@ -18,12 +24,6 @@ from skulkp2p.engine.results import (
     SpeculationStats,
     Timing,
     Usage,
-)
-from skulkp2p.engine.tool_calls import (
-    ToolCallParser,
-    ToolCallStream,
-    forced_opening,
-    load_format,
 )
 from tests.helpers.fake_engine import LiveNode
 from tests.helpers.http_client import H11Client

@@ -1,4 +1,4 @@
-"""Sampled requests with token trees (engine/tree_accept.py), tested statistically, and the MTP
+"""Sampled requests with token trees (engine/decode/tree_accept.py), tested statistically, and the MTP
 head's top-k branches beside its chain (MtpDrafter.propose_branches), tested for greedy
 exactness.
 
@@ -33,22 +33,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine import tree_accept
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import GatedDrafter
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import LoadedModel, load_model
-from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import (
+from skulkp2p.engine.decode import tree_accept
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import (
     SamplingParams,
     make_rng,
     sample_from,
     target_probs,
 )
-from skulkp2p.engine.suffix import SuffixDrafter
-from skulkp2p.engine.tree import DraftTree
-from skulkp2p.engine.tree_accept import accept_child
+from skulkp2p.engine.decode.tree_accept import accept_child
+from skulkp2p.engine.drafting.gates import GatedDrafter
+from skulkp2p.engine.drafting.suffix import SuffixDrafter
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import LoadedModel, load_model
+from skulkp2p.engine.model.tree import DraftTree
+from skulkp2p.engine.request import parse_request
 from tests.helpers.prefilled import PrefilledForward
 from tests.helpers.sampled import (
     FixedDrafter,
@@ -135,7 +135,7 @@ def test_one_child_is_the_chain_rule():
     """A node with one child draws what decode.verify_one draws, uniform for uniform, and both
     emit the token plain decoding's draw gives (the coupling that makes seeded sampled output
     independent of the drafts)."""
-    from skulkp2p.engine.decode import verify_one
+    from skulkp2p.engine.decode.loop import verify_one
 
     raw = np.random.default_rng(5).normal(0.0, 2.0, 64).astype(np.float32)
     row = mx.array(raw)[None]

@@ -1,4 +1,4 @@
-"""Token trees verified in one forward (engine/tree.py): the tree forward against forwards of
+"""Token trees verified in one forward (engine/model/tree.py): the tree forward against forwards of
 each node's path alone, KV compaction against a cache built from the accepted path only, and
 greedy decoding with trees on byte-identical to plain decoding and to mlx-lm's generate, per
 attention-only family (tiny llama, qwen2, qwen3; SmolLM2-135M in a slow test). Hybrid
@@ -13,15 +13,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, StepPacking, build_tree
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, StepPacking, build_tree
+from skulkp2p.engine.drafting.suffix import Branch
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.suffix import Branch
-from skulkp2p.engine.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
 from tests.helpers.loaded import smollm2_float32
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import (

@@ -1,4 +1,4 @@
-"""Weight-first verify products (engine/weight_first.py): the same numbers as `x @ W.T` within
+"""Weight-first verify products (engine/cpu/weight_first.py): the same numbers as `x @ W.T` within
 rounding for a verify's 2+ rows, mlx-lm's own product everywhere else (one row, a prefill chunk,
 outside a verify), installed by load_model on float32 CPU models only, and a verify through it
 picks the tokens single steps pick."""
@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from skulkp2p.engine import weight_first
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.weight_first import (
+from skulkp2p.engine.cpu import weight_first
+from skulkp2p.engine.cpu.weight_first import (
     MAX_ROWS,
     WeightFirstEmbedding,
     WeightFirstLinear,
@@ -22,6 +20,8 @@ from skulkp2p.engine.weight_first import (
     product,
     verify_rows,
 )
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 
 
 def arrays(rows: int, k: int = 96, n: int = 160, seed: int = 0) -> tuple[mx.array, mx.array]:

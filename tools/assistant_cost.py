@@ -34,10 +34,10 @@ def _median_ms(samples: list[float]) -> float:
 def measure(target: Path, assistant_dir: Path, depth: int, reps: int, dtype: str) -> dict:
     from mlx_lm import load
 
-    from skulkp2p.engine.assistant import AssistantDrafter, load_assistant
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.model import DTYPES
-    from skulkp2p.engine.sampling import SamplingParams
+    from skulkp2p.engine.decode.sampling import SamplingParams
+    from skulkp2p.engine.drafting.assistant import AssistantDrafter, load_assistant
+    from skulkp2p.engine.model.forward import LocalForward
+    from skulkp2p.engine.model.loaded import DTYPES
 
     model, tokenizer = load(str(target))
     model.set_dtype(DTYPES[dtype])

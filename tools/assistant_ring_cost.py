@@ -29,13 +29,13 @@ import numpy as np
 
 def measure(target: Path, assistant_dir: Path, split: int, tokens: int, depth: int,
             reps: int, dtype: str) -> dict:
-    from skulkp2p.engine.assistant import AssistantDrafter, load_assistant
-    from skulkp2p.engine.decode import DecodeStats, decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.model import DTYPES, load_model
-    from skulkp2p.engine.ring import InProcessLink, RingForward, StageWorker
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
-    from skulkp2p.engine.stage import StageModel, StageSpan
+    from skulkp2p.engine.decode.loop import DecodeStats, decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.drafting.assistant import AssistantDrafter, load_assistant
+    from skulkp2p.engine.model.forward import LocalForward
+    from skulkp2p.engine.model.loaded import DTYPES, load_model
+    from skulkp2p.engine.model.stage import StageModel, StageSpan
+    from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
 
     whole = load_model(target, "target", dtype=dtype)
     total = len(whole.model.layers)

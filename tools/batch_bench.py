@@ -1,4 +1,4 @@
-"""Measure continuous batching on the MLX engine (engine/scheduler.py), SmolLM2-135M float32.
+"""Measure continuous batching on the MLX engine (engine/batching/scheduler.py), SmolLM2-135M float32.
 
     python tools/batch_bench.py 4 100            # 4 requests of 100 tokens: batched vs FIFO
     python tools/batch_bench.py 8 100 --arms off
@@ -36,7 +36,7 @@ QUESTIONS = [
 
 
 def _load():
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
     return open_model(ModelStore(test_data_dir()), "smollm2-135m", dtype="float32")
@@ -72,7 +72,7 @@ def chat_requests(n: int, max_tokens: int, spec: str) -> list:
 
 
 def concurrency(n: int, max_tokens: int, arms: list[str]) -> None:
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
 
     lm = _load()
     fifo = MlxEngine(lm, 0, memory_tokens=0, max_batch=1)
@@ -97,8 +97,8 @@ def concurrency(n: int, max_tokens: int, arms: list[str]) -> None:
 
 
 def widths(reps: int) -> None:
-    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, width_cost
-    from skulkp2p.engine.scheduler import BatchScheduler
+    from skulkp2p.engine.batching.scheduler import BatchScheduler
+    from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, width_cost
 
     lm = _load()
     rows_, widths_ = [1, 2, 4, 8], [1, 2, 4, 8]
@@ -153,7 +153,7 @@ def main() -> None:
     p.add_argument("--widths", action="store_true", help="time batched forwards instead")
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     if args.widths:
         widths(args.reps)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _old_best_depth(self, limit: int, batch=None) -> tuple[int, float]:
-    from skulkp2p.engine.gates import SOLO, width_cost
+    from skulkp2p.engine.drafting.gates import SOLO, width_cost
     view = batch if batch is not None else self.batch() if self.batch is not None else SOLO
     rows = len(view.widths) + 1
     base = width_cost(self.costs, rows)
@@ -38,10 +38,10 @@ def _old_best_depth(self, limit: int, batch=None) -> tuple[int, float]:
 
 
 def main(reps: int) -> None:
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine.gates import DepthController
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.drafting.gates import DepthController
     from tools import batch_bench
 
     new_best_depth = DepthController.best_depth

@@ -6,7 +6,7 @@ with its shipped EAGLE head, the test model store):
 Each rep runs, interleaved: the 4 chat requests of tools/batch_bench.py (100 tokens,
 speculation auto) one after another (FIFO), all at once with speculation off, and all at once
 with speculation auto three ways: each row's head on its own (`solo-heads`: the rows' head
-calls one at a time, as before engine/head_batch.py; `RowForward.head_batch` patched to say
+calls one at a time, as before engine/batching/head_batch.py; `RowForward.head_batch` patched to say
 "alone" for its rounds), the heads batched with the gate pricing D drafting rows' heads as D
 separate drafters (`batched-heads`, `MtpDrafter.shared_in_batch` off), and batched with the gate
 pricing them as one head forward over D rows (`batched-heads+gate`, today's). Every output must
@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(reps: int) -> None:
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.mtp_drafter import MtpDrafter
-    from skulkp2p.engine.row_forward import RowForward
+    from skulkp2p.engine.batching.row_forward import RowForward
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
     from tools import batch_bench
 
     batched_head = RowForward.head_batch

@@ -13,7 +13,7 @@ median seconds, and the price the gates' cost model gives it, padded and packed
 
 Parts: the batched forward (graph building in run_rows, its KV writes and masks, and mx.eval of
 the step), each row's drafting (the gate's depth choice and the drafter), the batched head
-forwards (engine/head_batch.py: every drafting row's head call at once), each row's accept
+forwards (engine/batching/head_batch.py: every drafting row's head call at once), each row's accept
 (greedy_tokens) and rollback, the settles, and the prompts' prefill. Prints seconds and the
 share of the run's wall time. A warm-up run goes first.
 
@@ -61,21 +61,16 @@ def _timed(owner: object, name: str, label: str, apart: bool = False) -> None:
 
 
 def main(spec: str, n: int, price: str = "packed") -> None:
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine import (
-        batch_cache,
-        decode,
-        gates,
-        generate,
-        head_batch,
-        row_forward,
-        scheduler,
-        stage,
-        suffix,
-    )
-    from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.mtp_drafter import MtpDrafter
+    from skulkp2p.engine.batching import head_batch, row_forward, scheduler
+    from skulkp2p.engine.cache import batch_cache
+    from skulkp2p.engine.decode import generate
+    from skulkp2p.engine.decode import loop as decode
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.drafting import gates, suffix
+    from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+    from skulkp2p.engine.model import stage
     from tools import batch_bench
 
     _timed(scheduler.BatchScheduler, "_step", "step (all of it)")
@@ -182,7 +177,7 @@ def _steps_report(step_log, choices, costs, n: int, sched) -> None:
     import dataclasses
     import statistics
 
-    from skulkp2p.engine import gates
+    from skulkp2p.engine.drafting import gates
     packing = dataclasses.replace(sched._packing, mlps_from=sched.pack_mlps_from)
     plain: dict[int, list[float]] = {}
     for w, t in step_log:

@@ -1,6 +1,6 @@
 """In-process A/B of the OpenBLAS thread policy on a batch: 4 plain chat requests (the bench's
 echo, code-edit, qa and creative, 100 tokens) decoded together on one MlxEngine (max_batch 4),
-the policy counting the scheduler's forwards as one owner's ("after", engine/blas_threads.py) or
+the policy counting the scheduler's forwards as one owner's ("after", engine/cpu/blas_threads.py) or
 each calling thread's ("before", as it did), rounds alternating in one process:
 
     python tools/batch_threads_ab.py [PAIRS]
@@ -25,7 +25,7 @@ WORKLOADS = ["echo", "code-edit", "qa", "creative"]
 
 def one_round(engine: Any) -> float:
     """The 4 requests at once, each on its own thread: aggregate tokens per second."""
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS as PROMPTS
 
     tokens = [0] * len(WORKLOADS)
@@ -46,12 +46,12 @@ def one_round(engine: Any) -> float:
 
 
 def main() -> None:
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine import blas_threads as bt
-    from skulkp2p.engine.loader import open_model
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.cpu import blas_threads as bt
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
 

@@ -35,11 +35,11 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="print every step, not only a summary")
     args = ap.parse_args()
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine import scheduler
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.batching import scheduler
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
     from skulkp2p.engine.request import parse_request
     from tools import batch_bench
 

@@ -130,7 +130,7 @@ def model_numbers(dtype: Any, prompt: int = 256, ctx: int = 64, decode: int = 16
 
 
 def child(config: str, parts: list[str]) -> None:
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     settings = CONFIGS[config]
     if not config.startswith("ref"):

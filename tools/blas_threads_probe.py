@@ -3,7 +3,7 @@
     python tools/blas_threads_probe.py                 # as the machine is
     python tools/blas_threads_probe.py --load 1        # with one CPU-bound process beside it
 
-The count is switched at run time with openblas_set_num_threads (as engine/blas_threads.py
+The count is switched at run time with openblas_set_num_threads (as engine/cpu/blas_threads.py
 does), between forwards. Prints, per count, the median milliseconds of a forward of w tokens
 evaluated and waited for (a verify, w = 1, 4, 9, 16) and of a pipelined one-token step (the
 next step built and evaluated asynchronously while Python reads the current token, as
@@ -36,7 +36,7 @@ def measure(rounds: int, reps: int, steps: int) -> dict:
     from blas_probe import build_model
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from skulkp2p.engine.blas_threads import OpenBlasThreads
+    from skulkp2p.engine.cpu.blas_threads import OpenBlasThreads
 
     blas = OpenBlasThreads.find()
     if blas is None:
@@ -96,7 +96,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.rounds, args.reps, args.steps)))
         return
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.load)]
     try:

@@ -108,12 +108,12 @@ def _classify(r: Round, max_depth: int) -> str:
 
 def trace(loaded: Any, workload: str, max_tokens: int) -> dict[str, Any]:
     """One greedy request with speculation auto, every round recorded."""
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import SESSIONS, WORKLOADS
-    from skulkp2p.engine import generate
-    from skulkp2p.engine.gates import GatedDrafter, LookupThenModel
-    from skulkp2p.engine.generate import prompt_tokens
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode import generate
+    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.drafting.gates import GatedDrafter, LookupThenModel
 
     engine = MlxEngine(loaded, prefix_cache_mb=0)
     setup_tokens: list[list[int]] = []
@@ -250,8 +250,8 @@ def head_table(loaded: Any, prompt: list[int], tokens: list[int]) -> dict[int, l
     it; the probability lets the replay weigh a confidence threshold). Empty without a head."""
     if loaded.mtp is None:
         return {}
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.mtp_drafter import MtpDrafter
+    from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+    from skulkp2p.engine.model.forward import LocalForward
 
     # As the request's head drafts (its context bias), without a confidence threshold: the
     # guess at every point, with the probability the threshold is weighed by.
@@ -308,13 +308,13 @@ def replay(loaded: Any, data: dict[str, Any]) -> dict[str, Any]:
     answered from its table, every verify by an oracle that knows the output (greedy output is
     a function of the text). Each verify is priced with the width cost table, the head's draft
     with its relative cost: the modelled speed-up over plain, tokens / cost."""
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine import generate
-    from skulkp2p.engine.decode import DecodeStats, decode
-    from skulkp2p.engine.gates import width_cost
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
-    from skulkp2p.engine.suffix import SuffixMemory
+    from skulkp2p.engine.decode import generate
+    from skulkp2p.engine.decode.loop import DecodeStats, decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.drafting.gates import width_cost
+    from skulkp2p.engine.drafting.suffix import SuffixMemory
     from tools.tree_sim import OracleForward
 
     prompt, tokens = data["prompt"], data["tokens"]
@@ -363,9 +363,9 @@ def cpu_pairs(loaded: Any, workload: str, max_tokens: int, runs: int) -> dict[st
     import statistics
     import time
 
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import SESSIONS, WORKLOADS
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
 
     arms = {"plain": ("off", True), "spec": ("auto", True), "noedits": ("auto", False)}
     saved = loaded.speculation
@@ -476,10 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                         "off per workload; CPU time per token ratios (see cpu_pairs)")
     args = p.parse_args(argv)
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
 
     names = args.workload.split(",")

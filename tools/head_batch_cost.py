@@ -6,7 +6,7 @@ float32 with its shipped EAGLE head, the test model store):
 Four rows hold CONTEXT (default 300) head positions each. Cells, interleaved REPS times (default
 20) so that the machine's noise hits them alike: one trunk step of one token (the unit the gate's
 costs are relative to), one row's head call as MtpDrafter runs it alone (forward, argmax read),
-the four rows' calls one after another (the scheduler before engine/head_batch.py), and the four
+the four rows' calls one after another (the scheduler before engine/batching/head_batch.py), and the four
 rows' calls as one batched forward (`HeadRows.run`), for calls of 1 and 2 tokens (a round's
 verified rows). Prints median milliseconds, the head call's cost relative to the trunk step (the
 gate's d), and the batched forward against one call (the gate now prices D rows' calls at
@@ -35,13 +35,13 @@ class _Alone:
 
 
 def main(reps: int, context: int) -> None:
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     import mlx.core as mx
 
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS
-    from skulkp2p.engine.head_batch import HeadCall, HeadRows
+    from skulkp2p.engine.batching.head_batch import HeadCall, HeadRows
+    from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS
+    from skulkp2p.engine.model.forward import LocalForward
     from tools import batch_bench
 
     lm = batch_bench._load()

@@ -39,7 +39,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `skulkp2p` and `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __name__ == "__main__":  # before mlx loads: the fast float32 path on Linux CPUs
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     blas.ensure_fast_blas()
 
@@ -47,8 +47,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from skulkp2p.engine.mtp_head import MtpHead, load_mtp_head  # noqa: E402
-from skulkp2p.engine.trunk import Trunk  # noqa: E402
+from skulkp2p.engine.drafting.mtp_head import MtpHead, load_mtp_head  # noqa: E402
+from skulkp2p.engine.model.trunk import Trunk  # noqa: E402
 from tools.train_sidecar import (  # noqa: E402
     _load_shards,
     _resolve_model,
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--work {args.work} has no train-*.npz or heldout-*.npz shards")
 
     model_id, model_path = _resolve_model(args.model, None)
-    from skulkp2p.engine.model import load_model
+    from skulkp2p.engine.model.loaded import load_model
     lm = load_model(model_path, model_id, dtype="float32")
     config = json.loads((model_path / "config.json").read_text())
     vocab = int(Trunk(lm.model).embed_tokens.weight.shape[0])

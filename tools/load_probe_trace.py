@@ -133,7 +133,7 @@ def main() -> int:
     args = p.parse_args(argv[:split])
     bench_args = argv[split + 1:]
 
-    from skulkp2p.engine import blas, blas_threads
+    from skulkp2p.engine.cpu import blas, blas_threads
 
     blas.ensure_fast_blas()  # re-executes this script once with the preload
     policy = blas_threads.policy()

@@ -1,4 +1,4 @@
-"""Ragged batched steps packed (engine/packed.py) against padded, SmolLM2-135M float32, one
+"""Ragged batched steps packed (engine/model/packed.py) against padded, SmolLM2-135M float32, one
 process, cells interleaved so the machine's noise hits both alike:
 
     python tools/packed_ab.py [--reps R] [--runs N] [--max-tokens T]
@@ -26,7 +26,7 @@ PATTERNS = [(2, 1, 1, 1), (3, 1, 1, 1), (4, 1, 1, 1), (7, 1, 1, 1), (4, 4, 1, 1)
 
 
 def steps(lm, reps: int) -> None:
-    from skulkp2p.engine.scheduler import BatchScheduler
+    from skulkp2p.engine.batching.scheduler import BatchScheduler
 
     sched = BatchScheduler(lm.model, 4)
     sched.mixed_chunk = 0  # (rows driven by hand: no prompt may wait for their steps)
@@ -71,7 +71,7 @@ def steps(lm, reps: int) -> None:
 
 
 def runs(lm, n: int, max_tokens: int) -> None:
-    from skulkp2p.engine.mlx_engine import MlxEngine
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
     from tools import batch_bench
 
     engine = MlxEngine(lm, 0, memory_tokens=0, max_batch=4)
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=100)
     args = p.parse_args()
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from tools import batch_bench
     lm = batch_bench._load()

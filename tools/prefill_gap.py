@@ -7,7 +7,7 @@ to the first token) and the decode (ms per token after it), side by side in one 
 For every workload (skulkp2p/bench/workloads.py, the bench's chat prompts), `--pairs` rounds of
 four arms, in an order that rotates every round so that none always follows another:
 
-- mlx_lm: `mlx_lm.stream_generate` as the bench runs it (bench/mlx_arms.py: run_mlx_lm);
+- mlx_lm: `mlx_lm.stream_generate` as the bench runs it (bench/arms/mlx_arms.py: run_mlx_lm);
 - plain: the engine as the bench runs it (a fresh MlxEngine, no prefix cache, speculation off:
   run_engine), i.e. stream() + decode() + text;
 - loop: `decode()` alone on a LocalForward (no engine, no text, no lock);
@@ -38,9 +38,9 @@ ARMS = ("mlx_lm", "plain", "loop", "prefill_ours", "prefill_mlx_lm")
 
 def _loop(loaded: Any, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
     """decode() alone: (seconds to the first token, seconds after it, tokens)."""
-    from skulkp2p.engine.decode import decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.decode.loop import decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.model.forward import LocalForward
 
     eos = set(loaded.tokenizer.eos_token_ids)
     t0 = time.perf_counter()
@@ -61,8 +61,8 @@ def _prefill_ours(loaded: Any, prompt: list[int]) -> float:
     """Our prefill and first step (what decode() does before its first token)."""
     import mlx.core as mx
 
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.sampling import log_probs
+    from skulkp2p.engine.decode.sampling import log_probs
+    from skulkp2p.engine.model.forward import LocalForward
 
     t0 = time.perf_counter()
     forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)))
@@ -87,9 +87,9 @@ def _prefill_mlx_lm(loaded: Any, prompt: list[int]) -> float:
 
 
 def measure(loaded: Any, workload: str, max_tokens: int, pairs: int) -> dict[str, Any]:
-    from skulkp2p.bench.mlx_arms import engine_request, run_engine, run_mlx_lm
+    from skulkp2p.bench.arms.mlx_arms import engine_request, run_engine, run_mlx_lm
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.engine.decode.generate import prompt_tokens
 
     messages = WORKLOADS[workload]
     prompt = prompt_tokens(loaded, engine_request(messages, max_tokens, "off"))
@@ -129,11 +129,11 @@ def main() -> None:
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args()
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.bench.mlx_arms import run_engine, run_mlx_lm
+    from skulkp2p.bench.arms.mlx_arms import run_engine, run_mlx_lm
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
 

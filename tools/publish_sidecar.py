@@ -6,7 +6,7 @@ Usage::
 
 SRC_DIR is a full-precision checkpoint (one ``*.safetensors`` file, several, or shards listed in
 ``model.safetensors.index.json``) with its ``config.json``. The MTP tensors are found the way the
-engine finds them (skulkp2p.engine.mtp_conventions): Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*``, DeepSeek-V3's
+engine finds them (skulkp2p.engine.drafting.mtp_conventions): Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*``, DeepSeek-V3's
 extra layer ``model.layers.{num_hidden_layers}.*``, MiMo's ``model.mtp_layers.*``. Per-expert MoE
 weights are restacked into mlx-lm's ``switch_mlp`` layout with the loader's own function, so a
 sidecar loads without any per-expert work. Names, dtypes and zero-centred norms stay as in the
@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `skulkp2p` and `tools` im
 
 import mlx.core as mx  # noqa: E402
 
-from skulkp2p.engine.mtp_conventions import (  # noqa: E402
+from skulkp2p.engine.drafting.mtp_conventions import (  # noqa: E402
     _IGNORED,
     _PARTS,
     _conventions,
@@ -43,7 +43,7 @@ from skulkp2p.engine.mtp_conventions import (  # noqa: E402
     _num_layers,
     _text_config,
 )
-from skulkp2p.engine.mtp_head import _read_tensors, _stack_experts  # noqa: E402
+from skulkp2p.engine.drafting.mtp_head import _read_tensors, _stack_experts  # noqa: E402
 
 SIDECAR = "mtp.safetensors"
 PROVENANCE = "mtp.provenance.toml"

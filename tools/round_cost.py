@@ -9,7 +9,7 @@ around the parts of every round after the prefill:
 
 - forward: the verify forward (`Forward.__call__`: its graph built, then evaluated), with the
   graph building also shown alone, and the rollback after it (on a float32 CPU node a verify
-  of 3+ rows hands its softmax and SwiGLU to numpy, engine/numpy_verify.py, which evaluates
+  of 3+ rows hands its softmax and SwiGLU to numpy, engine/cpu/numpy_verify.py, which evaluates
   the graph layer by layer as it is built, so there "graph build" holds most of the forward);
 - drafter: `propose`/`propose_tree` and `observe`/`observe_tree` of the request's drafter,
   gates included; under `auto` also
@@ -77,8 +77,9 @@ def _speculation(text: str) -> Any:
 
 def _instrument(timers: Timers) -> None:
     """Timers around the loop's parts, in the modules that call them."""
-    from skulkp2p.engine import decode, generate
-    from skulkp2p.engine.gates import GatedDrafter, LookupThenModel
+    from skulkp2p.engine.decode import generate
+    from skulkp2p.engine.decode import loop as decode
+    from skulkp2p.engine.drafting.gates import GatedDrafter, LookupThenModel
 
     decode.greedy_tokens = timers.wrap("accept", decode.greedy_tokens)
 
@@ -114,8 +115,8 @@ def _instrument(timers: Timers) -> None:
 def _engine(loaded: Any, timers: Timers) -> Any:
     """A fresh engine whose rows time their forward calls and open the window after the
     prefill."""
-    from skulkp2p.engine.mlx_engine import MlxEngine
-    from skulkp2p.engine.row_forward import RowForward
+    from skulkp2p.engine.batching.row_forward import RowForward
+    from skulkp2p.engine.decode.mlx_engine import MlxEngine
 
     engine = MlxEngine(loaded, prefix_cache_mb=0, memory_tokens=0)
     sched = engine.scheduler
@@ -145,7 +146,7 @@ def _engine(loaded: Any, timers: Timers) -> Any:
 
 
 def measure(loaded: Any, workload: str, speculation: Any, max_tokens: int) -> dict[str, Any]:
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
 
     timers = _TIMERS
@@ -179,14 +180,14 @@ def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: 
     starts off (what `auto` runs on a novel prompt on a model without a head of its own):
     quiet stretches (decode._pipelined with a drafter) against one-token rounds. Wall tok/s and CPU time
     per token (process_time: every thread's work, which load moves less)."""
-    from skulkp2p.bench.mlx_arms import engine_request
+    from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.decode import DecodeStats, decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
-    from skulkp2p.engine.generate import prompt_tokens
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
-    from skulkp2p.engine.suffix import SuffixDrafter
+    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.decode.loop import DecodeStats, decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
+    from skulkp2p.engine.drafting.suffix import SuffixDrafter
+    from skulkp2p.engine.model.forward import LocalForward
 
     class RoundLoop(LocalForward):  # no lazy steps: decode() runs its round loop
         def __getattribute__(self, name: str) -> Any:
@@ -231,7 +232,7 @@ def pipelined_versus_rounds(loaded: Any, workload: str, max_tokens: int, pairs: 
 
 
 def versus_mlx_lm(loaded: Any, workload: str, max_tokens: int, pairs: int) -> None:
-    from skulkp2p.bench.mlx_arms import run_engine, run_mlx_lm
+    from skulkp2p.bench.arms.mlx_arms import run_engine, run_mlx_lm
     from skulkp2p.bench.workloads import WORKLOADS
 
     messages = WORKLOADS[workload]
@@ -286,10 +287,10 @@ def main() -> None:
                         "within a pair more than across a whole bench run)")
     args = p.parse_args()
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
 
     if args.workload not in WORKLOADS:

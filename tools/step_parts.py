@@ -11,7 +11,7 @@ Cells (ms, median of --reps after one warm-up round, every cell once per round i
 - batch4: a BatchScheduler step of 4 rows of one token at --lengths;
 - batch4eq: 4 rows of one token, every row at the mean length (one write column);
 - batch4/own-rope: batch4 with each layer's own rope (BatchScheduler.share_rope False: the
-  code before engine/step_rope.py).
+  code before engine/cpu/step_rope.py).
 
 Then the same batch4 / solo steps with one part of the layers taken out (the output is wrong,
 the shapes are not): `-sdpa` (attention's products and softmax: queries go straight out),
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _load() -> Any:
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
     return open_model(ModelStore(test_data_dir()), "smollm2-135m", dtype="float32")
@@ -65,7 +65,7 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
 def _ablation(name: str) -> contextlib.AbstractContextManager[None]:
     import mlx_lm.models.llama as llama
 
-    from skulkp2p.engine import batch_cache
+    from skulkp2p.engine.cache import batch_cache
 
     base_sdpa = llama.scaled_dot_product_attention
     if name == "-sdpa":
@@ -78,7 +78,7 @@ def _ablation(name: str) -> contextlib.AbstractContextManager[None]:
     if name == "-rope":
         import mlx.nn as nn
 
-        from skulkp2p.engine import step_rope
+        from skulkp2p.engine.cpu import step_rope
         stack = contextlib.ExitStack()
         stack.enter_context(_patched(nn.RoPE, "__call__", lambda self, x, offset=0: x))
         stack.enter_context(_patched(step_rope.SharedRope, "__call__",
@@ -111,12 +111,12 @@ def main() -> None:
     p.add_argument("--ablations", default="-sdpa,-mask,-rope,-write")
     args = p.parse_args()
     os.environ.setdefault("SKULKP2P_BLAS_THREADS", str(args.threads))
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     import mlx.core as mx
 
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.scheduler import BatchScheduler
+    from skulkp2p.engine.batching.scheduler import BatchScheduler
+    from skulkp2p.engine.model.forward import LocalForward
 
     lm = _load()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -203,7 +203,7 @@ def _floors(lm: Any, lengths: list[int], mean: int, mx: Any) -> dict[str, Callab
     attention (mx.fast.scaled_dot_product_attention) for one query over one cache, 4 queries
     over one cache (a verify) and one query over each of 4 caches (a 4-row step, keys padded
     to the longest row, masked)."""
-    from skulkp2p.engine.trunk import Trunk
+    from skulkp2p.engine.model.trunk import Trunk
 
     trunk = Trunk(lm.model)
     weights = []
@@ -267,7 +267,7 @@ def _count_ops(mx: Any, outputs: list[Any]) -> Counter[str]:
 
 def _graph(lm: Any, solo: Any, batch4: tuple[Any, list[Any]], mx: Any) -> None:
     """Primitives in each step's graph, and the Python time that builds it (no evaluation)."""
-    from skulkp2p.engine.packed import packed_rows  # noqa: F401  (the step's own imports)
+    from skulkp2p.engine.model.packed import packed_rows  # noqa: F401  (the step's own imports)
 
     def solo_graph() -> list[Any]:
         return [solo.local.stage.run_rows(mx.array([[5]]), solo.local.cache)[0]]

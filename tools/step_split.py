@@ -3,7 +3,7 @@
     python tools/step_split.py [--workloads qa,code-edit] [--max-tokens 200] [--pairs 3]
                                [--threads 1] [--profile]
 
-Arms, alternating, `--pairs` times each (bench/mlx_arms.py, as the bench runs them):
+Arms, alternating, `--pairs` times each (bench/arms/mlx_arms.py, as the bench runs them):
 
 - mlx_lm: `mlx_lm.stream_generate`;
 - plain: a fresh MlxEngine (no prefix cache, speculation off): engine.generate's stream;
@@ -59,8 +59,8 @@ class LoopRun:
 
 
 def _prompt(loaded: Any, messages: Any, max_tokens: int) -> list[int]:
-    from skulkp2p.bench.mlx_arms import engine_request
-    from skulkp2p.engine.generate import prompt_tokens
+    from skulkp2p.bench.arms.mlx_arms import engine_request
+    from skulkp2p.engine.decode.generate import prompt_tokens
 
     return prompt_tokens(loaded, engine_request(messages, max_tokens, "off"))
 
@@ -90,9 +90,9 @@ def loop_mlx_lm(loaded: Any, messages: Any, max_tokens: int) -> LoopRun:
 
 
 def loop_ours(loaded: Any, messages: Any, max_tokens: int) -> LoopRun:
-    from skulkp2p.engine.decode import decode
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.decode.loop import decode
+    from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+    from skulkp2p.engine.model.forward import LocalForward
 
     prompt = _prompt(loaded, messages, max_tokens)
     forward = LocalForward(loaded.model, int(loaded.runtime.get("prefill_step", 2048)))
@@ -109,12 +109,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.bench.mlx_arms import run_engine, run_mlx_lm
+    from skulkp2p.bench.arms.mlx_arms import run_engine, run_mlx_lm
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine import blas_threads
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.cpu import blas_threads
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
 

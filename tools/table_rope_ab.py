@@ -1,4 +1,4 @@
-"""Rotary embeddings from the table (engine/table_rope.py) on and off, side by side in one
+"""Rotary embeddings from the table (engine/cpu/table_rope.py) on and off, side by side in one
 process: plain and speculative decoding with each, and mlx-lm's own generate beside them.
 
     python tools/table_rope_ab.py --workloads code-edit,echo,qa --pairs 2
@@ -28,14 +28,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=200)
     args = p.parse_args()
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
     import mlx.nn as nn
 
-    from skulkp2p.bench.mlx_arms import run_engine, run_mlx_lm
+    from skulkp2p.bench.arms.mlx_arms import run_engine, run_mlx_lm
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine import table_rope
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.cpu import table_rope
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
     from tests.helpers.models import test_data_dir
 

@@ -20,8 +20,8 @@ import argparse
 import statistics
 import time
 
-from skulkp2p.bench.tensor import TensorBench
-from skulkp2p.engine.loader import serving_dtype
+from skulkp2p.bench.arms.tensor_arm import TensorBench
+from skulkp2p.engine.model.loader import serving_dtype
 from skulkp2p.models.store import ModelStore
 
 PREFILL = 64
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--link-delay-ms", type=float, default=0.0,
                     help="every hop through the bench's delaying proxy, as bench --link-delay-ms")
     args = ap.parse_args()
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # as the bench's own CLI: OpenBLAS, inherited by the ranks
     widths = [int(w) for w in args.widths.split(",")]
     node_cpus = None
@@ -74,7 +74,7 @@ def main() -> None:
 
 
 def head_ab(loaded, widths: list[int], rounds: int) -> None:
-    import skulkp2p.engine.tensor as tensor
+    import skulkp2p.engine.parallel.tensor.group as tensor
 
     split_max = tensor.SPLIT_LOGITS_MAX_BYTES
     ids = list(loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20))

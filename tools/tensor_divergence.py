@@ -4,7 +4,7 @@ workloads.
 On a group each layer's output is a sum of the members' partial products, added in another
 order than one node's single matmul, so the logits differ in the last bits and a near-tie can
 flip a greedy token. This runs every bench workload greedy (speculation off) on one node and on
-a group of N rank processes on loopback (`engine/tensor_rank.py`, as a cluster runs them) and
+a group of N rank processes on loopback (`engine/parallel/tensor/rank.py`, as a cluster runs them) and
 reports, per workload, whether the tokens are the same and where they first part.
 
     python tools/tensor_divergence.py [--model smollm2-135m] [--nodes 2] [--max-tokens 200]
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def greedy(loaded, messages, max_tokens: int) -> list[int]:
-    from skulkp2p.engine.generate import stream
+    from skulkp2p.engine.decode.generate import stream
     from skulkp2p.engine.request import parse_request
 
     req = parse_request({"messages": messages, "max_tokens": max_tokens, "speculation": "off"})
@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args(argv)
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     blas.ensure_fast_blas()
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.loader import open_model, serving_dtype
-    from skulkp2p.engine.tensor import RankProcess, TensorForward
+    from skulkp2p.engine.model.loader import open_model, serving_dtype
+    from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorForward
     from skulkp2p.models.store import ModelStore
     from skulkp2p.netfault import free_port
 

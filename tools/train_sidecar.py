@@ -5,7 +5,7 @@ Usage::
     python tools/train_sidecar.py --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
         [--kind eagle|qwen] [--data broad|stdlib] [--init-from SIDECAR]
 
-What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.mtp_head.load_mtp_head): by
+What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.drafting.mtp_head.load_mtp_head): by
 default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bias, one decoder
 layer of the trunk's own family, final norm, reduced vocabulary), or the first head's layout in
 qwen naming ``mtp.*`` (``--kind qwen``, no fc bias). Either way: from the trunk's hidden state
@@ -68,7 +68,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `skulkp2p` and `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __name__ == "__main__":  # before mlx loads: the fast float32 path on Linux CPUs
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     blas.ensure_fast_blas()
 
@@ -79,12 +79,12 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from skulkp2p.engine.decode import DecodeStats, decode  # noqa: E402
-from skulkp2p.engine.mtp_conventions import _PARTS, VOCAB_IDS  # noqa: E402
-from skulkp2p.engine.mtp_drafter import MtpDrafter  # noqa: E402
-from skulkp2p.engine.mtp_head import MtpHead, load_mtp_head  # noqa: E402
-from skulkp2p.engine.sampling import SamplingParams, make_rng  # noqa: E402
-from skulkp2p.engine.trunk import Trunk  # noqa: E402
+from skulkp2p.engine.decode.loop import DecodeStats, decode  # noqa: E402
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng  # noqa: E402
+from skulkp2p.engine.drafting.mtp_conventions import _PARTS, VOCAB_IDS  # noqa: E402
+from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter  # noqa: E402
+from skulkp2p.engine.drafting.mtp_head import MtpHead, load_mtp_head  # noqa: E402
+from skulkp2p.engine.model.trunk import Trunk  # noqa: E402
 from skulkp2p.progress import ProgressBar  # noqa: E402
 from tools.publish_sidecar import sha256_file, write_sidecar  # noqa: E402
 
@@ -779,7 +779,7 @@ def train(args: argparse.Namespace) -> Path:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     model_id, model_path = _resolve_model(args.model, args.data_dir)
-    from skulkp2p.engine.model import load_model
+    from skulkp2p.engine.model.loaded import load_model
     lm = load_model(model_path, model_id, dtype="float32")
     config = json.loads((model_path / "config.json").read_text())
     if config.get("quantization"):

@@ -24,10 +24,15 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from skulkp2p.engine.decode import DecodeStats, decode
-from skulkp2p.engine.gates import DEFAULT_WIDTH_COSTS, GatedDrafter, repetition_score, width_cost
-from skulkp2p.engine.sampling import SamplingParams, make_rng
-from skulkp2p.engine.suffix import SuffixDrafter, SuffixMemory
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.gates import (
+    DEFAULT_WIDTH_COSTS,
+    GatedDrafter,
+    repetition_score,
+    width_cost,
+)
+from skulkp2p.engine.drafting.suffix import SuffixDrafter, SuffixMemory
 
 
 class OracleForward:

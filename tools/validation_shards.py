@@ -23,11 +23,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `skulkp2p` and `tools` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __name__ == "__main__":  # before mlx loads: the fast float32 path on Linux CPUs
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     blas.ensure_fast_blas()
 
-from skulkp2p.engine.model import load_model  # noqa: E402
+from skulkp2p.engine.model.loaded import load_model  # noqa: E402
 from tools.sidecar_prompts import VALIDATION_PROMPTS  # noqa: E402
 from tools.train_sidecar import (  # noqa: E402
     _chat_ids,

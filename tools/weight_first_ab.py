@@ -1,5 +1,5 @@
-"""Weight-first verify products (engine/weight_first.py), or with `--part numpy` a verify's
-softmax and SwiGLU in numpy (engine/numpy_verify.py), on and off, side by side in one process.
+"""Weight-first verify products (engine/cpu/weight_first.py), or with `--part numpy` a verify's
+softmax and SwiGLU in numpy (engine/cpu/numpy_verify.py), on and off, side by side in one process.
 
 Default: N pairs per workload of the bench's engine run (SmolLM2-135M float32 by default, greedy,
 `auto` speculation, a fresh engine each), the model's linear layers switched between
@@ -36,7 +36,7 @@ PART = "weight-first"
 def switch(model: Any, on: bool) -> None:
     import mlx.nn as nn
 
-    from skulkp2p.engine import numpy_verify, weight_first
+    from skulkp2p.engine.cpu import numpy_verify, weight_first
 
     if PART == "numpy":
         numpy_verify.active = on
@@ -50,7 +50,7 @@ def switch(model: Any, on: bool) -> None:
 
 
 def pairs(loaded: Any, workloads: list[str], count: int, max_tokens: int) -> None:
-    from skulkp2p.bench.mlx_arms import run_engine
+    from skulkp2p.bench.arms.mlx_arms import run_engine
     from skulkp2p.bench.workloads import WORKLOADS
 
     run_engine(loaded, WORKLOADS["qa"], 16, "auto")  # warm-up
@@ -78,9 +78,10 @@ def pairs(loaded: Any, workloads: list[str], count: int, max_tokens: int) -> Non
 
 def widths(loaded: Any, ws: list[int], reps: int, context: int) -> None:
     from skulkp2p.bench.workloads import ECHO_CODE
-    from skulkp2p.engine import blas_threads, caches
-    from skulkp2p.engine.forward import LocalForward
-    from skulkp2p.engine.width_costs import width_tokens
+    from skulkp2p.engine.cache import caches
+    from skulkp2p.engine.cpu import blas_threads
+    from skulkp2p.engine.drafting.width_costs import width_tokens
+    from skulkp2p.engine.model.forward import LocalForward
 
     tokens = width_tokens(loaded, ECHO_CODE, context + max(ws))
     fwd = LocalForward(loaded.model)
@@ -122,9 +123,9 @@ def main() -> None:
     global PART
     PART = args.part
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
     blas.ensure_fast_blas()  # re-executes once with OpenBLAS preloaded, before mlx loads
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.models.store import ModelStore
 
     if args.model is None:

@@ -23,7 +23,6 @@ from skulkp2p.api.endpoint import KeepAlive, ModelEndpoint
 from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.fields import check_body
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
-from skulkp2p.api.worker import Failed, Finished, Produced, Started
 from skulkp2p.engine.request import (
     GenerationRequest,
     RequestError,
@@ -36,6 +35,7 @@ from skulkp2p.engine.request import (
     with_tools,
 )
 from skulkp2p.engine.results import Chunk, GenerationResult, ToolCall
+from skulkp2p.runtime.worker import Failed, Finished, Produced, Started
 
 # Fields passed on to the engine's parser under the same name.
 _PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",

@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 from skulkp2p.api import anthropic, dashboard, openai, responses
 from skulkp2p.api.endpoint import ModelEndpoint
-from skulkp2p.api.forward import forward
+from skulkp2p.api.relay import forward
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
-from skulkp2p.api.worker import ModelWorker
-from skulkp2p.engine import blas_threads
+from skulkp2p.engine.cpu import blas_threads
+from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
 
 Handler = Callable[[ModelEndpoint, HttpRequest], Awaitable[Response | StreamingResponse]]

@@ -16,7 +16,9 @@ from typing import Any
 
 from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.server import HttpRequest, Response
-from skulkp2p.api.worker import (
+from skulkp2p.engine.request import GenerationRequest
+from skulkp2p.engine.results import GenerationResult
+from skulkp2p.runtime.worker import (
     Failed,
     Finished,
     Job,
@@ -27,8 +29,6 @@ from skulkp2p.api.worker import (
     Started,
     WorkerStopped,
 )
-from skulkp2p.engine.request import GenerationRequest
-from skulkp2p.engine.results import GenerationResult
 
 LOADING_RETRY_AFTER = "2"
 

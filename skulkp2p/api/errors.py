@@ -7,9 +7,9 @@ from typing import Any
 
 import orjson
 
-from skulkp2p.api.worker import RingFailed, TensorGroupFailed, WorkerStopped
 from skulkp2p.engine.protocol import EngineFailed, EngineUnavailable
 from skulkp2p.engine.request import RequestError
+from skulkp2p.runtime.worker import RingFailed, TensorGroupFailed, WorkerStopped
 
 _TYPES = {
     400: "invalid_request_error",

@@ -23,9 +23,9 @@ from skulkp2p.api import sse
 from skulkp2p.api.endpoint import KeepAlive, ModelEndpoint
 from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
-from skulkp2p.api.worker import Failed, Finished, Produced, Started
 from skulkp2p.engine.request import GenerationRequest, RequestError, parse_request
 from skulkp2p.engine.results import GenerationResult, ToolCallDelta
+from skulkp2p.runtime.worker import Failed, Finished, Produced, Started
 
 
 def _none(v: Any) -> bool:

@@ -15,8 +15,8 @@ from typing import Any
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import engine_error
 from skulkp2p.api.server import HttpRequest, Response
-from skulkp2p.api.worker import Failed, Finished
 from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.runtime.worker import Failed, Finished
 
 # The pipe's error type for a failure that is not the caller's to retry, by HTTP status (the
 # local pipe calls a failed engine model_unavailable too).

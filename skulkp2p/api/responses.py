@@ -31,7 +31,6 @@ from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.fields import check_body
 from skulkp2p.api.response_store import ResponseStore, node_store
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
-from skulkp2p.api.worker import Failed, Finished, Produced
 from skulkp2p.engine.request import (
     GenerationRequest,
     RequestError,
@@ -45,6 +44,7 @@ from skulkp2p.engine.request import (
     with_tools,
 )
 from skulkp2p.engine.results import Chunk, GenerationResult
+from skulkp2p.runtime.worker import Failed, Finished, Produced
 
 # Passed to the engine's parser under the same name.
 _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",

@@ -15,12 +15,12 @@
     errors.py         BenchError
 
 The verify-width cost table that `--widths` measures belongs to the engine
-(`skulkp2p/engine/width_costs.py`). Importing this package imports no mlx: the CLI builds its
+(`skulkp2p/engine/drafting/width_costs.py`). Importing this package imports no mlx: the CLI builds its
 parser before the fast BLAS is set up.
 """
 
-from skulkp2p.bench.cli import run_bench
-from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.bench_error import BenchError
+from skulkp2p.bench.command import run_bench
 from skulkp2p.bench.options import add_bench_arguments
 
 __all__ = ["BenchError", "add_bench_arguments", "run_bench"]

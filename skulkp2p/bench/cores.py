@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.bench_error import BenchError
 
 
 def node_cores(nodes: int, cores_per_node: int) -> list[frozenset[int]]:

@@ -9,8 +9,8 @@ import math
 import sys
 import types
 
-from skulkp2p.bench.agent import DEFAULT_AGENT_MAX_TOKENS
-from skulkp2p.bench.mlx_arms import (
+from skulkp2p.bench.arms.agent import DEFAULT_AGENT_MAX_TOKENS
+from skulkp2p.bench.arms.mlx_arms import (
     MLX_LM_DRAFT_TOKENS,
     Arm,
     parse_arm,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from skulkp2p.bench.errors import BenchError
+from skulkp2p.bench.bench_error import BenchError
 
 # --------------------------------------------------------------------------------------------
 # Values

@@ -23,7 +23,7 @@ For one model:
   cluster has.
 
 A model whose card or placement request says ``parallel = "tensor"`` is placed tensor-parallel
-instead: every member holds a slice of every layer (engine/tensor_shard.py), so each needs
+instead: every member holds a slice of every layer (engine/parallel/tensor/shard.py), so each needs
 ``1/N`` of the weights and of the KV cache; the group is the smallest one of at least two nodes
 that fits (at most one member per KV head), and its first member runs the decode loop.
 ``"pipeline"`` and ``"auto"`` (the default) place rings as above.

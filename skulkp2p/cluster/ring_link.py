@@ -9,7 +9,7 @@ address; a frame for a request this node awaits is handed to the waiting RingFor
 Failures stay bounded: a connection that cannot be made fails the traversal at once; a stage that
 dies or freezes mid-request is noticed by the waiting side, which gives up when the cluster
 declares a ring member dead or restarted, or after a timeout (SKULKP2P_RING_TIMEOUT, default 30
-s per traversal), whichever comes first. The protocol logic is in engine/ring.py.
+s per traversal), whichever comes first. The protocol logic is in engine/parallel/ring/traversal.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from skulkp2p import wire
 from skulkp2p.cluster.config import split_addr
 from skulkp2p.cluster.peer_link import CONNECT_TIMEOUT_S, WRITE_TIMEOUT_S
-from skulkp2p.engine.ring import RingError, StageWorker
+from skulkp2p.engine.parallel.ring.traversal import RingError, StageWorker
 
 log = logging.getLogger("skulkp2p.ring")
 

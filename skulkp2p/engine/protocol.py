@@ -49,13 +49,13 @@ class EngineFailed(Exception):
 @dataclass(frozen=True)
 class VerifyCosts:
     """What one verify call of w rows costs where this model runs, measured there: a
-    tensor-parallel group measures its own when it forms (engine/tensor.py,
+    tensor-parallel group measures its own when it forms (engine/parallel/tensor/group.py,
     measure_group_widths), and the depth controller prices drafts with `relative`."""
     seconds: dict[int, float]  # seconds of one call of w rows, by w
     measured_at: float  # Unix time of the measurement (a live table: of its last call)
     where: str  # what was measured, e.g. "tensor-parallel group n0, n1"
     # "probe" (measured once, when the group formed) or "live" (following the group's own
-    # verify calls since: engine/call_costs.py), with the calls observed per width and the
+    # verify calls since: engine/drafting/call_costs.py), with the calls observed per width and the
     # probe's seconds it was seeded with
     source: str = "probe"
     calls: dict[int, int] = field(default_factory=dict)

@@ -116,7 +116,7 @@ class SpeculationStats:
     # Counts behind acceptance_per_position: drafts that reached position i, and accepted there.
     drafted_per_position: list[int] | None = None
     accepted_per_position: list[int] | None = None
-    tree_rounds: int | None = None  # rounds verified as a token tree (engine/tree.py)
+    tree_rounds: int | None = None  # rounds verified as a token tree (engine/model/tree.py)
 
     @property
     def acceptance(self) -> float | None:

@@ -140,7 +140,7 @@ RUNTIME_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-# [speculation]: which drafters a model uses and how (see skulkp2p/engine/gates.py).
+# [speculation]: which drafters a model uses and how (see skulkp2p/engine/drafting/gates.py).
 SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mtp_max_depth": int,
     "mtp_sidecar": str,  # path (relative to the card file or absolute) or an hf repo id
@@ -149,15 +149,15 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mtp_concat": str,  # embed_first | hidden_first
     "mtp_norm_offset": (int, float),
     "mtp_prior_acceptance": (int, float),  # held-out depth-1 acceptance: the gate's starting belief
-    # bonus on the head's logits of tokens already in the context (engine/mtp_drafter.py)
+    # bonus on the head's logits of tokens already in the context (engine/drafting/mtp_drafter.py)
     "mtp_context_bias": (int, float),
-    # the head drafts only where its guess has at least this probability (engine/mtp_drafter.py)
+    # the head drafts only where its guess has at least this probability (engine/drafting/mtp_drafter.py)
     "mtp_min_confidence": (int, float),
     "speculative_multi_node": bool,
     "draft_model": str,  # card id or path of a smaller model with the same tokenizer
     "draft_max_depth": int,
     "lookup": dict,
-    # The Gemma 4 assistant (engine/assistant.py): drafter = "assistant" pairs the target with
+    # The Gemma 4 assistant (engine/drafting/assistant.py): drafter = "assistant" pairs the target with
     # assistant_model (a card id, a folder relative to the card or absolute, or hf:owner/repo);
     # assistant_block_size counts the verified token plus the drafts, as mlx-vlm does.
     "drafter": str,
@@ -172,7 +172,7 @@ LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "prior_acceptance": (int, float),  # the depth controller's starting belief per position
     "memory_tokens": int,  # bound of the draft memory of earlier requests (0 = off)
     "drafter": str,  # suffix (default) | scan (the older n-gram scan, for comparison)
-    "trees": bool,  # token trees where the drafter's counts disagree (engine/tree.py; off)
+    "trees": bool,  # token trees where the drafter's counts disagree (engine/model/tree.py; off)
 }
 
 

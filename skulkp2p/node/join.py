@@ -39,7 +39,7 @@ class JoinSettings:
 def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
     """Run the agent until a signal, then end the process with status 0. Raises JoinError."""
     from skulkp2p.cluster.config import ClusterConfigError
-    from skulkp2p.node.facts import node_facts, own_want
+    from skulkp2p.node.announce import node_facts, own_want
     from skulkp2p.node.serving import ClusterServing, serve_cluster
     from skulkp2p.node.stages import LocalPlacements
 

@@ -6,14 +6,14 @@ The API routes of skulkp2p.api (OpenAI, Anthropic) run unchanged; this module is
 - placed on a ring of this node alone: served here, by this node's worker for that model
   (started when the placement arrives, node/stages.py; 503 + Retry-After while it loads);
 - placed on another node: forwarded to that node's HTTP address, the answer streamed back
-  (see api/forward.py: a dead or frozen node ends the request with a clear error, never a hang);
+  (see api/relay.py: a dead or frozen node ends the request with a clear error, never a hang);
 - no leader (an election, or a partition's minority side) or no placement yet: 503 with
   Retry-After, which the openai client retries; a model that fits nowhere: 503 naming the
   memory it needs and what the cluster has.
 
 A ring of several nodes (a model split by layers): every member loads only its layers (node/
 stages.py); requests go to the ring's last stage, whose worker runs the decode loop over a
-RingForward (engine/ring.py, cluster/ring_link.py). `serve_cluster` runs the HTTP server, the
+RingForward (engine/parallel/ring/traversal.py, cluster/ring_link.py). `serve_cluster` runs the HTTP server, the
 cluster node and the ring's data plane together. Routes of the cluster itself: GET /v1/cluster,
 POST /v1/cluster/place, and POST /v1/cluster/generate (the JSONL pipe's request and result
 format, used by ``pipe --peer``).
@@ -34,8 +34,8 @@ from skulkp2p.api import dashboard
 from skulkp2p.api.app import Remote, add_model_routes, routed
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
-from skulkp2p.api.forward import is_forwarded
 from skulkp2p.api.pipe_route import pipe_generate
+from skulkp2p.api.relay import is_forwarded
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router
 from skulkp2p.cluster.config import NodeConfig, parse_addr, split_addr
 from skulkp2p.cluster.core import ClusterCore

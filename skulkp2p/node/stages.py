@@ -18,18 +18,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from skulkp2p.api.endpoint import ModelEndpoint
-from skulkp2p.api.worker import ModelWorker
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
-from skulkp2p.engine import blas_threads
+from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, VerifyCosts
+from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from skulkp2p.engine.model import LoadedModel
-    from skulkp2p.engine.stage import StageSpan
+    from skulkp2p.engine.model.loaded import LoadedModel
+    from skulkp2p.engine.model.stage import StageSpan
     from skulkp2p.node.tensor_roles import TensorRole
 
 log = logging.getLogger("skulkp2p.node")
@@ -121,7 +121,7 @@ class LocalPlacements:
     def _start_stage(self, model: str, p: Placement) -> None:
         """Load this node's slice of a ring. The last stage serves the model's requests (its
         worker runs the decode loop over a RingForward); the others answer ring frames."""
-        from skulkp2p.engine.stage import StageSpan
+        from skulkp2p.engine.model.stage import StageSpan
 
         idx = p.ring.index(self.name)
         span = StageSpan(p.layers[idx][0], p.layers[idx][1], p.spec.layers)
@@ -130,7 +130,7 @@ class LocalPlacements:
                  model, idx + 1, len(p.ring), span.start, span.end - 1)
         if span.last:
             def load() -> Engine:
-                from skulkp2p.engine.stage import param_bytes
+                from skulkp2p.engine.model.stage import param_bytes
                 from skulkp2p.node.engines import mlx_engine
 
                 loaded = self.load_stage(spec, span)
@@ -149,9 +149,9 @@ class LocalPlacements:
             if fut.exception() is not None:
                 log.error("model %s: stage failed to load: %s", model, fut.exception())
                 return
-            from skulkp2p.engine.prefix_cache import MB, PrefixCache
-            from skulkp2p.engine.ring import StageWorker
-            from skulkp2p.engine.stage import StageModel, param_bytes
+            from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
+            from skulkp2p.engine.model.stage import StageModel, param_bytes
+            from skulkp2p.engine.parallel.ring.traversal import StageWorker
 
             loaded = fut.result()
             mb = self.prefix_cache_mb
@@ -169,7 +169,7 @@ class LocalPlacements:
     def _start_tensor(self, model: str, p: Placement) -> None:
         """This node's rank of a tensor-parallel group (node/tensor_roles.py); on the group's
         first member also the worker that runs the decode loop over a TensorForward."""
-        from skulkp2p.engine.loader import serving_dtype
+        from skulkp2p.engine.model.loader import serving_dtype
         from skulkp2p.node.tensor_roles import TensorRole
 
         spec = self._source(model, p.spec.source)
@@ -215,8 +215,8 @@ class LocalPlacements:
             return
 
         def load() -> Engine:
-            from skulkp2p.engine.loader import open_model
-            from skulkp2p.engine.mlx_engine import MlxEngine
+            from skulkp2p.engine.decode.mlx_engine import MlxEngine
+            from skulkp2p.engine.model.loader import open_model
 
             loaded = open_model(self.store, spec, head_only=True)
             loaded.make_forward = self._tensor_forward_factory(model, p.ring, loaded, role)
@@ -234,8 +234,8 @@ class LocalPlacements:
                               ring: tuple[str, ...]) -> VerifyCosts | None:
         """The group's verify costs, measured now (None when that failed: the costs from
         before stay the controller's, and nothing is shown for this generation)."""
-        from skulkp2p.engine.call_costs import LiveWidthCosts
-        from skulkp2p.engine.tensor import TensorError, measure_group_widths
+        from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+        from skulkp2p.engine.parallel.tensor.group import TensorError, measure_group_widths
 
         loaded.verify_costs = None
         try:
@@ -245,7 +245,7 @@ class LocalPlacements:
             return None
         where = f"tensor-parallel group {', '.join(ring)}"
         # Seeded by the probe, then following the group's own verify calls (every request's
-        # TensorForward times its calls into it: engine/call_costs.py).
+        # TensorForward times its calls into it: engine/drafting/call_costs.py).
         loaded.width_costs = LiveWidthCosts(seconds, where=where)
         loaded.verify_costs = VerifyCosts(seconds, time.time(), where)
         log.info("tensor: %s: the group's verify costs (relative to one row): %s", model,
@@ -280,9 +280,9 @@ class LocalPlacements:
 
     def _tensor_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel,
                                 role: Any):
-        from skulkp2p.engine.call_costs import LiveWidthCosts
+        from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+        from skulkp2p.engine.parallel.tensor.group import TensorError, TensorForward
         from skulkp2p.engine.protocol import EngineUnavailable
-        from skulkp2p.engine.tensor import TensorError, TensorForward
 
         others = [n for n in ring if n != self.name]
         checks = [member_check(self.node, n) for n in others]
@@ -331,8 +331,8 @@ class LocalPlacements:
         return m.facts.get("ring") if m is not None else None
 
     def _ring_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel):
-        from skulkp2p.engine.ring import RingError, RingForward
-        from skulkp2p.engine.stage import StageModel
+        from skulkp2p.engine.model.stage import StageModel
+        from skulkp2p.engine.parallel.ring.traversal import RingError, RingForward
 
         checks = [member_check(self.node, n) for n in ring if n != self.name]
         stage = StageModel(loaded.model, loaded.span)
@@ -423,5 +423,5 @@ def member_check(node: ClusterNode, name: str) -> Callable[[], str | None]:
 
 
 def _open_stage(store: Any, spec: str, span: StageSpan) -> LoadedModel:
-    from skulkp2p.engine.loader import open_model
+    from skulkp2p.engine.model.loader import open_model
     return open_model(store, spec, span=span)

@@ -5,7 +5,7 @@ Forming a group: each member picks a free port on its data-plane host and gossip
 `tp` fact ({model: {"ring", "key", "gen", "addr"}}; the key names the placement by its term
 and serial); once every member of the placement shows an address for the same placement and
 generation, each starts its rank process
-(engine/tensor_rank.py) with the same host file, and the ranks meet through `mx.distributed`'s
+(engine/parallel/tensor/rank.py) with the same host file, and the ranks meet through `mx.distributed`'s
 ring backend. Supervision: a rank process that exits (its group broke: a peer died, or the
 member running the decode loop gave up on a frozen peer and killed its rank 0) makes its
 member gossip the next generation; every member that sees a higher generation than its own
@@ -214,7 +214,11 @@ class TensorRole:
             log.exception("tensor: %s: forming the group failed", self.model)
 
     async def _form(self, addrs: list[str]) -> None:
-        from skulkp2p.engine.tensor import RankProcess, TensorAgreementError, TensorError
+        from skulkp2p.engine.parallel.tensor.group import (
+            RankProcess,
+            TensorAgreementError,
+            TensorError,
+        )
 
         loop = asyncio.get_running_loop()
         gen = self.gen

@@ -11,11 +11,11 @@ import asyncio
 import threading
 from pathlib import Path
 
-from skulkp2p.api.worker import Failed, Finished, ModelWorker, Produced
-from skulkp2p.engine.mlx_engine import MlxEngine
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.batching.scheduler import BatchScheduler
+from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.request import parse_request
-from skulkp2p.engine.scheduler import BatchScheduler
+from skulkp2p.runtime.worker import Failed, Finished, ModelWorker, Produced
 
 PROMPTS = ["one two three one two three one two", "the river the river the bird",
            "def f(x):\n    return x\n\ndef g(x):\n    return", "a b c d e f g h a b c d"]

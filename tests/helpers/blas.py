@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine import blas
+from skulkp2p.engine.cpu import blas
 
 REPO = Path(__file__).resolve().parents[2]
 LINUX = sys.platform.startswith("linux")

@@ -8,8 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from skulkp2p.engine.model import load_model
-from skulkp2p.engine.trunk import Trunk
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.trunk import Trunk
 from tools import train_sidecar
 
 

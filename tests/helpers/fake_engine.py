@@ -9,12 +9,12 @@ import time
 
 from skulkp2p.api.app import serve
 from skulkp2p.api.server import ServerConfig
-from skulkp2p.api.worker import ModelWorker
+from skulkp2p.engine.parallel.ring.frames import RingError
+from skulkp2p.engine.parallel.tensor.group_errors import TensorError
 from skulkp2p.engine.protocol import EngineInfo, Generation
 from skulkp2p.engine.request import RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult, Timing, Usage
-from skulkp2p.engine.ring_frames import RingError
-from skulkp2p.engine.tensor_errors import TensorError
+from skulkp2p.runtime.worker import ModelWorker
 
 
 class Script:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.model import load_model
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
 
 TRIMMABLE = ("llama", "qwen3")
 # Repetitive text (as tests/test_decode.py's): a stop string is found halfway.

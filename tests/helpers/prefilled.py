@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from skulkp2p.engine.forward import LocalForward
+from skulkp2p.engine.model.forward import LocalForward
 
 
 class PrefilledForward(LocalForward):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm import stream_generate
 
-from skulkp2p.engine import table_rope
+from skulkp2p.engine.cpu import table_rope
 
 
 def mlx_lm_tokens(lm, prompt: list[int], max_tokens: int) -> list[int]:

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from skulkp2p.engine import caches
-from skulkp2p.engine.forward import LocalForward
-from skulkp2p.engine.sampling import SamplingParams, process_logits, target_probs
-from skulkp2p.engine.tree import DraftTree
+from skulkp2p.engine.cache import caches
+from skulkp2p.engine.decode.sampling import SamplingParams, process_logits, target_probs
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.tree import DraftTree
 from tests.helpers.stats import goodness_of_fit
 
 
@@ -160,7 +160,7 @@ class ForwardMemo:
 
 
 class MemoForward:
-    """A forward (engine/forward.py's seam, trees included) that answers a call sequence seen
+    """A forward (engine/model/forward.py's seam, trees included) that answers a call sequence seen
     before from its ForwardMemo: the same logits and hidden rows, bit for bit, as the forward
     would compute (they are the arrays it computed the first time). On the first call of an
     unseen sequence it builds a real forward (and drafter), replays the calls so far on it and

@@ -5,8 +5,8 @@ trees on."""
 
 from __future__ import annotations
 
-from skulkp2p.engine.gates import GatedDrafter
-from skulkp2p.engine.suffix import SuffixDrafter
+from skulkp2p.engine.drafting.gates import GatedDrafter
+from skulkp2p.engine.drafting.suffix import SuffixDrafter
 
 # Code whose contexts are followed by different continuations, so that the suffix drafter has
 # branches to offer (the same line opening continues three ways).
@@ -47,7 +47,7 @@ def same_rows(a, b) -> str | None:
     not."""
     import mlx.core as mx
 
-    from skulkp2p.engine import blas
+    from skulkp2p.engine.cpu import blas
 
     if mx.array_equal(a, b):
         return None

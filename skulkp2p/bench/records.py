@@ -1,0 +1,162 @@
+"""The MLX bench's results: per arm and workload, medians, speedup, acceptance and exactness
+(`cell_results`), and the per-workload summary that closes the JSON document and its table."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from skulkp2p.bench.arms.mlx_arms import (
+    ONE_NODE_PLAIN,
+    ONE_NODE_SPEC,
+    PLAIN,
+    Arm,
+    Cell,
+    Run,
+)
+from skulkp2p.bench.report import (
+    fmt,
+    ring_summary,
+    round_or_none,
+)
+
+
+def cell_results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads: list[str],
+                 sampled: bool = False, coupled: frozenset[str] = frozenset()
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[str]]:
+    """Per arm and workload: medians, speedup, acceptance, exactness; the cells that were
+    skipped; and the arm/workload pairs whose tokens differ from plain's. `sampled`: acceptance
+    sums every run's, and only the arms in `coupled` (deterministic drafts: a seeded request
+    emits plain sampling's text) are compared, run r with plain's run r (the same seed); the
+    others' identical_to_plain is None."""
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    mismatched: list[str] = []
+    for wl in workloads:
+        plain_runs = cells[(wl, "plain")].runs
+        # None when plain could not run this workload (e.g. the prompt exceeds the context)
+        reference = plain_runs[0].tokens if plain_runs else None
+        base = None
+        # The one-node arms' own plain: their gains and exactness are against it.
+        one = cells.get((wl, ONE_NODE_PLAIN.name))
+        one_runs = one.runs if one is not None else []
+        one_reference = one_runs[0].tokens if one_runs else None
+        one_base = statistics.median(x.tok_s for x in one_runs if x.tok_s) \
+            if any(x.tok_s for x in one_runs) else None
+        llama = cells.get((wl, "llama_plain"))
+        llama_runs = llama.runs if llama is not None else []
+        llama_base = statistics.median(x.tok_s for x in llama_runs if x.tok_s) \
+            if any(x.tok_s for x in llama_runs) else None
+        for arm in arms:
+            cell = cells[(wl, arm.name)]
+            if cell.skip:
+                skipped.append({"arm": arm.name, "workload": wl, "reason": cell.skip})
+                continue
+            if not cell.runs:
+                continue  # not run yet (a partial document)
+            tok_s = [x.tok_s for x in cell.runs if x.tok_s is not None]
+            med = statistics.median(tok_s) if tok_s else None
+            if arm is PLAIN:
+                base = med
+            if arm.kind == "llama":
+                med_base = llama_base
+            elif arm.one_node:
+                med_base = one_base
+            else:
+                med_base = base
+            first = cell.runs[0]
+            ref = one_reference if arm.one_node else reference
+            if sampled:
+                ref_runs = one_runs if arm.one_node else plain_runs
+                # a partial document may hold fewer runs of plain than of this arm
+                identical = all(x.tokens == r.tokens for x, r in
+                                zip(cell.runs, ref_runs, strict=False)) \
+                    if arm.name in coupled and ref_runs else None
+            else:
+                identical = None if ref is None else all(x.tokens == ref for x in cell.runs)
+            if arm.kind == "llama":  # against the peer's own plain, by text
+                identical = all(x.text == llama_runs[0].text for x in cell.runs) \
+                    if llama_runs else None
+            if identical is False:
+                mismatched.append(f"{arm.name}/{wl}")
+            results.append({
+                "arm": arm.name, "workload": wl, "peer": arm.peer,
+                "tok_s": round_or_none(med, 2),
+                "ttft_s": round(statistics.median(x.ttft_s for x in cell.runs), 4),
+                "runs": [x.summary() for x in cell.runs],
+                "speedup_vs_plain": round(med / med_base, 3) if med and med_base else None,
+                "plain_is": "llama_plain" if arm.kind == "llama" else (
+                    ONE_NODE_PLAIN.name if arm.one_node else "plain"),
+                # per generation (greedy: every run drafts the same; sampled: all runs')
+                **_acceptance(cell.runs if sampled else [first]),
+                "acceptance_per_position": first.acceptance_per_position,
+                "tree_rounds": first.tree_rounds,
+                "tokens_generated": len(first.tokens),
+                "identical_to_plain": identical,
+            })
+            if arm is ONE_NODE_PLAIN and reference is not None:
+                # One node sums in another order than a group: recorded, not required.
+                results[-1]["identical_to_group_plain"] = first.tokens == reference
+            if all(x.ring for x in cell.runs):
+                results[-1]["ring"] = ring_summary([x.ring for x in cell.runs])
+    return results, skipped, mismatched
+
+
+def _acceptance(runs: list[Run]) -> dict[str, Any]:
+    if runs[0].drafted is None:
+        return {"drafted": None, "accepted": None, "acceptance": None}
+    drafted = sum(x.drafted or 0 for x in runs)
+    accepted = sum(x.accepted or 0 for x in runs)
+    return {"drafted": drafted, "accepted": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None}
+
+
+def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per workload: our spec's speedup over our plain, our plain against mlx-lm's, the best
+    llama-server n-gram arm's speedup over its own plain, and whether ours is ahead."""
+    by = {(r["workload"], r["arm"]): r for r in doc["results"]}
+    out = []
+    for wl in doc["settings"]["workloads"]:
+        spec = by.get((wl, "spec"), {}).get("speedup_vs_plain")
+        plain = by.get((wl, "plain"), {}).get("tok_s")
+        mlx_lm = by.get((wl, "mlx_lm"), {}).get("tok_s")
+        peers = [(by[(wl, a)]["speedup_vs_plain"], a) for a in ("llama_ngram_simple",
+                                                                 "llama_ngram_mod")
+                 if by.get((wl, a), {}).get("speedup_vs_plain") is not None]
+        best = max(peers) if peers else (None, None)
+        one_node = by.get((wl, ONE_NODE_SPEC.name), {}).get("speedup_vs_plain")
+        extra = {} if one_node is None else {
+            "one_node_spec_x_plain": one_node,
+            # the aim of a ring or group: its own gain at least one node's
+            "gain_at_least_one_node": None if spec is None else spec >= one_node}
+        out.append({"workload": wl, "spec_x_plain": spec, **extra,
+                    "plain_x_mlx_lm": round(plain / mlx_lm, 3) if plain and mlx_lm else None,
+                    "llama_best_ngram": best[1], "llama_best_x_plain": best[0],
+                    "ahead_of_llama": None if spec is None or best[0] is None
+                    else spec > best[0],
+                    "exact": all(r["identical_to_plain"] is not False for r in doc["results"]
+                                 if r["workload"] == wl and not r["peer"])})
+    return out
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    if any("one_node_spec_x_plain" in r for r in rows):  # a ring or group beside one node
+        lines = ["", "| workload | spec × plain | one node: spec × plain | at least one node's "
+                 "| ours exact |", "|---|---:|---:|---|---|"]
+        for r in rows:
+            aim = r.get("gain_at_least_one_node")
+            lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
+                         f"{fmt(r.get('one_node_spec_x_plain'), '.2f')} | "
+                         f"{'—' if aim is None else ('yes' if aim else 'no')} | "
+                         f"{'yes' if r['exact'] else 'NO'} |")
+        return "\n".join(lines) + "\n"
+    lines = ["", "| workload | spec × plain | plain × mlx_lm | llama best n-gram × its plain "
+             "| ahead | ours exact |", "|---|---:|---:|---|---|---|"]
+    for r in rows:
+        best = "—" if r["llama_best_ngram"] is None else \
+            f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
+        ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
+        lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
+                     f"{fmt(r['plain_x_mlx_lm'], '.2f')} | {best} | {ahead} | "
+                     f"{'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(lines) + "\n"

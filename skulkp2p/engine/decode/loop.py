@@ -1,0 +1,377 @@
+"""The one decode loop: draft -> verify in one forward -> accept -> roll caches back -> emit.
+
+Plain decoding is this loop with no drafter (every round verifies just the pending token), so
+there is a single code path to trust. The loop sees only the `Forward` seam, never where the
+layers run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from skulkp2p.engine.cache import caches
+from skulkp2p.engine.decode.sampling import (
+    SamplingParams,
+    greedy_token,
+    greedy_tokens,
+    log_probs,
+    process_logits,
+    sample_from,
+    target_probs,
+)
+from skulkp2p.engine.decode.tree_accept import draw_child, walk_tree
+from skulkp2p.engine.model.forward import Forward
+from skulkp2p.engine.model.tree import DraftTree, greedy_walk
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        """Up to k draft tokens following `history`, and the drafter's distributions q for each
+        (None for a deterministic drafter, whose q is one-hot on its token)."""
+        ...
+
+    def begin(self, prompt: list[int], forward: Forward) -> None:
+        """Called once after the prompt (all but its last token) is prefilled; a drafter that
+        reads the trunk's hidden rows finds them in `forward.last_hidden` (the rows of the
+        positions this prefill ran: after a prefix-cache hit, those past the cached ones)."""
+        ...
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
+        """Called after every verify round, after the caches were rolled back: `drafted` tokens
+        were proposed, the first `accepted` of them were kept, and `emitted` (accepted drafts
+        plus the verifier's own token) were emitted. `forward.last_hidden` holds the hidden rows
+        of [pending, *draft] from that round's verify. Gates and depth control listen here too."""
+        ...
+
+
+class QuietDrafter(Drafter, Protocol):
+    """A drafter that says when it expects to offer nothing for a while (a gate switched off):
+    the loop then runs greedy steps pipelined, asking it for a draft after every token
+    (decode._pipelined). Taking back the step built ahead costs a whole step, so a drafter
+    that merely found no match this round (it likely will next round) is not quiet."""
+
+    def quiet(self) -> bool: ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that may propose a token tree (engine/model/tree.py) instead of a chain. The loop
+    asks for trees on requests whose forward verifies trees (greedy and sampled: the sampled
+    rule is tree_accept.py's); a tree that is a chain is verified as a chain (`observe`, with
+    the chain's q from `tree.q`), any other one in one tree forward, after which
+    `observe_tree` gets the tree, the accepted path's node indices and the emitted tokens, with
+    `forward.last_hidden` holding the rows of [pending, *path] (what a chain round leaves)."""
+
+    def propose_tree(self, history: list[int], k: int) -> DraftTree | None: ...
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward: Forward) -> None: ...
+
+
+@dataclass
+class DecodeStats:
+    rounds: int = 0  # verify rounds that carried at least one draft token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per draft position
+    drafted_at: list[int] = field(default_factory=list)
+    pipelined: int = 0  # tokens emitted pipelined (step n+1 built during step n)
+    taken_back: int = 0  # steps built ahead in a quiet stretch, taken back for a draft
+    tree_rounds: int = 0  # rounds verified as a tree (more than one branch)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+
+
+    def record_tree(self, tree: DraftTree, accepted: int) -> None:
+        """A tree round: every node counts as drafted; per position, the tree's depths."""
+        self.tree_rounds += 1
+        self.rounds += 1
+        self.drafted += len(tree)
+        self.accepted += accepted
+        depth = max(tree.depths())
+        while len(self.drafted_at) < depth:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(depth):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+
+
+def choose(row, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The token plain decoding picks from one processed logits row."""
+    if params.greedy:
+        return greedy_token(row)
+    return sample_from(target_probs(row, params), rng)
+
+
+def verify_one(row, draft: int, q: np.ndarray | None, params: SamplingParams,
+               rng: np.random.Generator) -> tuple[int, bool]:
+    """Decide one draft token against the target row: (token to emit, accepted?).
+
+    Greedy: accept when the draft is the plain choice. Sampled with a deterministic draft (q
+    one-hot, q None here): draw the token exactly as plain decoding does, one uniform through
+    the same inverse CDF, and accept when it is the draft. That is exact (the emitted token is
+    p-distributed and the draft is accepted with probability p(draft), as Leviathan's rule), and
+    it is coupled to plain decoding: a seeded request emits the same tokens whatever was drafted,
+    so its output does not depend on the gates' timing, the node, or the placement. Sampled with
+    a draft distribution q: accept with min(1, p/q) and on rejection draw from
+    norm(max(0, p - q)) (Leviathan et al. 2023), exact in distribution but not coupled.
+    """
+    if params.greedy:
+        token = greedy_token(row)
+        return token, token == draft
+    p = target_probs(row, params)
+    if q is None:
+        pick, token = draw_child(p, [draft], rng)
+        return token, pick is not None
+    if rng.random() * q[draft] < p[draft]:  # u < p/q without dividing by a zero q
+        return draft, True
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0.0:  # p == q on the support: any rejection is measure-zero; fall back to p
+        return sample_from(p, rng), False
+    return sample_from(residual / total, rng), False
+
+
+def decode(
+    forward: Forward,
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    rng: np.random.Generator,
+    drafter: Drafter | None = None,
+    depth: int = 0,
+    stats: DecodeStats | None = None,
+    *,
+    cached: int = 0,
+    history: list[int] | None = None,
+    on_prefill: Callable[[], None] | None = None,
+) -> Iterator[int]:
+    """Yield generated tokens one at a time. The caller stops consuming at EOS or a stop string.
+
+    `cached`: the forward's caches already hold prompt[:cached] (a prefix-cache hit), so only
+    the rest of the prompt is prefilled. `history`, when given, is kept equal to the prompt and
+    every token emitted so far; between rounds, and once this generator is closed, the caches
+    hold all of it but its last token (the pending one). (Pipelined plain greedy holds one step
+    more while it runs and takes it back on close: the caller closes before it keeps them.)
+    `on_prefill` is called once the prompt is prefilled and the drafter has
+    begun, before the first round (the caches then hold prompt[:-1])."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    if not 0 <= cached < len(prompt):
+        raise ValueError(f"cached must be in [0, {len(prompt)}), got {cached}")
+    stats = stats if stats is not None else DecodeStats()
+    forward.prefill(prompt[cached:-1])
+    if drafter is not None:
+        drafter.begin(prompt, forward)
+    if on_prefill is not None:
+        on_prefill()
+    pending = prompt[-1]
+    # Greedy with no logits processor: every row's token is the argmax of its own log-probs,
+    # computed for all rows of a round at once (one evaluation, no per-row copies).
+    plain_rows = params.greedy and (params.repetition_penalty in (None, 1.0))
+    keeps = history is not None  # the caller keeps the caches afterwards (the prefix cache)
+    if history is None:
+        history = []
+    history[:] = prompt
+    # Trees where the forward verifies them (attention-only families): greedy requests keep
+    # the target's choices, sampled ones the multi-draft rejection rule (tree_accept.py).
+    trees = (drafter is not None and hasattr(drafter, "propose_tree")
+             and getattr(forward, "trees", False))
+    produced = 0
+    # Rounds with nothing to verify run pipelined (_pipelined): plain greedy from its first
+    # token, and with a drafter the stretches where it expects to offer nothing for a while (its
+    # gate is off). A step built ahead is taken back when a draft turns up, or when the caller
+    # keeps the caches (the prefix cache), so then the caches must trim exactly.
+    said_quiet = getattr(drafter, "quiet", None)
+    may_stretch = plain_rows and (drafter is None or said_quiet is not None)
+    trims = keeps or drafter is not None
+    offered: Proposal | None = None
+    while produced < max_tokens:
+        k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
+        if offered is None:
+            offered = _propose(drafter, history, k, trees)
+        draft, q, tree = offered
+        offered = None
+        if (not draft and may_stretch and (said_quiet is None or said_quiet())
+                and _may_pipeline(forward, trims)):
+            produced, pending, offered = yield from _pipelined(
+                forward, drafter, pending, produced, max_tokens, depth, history, keeps, stats,
+                trees)
+            continue
+        if tree is not None:
+            emitted, path = _tree_round(forward, pending, tree, params, history, rng,
+                                        plain_rows)
+            stats.record_tree(tree, len(path))
+            drafter.observe_tree(tree, path, emitted, forward)
+            history.extend(emitted)
+            pending = emitted[-1]
+            for token in emitted:
+                produced += 1
+                yield token
+            continue
+        logits = forward([pending, *draft])
+        emitted: list[int] = []
+        accepted = 0
+        if plain_rows:
+            chosen = greedy_tokens(logits[:len(draft) + 1])
+            for i, token in enumerate(chosen):
+                emitted.append(token)
+                if i == len(draft) or token != draft[i]:
+                    break
+                accepted += 1
+        else:
+            for i in range(len(draft) + 1):
+                row = process_logits(logits[i:i + 1], history + emitted, params)
+                if i < len(draft):
+                    token, ok = verify_one(row, draft[i], q[i] if q else None, params, rng)
+                else:
+                    token, ok = choose(row, params, rng), False
+                emitted.append(token)
+                if not ok:
+                    break
+                accepted += 1
+        forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
+        stats.record(len(draft), accepted)
+        if drafter is not None:
+            drafter.observe(len(draft), accepted, emitted, forward)
+        history.extend(emitted)
+        pending = emitted[-1]
+        for token in emitted:
+            produced += 1
+            yield token
+
+
+def _tree_round(forward, pending: int, tree: DraftTree, params: SamplingParams,
+                history: list[int], rng: np.random.Generator,
+                plain_rows: bool) -> tuple[list[int], list[int]]:
+    """Verify a tree in one forward, walk it (greedy: the target's choices; sampled: recursive
+    rejection sampling, tree_accept.py), keep the accepted path in the caches: (emitted
+    tokens, the path's node indices)."""
+    tokens = [pending, *tree.tokens]
+    parents = tree.all_parents()
+    logits = forward.verify_tree(tokens, parents)
+    if plain_rows:
+        chosen = greedy_tokens(logits[:len(tokens)])
+        path, token = greedy_walk(parents, tokens, chosen)
+    else:
+        path, token = walk_tree(logits, tokens, parents, tree.q, history, params, rng)
+    forward.keep_path(path)
+    return [tokens[j] for j in path] + [token], path
+
+
+def _may_pipeline(forward: Forward, trims: bool) -> bool:
+    """Whether greedy steps may run pipelined on `forward`: it has lazy one-token steps, says it
+    may run ahead now (a batch row only while it decodes alone), and, when a step built ahead
+    may have to be taken back (the caller keeps the caches afterwards, or a draft may turn
+    up), its caches trim exactly."""
+    if not hasattr(forward, "lazy_step"):
+        return False
+    may_run_ahead = getattr(forward, "may_run_ahead", None)
+    if may_run_ahead is not None and not may_run_ahead():
+        return False
+    return not trims or caches.exactly_trimmable(forward.cache)
+
+
+Proposal = tuple[list[int], "list[np.ndarray] | None", "DraftTree | None"]
+
+
+def _propose(drafter: Drafter | None, history: list[int], k: int, trees: bool) -> Proposal:
+    """A round's drafts: (draft tokens, their q or None, the tree when it is not a chain)."""
+    if drafter is None or k <= 0:
+        return [], None, None
+    if trees:
+        tree = drafter.propose_tree(history, k)
+        if tree is None:
+            return [], None, None
+        return tree.tokens, tree.q, None if tree.is_chain else tree
+    draft, q = drafter.propose(history, k)
+    return draft, q, None
+
+
+def _pipelined(forward: Any, drafter: Drafter | None, pending: int, produced: int,
+               max_tokens: int, depth: int, history: list[int], keeps: bool,
+               stats: DecodeStats, trees: bool
+               ) -> Generator[int, None, tuple[int, int, Proposal | None]]:
+    """Greedy steps the way mlx-lm's generate_step runs them: the next step's graph is built on
+    the current token as an unevaluated array and evaluated asynchronously while the current
+    token goes out, so Python's per-token work overlaps the model's. Same ops, same tokens as
+    the round loop (tests/test_decode.py, tests/test_quiet_stretch.py check against mlx-lm and
+    the loop). Plain greedy is such a stretch with no drafter, from the first token to the last.
+
+    With a drafter (its gate off: `quiet()`), the drafter still sees every token as a
+    one-token round would show it (`observe(0, 0, [token])`, `last_hidden` the step's own row)
+    and is asked for a draft after every token; when it has one, the step built ahead (on that
+    token) is taken back, so the caches hold what the round loop's would, bit for bit, and the
+    round loop verifies the draft.
+
+    At every yield `history` holds the tokens handed out; the caches hold one more position
+    (the step built ahead) until this generator is closed, which takes that step back when the
+    caller keeps the caches, so they end where the round loop's would: all of `history` but
+    its last token. It stops running ahead when the forward says so (another request came to
+    the batch). Returns (tokens produced so far, the pending token, the draft offered or None
+    when the stretch stopped for another reason)."""
+    import mlx.core as mx
+
+    def step(token: mx.array) -> tuple[mx.array, mx.array | None]:
+        logits, hidden = forward.lazy_step(token)
+        y = mx.argmax(log_probs(logits), axis=-1)
+        if hidden is None:
+            mx.async_eval(y)
+        else:
+            mx.async_eval(y, hidden)
+        return y, hidden
+
+    may_run_ahead = getattr(forward, "may_run_ahead", None)
+    settled = getattr(forward, "end_run_ahead", None)  # a batch row: arrivals may go on
+    y, hidden = step(mx.array([pending]))
+    token = pending
+    while True:
+        produced += 1
+        ahead = None
+        if produced < max_tokens and (may_run_ahead is None or may_run_ahead()):
+            ahead = step(y)
+        token = int(y.item())
+        if drafter is not None:
+            if hidden is not None:
+                forward.last_hidden = hidden  # the row of the token this step ran, as a round's
+            drafter.observe(0, 0, [token], forward)
+        history.append(token)
+        stats.pipelined += 1
+        try:
+            yield token
+        except GeneratorExit:
+            if ahead is not None:
+                mx.eval(ahead[0])  # nothing left running once the caller moves on
+                if keeps:
+                    forward.rollback(keep=0, dropped=1)
+            raise
+        if ahead is None:
+            if settled is not None:
+                settled()
+            return produced, token, None
+        if drafter is not None:
+            offered = _propose(drafter, history, min(depth, max_tokens - produced - 1), trees)
+            if offered[0]:
+                mx.eval(ahead[0])  # its cache entry is written before it is cut
+                forward.rollback(keep=0, dropped=1)
+                stats.taken_back += 1
+                if settled is not None:
+                    settled()
+                return produced, token, offered
+        y, hidden = ahead

@@ -1,0 +1,167 @@
+"""The MLX engine behind the Engine protocol: a loaded model (all its layers, or the last stage
+of a pipeline ring) that generates with the one speculative decode loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+from skulkp2p.engine.batching.scheduler import BatchScheduler, batchable
+from skulkp2p.engine.cache.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
+from skulkp2p.engine.decode.generate import prompt_tokens, stream
+from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+from skulkp2p.engine.drafting.suffix import SuffixMemory
+from skulkp2p.engine.model.loaded import LoadedModel
+from skulkp2p.engine.protocol import EngineInfo, Generation, VerifyCosts
+from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.results import Chunk, GenerationResult
+
+# Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
+# drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).
+DEFAULT_MEMORY_TOKENS = 65536
+
+# Requests decoded together when neither the caller nor the card (`[runtime] max_batch`) says
+# (8 rows cost 1.46x one row: docs/measurements/concurrency.md, "Batching in one process";
+# tools/batch_bench.py --widths).
+DEFAULT_MAX_BATCH = 8
+
+
+class MlxEngine:
+    """`prefix_cache_mb`: the model's prefix cache (engine/cache/prefix_cache.py), in memory, bounded
+    in MB; 0 turns it off. Up to `max_concurrent` generations run at once, each on its caller's
+    thread, decoded together by the model's BatchScheduler (engine/batching/scheduler.py), whose lock
+    every request holds while its own code runs: the prefix cache and the draft memory are used
+    by one request at a time, without locks of their own. With max_concurrent 1 a generation
+    runs alone on its thread, exactly as without batching (the pipelined plain path included).
+    Each running generation must be iterated on a thread of its own (the worker's runners do):
+    a row waits in its forward until every other row has handed in its tokens, so one thread
+    taking turns between two generations would wait on itself."""
+
+    runs_on_loop = False
+
+    def __init__(self, loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 memory_tokens: int | None = None, max_batch: int | None = None):
+        """`prefix_cache_mb`: the prefix cache's bound (0 = off). `memory_tokens`: bound of the
+        draft memory of earlier requests (0 = off); None takes the card's
+        `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS. `max_batch`: requests
+        decoded together; None takes the card's `[runtime] max_batch`, else DEFAULT_MAX_BATCH.
+        A ring's last stage batches its requests' rows through the ring (engine/parallel/ring/batch_rows.py);
+        a tensor-parallel group and a model with recurrent or sliding-window layers serve one
+        request at a time whatever it says (engine/batching/scheduler.py: batchable)."""
+        if max_batch is None:
+            max_batch = int(loaded.runtime.get("max_batch", DEFAULT_MAX_BATCH))
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        # A ring's last stage (a span past the first layer, its forward a RingForward).
+        self.ring = loaded.make_forward is not None and loaded.span is not None \
+            and not loaded.span.first
+        if (loaded.make_forward is not None and not self.ring) or not batchable(loaded.model):
+            max_batch = 1
+        if self.ring and not loaded.caches_trim:
+            # The other stages' layers may hold recurrent or sliding-window state even when
+            # this stage's do not (a hybrid model cut so that only attention layers are here).
+            max_batch = 1
+        self.max_concurrent = max_batch
+        self.scheduler: BatchScheduler | None = None
+        if max_batch > 1:
+            stage, through = None, None
+            if self.ring:
+                from skulkp2p.engine.model.stage import StageModel
+                from skulkp2p.engine.parallel.ring.batch_rows import RingRows
+                stage, through = StageModel(loaded.model, loaded.span), RingRows()
+            self.scheduler = BatchScheduler(loaded.model, max_batch, int(loaded.runtime.get(
+                "prefill_step", 2048)), stage=stage, through=through)
+        self.loaded = loaded
+        self.id = loaded.id
+        self.context_length = loaded.context_length
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB)) if prefix_cache_mb > 0 \
+            else None
+        if memory_tokens is None:
+            memory_tokens = int(loaded.speculation.get("lookup", {}).get(
+                "memory_tokens", DEFAULT_MEMORY_TOKENS))
+        # Both live as long as the model is loaded; one worker thread runs its requests in turn.
+        self.memory = SuffixMemory(memory_tokens)
+
+    def info(self) -> EngineInfo:
+        loaded = self.loaded
+        detail: dict = {"layers_here": len(loaded.model.layers)}
+        if loaded.span is not None:
+            detail["layers"] = [loaded.span.start, loaded.span.end]
+        if loaded.mtp is not None:
+            detail["mtp_head"] = loaded.mtp.conventions.style
+        if loaded.draft is not None:
+            detail["draft_model"] = loaded.draft.id
+        if self.prefix_cache is not None:
+            detail["prefix_cache"] = self.prefix_cache.stats()
+        detail["max_batch"] = self.max_concurrent
+        return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail,
+                          self._verify_costs())
+
+    def _verify_costs(self) -> VerifyCosts | None:
+        """The table the depth controller prices drafts with now: a tensor group's live one
+        (call_costs.py) once it measured, else the probe's (or none)."""
+        live = self.loaded.width_costs
+        if isinstance(live, LiveWidthCosts) and self.loaded.verify_costs is not None:
+            return live.snapshot()
+        return self.loaded.verify_costs
+
+    def prompt_length(self, req: GenerationRequest) -> int:
+        """Tokenise once more up front (cheap next to a forward) so the client learns the
+        prompt size, and an over-long prompt is refused before a stream commits to a 200."""
+        n = len(prompt_tokens(self.loaded, req))
+        if n >= self.context_length:
+            raise RequestError(f"prompt is {n} tokens; model {self.id} takes at most "
+                               f"{self.context_length - 1}", "messages" if req.messages
+                               else "prompt")
+        return n
+
+    def generate(self, req: GenerationRequest) -> Generation:
+        if self.scheduler is None:
+            return Generation(lambda interrupt: self._remembered(req, interrupt))
+        return Generation(lambda interrupt: self._in_batch(req, interrupt))
+
+    def _remembered(self, req: GenerationRequest, interrupt: Callable[[], None],
+                    make_forward: Callable[..., Any] | None = None
+                    ) -> Generator[Chunk, None, GenerationResult]:
+        """The stream, and its prompt and output into the draft memory when it ends."""
+        memory = self.memory if self.memory.enabled else None
+        prompt = prompt_tokens(self.loaded, req)  # once: the stream and the memory share it
+        result = yield from stream(self.loaded, req, interrupt, self.prefix_cache, prompt,
+                                   memory=memory, make_forward=make_forward)
+        if memory is not None:
+            memory.add(prompt + list(result.tokens))
+        return result
+
+    def _in_batch(self, req: GenerationRequest, interrupt: Callable[[], None]
+                  ) -> Generator[Chunk, None, GenerationResult]:
+        """The stream as a row of the batch: its code runs with the model's lock held, let go
+        while it waits for a batched step and while its chunks go out."""
+        sched = self.scheduler
+        assert sched is not None
+        lock = sched.cond
+        sched.arrive()  # (before the lock: a lone row sees it at its next step)
+        make = sched.forward
+        if self.ring:  # each row over its own RingForward (its prefill, its frames' ids)
+            ring_forward = self.loaded.make_forward
+            assert ring_forward is not None
+
+            def make(hidden: str | None, interrupt: Callable[[], None] | None) -> Any:
+                return sched.forward(hidden, interrupt, ring_forward(req, hidden, interrupt))
+        steps = self._remembered(req, interrupt, make)
+        try:
+            with lock:
+                sched.wait_settled()  # a lone row running ahead stops first
+            while True:
+                with lock:
+                    try:
+                        chunk = next(steps)
+                    except StopIteration as done:
+                        return done.value
+                yield chunk
+        finally:
+            with lock:
+                steps.close()  # a consumer that stopped early: the row leaves the batch
+            sched.depart()
+
+    def close(self) -> None:
+        """MLX frees the weights with the last reference; nothing runs in the background."""

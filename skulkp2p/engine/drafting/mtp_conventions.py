@@ -1,0 +1,195 @@
+"""How a checkpoint's multi-token-prediction (MTP) head is laid out and run, found from its
+tensor names without reading any tensor data (no MLX here: engine/drafting/mtp_head.py builds the head,
+engine/drafting/mtp_drafter.py drafts with it).
+
+The head maps the trunk's hidden state h_t at position t and the embedding of the
+next token x_{t+1} to a prediction of x_{t+2}:
+
+    h' = proj(concat(norm_e(embed(x_{t+1})), norm_h(h_t)))     (MiMo: hidden first)
+    y  = decoder_layer(h', own KV cache, position t)
+    logits = lm_head(final_norm(y))                             (the trunk's shared lm_head)
+
+Three checkpoint namings carry such a head; `detect_conventions` recognises them by tensor names:
+
+* qwen (Qwen3-Next / Qwen3.5): `mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
+  `mtp.layers.0.*`, `mtp.norm`. Qwen3.5 / Qwen3-Next raw checkpoints store RMSNorm weights
+  zero-centred (the model computes x * (1 + w)): norm_offset 1.0 adds the 1 at load.
+* deepseek (DeepSeek-V3): the extra layer `model.layers.{num_hidden_layers}.` with `enorm`,
+  `hnorm`, `eh_proj`, `shared_head.norm`, optional `shared_head.head`; embedding zeroed at
+  position 0 (as vLLM and SGLang run it).
+* mimo (MiMo): `model.mtp_layers.0.` with `token_layernorm`, `hidden_layernorm`, `input_proj`
+  (hidden FIRST in the concat), `final_layernorm`; embedding zeroed at position 0.
+
+A fourth kind is no checkpoint's own but a drafting head trained for a model that has none
+(tools/train_sidecar.py, shipped as a sidecar):
+
+* eagle (EAGLE-style): `eagle.fc` (with a bias, as EAGLE's fc) over `eagle.enorm` /
+  `eagle.hnorm` of the next token's embedding and the trunk's feature, one decoder layer of the
+  trunk's family under `eagle.layers.0.`, `eagle.norm`, and `eagle.vocab_ids` (the reduced
+  draft vocabulary over the trunk's lm_head, as the trainer writes it). It is trained so that
+  its normed output is the trunk's next feature, and that output is what depth > 1 feeds back
+  (chain "after").
+
+A sidecar may also hold `{prefix}vocab_ids` (int32 [K]): a reduced draft vocabulary
+(engine/drafting/mtp_head.py scores only those rows of the shared lm_head).
+
+Which head output depth > 1 feeds back is `MtpConventions.chain`: "after" the head's final norm
+for qwen and mimo, "before" it for deepseek (engine/drafting/mtp_drafter.py says where that comes from);
+a card can override it (`mtp_chain`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+STYLES = ("qwen", "deepseek", "mimo", "eagle")
+# Families whose raw checkpoints store RMSNorm weights zero-centred (x * (1 + w)).
+ZERO_CENTRED_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+# Per style: (concat order, which head output is chained at depth > 1, zero the embedding at
+# position 0). See the module docstring for where these come from.
+_STYLE_DEFAULTS: dict[str, tuple[str, str, bool]] = {
+    "qwen": ("embed_first", "after", False),
+    "deepseek": ("embed_first", "before", True),
+    "mimo": ("hidden_first", "after", True),
+    "eagle": ("embed_first", "after", False),
+}
+
+# Per style, the head's own modules (relative to the style's tensor prefix); every other tensor
+# under the layer prefix belongs to the decoder layer.
+_PARTS: dict[str, dict[str, str]] = {
+    "qwen": {"proj": "fc", "norm_embed": "pre_fc_norm_embedding",
+             "norm_hidden": "pre_fc_norm_hidden", "final_norm": "norm"},
+    "deepseek": {"proj": "eh_proj", "norm_embed": "enorm", "norm_hidden": "hnorm",
+                 "final_norm": "shared_head.norm", "head": "shared_head.head"},
+    "mimo": {"proj": "input_proj", "norm_embed": "token_layernorm",
+             "norm_hidden": "hidden_layernorm", "final_norm": "final_layernorm"},
+    "eagle": {"proj": "fc", "norm_embed": "enorm", "norm_hidden": "hnorm", "final_norm": "norm"},
+}
+# Styles whose decoder layer sits under `{prefix}layers.0.` (the others: under the prefix itself).
+_NESTED_LAYER = ("qwen", "eagle")
+# DeepSeek's MTP layer carries a copy of the shared embedding; the trunk's is used instead.
+_IGNORED = {"deepseek": ("embed_tokens.",)}
+# Optional int32 tensor (under the style's prefix) listing a reduced draft vocabulary.
+VOCAB_IDS = "vocab_ids"
+
+
+@dataclass(frozen=True)
+class MtpConventions:
+    """How to run one checkpoint's MTP head. Card fields override the detected values."""
+    style: str  # "qwen" | "deepseek" | "mimo" | "eagle"
+    hidden: str = "after"  # trunk hidden fed to the head: "after" | "before" the final norm
+    concat: str = "embed_first"  # "embed_first" | "hidden_first"
+    norm_offset: float = 0.0  # 1.0 when the checkpoint stores RMSNorm weights zero-centred
+    max_depth: int = 4  # most drafts per round (chained head calls)
+    chain: str = "after"  # head output fed back at depth > 1: "after" | "before" its final norm
+    zero_first_embed: bool = False  # zero the embedding at position 0 (DeepSeek, MiMo)
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"mtp style must be one of {STYLES}, got {self.style!r}")
+        for name, value, allowed in (("hidden", self.hidden, ("after", "before")),
+                                     ("concat", self.concat, ("embed_first", "hidden_first")),
+                                     ("chain", self.chain, ("after", "before"))):
+            if value not in allowed:
+                raise ValueError(f"mtp {name} must be one of {allowed}, got {value!r}")
+        if self.max_depth < 1:
+            raise ValueError(f"mtp max_depth must be at least 1, got {self.max_depth}")
+
+
+# --- finding the tensors ------------------------------------------------------------------
+
+
+def _safetensors_files(source: Path) -> list[Path]:
+    source = Path(source)
+    if source.is_file():
+        return [source]
+    return sorted(source.glob("*.safetensors"))
+
+
+def _header_names(path: Path) -> list[str]:
+    """Tensor names from a safetensors header, without reading any tensor data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__"]
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config") or config
+
+
+def _num_layers(config: dict[str, Any]) -> int | None:
+    n = _text_config(config).get("num_hidden_layers", config.get("num_hidden_layers"))
+    return int(n) if n is not None else None
+
+
+def _locate(names: list[str], config: dict[str, Any]) -> tuple[str, str] | None:
+    """(style, tensor prefix) of the MTP head among `names`, or None when there is none."""
+    for name in names:
+        if name.endswith("mtp.fc.weight"):
+            return "qwen", name[: -len("fc.weight")]
+        if name.endswith("eagle.fc.weight"):
+            return "eagle", name[: -len("fc.weight")]
+    deepseek = sorted(int(m.group(1)) for n in names
+                      if (m := re.fullmatch(r"model\.layers\.(\d+)\.enorm\.weight", n)))
+    if deepseek:
+        n_layers = _num_layers(config)
+        index = n_layers if n_layers in deepseek else deepseek[0]
+        return "deepseek", f"model.layers.{index}."
+    if any(n.startswith("model.mtp_layers.0.") for n in names):
+        return "mimo", "model.mtp_layers.0."
+    return None
+
+
+def _family(config: dict[str, Any]) -> str:
+    return str(config.get("model_type") or _text_config(config).get("model_type") or "")
+
+
+def _conventions(style: str, config: dict[str, Any],
+                 overrides: dict[str, Any] | None) -> MtpConventions:
+    concat, chain, zero_first = _STYLE_DEFAULTS[style]
+    family = _family(config)
+    offset = 1.0 if any(family.startswith(f) for f in ZERO_CENTRED_FAMILIES) else 0.0
+    conv = MtpConventions(style=style, concat=concat, norm_offset=offset, chain=chain,
+                          zero_first_embed=zero_first)
+    o = overrides or {}
+    if "mtp_style" in o and o["mtp_style"] != style:
+        # A style named by the card re-derives the style's defaults; explicit fields still win.
+        concat, chain, zero_first = _STYLE_DEFAULTS[o["mtp_style"]]
+        conv = replace(conv, style=o["mtp_style"], concat=concat, chain=chain,
+                       zero_first_embed=zero_first)
+    fields = {"mtp_hidden": ("hidden", str), "mtp_concat": ("concat", str),
+              "mtp_norm_offset": ("norm_offset", float), "mtp_max_depth": ("max_depth", int),
+              "mtp_chain": ("chain", str), "mtp_zero_first_embed": ("zero_first_embed", bool)}
+    changes = {field: cast(o[key]) for key, (field, cast) in fields.items()
+               if o.get(key) is not None}
+    return replace(conv, **changes) if changes else conv
+
+
+def detect_conventions(model_path: Path, config: dict[str, Any],
+                       overrides: dict[str, Any] | None = None) -> MtpConventions | None:
+    """The MTP conventions of the checkpoint at `model_path` (a model folder or one safetensors
+    file such as an `mtp.safetensors` sidecar), or None when it has no MTP tensors.
+
+    The style comes from tensor names, norm_offset from the family (qwen3_5 / qwen3_next store
+    zero-centred norms); `overrides` holds card fields: mtp_style, mtp_hidden, mtp_concat,
+    mtp_norm_offset, mtp_max_depth (and mtp_chain, mtp_zero_first_embed).
+    """
+    names = [n for f in _safetensors_files(model_path) for n in _header_names(f)]
+    found = _locate(names, config)
+    if found is None:
+        return None
+    return _conventions(found[0], config, overrides)
+
+
+def has_mtp_tensors(model_path: Path, config: dict[str, Any],
+                    sidecar: Path | None = None) -> bool:
+    """Whether the checkpoint (or sidecar) has an MTP head, from tensor names only."""
+    files = _safetensors_files(Path(sidecar) if sidecar is not None else Path(model_path))
+    return _locate([n for f in files for n in _header_names(f)], config) is not None

@@ -1,0 +1,389 @@
+"""Native MTP head drafter: the checkpoint's own multi-token-prediction head (or a trained
+EAGLE-style sidecar head; engine/drafting/mtp_head.py) proposes drafts, following decode.py's Drafter
+protocol.
+
+Pairing. Row t of the head's cache holds (h_t, x_{t+1}) at position t, exactly like the trunk's
+row t holds x_t. A round's draft 1 guesses the token the verifier will emit from the pending
+token x_p; the pair (h_{p-1}, x_p) predicts precisely that, and it is the last pair appended
+(by `begin` from the prompt, or by `observe` from the previous round), so draft 1 costs no
+extra head call: its logits are kept from that append.
+
+Depth > 1 feeds the head its own output with the token it just drafted, at the next position,
+as speculative cache rows that the next `observe` trims. Which output is fed back is
+`MtpConventions.chain`: "after" the head's final norm for qwen and mimo, "before" it for
+deepseek. That is how vLLM's Qwen3-Next / MiMo / DeepSeek MTP modules return their hidden state
+to the proposer (the first two return the final-normed state, DeepSeek's returns the residual
+stream and normalises only inside compute_logits); a card can override it (`mtp_chain`).
+
+Context bias (`context_bias`, the card's `mtp_context_bias`): before taking the head's argmax,
+tokens already in the request's verified context (prompt and answer so far) get this bonus on
+their logits. A small trained head under-predicts repeating the names and words of the question
+and of its own answer; on the smollm2-135m head's held-out replay a bonus of 0.5 moved depth-1
+acceptance from 49.0% to 49.8% (docs/measurements/mtp-sidecars.md, "A context bias";
+tools/head_vocab_probe.py --context-bias). The drafts stay deterministic (q = None), so greedy
+and sampled decoding stay exact whatever the bonus.
+
+In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
+cache moves into the batch's `HeadRows` (engine/batching/head_batch.py) and every head call (the
+verified rows after a round, each draft past the first) is handed in there: the rows' calls run
+as one head forward per depth. The drafter's logic is the same; only where its rows live and
+when its head calls run change. A drafter switched off for good (`lag`) takes its cache back
+out and catches up alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from skulkp2p.engine.batching.head_batch import HeadCall, HeadRows
+from skulkp2p.engine.decode.loop import DecodeStats
+from skulkp2p.engine.drafting.mtp_conventions import MtpConventions
+from skulkp2p.engine.drafting.mtp_head import MtpHead
+from skulkp2p.engine.drafting.suffix import Branch
+from skulkp2p.engine.model.tree import DraftTree
+
+# The head offers its second choice at a depth as a side branch when the head gives it at least
+# this share of its first choice's probability (gates.build_tree then weighs its width).
+HEAD_BRANCH_CLOSE = 0.5
+
+
+class MtpDrafter:
+    """Greedy (argmax) drafts from the MTP head, following the Drafter protocol of decode.py.
+
+    Deterministic: propose returns q = None, so the decode loop treats q as one-hot and sampled
+    decoding stays exact. Needs a forward that keeps the trunk's hidden rows:
+    LocalForward(model, hidden=conventions.hidden)."""
+
+    name = "mtp"
+    # In a batch its rows' drafts run as one head forward per depth (engine/batching/head_batch.py): the
+    # gate prices D drafting rows' head calls like one forward over D rows (gates.py).
+    shared_in_batch = True
+
+    def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
+                 prefill_step: int = 2048, context_bias: float = 0.0,
+                 min_confidence: float = 0.0):
+        """`min_confidence`: draft nothing this round when the head gives its own first token
+        less than this probability (the card's `mtp_min_confidence`; 0: always draft)."""
+        if not context_bias >= 0.0:
+            raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"MTP min_confidence must be in [0, 1), got {min_confidence!r}")
+        self.min_confidence = float(min_confidence)
+        self.unsure = 0  # rounds it drafted nothing for want of confidence
+        self.head = head
+        # The head computes with its own conventions; these cap the depth and check the forward.
+        self.conventions = conventions or head.conventions
+        self.prefill_step = prefill_step
+        self._cache: KVCache = head.make_cache()  # the head's rows while not in a batch
+        self._next: tuple[mx.array, mx.array] | None = None  # (logits [V], chain hidden [H])
+        self._next_token: int | None = None  # argmax of _next's logits, when already known
+        # (the biased logits row of _next, its argmax): started early by `prefetch`, unread
+        self._ahead: tuple[mx.array, mx.array] | None = None
+        # In a batch: the batch's head rows, this row's key there, and its head call handed
+        # in whose results become _next once read.
+        self._rows: HeadRows | None = None
+        self._member: Any = None
+        self._call: HeadCall | None = None
+        self._speculative = 0  # rows propose appended past the verified ones
+        # From the prefix cache, for begin: the head's rows, and the trunk's hidden row of the
+        # position after them when begin must recompute that row (see restore).
+        self._restored: tuple[KVCache | None, mx.array | None] | None = None
+        self.last_hidden_row: mx.array | None = None  # the trunk row paired in the last row
+        # Verified rows not yet appended while the head is switched off (see lag).
+        self._lagging: list[tuple[mx.array, list[int]]] = []
+        self.stats = DecodeStats()  # the drafter's own per-position acceptance
+        self.context_bias = float(context_bias)
+        self._seen: set[int] = set()  # token ids of the verified context (with a context bias)
+        self._bias: mx.array | None = None  # the bonus per logits column; None: rebuild
+
+    def _check_forward(self, forward: Any) -> None:
+        kind = getattr(forward, "hidden", self.conventions.hidden)
+        if kind != self.conventions.hidden:
+            raise ValueError(f"MTP head wants the trunk hidden {self.conventions.hidden!r} its "
+                             f"final norm; the forward keeps {kind!r}")
+
+    def _see(self, tokens: list[int]) -> None:
+        if self.context_bias:
+            self._seen.update(tokens)
+            self._bias = None
+
+    def _biased(self, logits: mx.array) -> mx.array:
+        """The head's logits with the context bias on the tokens seen so far."""
+        if not self.context_bias or not self._seen:
+            return logits
+        if self._bias is None or self._bias.shape[-1] != logits.shape[-1]:
+            bonus = np.zeros(logits.shape[-1], np.float32)
+            ids = np.fromiter(self._seen, np.int64, len(self._seen))
+            bonus[ids[ids < bonus.size]] = self.context_bias
+            self._bias = mx.array(bonus)
+        return logits + self._bias.astype(logits.dtype)
+
+    @property
+    def cache(self) -> KVCache:
+        """The head's rows as a one-request cache (a copy out of the batch once it is in one):
+        what the prefix cache keeps."""
+        if self._rows is None:
+            return self._cache
+        return self._rows.extract(self._member)
+
+    def _append(self, hidden: mx.array, tokens: list[int]) -> None:
+        self.last_hidden_row = hidden[-1]
+        self._next_token = None
+        self._ahead = None
+        if self._rows is not None:  # handed in: runs with the other rows' calls
+            self._next = None
+            self._call = self._rows.hand_in(self._member, hidden, tokens)
+            return
+        out = self.head(hidden, mx.array(tokens, dtype=mx.int32), self._cache)
+        self._next = (out.logits[-1], out.chain(self.head.conventions.chain)[-1])
+
+    def _read_call(self) -> None:
+        """The results of the head call handed in (waiting for its batched forward) as _next."""
+        if self._call is None or self._rows is None:
+            return
+        call, self._call = self._call, None
+        logits, chained, token = self._rows.result(self._member, call)
+        self._next, self._next_token = (logits, chained), token
+
+    def _join_batch(self, forward: Any) -> None:
+        """Move the head's rows into the batch's head rows once the request's row is in a
+        batch (a cache with no rows yet stays alone: position 0 is special for some heads)."""
+        if self._rows is not None or self._cache.offset == 0:
+            return
+        batch = getattr(forward, "head_batch", None)
+        rows = batch(self.head) if batch is not None else None
+        if rows is None:
+            return
+        rows.join(forward, self._cache)
+        self._rows, self._member = rows, forward
+        self._cache = self.head.make_cache()
+
+    def _leave_batch(self) -> None:
+        """Take the head's rows back out of the batch (to run alone: `lag`, `catch_up`)."""
+        if self._rows is None:
+            return
+        self._read_call()
+        self._cache = self._rows.extract(self._member)
+        self._rows.leave(self._member)
+        self._rows = self._member = None
+
+    def restore(self, cache: KVCache | None, hidden: mx.array | None = None) -> None:
+        """Begin from these rows (a prefix-cache hit: the head's cache over the positions the
+        trunk's restored caches hold); the next `begin` appends only the rows after them.
+        `hidden`: the trunk's hidden row of the position right after `cache`'s rows (None: a
+        fresh cache), which the trunk's restored caches hold but did not recompute; begin
+        recomputes that row of the head first."""
+        self._restored = (cache, hidden)
+
+    def begin(self, prompt: list[int], forward: Any) -> None:
+        """Fill the head's cache over the prompt: pair (h_i, x_{i+1}) at position i for
+        i = 0..n-2 (the prefill covered prompt[:-1]). The last pair, (h_{n-2}, x_{n-1}),
+        predicts what the verifier emits from the pending x_{n-1}: round 1's draft 1.
+
+        After a prefix-cache hit the restored rows cover the positions the prefill skipped, and
+        the prefill's hidden rows (forward.last_hidden) the ones after them."""
+        self._check_forward(forward)
+        (cache, row), self._restored = self._restored or (None, None), None
+        self._leave_batch()
+        self._cache = cache if cache is not None else self.head.make_cache()
+        self._next = None
+        self._next_token = None
+        self._ahead = None
+        self._speculative = 0
+        self._lagging = []
+        self._seen, self._bias = set(), None
+        self._see(prompt)
+        n = len(prompt) - 1
+        first = self._cache.offset
+        if n == first:
+            return  # a one-token prompt: the first round goes without a draft
+        hidden = forward.last_hidden
+        if row is not None:
+            hidden = row[None] if hidden is None else mx.concatenate([row[None], hidden], 0)
+        if hidden is None or hidden.shape[0] != n - first:
+            got = None if hidden is None else hidden.shape[0]
+            raise ValueError(f"MTP drafter needs the {n - first} prefill hidden rows, got {got}; "
+                             f"build the forward with hidden={self.conventions.hidden!r}")
+        for start in range(first, n, self.prefill_step):
+            stop = min(start + self.prefill_step, n)
+            self._append(hidden[start - first:stop - first], prompt[start + 1:stop + 1])
+            mx.eval(self._cache.keys, self._cache.values, *self._next)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
+        return self._drafts(k)[0], None
+
+    def _drafts(self, k: int) -> tuple[list[int], list[mx.array]]:
+        """The head's greedy chain of up to k tokens and its logits row at each depth."""
+        k = min(k, self.conventions.max_depth)
+        if k <= 0:
+            return [], []
+        self._read_call()
+        if self._next is None:
+            return [], []
+        logits, chained = self._next
+        # The batch's forward took each row's argmax; the context bias changes it, so then the
+        # biased row decides.
+        biased = bool(self.context_bias and self._seen)
+        if self._ahead is not None:  # (prefetch started it: the same ops, maybe done by now)
+            (first, token), self._ahead = self._ahead, None
+            rows, drafts = [first], [int(token.item())]
+        else:
+            rows = [self._biased(logits)]
+            drafts = [self._next_token if self._next_token is not None and not biased
+                      else int(mx.argmax(rows[0]).item())]
+        if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
+            # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
+            # verify and the head's call for nothing (docs/measurements/drafting.md, "The head's
+            # confidence"; tools/draft_trace.py --replay).
+            self.unsure += 1
+            return [], []
+        chain = self.head.conventions.chain
+        while len(drafts) < k:
+            # Speculative row (own output, own draft) at the next position; observe trims it.
+            if self._rows is not None:  # depth d + 1 of every row going deeper: one forward
+                call = self._rows.hand_in(self._member, chained[None], drafts[-1:])
+                self._speculative += 1
+                logits, chained, token = self._rows.result(self._member, call)
+            else:
+                out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32),
+                                self._cache)
+                self._speculative += 1
+                logits, chained = out.logits[-1], out.chain(chain)[-1]
+                token = None
+            rows.append(self._biased(logits))
+            drafts.append(token if token is not None and not biased
+                          else int(mx.argmax(rows[-1]).item()))
+        return drafts, rows
+
+    def prefetch(self) -> None:
+        """Start evaluating the head's first draft of the next round now, asynchronously, when
+        the caller knows the head will be asked for it (gates.LookupThenModel: lookup has no
+        match for the next round). The head's rows of this round were appended lazily
+        (`follow`); without this they run only when `propose` reads the draft, after the loop's
+        own Python between rounds (text, stop strings, the engine's chunk, the gates), which
+        the head's evaluation then overlaps. The draft is the same argmax of the same biased
+        row either way. Alone only: in a batch the head's calls run in the batch's forwards."""
+        if self._rows is not None or self._next is None or self._ahead is not None:
+            return
+        row = self._biased(self._next[0])
+        token = mx.argmax(row)
+        mx.async_eval(token)
+        self._ahead = (row, token)
+
+    def propose_branches(self, history: list[int], k: int) -> tuple[list[int], list[Branch]]:
+        """The head's chain and, at each depth where its own second choice is close to its
+        first (p2 >= HEAD_BRANCH_CLOSE p1), that token as a one-token side branch (its top-2
+        at every depth; gates.build_tree keeps those that pay for their width). A side leaf
+        needs no head row: nothing more runs than for the chain."""
+        drafts, rows = self._drafts(k)
+        if not drafts:
+            return [], []
+        probs = mx.softmax(mx.stack(rows).astype(mx.float32), axis=-1)
+        first = mx.array(drafts)[:, None]
+        p1 = mx.take_along_axis(probs, first, axis=-1)[:, 0]
+        others = mx.where(mx.arange(probs.shape[-1])[None] == first, -1.0, probs)
+        second, p2 = mx.argmax(others, axis=-1), mx.max(others, axis=-1)
+        branches = []
+        for d, (t, a, b) in enumerate(zip(second.tolist(), p1.tolist(), p2.tolist(),
+                                          strict=True)):
+            if b >= HEAD_BRANCH_CLOSE * a and b > 0.0:
+                branches.append(Branch(d, [t], b / (a + b)))
+        return drafts, branches
+
+    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
+                     forward: Any) -> None:
+        """A tree round it drafted: count it per depth, follow the accepted path's rows."""
+        self.stats.record_tree(tree, len(path))
+        self.follow(len(path), emitted, forward)
+
+    def confidence(self, token: int) -> float:
+        """The head's probability of `token` at the first draft position (nothing is run)."""
+        self._read_call()
+        if self._next is None:
+            return 0.0
+        return _probability(self._biased(self._next[0]), token)
+
+    def first_choices(self, n: int) -> list[tuple[int, float]]:
+        """The head's n likeliest tokens for the first draft position with their probabilities
+        (its distribution over what the verifier emits next); nothing is run or appended."""
+        if n <= 0:
+            return []
+        self._read_call()
+        if self._next is None:
+            return []
+        logits = self._biased(self._next[0]).astype(mx.float32)
+        probs = mx.softmax(logits, axis=-1)
+        top = mx.argsort(-logits)[:n]
+        return list(zip(top.tolist(), probs[top].tolist(), strict=True))
+
+    @property
+    def drafted_at(self) -> list[int]:
+        return self.stats.drafted_at
+
+    @property
+    def accepted_at(self) -> list[int]:
+        return self.stats.accepted_at
+
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
+        """Trim the speculative rows, then append the verified pairs: row j of the verify
+        ([pending, d1..]) is h at the pending position + j, paired with emitted[j]."""
+        self.stats.record(drafted, accepted)
+        self.follow(accepted, emitted, forward)
+
+    def follow(self, accepted: int, emitted: list[int], forward: Any) -> None:
+        """Keep the head's cache in step after a verify round, whoever drafted it."""
+        self.catch_up()
+        verified = self._verified(accepted, emitted, forward)
+        self._join_batch(forward)
+        self._append(*verified)
+
+    def lag(self, accepted: int, emitted: list[int], forward: Any) -> None:
+        """A round while the head is switched off: keep the verified rows (references to the
+        trunk rows the verify computed anyway) instead of running the head on them, so that
+        `catch_up` can bring its cache in step in one call when it is needed again (the
+        prefix cache keeps it at the end of the request)."""
+        verified = self._verified(accepted, emitted, forward)
+        self._ahead = None  # (its context bias saw fewer tokens than the next draft's)
+        self._leave_batch()  # (a head off for good costs the batch's head forwards nothing)
+        self._lagging.append(verified)
+
+    def catch_up(self) -> None:
+        """Append the rows `lag` kept, in one call per prefill_step rows."""
+        if not self._lagging:
+            return
+        self._leave_batch()
+        hidden = mx.concatenate([h for h, _ in self._lagging], axis=0)
+        tokens = [t for _, ts in self._lagging for t in ts]
+        self._lagging = []
+        for start in range(0, len(tokens), self.prefill_step):
+            stop = min(start + self.prefill_step, len(tokens))
+            self._append(hidden[start:stop], tokens[start:stop])
+            mx.eval(self._cache.keys, self._cache.values, *self._next)
+
+    def _verified(self, accepted: int, emitted: list[int], forward: Any
+                  ) -> tuple[mx.array, list[int]]:
+        if self._speculative:
+            if self._rows is not None:
+                self._read_call()
+                self._rows.trim(self._member, self._speculative)
+            else:
+                self._cache.trim(self._speculative)
+            self._speculative = 0
+        hidden = forward.last_hidden
+        keep = 1 + accepted
+        if hidden is None or hidden.shape[0] < keep or len(emitted) != keep:
+            raise ValueError(f"MTP drafter: {keep} verified rows expected, got hidden "
+                             f"{None if hidden is None else hidden.shape[0]} and "
+                             f"{len(emitted)} emitted tokens")
+        self._see(emitted)
+        return hidden[:keep], list(emitted)
+
+
+def _probability(logits: mx.array, token: int) -> float:
+    """softmax(logits)[token], without normalising every entry."""
+    row = logits.astype(mx.float32)
+    return float(mx.exp(row[token] - mx.logsumexp(row)).item())
