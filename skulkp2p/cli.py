@@ -1,11 +1,10 @@
-"""Command line: join, pipe, models, cards, bench."""
+"""Command line: join, pipe, models, cards, bench, head."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -28,16 +27,16 @@ def _store(args):
 
 
 def _prepare_engine_process() -> None:
-    """Before mlx is imported: arrange the fast BLAS (may re-exec this process once)."""
+    """Before mlx is imported: the engine's CPU switch (engine/cpu/switch.py: the fast BLAS,
+    which may re-exec this process once, its thread policy, the model pieces)."""
     try:
-        from skulkp2p.engine.cpu import blas, blas_threads
+        from skulkp2p.engine.cpu import switch
     except ImportError:
         return
-    try:  # a bad setting fails here, not at the first forward
-        blas_threads.parse_setting(os.environ.get(blas_threads.ENV))
+    try:  # a bad SKULKP2P_BLAS_THREADS fails here, not at the first forward
+        switch.install()
     except ValueError as e:
         raise CliError(str(e)) from None
-    blas.ensure_fast_blas()
 
 
 def _log_engine_path() -> None:
@@ -184,6 +183,19 @@ def cmd_bench(args) -> int:
         raise CliError(str(e)) from None
 
 
+def cmd_head(args) -> int:
+    from skulkp2p.training.head_options import HeadError
+
+    if args.action != "publish":  # publishing only copies tensors: no model runs
+        _prepare_engine_process()
+    from skulkp2p.training.head_command import run_head
+
+    try:
+        return run_head(args)
+    except HeadError as e:
+        raise CliError(str(e)) from None
+
+
 def _megabytes(value: str) -> float:
     try:
         mb = float(value)
@@ -302,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = common(sub.add_parser("bench", help="decode speed of each arm on named workloads (JSON)"))
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
+
+    from skulkp2p.training.head_options import add_head_arguments  # no mlx
+
+    h = sub.add_parser("head", help="drafting heads: train, publish, probe, validation-shards")
+    add_head_arguments(h)
+    h.set_defaults(func=cmd_head)
     return p
 
 

@@ -10,25 +10,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 import orjson
 
+from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.protocol import Engine, EngineFailed, EngineUnavailable
-from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.engine.request import RequestError
+from skulkp2p.formats.pipe_format import error_json, parse_request, request_id, result_json
 from skulkp2p.models.store import ModelStore, ModelStoreError
 
 # (store, card id or path) -> a loaded engine: the composition root's factory, given by the CLI
 OpenEngine = Callable[[ModelStore, str], Engine]
 
 log = logging.getLogger("skulkp2p.pipe")
-
-
-def _error(req_id: Any, type_: str, message: str, param: str | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"error": {"type": type_, "message": message, "param": param}}
-    if req_id is not None:
-        out = {"id": req_id, **out}
-    return out
 
 
 class ModelLoadFailed(Exception):
@@ -61,12 +56,12 @@ class PipeSession:
         for engine in self.engines.values():
             engine.close()  # a llama-server child ends with the pipe
 
-    def handle_line(self, line: bytes | str) -> dict[str, Any]:
+    def handle_line(self, line: bytes | str) -> JSONObject:
         try:
             obj = orjson.loads(line)
         except orjson.JSONDecodeError as e:
-            return _error(None, "invalid_json", f"line is not valid JSON: {e}")
-        req_id = obj.get("id") if isinstance(obj, dict) else None
+            return error_json(None, "invalid_json", f"line is not valid JSON: {e}")
+        req_id = request_id(obj)
         try:
             req = parse_request(obj)
             engine = self.engine(req.model or self.default_model)
@@ -74,18 +69,18 @@ class PipeSession:
             for _ in generation:
                 pass
             assert generation.result is not None
-            return generation.result.to_pipe_dict(req.id, engine.id)
+            return result_json(generation.result, req.id, engine.id)
         except RequestError as e:
-            return _error(req_id, e.type, e.message, e.param)
+            return error_json(req_id, e.type, e.message, e.param)
         except ModelStoreError as e:
-            return _error(req_id, "model_not_found", str(e), "model")
+            return error_json(req_id, "model_not_found", str(e), "model")
         except ModelLoadFailed as e:
-            return _error(req_id, "model_load_failed", str(e), "model")
+            return error_json(req_id, "model_load_failed", str(e), "model")
         except (EngineUnavailable, EngineFailed) as e:
-            return _error(req_id, "model_unavailable", e.message)
+            return error_json(req_id, "model_unavailable", e.message)
         except Exception as e:  # one request's failure must not end the stream
             log.exception("request %r failed", req_id)
-            return _error(req_id, "internal_error", f"{type(e).__name__}: {e}")
+            return error_json(req_id, "internal_error", f"{type(e).__name__}: {e}")
 
 
 def run_pipe(store: ModelStore, default_model: str, stdin: IO[str], stdout: IO[str],

@@ -29,9 +29,13 @@ import hmac
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeAlias, overload
 
 import msgpack
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import numpy as np
 
 PROTOCOL_VERSION = 1
 TAG_BYTES = 32
@@ -52,6 +56,25 @@ ARRAY_DTYPES: dict[str, tuple[str, int]] = {
     "bool": ("bool", 1),
 }
 MAX_ARRAY_DIMS = 8
+
+# What msgpack carries: a message is a map of these (nested maps have string keys, as
+# decode_body's strict_map_key enforces).
+WireValue: TypeAlias = (None | bool | int | float | str | bytes | list["WireValue"]
+                        | dict[str, "WireValue"])
+Message: TypeAlias = dict[str, WireValue]
+
+
+def as_int(value: WireValue) -> int:
+    """``int(value)`` of a number (or numeric string) off the wire; TypeError for a list, a map
+    or None, as ``int()`` raises."""
+    if isinstance(value, list | dict) or value is None:
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return int(value)
+
+
+def as_list(value: WireValue) -> list[WireValue]:
+    """A list off the wire; anything else (absent, or malformed) as an empty one."""
+    return value if isinstance(value, list) else []
 
 
 class WireError(Exception):
@@ -79,7 +102,8 @@ def _tag(key: bytes, header: bytes, body: bytes) -> bytes:
     return mac.digest()
 
 
-def encode_frame(msg: Mapping[str, Any], key: bytes, max_frame: int = CONTROL_MAX_FRAME) -> bytes:
+def encode_frame(msg: Mapping[str, WireValue], key: bytes,
+                 max_frame: int = CONTROL_MAX_FRAME) -> bytes:
     """One frame for ``msg`` (a map with a ``t`` type; ``v`` is set here).
 
     Raises WireError("oversize") if the frame would exceed ``max_frame`` (the receiver would
@@ -95,11 +119,11 @@ def encode_frame(msg: Mapping[str, Any], key: bytes, max_frame: int = CONTROL_MA
     return header + _tag(key, header, body) + body
 
 
-def _no_ext(code: int, data: bytes) -> Any:
+def _no_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack extension type {code} is not part of the protocol")
 
 
-def decode_body(header: bytes, payload: bytes, key: bytes) -> dict[str, Any]:
+def decode_body(header: bytes, payload: bytes, key: bytes) -> Message:
     """Check the tag of one frame's payload (tag + body) and parse the body."""
     if len(payload) < TAG_BYTES + 1:
         raise WireError("unsigned", f"frame of {len(payload)} bytes has no room for a tag")
@@ -138,11 +162,11 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes) -> list[Message]:
         if self._failed is not None:
             raise self._failed
         self._buf += data
-        out: list[dict[str, Any]] = []
+        out: list[Message] = []
         try:
             while True:
                 if self._need is None:
@@ -210,7 +234,15 @@ def _mlx_bits(arr: Any) -> Any:
     return np.asarray(arr).view(np.uint16)  # e.g. ml_dtypes.bfloat16
 
 
-def unpack_array(obj: Any, as_mlx: bool = False) -> Any:
+@overload
+def unpack_array(obj: object, as_mlx: Literal[False] = False) -> np.ndarray: ...
+@overload
+def unpack_array(obj: object, as_mlx: Literal[True]) -> mx.array: ...
+@overload
+def unpack_array(obj: object, as_mlx: bool) -> np.ndarray | mx.array: ...
+
+
+def unpack_array(obj: object, as_mlx: bool = False) -> np.ndarray | mx.array:
     """The array of a :func:`pack_array` map: numpy (bfloat16 as its uint16 bit patterns, since
     numpy has no bfloat16) or, with ``as_mlx``, an mlx array of the real dtype. A malformed map
     raises WireError("array")."""

@@ -14,15 +14,17 @@ from tests.helpers.models import FAMILIES, TinyModels, test_data_dir
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Run the suite on the BLAS the agents run on: re-exec pytest once with OpenBLAS preloaded
-    (engine/cpu/blas.py: ensure_fast_blas, as `join` does), unless SKULKP2P_BLAS=off or it cannot
-    load. Without it the test process ran MLX's reference float32 BLAS while the agents the
-    tests start ran OpenBLAS, and the in-process prefills were ~20x slower (a 156-token prompt
-    13.4 s against 0.59 s): most of the suite's time. (pytest suspends its fd capture once the
+    """Run the suite as the agents run: the engine's CPU switch (engine/cpu/switch.py:
+    install(), as `join` calls it), which re-execs pytest once with OpenBLAS preloaded unless
+    SKULKP2P_BLAS=off or it cannot load, and gives the models the tests load the CPU pieces
+    an agent's models get (weight-first verifies, numpy verifies, the rope table). Without the
+    preload the test process ran MLX's reference float32 BLAS while the agents the tests start
+    ran OpenBLAS, and the in-process prefills were ~20x slower (a 156-token prompt 13.4 s
+    against 0.59 s): most of the suite's time. (pytest suspends its fd capture once the
     initial conftests are loaded, before this hook: the new process gets the real stdout.)"""
-    from skulkp2p.engine.cpu import blas
+    from skulkp2p.engine.cpu import switch
 
-    blas.ensure_fast_blas()  # returns only where it did not re-exec
+    switch.install()  # returns only where it did not re-exec
 
 
 # The tiers: every test carrying one of these also carries ``heavy``; the quick tier deselects

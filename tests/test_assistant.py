@@ -1,5 +1,5 @@
 """The Gemma 4 assistant drafter (engine/drafting/assistant.py) on the tiny gemma4_text target and its two
-tiny assistants (centroid head, tied dense head) from tools/tiny_gemma4.py.
+tiny assistants (centroid head, tied dense head) from tests/helpers/tiny_gemma4.py.
 
 Random weights draft tokens the target rarely keeps, so these tests check what must hold for
 any weights: greedy output byte-identical to plain decoding and to mlx-lm's own generation
@@ -35,10 +35,11 @@ from skulkp2p.engine.drafting.assistant import (
 )
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
-from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.engine.request import RequestError
+from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.models.cards import CardError, parse_card
+from tests.helpers import tiny_gemma4
 from tests.helpers.gemma_cards import write_gemma_card
-from tools import tiny_gemma4
 
 KINDS = ("ordered", "dense")
 PROMPT = "The river was high after the rain, and the"

@@ -22,7 +22,7 @@ import pytest
 from skulkp2p.engine.batching import scheduler
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.model.forward import LocalForward
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import Finished, Produced
 from tests.helpers.batch import (
     PROMPTS,
@@ -36,7 +36,7 @@ from tests.helpers.batch import (
     worker_run,
 )
 from tests.helpers.loaded import smollm2_float32
-from tools.make_tiny_model import make_tiny_model
+from tests.helpers.tiny_model import make_tiny_model
 
 _loaded = loaded
 
@@ -169,7 +169,7 @@ def test_batch_logits_close_to_solo_not_bitwise(tiny_models):
     with sched.cond:  # three rows in one step, driven by hand (no decode loop here)
         for row, prompt, feed in zip(rows, prompts, feeds, strict=True):
             row.prefill(prompt)
-            sched._join(row)
+            sched.join(row)
             row.joined = True
             row.submitted = list(feed)
         sched._step()
@@ -331,13 +331,10 @@ def test_drafting_backs_off_among_plain_rows_and_drafts_with_drafting_rows():
     pays when the other rows draft too (all widening together), and for free up to the width
     the others already verify. The gate backs off for the round, drafts again once the batch
     says so, and a seeded sampled request's gate ignores the batch."""
-    from skulkp2p.engine.drafting.gates import (
-        DEFAULT_WIDTH_COSTS,
-        SOLO,
-        BatchView,
-        DepthController,
-        GatedDrafter,
-    )
+    from skulkp2p.engine.batching.batch_view import SOLO, BatchView
+    from skulkp2p.engine.batching.row_forward import RowForward
+    from skulkp2p.engine.drafting.drafter import InnerDrafter
+    from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, DepthController, GatedDrafter
 
     costs = DEFAULT_WIDTH_COSTS["float32"]
     controller = DepthController(costs, 4, prior_accept=0.6)
@@ -358,21 +355,17 @@ def test_drafting_backs_off_among_plain_rows_and_drafts_with_drafting_rows():
     poor = DepthController(costs, 4, prior_accept=0.05, draft_cost=0.2)
     assert poor.best_depth(4, BatchView((3,) * 7, drafting=7))[0] == 0
 
-    class Lookup:
+    class Lookup(InnerDrafter):
         name = "lookup"
-
-        def begin(self, prompt, forward):
-            pass
 
         def propose(self, history, k):
             return [7] * k, None
 
-        def observe(self, drafted, accepted, emitted, forward):
-            pass
-
-    class Row:  # what a batch row shows a drafter: the other rows of its forward
+    class Row(RowForward):  # what a batch row shows a drafter: the other rows of its forward
         view = plain_rows
-        drafts = False
+
+        def __init__(self):
+            self.drafts = False
 
         def batch_view(self):
             return self.view

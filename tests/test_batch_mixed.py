@@ -12,7 +12,7 @@ import pytest
 
 from skulkp2p.engine.batching import scheduler
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import Finished
 from tests.helpers.batch import (
     PROMPTS,

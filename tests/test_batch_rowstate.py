@@ -19,12 +19,12 @@ from skulkp2p.engine.cache.batch_cache import RowLengths, RowsArraysCache, RowsK
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.drafting.assistant import load_assistant
 from skulkp2p.engine.model.loaded import load_model
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
+from tests.helpers import tiny_gemma4
 from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, requests, solo, together
-from tools import tiny_gemma4
 
 FAMILIES = ("qwen3_5", "gemma4_text")
-WINDOW = 16  # the tiny Gemma 4's sliding window (tools/tiny_gemma4.py)
+WINDOW = 16  # the tiny Gemma 4's sliding window (tests/helpers/tiny_gemma4.py)
 
 _loaded = loaded
 

@@ -32,7 +32,7 @@ from skulkp2p.engine.decode import generate
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.sampled import (
     FixedDrafter,
     FixedTreeDrafter,

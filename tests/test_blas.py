@@ -25,7 +25,7 @@ LINUX = sys.platform.startswith("linux")
 CHILD = r"""
 import json, logging, os, sys
 print("START", flush=True)
-from skulkp2p.engine import blas
+from skulkp2p.engine.cpu import blas
 blas.ensure_fast_blas()
 import mlx.core  # noqa: F401  (imported after the decision, as the CLI does)
 report = blas.fast_path_report()
@@ -240,7 +240,7 @@ def test_dependency_checks_do_not_inherit_a_preload_that_cannot_load(tmp_path: P
     # The default environment is this process's: as in a re-executed process, the preload's
     # folder is on LD_LIBRARY_PATH here, and the check asks about another path.
     script = ("import os, sys\n"
-              "from skulkp2p.engine import blas\n"
+              "from skulkp2p.engine.cpu import blas\n"
               "env = {k: v for k, v in os.environ.items() if k != 'LD_LIBRARY_PATH'}\n"
               "print(blas.missing_dependencies(sys.argv[1], env))\n"
               "print(blas.missing_dependencies(sys.argv[1]))\n")
@@ -280,7 +280,7 @@ def test_the_fast_path_is_measured_once_per_process(monkeypatch: pytest.MonkeyPa
 LOADED_CHILD = r"""
 import json
 print("START", flush=True)
-from skulkp2p.engine import blas
+from skulkp2p.engine.cpu import blas
 blas.ensure_fast_blas()
 import mlx.core  # noqa: F401
 got = {}

@@ -459,10 +459,10 @@ def test_policy_on_a_fake_proc_goes_narrow_only_for_a_lasting_load(tmp_path: Pat
 # ends; it also ends itself if the child dies first).
 CHILD = r"""
 import json, os, subprocess, sys
-from skulkp2p.engine import blas
-blas.ensure_fast_blas()
+from skulkp2p.engine.cpu import switch
+switch.install()
 import mlx.core as mx
-from skulkp2p.engine import blas_threads
+from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
 from skulkp2p.engine.model.forward import LocalForward

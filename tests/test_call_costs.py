@@ -12,7 +12,7 @@ from skulkp2p.engine.drafting.gates import DepthController, width_cost
 # A group's probe at formation on a busy CPU: every width's fastest call about the same
 # (README, tensor-parallel placements: "flat at 07:01").
 FLAT_PROBE = {w: 0.076 for w in (1, 2, 3, 4, 6, 8, 12, 16)}
-# What the group's decode calls then cost (tools/tensor_call_widths.py, same README section).
+# What the group's decode calls then cost (measured by call width, same README section).
 REAL_CALLS = {1: 0.077, 4: 0.127, 8: 0.214, 16: 0.340}
 
 

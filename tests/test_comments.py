@@ -92,7 +92,7 @@ def test_the_scan_leaves_what_is_not_a_citation_alone():
         COLOUR = "#0f766e"  # the dashboard's speed colour; &#39; is an apostrophe
         # 1. prefill  # 2. decode
         #1 is the first stage
-        ROWS = 16  # 1.5x at 16 rows: docs/measurements/decode-loop.md (tools/round_cost.py)
+        ROWS = 16  # 1.5x at 16 rows: docs/measurements/decode-loop.md (bench --widths)
         x = f"{n} sessions open"  # one session per request
         ''')
     assert citations(source) == []

@@ -19,10 +19,10 @@ from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.models.cards import PACKAGE_CARDS_DIR
+from skulkp2p.training import head_fit
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.sampled import ForwardMemo
 from tests.helpers.stats import goodness_of_fit, two_sample
-from tools import train_sidecar
 
 ALPHA = 1e-3
 SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exactness.py does)
@@ -133,7 +133,7 @@ def test_second_step_training_rows_are_what_the_drafter_computes(eagle_llama):
     n, width = 9, head.proj.weight.shape[0]
     hidden = mx.array(rng.standard_normal((2, n, width)).astype(np.float32))
     tokens = mx.array(rng.integers(0, 90, (2, n)).astype(np.int32))
-    post, post2 = train_sidecar.two_step_features(head, hidden, tokens)
+    post, post2 = head_fit.two_step_features(head, hidden, tokens)
     assert post2.shape == (2, n - 1, width)
     plain = head.features(hidden, tokens)[1]
     np.testing.assert_allclose(np.array(post), np.array(plain), rtol=1e-4, atol=1e-4)
@@ -163,15 +163,15 @@ def test_depth2_loss_trains_the_second_step(eagle_llama):
             mx.array(np.full((b, n, k), 1.0 / k, np.float32)),
             mx.array(rng.standard_normal((b, n, width)).astype(np.float32)),
             mx.array(np.ones((b, n), np.float32)))
-    one, ce1 = train_sidecar.make_loss(0.5)(head, *args)
-    zero, _ = train_sidecar.make_loss(0.5, 0.0)(head, *args)
-    two, ce2 = train_sidecar.make_loss(0.5, 1.0)(head, *args)
+    one, ce1 = head_fit.make_loss(0.5)(head, *args)
+    zero, _ = head_fit.make_loss(0.5, 0.0)(head, *args)
+    two, ce2 = head_fit.make_loss(0.5, 1.0)(head, *args)
     assert float(zero) == float(one)
     assert float(ce1) == pytest.approx(float(ce2), rel=1e-5)  # the reported ce is depth 1's
     assert float(two) > float(one) + 1.0  # a random head's second step costs about ln(K)
     import mlx.nn as nn
-    _, grads = nn.value_and_grad(head, train_sidecar.make_loss(0.5, 1.0))(head, *args)
-    _, grads1 = nn.value_and_grad(head, train_sidecar.make_loss(0.5))(head, *args)
+    _, grads = nn.value_and_grad(head, head_fit.make_loss(0.5, 1.0))(head, *args)
+    _, grads1 = nn.value_and_grad(head, head_fit.make_loss(0.5))(head, *args)
     g2 = np.array(grads["proj"]["weight"])
     g1 = np.array(grads1["proj"]["weight"])
     assert np.abs(g2 - g1).max() > 1e-6
@@ -294,7 +294,7 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
     an explicit mtp drafter drafts every round whatever the card says (the caller asked for
     its drafts)."""
     from skulkp2p.engine.decode.generate import MTP_MIN_CONFIDENCE, _choose_drafter, _mtp_in
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     base, sidecar, _ = eagle_llama
     prompt = [1, 2, 3, 4]
@@ -313,9 +313,9 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
 
 
 def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
-    from skulkp2p.engine.decode.generate import generate
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
     from skulkp2p.models.cards import load_card
+    from tests.helpers.pipe_result import generate
 
     # The card's own [speculation] (its mtp_context_bias among it), as serving loads it.
     card = load_card(PACKAGE_CARDS_DIR / "smollm2-135m.toml")
@@ -352,7 +352,7 @@ def test_head_starts_its_draft_early_only_where_lookup_has_none(eagle_llama, mon
     head draft of the run found its draft started early, the drafts are those of a run
     without the early start (same ops), and greedy output is plain decoding's."""
     from skulkp2p.engine.decode.generate import _choose_drafter
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     base, sidecar, _ = eagle_llama
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)

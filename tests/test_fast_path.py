@@ -11,13 +11,13 @@ from tests.helpers import ROOT
 
 SCRIPT = r"""
 import json, sys
-from skulkp2p.engine import blas
-blas.ensure_fast_blas()
+from skulkp2p.engine.cpu import blas, switch
+switch.install()
 import mlx.core as mx
 from mlx_lm import stream_generate
-from skulkp2p.engine.decode.generate import generate
+from tests.helpers.pipe_result import generate
 from skulkp2p.engine.model.loaded import load_model
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 report = blas.fast_path_report()
 lm = load_model(sys.argv[1], "smollm2-135m", dtype="float32")
 out = {"report": report, "cases": []}

@@ -4,15 +4,16 @@ import json
 
 import pytest
 
+from skulkp2p.engine.batching.batch_view import BatchView, StepPacking
+from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.drafter import InnerDrafter
 from skulkp2p.engine.drafting.gates import (
     DEFAULT_WIDTH_COSTS,
     REPRICE_EVERY,
-    BatchView,
     DepthController,
     GatedDrafter,
-    StepPacking,
     repetition_score,
     step_cost,
     width_cost,
@@ -56,7 +57,7 @@ def test_depth_controller_follows_acceptance():
 
 
 # A recorded cost table (seconds of a forward of n token rows / one row's) and the shares of
-# SmolLM2-135M (packed.step_packing: MLPs 0.59, head 0.21 of its weights).
+# SmolLM2-135M (scheduler.step_packing: MLPs 0.59, head 0.21 of its weights).
 RECORDED = {1: 1.0, 2: 1.1, 4: 1.25, 8: 1.45, 16: 1.9, 32: 2.8}
 SMOL = StepPacking(head=0.21, mlps=0.59, mlps_from=8)
 
@@ -112,18 +113,12 @@ def test_packed_price_lets_the_widest_row_draft_and_charges_rows_under_it():
     assert some.best_depth(6, BatchView((), 0, packed)) == some.best_depth(6)
 
 
-class WrongDrafter:
+class WrongDrafter(InnerDrafter):
     """Always proposes a token the model will not pick (its own plain choice plus one)."""
     name = "wrong"
 
-    def begin(self, prompt, forward):
-        pass
-
     def propose(self, history, k):
         return [(history[-1] * 7 + 1) % 500] * k, None
-
-    def observe(self, drafted, accepted, emitted, forward):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +181,7 @@ def test_auto_lookup_on_echo_and_beside_the_head_on_novel_smollm2(smollm2_path):
     assert res["novel"]["tokens"] == res["plain"]["tokens"]
 
 
-class _ContextDrafter:
+class _ContextDrafter(InnerDrafter):
     """Drafts k copies of one token; says which context its round is (set by the test)."""
 
     name = "lookup"
@@ -198,14 +193,8 @@ class _ContextDrafter:
     def context(self, history: list[int]) -> int:
         return self.kind
 
-    def begin(self, prompt, forward) -> None:
-        pass
-
     def propose(self, history, k):
         return [1] * k, None
-
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
 
 
 def test_gate_keeps_an_estimate_per_context():
@@ -225,26 +214,21 @@ def test_gate_keeps_an_estimate_per_context():
     assert len(gate.propose([0], 16)[0]) == short
 
 
-class _HeadLike:
+class _HeadLike(InnerDrafter):
     """Drafts one token per round, always rejected; counts what the gate asks of it (an MTP
     head's calls: observe while on, lag while off, catch_up before it drafts again)."""
 
     name = "head"
+    capabilities = DrafterCapabilities(resumes=True)
 
     def __init__(self) -> None:
         self.lagged = 0
         self.caught_up = 0
         self.proposed = 0
 
-    def begin(self, prompt, forward) -> None:
-        pass
-
     def propose(self, history, k):
         self.proposed += 1
         return [7] * k, None
-
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
 
     def lag(self, accepted, emitted, forward) -> None:
         self.lagged += 1
@@ -310,7 +294,7 @@ def test_a_drafter_without_catch_up_is_not_priced_again():
     assert not gate.on
 
 
-class _Guess:
+class _Guess(InnerDrafter):
     """A model drafter that always guesses one token (as a depth-1 MTP head does)."""
 
     name = "mtp"
@@ -318,17 +302,8 @@ class _Guess:
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def begin(self, prompt, forward) -> None:
-        pass
-
     def propose(self, history, k):
         return [self.token], None
-
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
-
-    def follow(self, accepted, emitted, forward) -> None:
-        pass
 
 
 def test_lookup_continues_the_model_drafters_guess():
@@ -357,7 +332,7 @@ def test_prompt_gate_applies_to_lookup_alone(tiny_model, monkeypatch):
     turns lookup.edits off (then the gate applies as before)."""
     from skulkp2p.engine.decode.generate import _choose_drafter
     from skulkp2p.engine.drafting.gates import LookupThenModel
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     req = parse_request({"prompt": "x", "max_tokens": 8})
     prompt = list(range(40, 90))  # nothing repeats: repetition score 0
@@ -369,3 +344,47 @@ def test_prompt_gate_applies_to_lookup_alone(tiny_model, monkeypatch):
     assert not auto.lookup.on
     alone, _, _ = _choose_drafter(load_model(tiny_model("llama"), "llama"), req, prompt)
     assert alone.name == "lookup" and not alone.on
+
+
+def test_each_drafters_capabilities_match_what_it_implements():
+    """A capability says the drafter has the method behind it, and a drafter with the method
+    says so: a gate never calls a default where a drafter does the thing, nor asks one that
+    does not."""
+    from skulkp2p.engine.decode.drafter_seam import Drafter
+    from skulkp2p.engine.drafting.assistant import AssistantDrafter
+    from skulkp2p.engine.drafting.draft_model import DraftModelDrafter
+    from skulkp2p.engine.drafting.gates import LookupThenModel
+    from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+    from skulkp2p.engine.drafting.suffix import SuffixDrafter
+
+    behind = {"trees": "propose_tree", "branches": "propose_branches", "resumes": "catch_up",
+              "prefetches": "prefetch"}
+    defaults = (Drafter, InnerDrafter)
+    for cls in (PromptLookup, SuffixDrafter, MtpDrafter, DraftModelDrafter, AssistantDrafter,
+                GatedDrafter, LookupThenModel):
+        for flag, method in behind.items():
+            own = getattr(cls, method, None) not in {getattr(d, method, None) for d in defaults}
+            assert getattr(cls.capabilities, flag) == own, (cls.__name__, flag)
+    assert MtpDrafter.capabilities.shared_in_batch
+    assert not SuffixDrafter.capabilities.shared_in_batch
+
+
+def test_an_inner_drafter_with_propose_alone_takes_the_gates_defaults():
+    """A drafter that declares nothing but `propose`: one context with no priors of its own, no
+    branches beside its chain, nothing to keep in step or catch up (its gate does not price it
+    again), no early draft, no choices at hand, no continuation of another's guess."""
+    from skulkp2p.engine.drafting.gates import LookupThenModel
+
+    inner = WrongDrafter()
+    assert inner.context([1, 2]) == 0 and not inner.context_priors
+    assert inner.propose_branches([1, 2], 3) == (inner.propose([1, 2], 3)[0], [])
+    assert inner.offers_draft() and inner.continue_after([1, 2], 3, 4) == []
+    assert inner.first_choices(2) == []
+    inner.follow(0, [5], None)
+    inner.lag(0, [5], None)
+    inner.catch_up()
+    assert not GatedDrafter(inner, F32, 4).can_reprice
+    auto = LookupThenModel(GatedDrafter(_ContextDrafter(), F32, 4), GatedDrafter(inner, F32, 4))
+    auto.observe(0, 0, [5], None)
+    assert auto.prefetch_calls == 0  # (no early draft to start)
+

@@ -30,8 +30,8 @@ from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.stage import StageModel, StageSpan
 from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
 from skulkp2p.models.cards import CardError, parse_card
+from tests.helpers import tiny_gemma4
 from tests.helpers.gemma_cards import write_gemma_card
-from tools import tiny_gemma4
 
 PROMPT = "The river was high after the rain, and the"
 TOKENS = 48  # three sliding windows: the rotating caches wrap and are cut back on rejection
@@ -280,7 +280,8 @@ def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
 def test_a_tensor_groups_loop_member_loads_no_assistant_and_says_why(gemma, tmp_path):
     from skulkp2p.engine.decode.generate import _choose_drafter
     from skulkp2p.engine.model.loader import open_model
-    from skulkp2p.engine.request import RequestError, parse_request
+    from skulkp2p.engine.request import RequestError
+    from skulkp2p.formats.pipe_format import parse_request
     from skulkp2p.models.store import ModelStore
     card = parse_card({**_card(), "placement": {},
                        "source": {"kind": "local", "path": str(gemma["target"])},

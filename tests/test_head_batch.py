@@ -24,7 +24,7 @@ from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.trunk import Trunk
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.batch import PROMPTS, SAMPLINGS, loaded, requests, solo, together
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.loaded import smollm2_float32
@@ -300,13 +300,10 @@ def test_gate_prices_a_batched_heads_drafts_as_one_forward():
     draft in one forward per depth (d k c(4)); alone both price it alike. The gate of a
     drafter that says it drafts in the batch's forward prices it so once its row is a batch
     row (and not for a seeded sampled request, whose gate ignores the batch)."""
-    from skulkp2p.engine.drafting.gates import (
-        DEFAULT_WIDTH_COSTS,
-        SOLO,
-        BatchView,
-        DepthController,
-        GatedDrafter,
-    )
+    from skulkp2p.engine.batching.batch_view import SOLO, BatchView
+    from skulkp2p.engine.batching.row_forward import RowForward
+    from skulkp2p.engine.drafting.drafter import InnerDrafter
+    from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, DepthController, GatedDrafter
 
     costs = DEFAULT_WIDTH_COSTS["float32"]
     drafting = BatchView((1,) * 3, drafting=3)
@@ -317,15 +314,16 @@ def test_gate_prices_a_batched_heads_drafts_as_one_forward():
     assert shared.best_depth(4, drafting)[0] == 1
     assert per_row.best_depth(4, SOLO) == shared.best_depth(4, SOLO)
 
-    class Head:
+    class Head(InnerDrafter):
         name = "mtp"
-        shared_in_batch = MtpDrafter.shared_in_batch
+        capabilities = MtpDrafter.capabilities
 
-        def begin(self, prompt, forward):
-            pass
+        def propose(self, history, k):
+            return [], None
 
-    class Row:  # what a batch row shows a gate
-        drafts = False
+    class Row(RowForward):  # what a batch row shows a gate
+        def __init__(self):
+            self.drafts = False
 
         def batch_view(self):
             return drafting

@@ -19,7 +19,7 @@ from skulkp2p.engine.drafting.mtp_drafter import HEAD_BRANCH_CLOSE, MtpDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.trunk import Trunk
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import FREE_WIDTH, trees_on

@@ -13,24 +13,56 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "skulkp2p"
 
-# area -> areas it must never import (an area is the first name under skulkp2p).
-FORBIDDEN = {
-    "engine": {"bench", "api", "cluster", "served", "node", "cli", "pipe"},
-    "cluster": {"api", "node", "bench", "cli", "served"},
-    "api": {"node", "cluster", "bench", "cli", "served"},
-    "served": {"api", "node", "cluster", "bench", "cli"},
-    "models": {"api", "node", "cluster", "bench", "cli", "served", "engine"},
-    "wire": {"api", "node", "cluster", "bench", "cli", "served", "engine"},
-    "telemetry": {"api", "node", "cluster", "bench", "cli", "served"},
+# The engine's rooms, bottom to top: each may import the rooms listed (and nothing of the engine
+# above it). docs/architecture.md says what each room holds.
+ENGINE_ROOMS: dict[str, set[str]] = {
+    "engine": set(),  # the seam: Engine protocol, GenerationRequest, GenerationResult, errors
+    "engine.cpu": {"engine"},
+    "engine.cache": {"engine", "engine.cpu"},
+    "engine.model": {"engine", "engine.cpu", "engine.cache"},
+    "engine.decode": {"engine", "engine.cpu", "engine.cache", "engine.model"},
+    "engine.parallel.ring": {"engine", "engine.cpu", "engine.cache", "engine.model"},
+    "engine.batching": {"engine", "engine.cpu", "engine.cache", "engine.model",
+                        "engine.parallel.ring"},
+    "engine.drafting": {"engine", "engine.cpu", "engine.cache", "engine.model", "engine.decode",
+                        "engine.batching"},
+    "engine.parallel.tensor": {"engine", "engine.cpu", "engine.cache", "engine.model",
+                               "engine.drafting"},
 }
+ENGINE_ROOMS["engine.runner"] = set(ENGINE_ROOMS)  # builds an engine from all the rooms
+ENGINE_BELOW = {"skulkp2p", "wire", "models", "progress"}  # what any room may import outside engine
 
-# Modules that are the MLX engine itself (they import mlx at the top, by design).
-MLX_MODULES = {"caches", "decode", "draft_model", "forward", "generate", "loader", "mlx_engine",
-               "model", "mtp_head", "mtp_drafter", "prefix_cache", "sampling", "stage", "trunk",
-               "drafters", "gates", "blas", "width_costs", "batch_cache", "scheduler", "assistant",
-               "tensor_shard", "ring_batch", "tree", "tree_accept", "arrays", "head_batch",
-               "packed", "step_rope", "row_forward", "weight_first", "numpy_verify",
-               "table_rope"}
+# Rooms whose modules may import mlx at the top; every other module of the package imports with
+# mlx blocked (mlx loads only when a model does, on its worker thread).
+# Training a drafting head runs models too; the CLI imports only its options, which import no
+# mlx (checked through skulkp2p.cli below).
+MLX_ROOMS = set(ENGINE_ROOMS) - {"engine"} | {"training"}  # training fits heads on a model
+
+SEAM = {"engine"}  # what the layers that only run engines may see of the engine
+# The layers above the engine: area -> areas it may import ("skulkp2p" is the package itself).
+AREAS: dict[str, set[str]] = {
+    "wire": set(), "progress": set(), "metrics": set(), "netfault": set(),
+    "models": {"wire", "progress"},
+    "state_metrics": SEAM | {"engine.cpu", "metrics"},
+    "telemetry": SEAM | {"engine.cpu", "metrics", "state_metrics"},
+    "formats": SEAM | {"engine.decode"},
+    "runtime": SEAM | {"telemetry"},
+    "served": SEAM | {"engine.decode", "formats", "models", "progress"},
+    "cluster": {"wire", "models", "engine.parallel.ring"},  # the ring's sans-I/O protocol
+    "api": SEAM | {"formats", "runtime", "metrics", "telemetry", "state_metrics", "engine.cpu"},
+    "pipe": SEAM | {"formats", "runtime", "models"},
+}
+_ALL = set(AREAS) | set(ENGINE_ROOMS) | {"skulkp2p", "served", "api", "cluster"}
+AREAS["training"] = set(ENGINE_ROOMS) | {"models", "progress"}
+AREAS["node"] = _ALL - {"bench", "training"}  # the composition root
+AREAS["bench"] = _ALL | {"node"}
+AREAS["cli"] = _ALL | {"node", "bench", "training"}
+AREAS["cli_reference"] = {"cli"}
+AREAS["__main__"] = {"cli"}
+for _area in AREAS.values():
+    _area.add("skulkp2p")
+for _room, _allowed in ENGINE_ROOMS.items():
+    _allowed |= ENGINE_BELOW
 
 
 def _modules() -> dict[str, Path]:
@@ -70,8 +102,18 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def _area(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
+    """The room of an engine module (`engine.decode`, `engine.parallel.ring`), else the first
+    name under skulkp2p (`api`, `wire`)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "skulkp2p"
+    if parts[0] != "engine":
+        return parts[0]
+    for depth in (3, 2):
+        room = ".".join(parts[:depth])
+        if room in ENGINE_ROOMS:
+            return room
+    return "engine"
 
 
 def _graph() -> dict[str, set[str]]:
@@ -79,10 +121,26 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(m, p, modules) for m, p in modules.items()}
 
 
+def _allowed(area: str) -> set[str]:
+    return ENGINE_ROOMS.get(area) or AREAS.get(area, set())
+
+
+def test_every_area_has_a_rule():
+    areas = {_area(m) for m in _modules()}
+    assert not areas - set(ENGINE_ROOMS) - set(AREAS) - {"skulkp2p"}
+
+
 def test_layer_rules_hold():
     bad = [f"{m} -> {t}" for m, targets in _graph().items() for t in targets
-           if _area(t) in FORBIDDEN.get(_area(m), set())]
-    assert not bad, "imports across layers:\n" + "\n".join(sorted(bad))
+           if _area(t) != _area(m) and _area(t) not in _allowed(_area(m))]
+    assert not bad, "imports across layers or rooms:\n" + "\n".join(sorted(bad))
+
+
+def test_the_rooms_form_no_cycle():
+    """The room rules themselves are a hierarchy: no room may import one that may import it."""
+    for room, allowed in ENGINE_ROOMS.items():
+        for other in allowed - {room}:
+            assert room not in ENGINE_ROOMS.get(other, set()), (room, other)
 
 
 def test_no_import_cycles():
@@ -140,7 +198,12 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     fake["skulkp2p.engine.x"].write_text("from skulkp2p.api import y\n")
     fake["skulkp2p.api.y"].write_text("")
     assert _imports("skulkp2p.engine.x", fake["skulkp2p.engine.x"], fake) == {"skulkp2p.api.y"}
-    assert "api" in FORBIDDEN["engine"]
+    assert "api" not in _allowed(_area("skulkp2p.engine.x"))
+    assert _area("skulkp2p.engine.parallel.ring.frames") == "engine.parallel.ring"
+    assert _area("skulkp2p.engine.decode.loop") == "engine.decode"
+    assert _area("skulkp2p.engine.protocol") == "engine"
+    assert _area("skulkp2p.engine") == "engine"
+    assert "engine.decode" not in _allowed("engine.model")
 
 
 BLOCK_MLX = """
@@ -166,8 +229,8 @@ sys.exit(1 if failed else 0)
 
 @pytest.mark.process
 def test_layers_above_the_mlx_engine_import_without_mlx():
-    names = sorted(m for m in _modules() if not m.endswith("__main__") and not (
-        _area(m) == "engine" and m.split(".")[-1] in MLX_MODULES))
+    names = sorted(m for m in _modules()
+                   if not m.endswith("__main__") and _area(m) not in MLX_ROOMS)
     assert "skulkp2p.api.app" in names and "skulkp2p.node.serving" in names
     assert "skulkp2p.cluster.node" in names and "skulkp2p.wire" in names
     out = subprocess.run([sys.executable, "-c", BLOCK_MLX, *names], capture_output=True,
@@ -189,3 +252,18 @@ def test_no_test_module_imports_another():
                 if parts[-1].startswith("test_") and parts[0] != "skulkp2p":
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    crowded = {str(d.relative_to(ROOT)): n for d in [PKG, *PKG.rglob("*")] if d.is_dir()
+               if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > 15}
+    assert not crowded, crowded
+
+
+def test_one_meaning_per_file_name():
+    """No two modules of the package share a file name (`__init__`, `__main__` aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in PKG.rglob("*.py"):
+        if path.stem not in ("__init__", "__main__"):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(PKG)))
+    assert not {k: v for k, v in seen.items() if len(v) > 1}

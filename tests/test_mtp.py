@@ -21,7 +21,7 @@ from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 from skulkp2p.engine.drafting.mtp_head import _stack_experts, load_mtp_head
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
-from tools.make_tiny_model import RMS_EPS, mtp_tensor_shapes
+from tests.helpers.tiny_base import RMS_EPS, mtp_tensor_shapes
 
 CASES = [("llama", "qwen"), ("llama", "deepseek"), ("llama", "mimo"), ("qwen3", "qwen"),
          ("qwen3_5", "qwen")]
@@ -416,8 +416,8 @@ def test_lookup_then_mtp_is_exact_and_keeps_the_head_in_step(tiny):
 
 def test_auto_mode_with_a_head_uses_lookup_and_mtp(tiny):
     """A model with a head, in auto mode: the combined drafter, exact, counted per drafter."""
-    from skulkp2p.engine.decode.generate import generate
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
+    from tests.helpers.pipe_result import generate
 
     t = tiny("llama", "qwen")
     prompt = " ".join([TEXT] * 3)

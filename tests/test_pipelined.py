@@ -18,7 +18,7 @@ from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.model.forward import LocalForward
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded
 from tests.helpers.reference import mlx_lm_tokens

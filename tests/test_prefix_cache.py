@@ -23,8 +23,9 @@ from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.stage import StageModel, StageSpan
 from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
-from skulkp2p.engine.request import parse_request
-from tools.make_tiny_model import make_tiny_model
+from skulkp2p.formats.openai_chat import usage_json
+from skulkp2p.formats.pipe_format import parse_request, result_json
+from tests.helpers.tiny_model import make_tiny_model
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")
 DOC = ("def area(w, h):\n    return w * h\n\n" * 12
@@ -147,8 +148,8 @@ def test_engine_reports_cached_tokens_on_a_chat(tiny_models, family):
     r2, c2 = ask(warm, turn2), ask(cold, turn2)
     assert (r2.tokens, r2.text) == (c2.tokens, c2.text)
     assert r2.usage.cached_tokens >= n1 - 1 and c2.usage.cached_tokens == 0
-    assert r2.to_pipe_dict(1, "m")["usage"]["cached_tokens"] == r2.usage.cached_tokens
-    assert r2.usage.openai_dict()["prompt_tokens_details"] == {
+    assert result_json(r2, 1, "m")["usage"]["cached_tokens"] == r2.usage.cached_tokens
+    assert usage_json(r2.usage)["prompt_tokens_details"] == {
         "cached_tokens": r2.usage.cached_tokens}
     assert warm.info().detail["prefix_cache"]["hits"] == 1
 

@@ -11,19 +11,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
 from skulkp2p.engine.drafting.suffix import SuffixDrafter
 from skulkp2p.engine.model.forward import LocalForward
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded
 from tests.helpers.reference import mlx_lm_tokens
 
 
-class EveryNth:
+class EveryNth(Drafter):
     """A drafter that says it is quiet and drafts only when the history's length is a multiple of `every` (quiet
     otherwise), a suffix drafter's draft or, where it has none, a guess; it records every call
     it gets (and the hidden rows it was shown), so two runs can be compared call by call."""

@@ -194,7 +194,7 @@ def test_batched_ring_rows_verify_trees_exactly(paths, family, n):
     import dataclasses
 
     from skulkp2p.engine.decode.mlx_engine import MlxEngine
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
     from tests.helpers.batch import solo, together
     from tests.helpers.rings import Ring
 

@@ -62,7 +62,7 @@ from skulkp2p.engine.decode.sampling import (
     target_probs,
 )
 from skulkp2p.engine.drafting.draft_model import DraftModelDrafter
-from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.forward import Forward, LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from tests.helpers.prefilled import PrefilledForward
 from tests.helpers.sampled import (
@@ -331,13 +331,14 @@ BIGRAM_V = 64
 N_BIGRAM = 3000
 
 
-class BigramForward:
+class BigramForward(Forward):
     """A synthetic target whose next-token logits depend on the last token only, with strong
     self-transitions: a token just emitted is likely again unless the penalty holds it back. So
     the row after an accepted draft x differs sharply depending on whether x is in the window.
-    `round_base` is the history length when the current verify round began."""
+    `round_base` is the history length when the current verify round began. It holds no
+    caches; every other part of the seam is its default."""
 
-    last_hidden = None
+    cache: list = []
 
     def __init__(self, table: mx.array, prompt_len: int):
         self.table = table
@@ -486,7 +487,7 @@ def test_gemma4_assistant_sampling_matches_plain(tmp_path_factory):
 
     from skulkp2p.engine.decode.loop import DecodeStats
     from skulkp2p.engine.drafting.assistant import AssistantDrafter, load_assistant
-    from tools import tiny_gemma4
+    from tests.helpers import tiny_gemma4
 
     base = tmp_path_factory.mktemp("gemma4-sampling")
     model, tokenizer = mlx_load(str(tiny_gemma4.make_target(base / "target")))

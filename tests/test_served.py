@@ -18,7 +18,7 @@ import pytest
 
 from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.engine.protocol import EngineUnavailable
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request, result_json
 from skulkp2p.models.cards import load_card
 from skulkp2p.models.store import ModelStore
 from skulkp2p.served.binary import engines, find_binary
@@ -154,7 +154,7 @@ def _run(model: ServedModel, messages: list[dict], max_tokens: int = 48) -> dict
     generation = model.generate(req)
     text = "".join(c.text for c in generation)
     assert text == generation.result.text
-    return generation.result.to_pipe_dict(None, model.id)
+    return result_json(generation.result, None, model.id)
 
 
 @pytest.mark.served

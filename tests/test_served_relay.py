@@ -14,7 +14,9 @@ import types
 import pytest
 
 from skulkp2p.api.errors import engine_error
-from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.engine.request import RequestError
+from skulkp2p.formats.pipe_format import parse_request
+from skulkp2p.formats.result_extras import speculation_json
 from skulkp2p.models.cards import Card, Source
 from skulkp2p.runtime.worker import Failed, Finished, ModelWorker, Produced, Started
 from skulkp2p.served.child import free_port
@@ -155,7 +157,7 @@ def test_relay_matches_blocking_stream_and_errors():
                 assert getattr(result, key) == getattr(ref, key), key
             assert result.finish_reason == "length"
             assert result.usage.cached_tokens == 5  # llama-server's own prompt cache
-            assert result.speculation.to_dict() == {
+            assert speculation_json(result.speculation) == {
                 "drafter": "llama_server:ngram-simple", "mode": "explicit", "drafted": 4,
                 "accepted": 3, "acceptance": 0.75}
             # the same request went to the child both ways

@@ -1,6 +1,6 @@
 """MTP sidecars: publish -> load round trips for every naming (dense and MoE), loading beside a
 4-bit base, refusals (no MTP tensors, shapes that do not fit), where a card's sidecar comes from,
-and train_sidecar on a tiny model."""
+and `python -m skulkp2p head train` on a tiny model."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from skulkp2p.cli import main as cli_main
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
@@ -23,7 +24,8 @@ from skulkp2p.engine.drafting.mtp_head import load_mtp_head
 from skulkp2p.engine.model import loader
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import is_mtp_key, load_model
-from tools import publish_sidecar, train_sidecar
+from skulkp2p.training import head_fit, head_init, prompt_batches, publish, train_run
+from skulkp2p.training.head_options import PREFIXES, HeadError
 
 TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
 MAX_TOKENS = 24
@@ -170,7 +172,7 @@ def test_publish_load_round_trip(tmp_path, tiny_model, family, style, moe):
     else:
         src = tiny_model(family, mtp=True, mtp_style=style)
     side_dir = tmp_path / "side"
-    assert publish_sidecar.main([str(src), str(side_dir)]) == 0
+    assert cli_main(["head", "publish", str(src), str(side_dir)]) == 0
     sidecar = side_dir / "mtp.safetensors"
     names = set(mx.load(str(sidecar)))
     # The sidecar holds the head alone; experts are stacked; DeepSeek's copies are dropped.
@@ -185,8 +187,8 @@ def test_publish_load_round_trip(tmp_path, tiny_model, family, style, moe):
     assert conv["norm_offset"] == (1.0 if family == "qwen3_5" else 0.0)
     assert prov["experts_restacked"] == moe
     for f in src.glob("*.safetensors"):
-        assert prov["source"][f.name]["sha256"] == publish_sidecar.sha256_file(f)
-    assert prov["sidecar"]["sha256"] == publish_sidecar.sha256_file(sidecar)
+        assert prov["source"][f.name]["sha256"] == publish.sha256_file(f)
+    assert prov["sidecar"]["sha256"] == publish.sha256_file(sidecar)
 
     base = _strip(src, tmp_path / "base")
     lm = load_model(base, "base", dtype="float32", sidecar=sidecar)
@@ -206,10 +208,27 @@ def test_publish_load_round_trip(tmp_path, tiny_model, family, style, moe):
 
 def test_publish_refuses_a_checkpoint_without_mtp(tiny_models, tmp_path, capsys):
     out = tmp_path / "out"
-    assert publish_sidecar.main([str(tiny_models["llama"]), str(out)]) == 1
+    assert cli_main(["head", "publish", str(tiny_models["llama"]), str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no MTP tensors" in err
     assert not (out / "mtp.safetensors").exists()
+
+
+def test_head_train_refuses_an_unknown_model_before_touching_its_folder(tmp_path, capsys):
+    """A bad --model ends `head train` with one line and status 1, and an earlier run's work
+    folder is left as it was (it is cleared only once the model resolves)."""
+    out = tmp_path / "trained"
+    (out / ".train").mkdir(parents=True)
+    (out / ".train" / "train-0000.npz").write_bytes(b"kept")
+    assert cli_main(["head", "train", "--model", "no-such-card", "--out", str(out),
+                     "--data-dir", str(tmp_path / "store")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no-such-card" in err
+    assert (out / ".train" / "train-0000.npz").read_bytes() == b"kept"
+    with pytest.raises(SystemExit) as e:  # argparse: a usage line, then the error
+        cli_main(["head", "train", "--model", "x", "--out", str(out), "--gen-share", "0.9"])
+    assert e.value.code == 2 and "--gen-share: must be between 0 and 0.85" in \
+        capsys.readouterr().err
 
 
 # --- beside a quantised base, and refusals --------------------------------------------------
@@ -220,7 +239,7 @@ def llama_sidecar(tmp_path_factory, tiny_model) -> tuple[Path, Path, Path]:
     """(original with head, stripped base, sidecar file) for a tiny llama with a qwen head."""
     root = tmp_path_factory.mktemp("llama-side")
     src = tiny_model("llama", mtp=True, mtp_style="qwen")
-    publish_sidecar.publish(src, root / "side")
+    publish.publish(src, root / "side")
     return src, _strip(src, root / "base"), root / "side" / "mtp.safetensors"
 
 
@@ -340,27 +359,27 @@ def test_card_sidecar_from_hf_offline(tmp_path, monkeypatch):
 
 @pytest.mark.training
 @pytest.mark.parametrize("kind,data", [("eagle", "broad"), ("qwen", "stdlib")])
-def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, monkeypatch, kind, data):
+def test_head_train_on_a_tiny_model(tiny_models, tmp_path, monkeypatch, kind, data):
     base = tiny_models["llama"]
     out = tmp_path / "trained"
-    p = train_sidecar.PREFIXES[kind]
-    common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "12",
-              "--max-batches", "2", "--eval-tokens", "40", "--kind", kind, "--data", data,
-              "--heldout-batches", "2"]
+    p = PREFIXES[kind]
+    common = ["head", "train", "--model", str(base), "--out", str(out), "--batch", "4",
+              "--gen-tokens", "12", "--max-batches", "2", "--eval-tokens", "40", "--kind", kind,
+              "--data", data, "--heldout-batches", "2"]
     if data == "stdlib":
         common += ["--limit-files", "30", "--heldout-batch", "4"]
         # The resumed run below builds the very prompts the first run built (the same files,
         # seed and tokenizer): it gets a copy of them rather than parsing the stdlib again
         # (~5 s: ast.get_source_segment splits a whole file into lines per function).
-        build, built = train_sidecar.build_prompts, {}
+        build, built = train_run.build_prompts, {}
 
         def build_once(tokenizer, seed, limit_files=None):
             if (seed, limit_files) not in built:
                 built[seed, limit_files] = build(tokenizer, seed, limit_files)
             return copy.deepcopy(built[seed, limit_files])
 
-        monkeypatch.setattr(train_sidecar, "build_prompts", build_once)
-    assert train_sidecar.main([*common, "--steps", "3"]) == 0
+        monkeypatch.setattr(train_run, "build_prompts", build_once)
+    assert cli_main([*common, "--steps", "3"]) == 0
     prov = tomllib.loads((out / "mtp.provenance.toml").read_text())
     assert prov["conventions"]["style"] == kind
     assert prov["training"]["steps"] == 3
@@ -385,7 +404,7 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, monkeypatch, kind,
     assert _decode(lm, head, 3) == _decode(lm)
     if kind == "qwen":
         # --init-from: an eagle head warm-started from this one drafts exactly as it does.
-        warm = train_sidecar.warm_start_tensors(base, lm.model, _config(base),
+        warm = head_init.warm_start_tensors(base, lm.model, _config(base),
                                                 out / "mtp.safetensors", ids, "eagle")
         mx.save_safetensors(str(tmp_path / "warm.safetensors"), warm)
         lw = load_model(base, "tiny", dtype="float32", sidecar=tmp_path / "warm.safetensors")
@@ -403,8 +422,8 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, monkeypatch, kind,
     # noisy training features; the eagle run also adds terse answers and the second step's loss).
     before = {f.name: f.read_bytes() for f in (out / ".train").glob("train-*")}
     extra = ["--terse", "4", "--depth2-weight", "0.5"] if data == "broad" else []
-    assert train_sidecar.main([*common, "--steps", "5", "--resume",
-                               "--feature-noise", "0.1", *extra]) == 0
+    assert cli_main([*common, "--steps", "5", "--resume", "--feature-noise", "0.1",
+                     *extra]) == 0
     state = json.loads((out / ".train" / "state.json").read_text())
     assert state["step"] == 5 and len(state["runs"]) == 2
     after = {f.name: f.read_bytes() for f in (out / ".train").glob("train-*")}
@@ -425,7 +444,7 @@ def test_train_sidecar_on_a_tiny_model(tiny_models, tmp_path, monkeypatch, kind,
 
 @pytest.mark.training
 def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
-    """--skip-batches: a broad batch held for validation (tools/validation_shards.py answers it)
+    """--skip-batches: a broad batch held for validation (`head validation-shards` answers it)
     is never answered into a training shard, and a folder that already trained on it, or an
     index past the list, is refused."""
     import random
@@ -433,34 +452,35 @@ def test_skipped_batches_stay_out_of_training(tiny_models, tmp_path, capsys):
     from skulkp2p.engine.model.loaded import load_model as load
     base = tiny_models["llama"]
     out = tmp_path / "trained"
-    common = ["--model", str(base), "--out", str(out), "--batch", "4", "--gen-tokens", "4",
-              "--prompt-tokens", "96", "--max-batches", "3", "--heldout-batches", "1",
-              "--generate-only", "--resume"]
-    assert train_sidecar.main([*common, "--skip-batches", "1"]) == 0
+    common = ["head", "train", "--model", str(base), "--out", str(out), "--batch", "4",
+              "--gen-tokens", "4", "--prompt-tokens", "96", "--max-batches", "3",
+              "--heldout-batches", "1", "--generate-only", "--resume"]
+    assert cli_main([*common, "--skip-batches", "1"]) == 0
     work = out / ".train"
     assert sorted(f.name for f in work.glob("train-*")) == ["train-0000.npz", "train-0002.npz"]
-    # The skipped batch is the one validation_shards answers at --batch-index 1: its prompts are
-    # in no training shard.
+    # The skipped batch is the one `head validation-shards` answers at --batch-index 1: its
+    # prompts are in no training shard.
     tok = load(base, "tiny", dtype="float32").tokenizer
-    train_p, _, _ = train_sidecar.build_broad_prompts(tok, 0)
-    batches = train_sidecar.batches_of(train_p, 4, 96, train_sidecar._tail_length(tok))
+    train_p, _, _ = prompt_batches.build_broad_prompts(tok, 0)
+    batches = prompt_batches.batches_of(train_p, 4, 96, prompt_batches.tail_length(tok))
     random.Random(0).shuffle(batches)
     held_back = {tuple(p) for p in batches[1]}
     for f in work.glob("train-*"):
         s = np.load(f)
         trained = {tuple(row[:int(s["prompt_len"])]) for row in s["tokens"].tolist()}
         assert trained and not trained & held_back, f.name
-    with pytest.raises(SystemExit, match="already answered"):
-        train_sidecar.main([*common, "--skip-batches", "0"])
-    with pytest.raises(SystemExit, match="must be below 3"):
-        train_sidecar.main([*common, "--skip-batches", "3"])
+    capsys.readouterr()
+    for skip, why in (("0", "already answered"), ("3", "must be below 3")):
+        assert cli_main([*common, "--skip-batches", skip]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err, err
 
 
 def test_broad_training_prompts_hold_no_heldout_validation_or_bench_text():
     """What acceptance is measured on stays out of the training list: the held-out and validation
     prompts and the bench's messages are none of the broad list's prompts, nor inside one."""
     from skulkp2p.bench.workloads import WORKLOADS
-    from tools.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
+    from skulkp2p.training.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
     bench = [m["content"] for msgs in WORKLOADS.values() for m in msgs
              if isinstance(m.get("content"), str) and m["content"].strip()]
     training = train_prompts(0)
@@ -472,7 +492,7 @@ def test_broad_training_prompts_hold_no_heldout_validation_or_bench_text():
 
 def test_terse_prompts_are_fresh_and_deterministic():
     from skulkp2p.bench.workloads import WORKLOADS
-    from tools.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts
+    from skulkp2p.training.sidecar_prompts import HELDOUT_PROMPTS, TERSE_QUESTIONS, terse_prompts
     prompts = terse_prompts(0, 50)
     assert prompts == terse_prompts(0, 50) and prompts != terse_prompts(1, 50)
     assert len(set(prompts)) == 50
@@ -498,23 +518,23 @@ def test_a_larger_terse_count_adds_only_messages_not_yet_answered(tmp_path):
     # terse list's are; 2 tail tokens stand for the chat template's.
     prompts = [[i] + [7] * rng.randint(6, 40) + [1, 2] for i in range(300)]
     ids = lambda batches: [p[0] for b in batches for p in b]  # noqa: E731
-    first = train_sidecar.terse_batches(prompts, [100], 8, 64, 2, seed=3)
-    both = train_sidecar.terse_batches(prompts, [100, 300], 8, 64, 2, seed=3)
+    first = prompt_batches.terse_batches(prompts, [100], 8, 64, 2, seed=3)
+    both = prompt_batches.terse_batches(prompts, [100, 300], 8, 64, 2, seed=3)
     assert both[:len(first)] == first
     assert len(ids(both)) == len(set(ids(both))), "a message answered twice"
     assert set(ids(first)) <= set(range(100)) and len(ids(both)) >= 300 - 8 * 2
     # The one-round list is batched as before rounds existed (older work folders' shards).
-    old = train_sidecar.batches_of(prompts, 8, 64, 2)
+    old = prompt_batches.batches_of(prompts, 8, 64, 2)
     random.Random(3 + 2).shuffle(old)
-    assert train_sidecar.terse_batches(prompts, [300], 8, 64, 2, seed=3) == old
+    assert prompt_batches.terse_batches(prompts, [300], 8, 64, 2, seed=3) == old
     # The counts are kept in the work folder: only a larger one adds a round.
     manifest = tmp_path / "terse.json"
-    assert train_sidecar.terse_bounds(manifest, 100, shards_made=False) == [100]
-    assert train_sidecar.terse_bounds(manifest, 300, shards_made=True) == [100, 300]
-    assert train_sidecar.terse_bounds(manifest, 200, shards_made=True) == [100, 300]
+    assert prompt_batches.terse_bounds(manifest, 100, shards_made=False) == [100]
+    assert prompt_batches.terse_bounds(manifest, 300, shards_made=True) == [100, 300]
+    assert prompt_batches.terse_bounds(manifest, 200, shards_made=True) == [100, 300]
     manifest.unlink()
-    with pytest.raises(SystemExit, match="terse.json"):
-        train_sidecar.terse_bounds(manifest, 300, shards_made=True)
+    with pytest.raises(HeadError, match="terse.json"):
+        prompt_batches.terse_bounds(manifest, 300, shards_made=True)
 
 
 @pytest.mark.training
@@ -527,8 +547,8 @@ def test_feature_noise_jitters_only_the_training_features():
              "top_vals": rng.normal(size=(n_seq, n, 8)).astype(np.float16),
              "prompt_len": np.array(3, np.int32), "ends": np.full(n_seq, n, np.int32)}
     vocab_ids = np.arange(0, vocab, 2)
-    clean = train_sidecar.Batches([shard], vocab_ids, vocab, n_seq, seed=1).sample()
-    noisy = train_sidecar.Batches([shard], vocab_ids, vocab, n_seq, seed=1,
+    clean = head_fit.Batches([shard], vocab_ids, vocab, n_seq, seed=1).sample()
+    noisy = head_fit.Batches([shard], vocab_ids, vocab, n_seq, seed=1,
                                   feature_noise=0.1).sample()
     for a, b in zip(clean[1:], noisy[1:], strict=True):  # tokens, targets, weights: untouched
         np.testing.assert_array_equal(np.array(a), np.array(b))

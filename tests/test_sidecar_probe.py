@@ -1,4 +1,4 @@
-"""tools/head_vocab_probe.py on a head trained for a tiny model: the held-out share inside the
+"""`python -m skulkp2p head probe` on a head trained for a tiny model: the held-out share inside the
 draft vocabulary, the replayed acceptance at another vocabulary, and the offline policy
 simulation, which at its "always draft" settings must count exactly what the engine's decode
 loop counts in the replay."""
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tools import head_vocab_probe, train_sidecar
+from skulkp2p.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +20,10 @@ def trained(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "trained"
     # Enough steps for the head to learn the tiny model's repetitive answers: the checks below
     # compare counts of accepted drafts, which must not all be zero.
-    assert train_sidecar.main(["--model", str(base), "--out", str(out), "--batch", "4",
-                               "--gen-tokens", "24", "--max-batches", "2", "--heldout-batches",
-                               "2", "--eval-tokens", "400", "--steps", "60", "--lr", "3e-3",
-                               "--coverage", "0.5"]) == 0
+    assert cli_main(["head", "train", "--model", str(base), "--out", str(out), "--batch", "4",
+                     "--gen-tokens", "24", "--max-batches", "2", "--heldout-batches", "2",
+                     "--eval-tokens", "400", "--steps", "60", "--lr", "3e-3",
+                     "--coverage", "0.5"]) == 0
     return base, out
 
 
@@ -42,10 +42,10 @@ def _heldout_tokens(work) -> np.ndarray:
 def test_probe_counts_what_the_replay_counts(trained, tmp_path, capsys):
     base, out = trained
     report = tmp_path / "probe.json"
-    assert head_vocab_probe.main(["--work", str(out / ".train"), "--sidecar",
-                                  str(out / "mtp.safetensors"), "--model", str(base),
-                                  "--sizes", "0", "--depths", "1,2", "--timing-calls", "3",
-                                  "--policies", "--json", str(report)]) == 0
+    assert cli_main(["head", "probe", "--work", str(out / ".train"), "--sidecar",
+                     str(out / "mtp.safetensors"), "--model", str(base), "--sizes", "0",
+                     "--depths", "1,2", "--timing-calls", "3", "--policies", "--json",
+                     str(report)]) == 0
     result = json.loads(report.read_text())
     own, full = result["vocab"]
     ids = np.array(mx.load(str(out / "mtp.safetensors"))["eagle.vocab_ids"])
@@ -72,19 +72,20 @@ def test_probe_counts_what_the_replay_counts(trained, tmp_path, capsys):
 @pytest.mark.training
 def test_probe_refuses_bad_arguments(trained, tmp_path, capsys):
     base, out = trained
-    with pytest.raises(SystemExit) as e:
-        head_vocab_probe.main(["--work", str(tmp_path), "--sidecar", str(out / "mtp.safetensors"),
-                               "--model", str(base)])
-    assert e.value.code == 2 and "no train-*.npz or heldout-*.npz" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        head_vocab_probe.main(["--work", str(out / ".train"), "--sidecar",
-                               str(out / "mtp.safetensors"), "--sizes", "big"])
+    capsys.readouterr()
+    assert cli_main(["head", "probe", "--work", str(tmp_path), "--sidecar",
+                     str(out / "mtp.safetensors"), "--model", str(base)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no train-*.npz or heldout-*.npz" in err
+    with pytest.raises(SystemExit) as e:  # argparse: a usage line, then the error
+        cli_main(["head", "probe", "--work", str(out / ".train"), "--sidecar",
+                  str(out / "mtp.safetensors"), "--sizes", "big"])
     assert e.value.code == 2 and "whole numbers" in capsys.readouterr().err
 
 
 def test_validation_prompts_are_fresh():
     from skulkp2p.bench.workloads import WORKLOADS
-    from tools.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
+    from skulkp2p.training.sidecar_prompts import HELDOUT_PROMPTS, VALIDATION_PROMPTS, train_prompts
     bench = " ".join(m["content"] for msgs in WORKLOADS.values() for m in msgs
                      if isinstance(m.get("content"), str))
     training = set(train_prompts(0))
@@ -95,21 +96,21 @@ def test_validation_prompts_are_fresh():
 
 @pytest.mark.training
 def test_validation_shards_replay_through_the_probe(trained, tmp_path):
-    from tools import validation_shards
-    from tools.sidecar_prompts import VALIDATION_PROMPTS
+    from skulkp2p.training.sidecar_prompts import VALIDATION_PROMPTS
     base, out = trained
     val = tmp_path / "val"
-    assert validation_shards.main(["--out", str(val), "--model", str(base), "--broad", "3",
-                                   "--gen-tokens", "8"]) == 0
+    assert cli_main(["head", "validation-shards", "--out", str(val), "--model", str(base),
+                     "--broad", "3", "--gen-tokens", "8"]) == 0
     shards = sorted(val.glob("heldout-*.npz"))
     assert len(shards) == 1 + len(VALIDATION_PROMPTS)
     assert np.load(shards[0])["tokens"].shape[0] == 3
     assert all(float(np.load(f)["temperature"]) == 0.0 for f in shards)  # greedy answers
     (val / "train-0000.npz").symlink_to(next((out / ".train").glob("train-*.npz")))
     report = tmp_path / "val.json"
-    assert head_vocab_probe.main(["--work", str(val), "--sidecar", str(out / "mtp.safetensors"),
-                                  "--model", str(base), "--sizes", "", "--timing-calls", "2",
-                                  "--context-bias", "0,2", "--json", str(report)]) == 0
+    assert cli_main(["head", "probe", "--work", str(val), "--sidecar",
+                     str(out / "mtp.safetensors"), "--model", str(base), "--sizes", "",
+                     "--timing-calls", "2", "--context-bias", "0,2", "--json",
+                     str(report)]) == 0
     rows = json.loads(report.read_text())["vocab"]
     assert [r["context_bias"] for r in rows] == [0.0, 2.0]
     assert all(0.0 <= r["depth1"][0] <= 1.0 for r in rows)

@@ -218,7 +218,7 @@ def test_smollm2_code_edit_cursor_and_long_matches_exact(smollm2_path):
 
 
 def _request(content: str, speculation, max_tokens: int = 40):
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     return parse_request({"messages": [{"role": "user", "content": content}],
                           "max_tokens": max_tokens, "temperature": 0,
@@ -291,7 +291,7 @@ def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
     sampling's own draw decides every token): the same seed gives the same text on a fresh
     engine, after itself (drafting its earlier output from memory) and with speculation off."""
     from skulkp2p.engine.decode.mlx_engine import MlxEngine
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     def req(spec=None):
         return parse_request({"prompt": "Tell me about the sea.", "max_tokens": 24,
@@ -304,27 +304,3 @@ def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
     assert again.tokens == first.tokens == _run(MlxEngine(llama), req()).tokens
     assert again.tokens == _run(MlxEngine(llama), req("off")).tokens
     assert again.speculation.accepted > first.speculation.accepted  # from memory
-
-
-def test_draft_trace_oracle_is_the_longest_previous_copy():
-    """tools/draft_trace.py's oracle: at each output position, the longest run that also starts
-    earlier in the text (a copy may run into itself)."""
-    from tools.draft_trace import copyable
-
-    assert copyable([1, 2, 3, 9, 1, 2, 3, 4, 1, 2], 4) == [3, 2, 1, 0, 2, 1]
-    assert copyable([5, 5, 5, 5], 1) == [3, 2, 1]
-
-
-def test_draft_trace_table_head_applies_the_confidence_threshold():
-    """The replay's head (tools/draft_trace.py TableHead) drafts its recorded guess only where
-    its recorded probability reaches the threshold, as MtpDrafter does; tables kept before the
-    probability was recorded (a bare token) always draft."""
-    from tools.draft_trace import TableHead
-
-    head = TableHead({5: [7, 0.9], 6: [8, 0.1], 7: 9}, min_confidence=0.3)
-    assert head.propose([0] * 5, 1) == ([7], None)
-    assert head.propose([0] * 6, 1) == ([], None)  # unsure: nothing
-    assert head.propose([0] * 7, 1) == ([9], None)  # an old table's entry
-    assert head.propose([0] * 8, 1) == ([], None)  # no entry there
-    assert head.propose([0] * 5, 0) == ([], None)
-    assert TableHead({6: [8, 0.1]}).propose([0] * 6, 1) == ([8], None)  # threshold 0

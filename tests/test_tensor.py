@@ -26,7 +26,7 @@ from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorError
 from skulkp2p.engine.parallel.tensor.shard import ShardError, plan_shards
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import TensorGroupFailed
 from tests.helpers.procs import free_port
 from tests.helpers.tensor_group import ECHO, Group, generate

@@ -1,9 +1,8 @@
-"""Tests for tools/make_tiny_model.py: the tiny random models other tests serve."""
+"""Tests for tests/helpers/tiny_model.py: the tiny random models other tests serve."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,14 +15,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.utils import load_model, load_tokenizer
 from tokenizers import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "make_tiny_model.py"
-
-# Loaded by path: tools/ is not on sys.path when pytest runs from the repo root.
-_spec = importlib.util.spec_from_file_location("make_tiny_model", TOOL)
-tiny = importlib.util.module_from_spec(_spec)
-sys.modules["make_tiny_model"] = tiny
-_spec.loader.exec_module(tiny)
+from tests.helpers import ROOT
+from tests.helpers import tiny_model as tiny
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 MTP_CASES = [
@@ -135,7 +128,8 @@ def test_same_seed_same_bytes(build, tmp_path, family):
 def test_cli_in_a_fresh_process_matches(build, tmp_path):
     out = tmp_path / "cli"
     args = ["--family", "llama", "--out", str(out), "--seed", "0", "--mtp", "--mtp-style", "mimo"]
-    subprocess.run([sys.executable, str(TOOL), *args], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tests.helpers.tiny_model", *args], check=True,
+                   capture_output=True, cwd=ROOT)
     expected = build("llama", mtp=True, style="mimo")
     for name in [*FILES, "mtp_conventions.json"]:
         assert _sha256(out / name) == _sha256(expected / name), name

@@ -15,8 +15,10 @@ from skulkp2p.engine.decode.tool_calls import (
     load_format,
     template_messages,
 )
-from skulkp2p.engine.request import RequestError, ToolChoice, parse_request
-from skulkp2p.engine.results import ToolCallDelta
+from skulkp2p.engine.request import Message, RequestError, ToolChoice
+from skulkp2p.engine.results import ToolCall, ToolCallDelta
+from skulkp2p.formats.chat_messages import parse_tools, tool_json
+from skulkp2p.formats.pipe_format import parse_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -35,7 +37,7 @@ def req(**kw):
 def test_tools_parse_with_choice_and_history():
     r = req(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
             parallel_tool_calls=False)
-    assert r.tools[0].name == "get_weather" and r.tools[0].to_openai() == WEATHER
+    assert r.tools[0].name == "get_weather" and tool_json(r.tools[0]) == WEATHER
     assert r.tool_choice == ToolChoice("function", "get_weather") and not r.parallel_tool_calls
     assert r.uses_tools
     assert not req(tools=TOOLS, tool_choice="none").uses_tools
@@ -47,10 +49,9 @@ def test_tools_parse_with_choice_and_history():
                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text",
                                                                     "text": "sunny"}]}]
     r = parse_request({"messages": history, "tools": TOOLS})
-    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
-    assert r.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    assert r.messages[1] == Message("assistant", "", (
+        ToolCall("c1", "get_weather", '{"city": "Paris"}'),))
+    assert r.messages[2] == Message("tool", "sunny", tool_call_id="c1")
     # Templates get the arguments as an object (they write them with `| tojson`).
     assert template_messages(r.messages)[1]["tool_calls"][0]["function"]["arguments"] == {
         "city": "Paris"}
@@ -118,7 +119,7 @@ def test_tools_need_messages():
 
 def feed(fmt, pieces, tools=TOOLS, **kw):
     ids = iter(f"call_{i}" for i in range(100))
-    p = ToolCallParser(fmt, tools, new_id=lambda: next(ids), **kw)
+    p = ToolCallParser(fmt, parse_tools(tools), new_id=lambda: next(ids), **kw)
     events = []
     for piece in pieces:
         events += p.feed(piece)

@@ -18,6 +18,7 @@ from skulkp2p.engine.decode.tool_calls import (
     load_format,
 )
 from skulkp2p.engine.protocol import EngineInfo, Generation
+from skulkp2p.engine.request import Message
 from skulkp2p.engine.results import (
     Chunk,
     GenerationResult,
@@ -25,6 +26,7 @@ from skulkp2p.engine.results import (
     Timing,
     Usage,
 )
+from skulkp2p.formats.chat_messages import message_json
 from tests.helpers.fake_engine import LiveNode
 from tests.helpers.http_client import H11Client
 
@@ -57,11 +59,11 @@ class ScriptedEngine:
         return Generation(lambda interrupt: self._run(req, interrupt))
 
     def _run(self, req, interrupt):
-        script = req.messages[-1]["content"]
+        script = req.messages[-1].content
         if script == "history":
             script = json.dumps([{k: m[k] for k in ("role", "content", "tool_calls",
                                                     "tool_call_id") if k in m}
-                                 for m in req.messages])
+                                 for m in map(message_json, req.messages)])
         pieces = [script[i:i + 4] for i in range(0, len(script), 4)]
         finish = "stop"
         if req.max_tokens is not None and len(pieces) > req.max_tokens:
@@ -69,7 +71,7 @@ class ScriptedEngine:
         calls = None
         if req.uses_tools:
             calls = ToolCallStream(ToolCallParser(
-                self.fmt, [t.to_openai() for t in req.tools], req.parallel_tool_calls,
+                self.fmt, req.tools, req.parallel_tool_calls,
                 forced_opening(self.fmt, req)))
         for i, piece in enumerate(pieces):
             interrupt()
@@ -400,12 +402,12 @@ def test_responses_errors(oai):
 
 def test_response_store_bounds():
     store = ResponseStore(max_count=3, max_bytes=1000)
-    msg = [{"role": "user", "content": "x" * 100}]
+    msg = (Message("user", "x" * 100),)
     for i in range(5):
         assert store.put(f"r{i}", msg)
     assert len(store) == 3 and store.get("r0") is None and store.get("r4") is not None
     store.get("r2")  # used: kept over r3 next time
-    assert store.put("big", [{"role": "user", "content": "y" * 700}])
+    assert store.put("big", (Message("user", "y" * 700),))
     assert store.bytes <= 1000 and store.get("r3") is None and store.get("r2") is not None
-    assert not store.put("huge", [{"role": "user", "content": "z" * 2000}])
+    assert not store.put("huge", (Message("user", "z" * 2000),))
     assert store.get("huge") is None and store.bytes <= 1000

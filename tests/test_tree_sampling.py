@@ -48,7 +48,7 @@ from skulkp2p.engine.drafting.suffix import SuffixDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.tree import DraftTree
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.prefilled import PrefilledForward
 from tests.helpers.sampled import (
     FixedDrafter,

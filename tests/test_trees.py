@@ -13,15 +13,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from skulkp2p.engine.batching.batch_view import StepPacking
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
-from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, StepPacking, build_tree
-from skulkp2p.engine.drafting.suffix import Branch
+from skulkp2p.engine.drafting.drafter import Branch
+from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, build_tree
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.loaded import smollm2_float32
 from tests.helpers.reference import mlx_lm_tokens
 from tests.helpers.trees import (
@@ -292,17 +293,3 @@ def test_lookup_tree_with_mtp_branch_equals_plain(tiny_model, family, monkeypatc
     plain, auto = run("off"), run("auto")
     assert auto.tokens == plain.tokens
     assert auto.speculation.tree_rounds > 0
-
-
-def test_tree_sim_replays_a_greedy_output(models):
-    """tools/tree_sim.py drives the real loop with an oracle verifier: the replay must
-    reproduce the output (it asserts so) and count its rounds."""
-    from tools.tree_sim import replay
-
-    lm = models["llama"]
-    prompt = lm.tokenizer.encode(CODE)
-    tokens = list(decode(LocalForward(lm.model), prompt, SamplingParams(), 48, make_rng(0)))
-    for trees in (False, True):
-        r = replay(prompt, tokens, [], FREE_WIDTH, 8, trees)
-        assert r["rounds"] < len(tokens) and r["accepted"] > 0
-        assert (r["tree_rounds"] > 0) == trees

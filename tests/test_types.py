@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("engine", "api", "cluster", "node", "runtime")
+CHECKED = ("engine", "api", "cluster", "node", "runtime", "formats")
 
 
 def _public_any(source: str) -> list[str]:

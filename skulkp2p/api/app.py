@@ -15,8 +15,16 @@ from typing import Any, Protocol
 from skulkp2p.api import anthropic, dashboard, openai, responses
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.relay import forward
-from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, StreamingResponse
+from skulkp2p.api.server import (
+    HttpRequest,
+    HttpServer,
+    Response,
+    Router,
+    ServerConfig,
+    StreamingResponse,
+)
 from skulkp2p.engine.cpu import blas_threads
+from skulkp2p.engine.protocol import Engine
 from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
 
@@ -85,9 +93,10 @@ def one_model_router(endpoint: ModelEndpoint) -> Router:
 
 
 async def serve(worker: ModelWorker, host: str, port: int, stop: asyncio.Event, *,
-                aliases: tuple[str, ...] = (), keepalive_s: float = 10.0, config: Any = None,
+                aliases: tuple[str, ...] = (), keepalive_s: float = 10.0,
+                config: ServerConfig | None = None,
                 on_listening: Callable[[str, int], None] | None = None,
-                on_ready: Callable[[Any], None] | None = None, stop_timeout: float = 10.0
+                on_ready: Callable[[Engine], None] | None = None, stop_timeout: float = 10.0
                 ) -> tuple[bool, BaseException | None]:
     """Serve one model's API until `stop` is set: listen at once (health says 503 while
     loading), load the model on its worker thread, serve. Returns (worker ended cleanly, load
@@ -106,7 +115,8 @@ async def serve(worker: ModelWorker, host: str, port: int, stop: asyncio.Event, 
     load_error: BaseException | None = None
     stopper = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait({ready, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiting: set[asyncio.Future[Any]] = {ready, stopper}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
             load_error = ready.exception()
             if load_error is None and on_ready:

@@ -15,15 +15,16 @@ import contextlib
 import socket
 from collections.abc import Callable, Mapping
 from importlib import resources
-from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response, Router
+from skulkp2p.engine.json_types import JSONObject, JSONValue
 from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.metrics import CONTENT_TYPE
+from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
 
 PEER_TIMEOUT_S = 1.5
@@ -37,21 +38,21 @@ ASSETS = {
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
-ClusterStatus = Callable[[], Mapping[str, Any] | None]
-Workers = Callable[[], Mapping[str, Any]]
+ClusterStatus = Callable[[], Mapping[str, object] | None]
+Workers = Callable[[], Mapping[str, ModelWorker]]
 
 
 def _asset(name: str) -> bytes:
     return resources.files("skulkp2p.api").joinpath("static", name).read_bytes()
 
 
-def worker_info(worker: Any) -> dict[str, Any]:
-    """What the page and /metrics show of a model's worker (ModelWorker)."""
+def worker_info(worker: ModelWorker) -> JSONObject:
+    """What the page and /metrics show of a model's worker."""
     return {"state": worker.state, "waiting": worker.waiting,
             "busy": worker.current is not None}
 
 
-def engine_verify_costs(workers: Mapping[str, Any]) -> dict[str, VerifyCosts]:
+def engine_verify_costs(workers: Mapping[str, ModelWorker]) -> dict[str, VerifyCosts]:
     """The measured verify-cost table of each ready model whose engine reports one on the seam
     (`EngineInfo.verify_costs`: today a tensor-parallel group's, on the member that runs its
     loop); the others are left out, as /v1/models leaves them out."""
@@ -75,7 +76,7 @@ def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStat
     telemetry.watch_cluster(cluster_status)
     telemetry.watch_verify_costs(lambda: engine_verify_costs(workers()))
 
-    def status() -> Mapping[str, Any] | None:
+    def status() -> Mapping[str, object] | None:
         try:
             return cluster_status()
         except Exception:
@@ -114,17 +115,19 @@ def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStat
     router.add("GET", "/v1/stats", stats)
 
 
-async def cluster_stats(own: dict[str, Any], st: Mapping[str, Any] | None
-                        ) -> list[dict[str, Any]]:
+async def cluster_stats(own: JSONObject, st: Mapping[str, object] | None
+                        ) -> list[JSONValue]:
     """This node's stats and every other live member's (asked over HTTP at once, each within
     PEER_TIMEOUT_S; one that does not answer is listed with its error)."""
     peers = []
-    for m in (st or {}).get("members") or ():
-        if m.get("name") == own["node"] or m.get("state") not in ("alive", "suspect"):
+    members = st.get("members") if st else None
+    for m in members if isinstance(members, list) else ():
+        if not isinstance(m, dict) or m.get("name") == own["node"] or m.get("state") not in (
+                "alive", "suspect"):
             continue
         peers.append((str(m.get("name")), m.get("http")))
 
-    async def ask(name: str, http: Any) -> dict[str, Any]:
+    async def ask(name: str, http: object) -> JSONObject:
         if not http:
             return {"node": name, "error": "no HTTP address"}
         try:
@@ -135,10 +138,10 @@ async def cluster_stats(own: dict[str, Any], st: Mapping[str, Any] | None
         return got
 
     others = await asyncio.gather(*(ask(n, h) for n, h in peers))
-    return [own, *sorted(others, key=lambda d: d["node"])]
+    return [own, *sorted(others, key=lambda d: str(d["node"]))]
 
 
-async def get_json(addr: str, path: str) -> dict[str, Any]:
+async def get_json(addr: str, path: str) -> JSONObject:
     """GET http://ADDR/PATH with one request on its own connection; the JSON body or an
     error. Our own server answers with Content-Length, so no chunked decoding is needed."""
     host, _, port = addr.rpartition(":")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.api.server import HttpRequest, Response
+from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.request import GenerationRequest
 from skulkp2p.engine.results import GenerationResult
 from skulkp2p.runtime.worker import (
@@ -65,11 +65,11 @@ class ModelEndpoint:
         return ApiError(503, f"model {self.model_id} is not available ({self.worker.state})"
                              f"{why}", code="model_unavailable")
 
-    def listing(self) -> dict[str, Any]:
+    def listing(self) -> JSONObject:
         return {"id": self.model_id, "object": "model", "created": self.created,
                 "owned_by": "skulkp2p", "ready": self.worker.state == "ready"}
 
-    def check_model(self, name: Any) -> None:
+    def check_model(self, name: object) -> None:
         if name is None:
             return
         if not isinstance(name, str):

@@ -3,12 +3,12 @@ real status code (OpenAI's shape; the Anthropic route adds its top-level `"type"
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 
+from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.protocol import EngineFailed, EngineUnavailable
 from skulkp2p.engine.request import RequestError
+from skulkp2p.formats.body_fields import FormatError
 from skulkp2p.runtime.worker import RingFailed, TensorGroupFailed, WorkerStopped
 
 _TYPES = {
@@ -48,7 +48,7 @@ class ApiError(Exception):
         self.code = code or _CODES.get(status)
         self.headers = list(headers or [])
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
@@ -58,7 +58,10 @@ class ApiError(Exception):
     @classmethod
     def from_request_error(cls, e: RequestError, rename: dict[str, str] | None = None
                            ) -> ApiError:
-        """A request-parsing error, with its param renamed to the API's own field name."""
+        """A request-parsing error, with its param renamed to the API's own field name (a
+        FormatError names it already, and says its own status and code)."""
+        if isinstance(e, FormatError):
+            return cls(e.status, e.message, param=e.param, code=e.code)
         param = (rename or {}).get(e.param, e.param) if e.param else e.param
         code = "invalid_value" if e.type == "invalid_request_error" else e.type
         return cls(e.status, e.message, "invalid_request_error" if e.status < 500

@@ -10,12 +10,11 @@ status 200 (a bad request, as the local pipe answers it; a failed engine)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import engine_error
 from skulkp2p.api.server import HttpRequest, Response
-from skulkp2p.engine.request import RequestError, parse_request
+from skulkp2p.engine.request import RequestError
+from skulkp2p.formats.pipe_format import error_json, parse_request, request_id, result_json
 from skulkp2p.runtime.worker import Failed, Finished
 
 # The pipe's error type for a failure that is not the caller's to retry, by HTTP status (the
@@ -23,22 +22,12 @@ from skulkp2p.runtime.worker import Failed, Finished
 _PIPE_TYPE_BY_STATUS = {502: "model_unavailable"}
 
 
-def pipe_error(req_id: Any, type_: str, message: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """The pipe's error object ({"id", "error": {"type", "message", "param"}}), with the HTTP
-    API's `code` beside them when it has one."""
-    err: dict[str, Any] = {"type": type_, "message": message, "param": param}
-    if code:
-        err["code"] = code
-    return {"id": req_id, "error": err} if req_id is not None else {"error": err}
-
-
 async def pipe_generate(endpoint: ModelEndpoint, req: HttpRequest) -> Response:
     obj = req.json()
-    req_id = obj.get("id") if isinstance(obj, dict) else None
+    req_id = request_id(obj)
 
     def error(type_: str, message: str, param: str | None = None) -> Response:
-        return Response.json(200, pipe_error(req_id, type_, message, param))
+        return Response.json(200, error_json(req_id, type_, message, param))
 
     try:
         greq = parse_request(obj)
@@ -49,14 +38,15 @@ async def pipe_generate(endpoint: ModelEndpoint, req: HttpRequest) -> Response:
         while True:
             event = await job.next()
             if isinstance(event, Finished):
-                return Response.json(200, event.result.to_pipe_dict(greq.id, endpoint.model_id))
+                return Response.json(200, result_json(event.result, greq.id, endpoint.model_id))
             if isinstance(event, Failed):
                 if isinstance(event.error, RequestError):
                     return error(event.error.type, event.error.message, event.error.param)
                 api = engine_error(event.error)
                 if api.status == 503:  # transient: the caller retries as Retry-After says
-                    return Response.json(503, pipe_error(req_id, api.code, api.message,
-                                                         code=api.code), api.headers)
+                    code = api.code or "unavailable"
+                    return Response.json(503, error_json(req_id, code, api.message, code=code),
+                                         api.headers)
                 return error(_PIPE_TYPE_BY_STATUS.get(api.status, "internal_error"),
                              api.message)
     finally:

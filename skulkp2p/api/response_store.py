@@ -15,9 +15,11 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
+
+from skulkp2p.engine.request import Message
+from skulkp2p.formats.chat_messages import message_json
 
 DEFAULT_MAX_COUNT = 1024
 DEFAULT_MAX_BYTES = 64 << 20
@@ -26,7 +28,7 @@ DEFAULT_MAX_BYTES = 64 << 20
 @dataclass(frozen=True)
 class StoredResponse:
     id: str
-    messages: list[dict[str, Any]]  # the conversation up to and including this response
+    messages: tuple[Message, ...]  # the conversation up to and including this response
     size: int
 
 
@@ -43,9 +45,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> bool:
-        """Store a response's conversation; False when it alone exceeds the byte bound."""
-        size = len(orjson.dumps(messages))
+    def put(self, response_id: str, messages: tuple[Message, ...]) -> bool:
+        """Store a response's conversation; False when it alone exceeds the byte bound (its
+        size: as OpenAI chat's messages in JSON)."""
+        size = len(orjson.dumps([message_json(m) for m in messages]))
         if size > self.max_bytes or self.max_count == 0:
             return False
         with self._lock:

@@ -14,13 +14,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import orjson
 
 from skulkp2p.api import http
 from skulkp2p.api.errors import ApiError
+from skulkp2p.engine.json_types import JSONObject, JSONValue
 
 log = logging.getLogger("skulkp2p.http")
 
@@ -48,16 +48,28 @@ class HttpRequest:
     headers: http.Headers
     body: bytes
     client: str = ""
+    # The body's JSON once read (in a 1-tuple: null is JSON too): the resolver and the route
+    # read the same value.
+    _json: tuple[JSONValue] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def json(self) -> Any:
-        if not self.body.strip():
-            raise ApiError(400, "the request body is empty; send a JSON object",
-                           code="invalid_json")
-        try:
-            return orjson.loads(self.body)
-        except orjson.JSONDecodeError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}",
-                           code="invalid_json") from None
+    def json(self) -> JSONValue:
+        """The body's JSON (parsed on the first call only); 400 when it is not JSON."""
+        if self._json is None:
+            if not self.body.strip():
+                raise ApiError(400, "the request body is empty; send a JSON object",
+                               code="invalid_json")
+            try:
+                self._json = (orjson.loads(self.body),)
+            except orjson.JSONDecodeError as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}",
+                               code="invalid_json") from None
+        return self._json[0]
+
+    def with_json(self, value: JSONValue) -> HttpRequest:
+        """This request with another JSON body, already read (what a relay sends on)."""
+        out = replace(self, body=orjson.dumps(value))
+        out._json = (value,)
+        return out
 
 
 @dataclass
@@ -67,12 +79,12 @@ class Response:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
-    def json(cls, status: int, obj: Any, headers: list[tuple[str, str]] | None = None
+    def json(cls, status: int, obj: object, headers: list[tuple[str, str]] | None = None
              ) -> Response:
         return cls(status, orjson.dumps(obj), [("Content-Type", JSON), *(headers or [])])
 
     @classmethod
-    def error(cls, e: ApiError, extra: dict[str, Any] | None = None) -> Response:
+    def error(cls, e: ApiError, extra: JSONObject | None = None) -> Response:
         body = {**(extra or {}), **e.body()}
         return cls.json(e.status, body, e.headers)
 

@@ -6,8 +6,6 @@ JSON payloads are single-line (orjson never emits a newline), so one `data:` lin
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 
 HEADERS = [
@@ -24,7 +22,7 @@ KEEPALIVE = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
 
 
-def event(data: Any, name: str | None = None) -> bytes:
+def event(data: object, name: str | None = None) -> bytes:
     """One event: `event: name` (when named) and one `data:` line of JSON."""
     payload = orjson.dumps(data)
     if name is None:

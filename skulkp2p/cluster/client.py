@@ -16,16 +16,21 @@ from __future__ import annotations
 import http.client
 import logging
 import time
-from typing import IO, Any
+from typing import IO, TypeAlias
 
 import orjson
 
 from skulkp2p.cluster.config import parse_addr, split_addr
 from skulkp2p.cluster.status_client import fetch_status
+from skulkp2p.wire import as_list
 
 log = logging.getLogger("skulkp2p.pipe")
 
 DEFAULT_RETRY_S = 120.0  # how long a line the cluster answers 503 is retried
+
+# What a line of the pipe holds (the engine's JSON types are not this layer's to import).
+JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+JSONObject: TypeAlias = "dict[str, JSONValue]"
 
 
 class PeerError(Exception):
@@ -43,14 +48,15 @@ def http_address(peer: str, secret: str | None, timeout: float = 5.0) -> str:
         raise PeerError(f"cannot ask the cluster node at {peer} for its status "
                         f"({type(e).__name__}: {e}); is it running, and is the secret "
                         "(--secret or SKULKP2P_SECRET) the cluster's?") from None
-    me = next((m for m in st.get("members", []) if m.get("self")), None)
+    me = next((m for m in as_list(st.get("members")) if isinstance(m, dict) and m.get("self")),
+              None)
     if not me or not me.get("http"):
-        raise PeerError(f"node {st.get('node')} at {peer} announces no HTTP API")
+        raise PeerError(f"node {st.get('node')!s} at {peer} announces no HTTP API")
     return str(me["http"])
 
 
-def _error(req_id: Any, type_: str, message: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"error": {"type": type_, "message": message, "param": None}}
+def _error(req_id: JSONValue, type_: str, message: str) -> JSONObject:
+    out: JSONObject = {"error": {"type": type_, "message": message, "param": None}}
     return {"id": req_id, **out} if req_id is not None else out
 
 
@@ -66,8 +72,8 @@ def _post(addr: str, body: bytes, timeout: float) -> tuple[int, dict[str, str], 
         conn.close()
 
 
-def ask(addr: str, obj: Any, retry_s: float = DEFAULT_RETRY_S,
-        timeout: float = 600.0) -> dict[str, Any]:
+def ask(addr: str, obj: JSONValue, retry_s: float = DEFAULT_RETRY_S,
+        timeout: float = 600.0) -> JSONObject:
     """One request object -> one result object (retrying what the cluster says to retry)."""
     req_id = obj.get("id") if isinstance(obj, dict) else None
     body = orjson.dumps(obj)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TypeAlias
 
-from skulkp2p.cluster.durable import DurableState
+from skulkp2p.cluster.durable import DurableKey, DurableState
 from skulkp2p.cluster.election import ELECTION_TYPES, LEADER, Election
 from skulkp2p.cluster.membership import ALIVE, DEAD, LEFT, SUSPECT, Membership, Out
 from skulkp2p.cluster.placement import (
@@ -26,6 +26,7 @@ from skulkp2p.cluster.placement import (
     plan,
 )
 from skulkp2p.cluster.timers import Timers
+from skulkp2p.wire import Message, WireValue, as_int, as_list
 
 MEMBERSHIP_TYPES = frozenset({"ping", "ack", "ping-req", "sync"})
 
@@ -34,13 +35,28 @@ ABSENT = "absent"  # this node's plan lacks it (not asked yet, not arrived, or n
 HELD = "held"  # the plan holds it; a majority of voters is not known to hold it yet
 COMMITTED = "committed"  # a plan holding it is held by a majority: any future leader keeps it
 
+# What a plan was made from (offers, eligible nodes, requests, term): unchanged, no re-plan.
+_PlanInputs: TypeAlias = tuple[tuple[tuple[str, int, str], ...], tuple[str, ...],
+                               tuple[tuple[str, ModelSpec, tuple[str, ...], tuple[str, ...]], ...],
+                               int]
 
-def _error_dict(e: PlacementError) -> dict[str, Any]:
+
+def _error_dict(e: PlacementError) -> Message:
     return {"model": e.model, "error": str(e), "needs": e.needs, "available": e.available}
 
 
+def _names(value: WireValue) -> tuple[str, ...]:
+    """Node names off the wire (absent: none); TypeError when it is not a list of names."""
+    if not value:
+        return ()
+    names = tuple(n for n in as_list(value) if isinstance(n, str))
+    if not isinstance(value, list) or len(names) != len(value):
+        raise TypeError(f"expected a list of node names, got {value!r}")
+    return names
+
+
 class ClusterCore:
-    def __init__(self, name: str, addr: str, *, facts: Mapping[str, Any] | None = None,
+    def __init__(self, name: str, addr: str, *, facts: Mapping[str, WireValue] | None = None,
                  seeds: Iterable[str] = (), priority: int = 0, timers: Timers | None = None,
                  rng: random.Random | None = None, now: float = 0.0,
                  instance: str | None = None, restored: DurableState | None = None):
@@ -55,8 +71,8 @@ class ClusterCore:
         # Models asked for (by members' --model, or by place requests); the leader places them.
         self._explicit: dict[str, Request] = {}
         self._placements: dict[str, Placement] = {}
-        self._errors: dict[str, dict[str, Any]] = {}
-        self._plan_inputs: Any = None
+        self._errors: dict[str, Message] = {}
+        self._plan_inputs: _PlanInputs | None = None
         self._plan_term = -1
         self.placement_version = 0
         # model -> (its explicit request, the plan (term, version) that first held it)
@@ -93,7 +109,7 @@ class ClusterCore:
         """Current placements; empty while there is no leader (a minority serves nothing)."""
         return dict(self._placements) if self.leader is not None else {}
 
-    def placement_errors(self) -> dict[str, dict[str, Any]]:
+    def placement_errors(self) -> dict[str, Message]:
         return dict(self._errors) if self.leader is not None else {}
 
     def requested(self) -> set[str]:
@@ -138,7 +154,8 @@ class ClusterCore:
         voters = len(self.membership.voters()) or 1
         got = self._held_since.get(spec.id)
         held = 0
-        if el.role == LEADER and self.holds_request(spec, nodes) and got[1][0] == el.term:
+        if (el.role == LEADER and got is not None and self.holds_request(spec, nodes)
+                and got[1][0] == el.term):
             held = el.holders(got[1][1])
         return held, voters, el.quorum
 
@@ -146,8 +163,8 @@ class ClusterCore:
         m = self.membership.get(name)
         return m.addr if m is not None else None
 
-    def status(self) -> dict[str, Any]:
-        members = []
+    def status(self) -> Message:
+        members: list[WireValue] = []
         for n in sorted(self.membership.members):
             m = self.membership.members[n]
             f = m.facts
@@ -182,16 +199,14 @@ class ClusterCore:
         """What a restart must keep (see cluster/durable.py): saved before anything that
         depends on it is sent."""
         el = self.election
-        payload = {"placements": [p.to_dict() for _, p in sorted(self._placements.items())],
-                   "errors": [e for _, e in sorted(self._errors.items())],
-                   "requests": [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
-                                for _, r in sorted(self._explicit.items())]}
+        requests: list[Message] = [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
+                                   for _, r in sorted(self._explicit.items())]
         return DurableState(self.name, el.term, el.voted_for, self._plan_term,
-                            self.placement_version, self._committed_of_held(),
-                            tuple(payload["requests"]), tuple(payload["placements"]),
-                            tuple(payload["errors"]))
+                            self.placement_version, self._committed_of_held(), tuple(requests),
+                            tuple(p.to_dict() for _, p in sorted(self._placements.items())),
+                            tuple(e for _, e in sorted(self._errors.items())))
 
-    def durable_key(self) -> tuple[Any, ...]:
+    def durable_key(self) -> DurableKey:
         """Cheap stand-in for ``durable_state().key()``: compared after every step, the full
         state is built and written only when this changes."""
         el = self.election
@@ -208,9 +223,12 @@ class ClusterCore:
         el.voted_for = st.voted_for
         explicit: dict[str, Request] = {}
         for d in st.requests:
+            spec_d = d.get("spec")
+            if not isinstance(spec_d, dict):
+                continue
             try:
-                spec = ModelSpec.from_dict(d["spec"])
-                explicit[spec.id] = Request(spec, tuple(str(n) for n in d.get("nodes") or ()))
+                spec = ModelSpec.from_dict(spec_d)
+                explicit[spec.id] = Request(spec, _names(d.get("nodes")))
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue
         placements: dict[str, Placement] = {}
@@ -223,8 +241,8 @@ class ClusterCore:
                 placements[p.model] = p
         self._explicit = explicit
         self._placements = placements
-        self._errors = {str(e["model"]): dict(e) for e in st.errors
-                        if isinstance(e.get("model"), str) and e["model"] in explicit}
+        self._errors = {model: dict(e) for e in st.errors
+                        if isinstance(model := e.get("model"), str) and model in explicit}
         self._plan_term = st.plan_term
         self.placement_version = max(0, st.plan_version)
         if st.committed is not None:
@@ -233,7 +251,7 @@ class ClusterCore:
         el.held = self.plan_id
         self._note_held()
 
-    def _placement_view(self, p: Placement) -> dict[str, Any]:
+    def _placement_view(self, p: Placement) -> Message:
         d = p.to_dict()
         d.pop("spec", None)
         return d
@@ -271,7 +289,7 @@ class ClusterCore:
             msg["et"] = self.election.term
         return outs
 
-    def on_message(self, msg: Mapping[str, Any], now: float) -> list[Out]:
+    def on_message(self, msg: Mapping[str, WireValue], now: float) -> list[Out]:
         kind = msg.get("t")
         out: list[Out] = []
         if kind in MEMBERSHIP_TYPES:
@@ -323,7 +341,7 @@ class ClusterCore:
     def leave(self, now: float) -> list[Out]:
         return self._stamp_term(self.membership.leave(now))
 
-    def update_facts(self, facts: Mapping[str, Any]) -> None:
+    def update_facts(self, facts: Mapping[str, WireValue]) -> None:
         self.membership.update_facts({**facts, "priority": self.election.priority})
 
     # ---------------------------------------------------------------- internals
@@ -331,16 +349,17 @@ class ClusterCore:
     def _sync_view(self) -> None:
         ms = self.membership
         voters = {n: ms.members[n].addr for n in ms.voters()}
-        prios = {n: int(m.facts.get("priority") or 0) for n, m in ms.members.items()}
+        prios = {n: as_int(m.facts.get("priority") or 0) for n, m in ms.members.items()}
         self.election.set_view(voters, ms.names(ALIVE), prios, joined=ms.bootstrapped)
 
-    def _on_place(self, msg: Mapping[str, Any], now: float) -> list[Out]:
-        try:
-            spec = ModelSpec.from_dict(msg.get("spec") or {})
-        except (ValueError, TypeError, KeyError):
+    def _on_place(self, msg: Mapping[str, WireValue], now: float) -> list[Out]:
+        spec_d = msg.get("spec") or {}
+        if not isinstance(spec_d, dict):
             return []
-        nodes = msg.get("nodes") or []
-        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        try:
+            spec = ModelSpec.from_dict(spec_d)
+            nodes = _names(msg.get("nodes"))
+        except (ValueError, TypeError, KeyError):
             return []
         if not self.is_leader:
             return []  # it was sent to an old leader; the asker retries against the new one
@@ -353,7 +372,9 @@ class ClusterCore:
             m = self.membership.members[name]
             if m.state == LEFT:
                 continue
-            for w in m.facts.get("wants") or ():
+            for w in as_list(m.facts.get("wants")):
+                if not isinstance(w, dict):
+                    continue
                 try:
                     spec = ModelSpec.from_dict(w)
                 except (ValueError, TypeError, KeyError, AttributeError):
@@ -374,8 +395,8 @@ class ClusterCore:
         for model, r in list(reqs.items()):
             # A named ring that lost a member (dead or gone) is re-placed like any other model:
             # its requests must keep being served.
-            if r.nodes and any((m := self.membership.get(n)) is not None and
-                               m.state in (DEAD, LEFT) for n in r.nodes):
+            if r.nodes and any((held := self.membership.get(n)) is not None and
+                               held.state in (DEAD, LEFT) for n in r.nodes):
                 reqs[model] = Request(r.spec, (), r.only)
         return reqs
 
@@ -396,14 +417,14 @@ class ClusterCore:
 
     def _note_held(self) -> None:
         """Remember the plan each explicit request first appeared in (in this plan's term)."""
-        since = {}
+        since: dict[str, tuple[Request, tuple[int, int]]] = {}
         for model, r in self._explicit.items():
             old = self._held_since.get(model)
             keep = old is not None and old[0] == r and old[1][0] == self._plan_term
-            since[model] = old if keep else (r, self.plan_id)
+            since[model] = old if old is not None and keep else (r, self.plan_id)
         self._held_since = since
 
-    def _adopt_payload(self, payload: Mapping[str, Any]) -> None:
+    def _adopt_payload(self, payload: Mapping[str, WireValue]) -> None:
         version = payload.get("version")
         if (self._plan_term == self.term and isinstance(version, int)
                 and (version < self.placement_version
@@ -412,25 +433,30 @@ class ClusterCore:
             # (held while this node was paused); adopting it would undo newer placements.
             return
         placements: dict[str, Placement] = {}
-        for d in payload.get("placements") or ():
+        for d in as_list(payload.get("placements")):
+            if not isinstance(d, dict):
+                continue
             try:
                 p = Placement.from_dict(d)
             except (ValueError, TypeError, KeyError):
                 continue
             placements[p.model] = p
         self._placements = placements
-        self._errors = {e["model"]: dict(e) for e in payload.get("errors") or ()
-                        if isinstance(e, dict) and isinstance(e.get("model"), str)}
+        self._errors = {model: dict(e) for e in as_list(payload.get("errors"))
+                        if isinstance(e, dict) and isinstance(model := e.get("model"), str)}
         explicit = {}
-        for d in payload.get("requests") or ():
+        for d in as_list(payload.get("requests")):
+            spec_d = d.get("spec") if isinstance(d, dict) else None
+            if not isinstance(d, dict) or not isinstance(spec_d, dict):
+                continue
             try:
-                spec = ModelSpec.from_dict(d["spec"])
-                explicit[spec.id] = Request(spec, tuple(d.get("nodes") or ()))
+                spec = ModelSpec.from_dict(spec_d)
+                explicit[spec.id] = Request(spec, _names(d.get("nodes")))
             except (ValueError, TypeError, KeyError):
                 continue
         self._explicit = explicit  # a future leader keeps honouring them
         self._partial_plan = False
-        self.placement_version = int(payload.get("version") or 0)
+        self.placement_version = as_int(payload.get("version") or 0)
         self._plan_term = self.term
         self._note_held()
 
@@ -445,16 +471,16 @@ class ClusterCore:
 
     def _offers(self) -> tuple[list[NodeOffer], list[str]]:
         holders = [m for m in self.membership.members.values() if m.state in (ALIVE, SUSPECT)]
-        offers = [NodeOffer(m.name, int(m.facts.get("memory") or 0),
+        offers = [NodeOffer(m.name, as_int(m.facts.get("memory") or 0),
                             str(m.facts.get("dtype") or "bfloat16"),
-                            tuple(str(e) for e in m.facts.get("engines") or ()))
+                            tuple(str(e) for e in as_list(m.facts.get("engines"))))
                   for m in holders]
         return offers, [m.name for m in holders if m.state == ALIVE]
 
     def _live_placements(self) -> dict[str, Placement]:
         ms = self.membership
         return {k: p for k, p in self._placements.items()
-                if not any(ms.get(n) is None or ms.get(n).state in (DEAD, LEFT) for n in p.ring)}
+                if not any((m := ms.get(n)) is None or m.state in (DEAD, LEFT) for n in p.ring)}
 
     def _plan(self, now: float) -> None:
         offers, eligible = self._offers()
@@ -468,7 +494,7 @@ class ClusterCore:
         previous = self._live_placements()
         result = plan(list(reqs.values()), offers, previous, eligible)
         placements: dict[str, Placement] = {}
-        errors: dict[str, dict[str, Any]] = {}
+        errors: dict[str, Message] = {}
         for model, got in result.items():
             if isinstance(got, PlacementError):
                 errors[model] = _error_dict(got)
@@ -477,8 +503,8 @@ class ClusterCore:
                     got = dataclasses.replace(got, term=self.term,
                                               serial=self.placement_version + 1)
                 placements[model] = got
-        requests = [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
-                    for _, r in sorted(self._explicit.items())]
+        requests: list[WireValue] = [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
+                                     for _, r in sorted(self._explicit.items())]
         # A new request is a new version even when the placements come out the same: the
         # version is what followers ack, and an ack must mean they hold the request too.
         if (placements != self._placements or errors != self._errors

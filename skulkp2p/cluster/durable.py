@@ -26,12 +26,17 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
+
+from skulkp2p.wire import Message
 
 log = logging.getLogger("skulkp2p.cluster")
 
 FORMAT = 1
 STATE_DIR = "cluster"  # under the node's data dir
+
+# (term, voted for, plan term, plan version, committed): what DurableState.key compares
+DurableKey: TypeAlias = tuple[int, str | None, int, int, int | None]
 
 
 @dataclass(frozen=True)
@@ -43,12 +48,12 @@ class DurableState:
     plan_version: int = 0
     committed: int | None = None  # newest version of that plan known held by a majority
     # The plan's place requests ({"spec", "nodes"}), their placements and errors, as on the wire.
-    requests: tuple[dict[str, Any], ...] = ()
-    placements: tuple[dict[str, Any], ...] = ()
-    errors: tuple[dict[str, Any], ...] = ()
+    requests: tuple[Message, ...] = ()
+    placements: tuple[Message, ...] = ()
+    errors: tuple[Message, ...] = ()
     cluster: str = field(default="", compare=False)  # set by save_state
 
-    def key(self) -> tuple[Any, ...]:
+    def key(self) -> DurableKey:
         """What changes when the state does (cheap to compare on every tick)."""
         return (self.term, self.voted_for, self.plan_term, self.plan_version, self.committed)
 
@@ -128,12 +133,12 @@ def from_json(data: bytes) -> DurableState:
     if not isinstance(plan, dict):
         raise StateFileError("no plan")
 
-    def _int(v: Any, what: str) -> int:
+    def _int(v: object, what: str) -> int:
         if not isinstance(v, int) or isinstance(v, bool):
             raise StateFileError(f"{what} is not an integer")
         return v
 
-    def _dicts(v: Any, what: str) -> tuple[dict[str, Any], ...]:
+    def _dicts(v: object, what: str) -> tuple[Message, ...]:
         if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
             raise StateFileError(f"{what} is not a list of objects")
         return tuple(v)

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from skulkp2p.cluster.timers import Timers
+from skulkp2p.wire import Message, WireValue, as_int
 
 FOLLOWER, PRECANDIDATE, CANDIDATE, LEADER = "follower", "precandidate", "candidate", "leader"
 ELECTION_TYPES = frozenset({"vote", "vote-reply", "lead", "lead-ack"})
 
-Out = tuple[str, dict[str, Any]]
+Out = tuple[str, Message]
 
 
 class Election:
@@ -57,8 +57,8 @@ class Election:
         self.leader: str | None = None
         self.joined = True  # False: not part of a cluster yet, neither stands nor votes
         # What the leader attaches to every heartbeat (placements), and what we last received.
-        self.payload: dict[str, Any] = {}
-        self.leader_payload: dict[str, Any] = {}
+        self.payload: Message = {}
+        self.leader_payload: Message = {}
         # The state this node holds, (term of the leader that made it, version): the owner keeps
         # it current. Votes carry it; heartbeat acks carry it (the owner stamps them).
         self.held: tuple[int, int] = (-1, 0)
@@ -125,7 +125,7 @@ class Election:
         out = self._broadcast({"t": "vote", "pre": True, "term": self.term + 1})
         return out + self._maybe_advance(now)
 
-    def on_message(self, msg: Mapping[str, Any], now: float) -> list[Out]:
+    def on_message(self, msg: Mapping[str, WireValue], now: float) -> list[Out]:
         sender, term, kind = msg.get("from"), msg.get("term"), msg.get("t")
         if not isinstance(sender, str) or not isinstance(term, int) or isinstance(term, bool):
             return []
@@ -187,15 +187,15 @@ class Election:
     def _event(self) -> None:
         self.events.append((self.role, self.term, self.leader))
 
-    def _broadcast(self, msg: dict[str, Any]) -> list[Out]:
+    def _broadcast(self, msg: Message) -> list[Out]:
         msg.update({"from": self.name, "addr": self.addr, "prio": self.priority})
         if msg["t"] == "vote":
-            msg["voters"] = sorted(self._voters)
+            msg["voters"] = [*sorted(self._voters)]
             msg["held"] = list(self.held)
         return [(addr, dict(msg)) for name, addr in sorted(self._voters.items())
                 if name != self.name]
 
-    def _reply(self, addr: str, msg: dict[str, Any]) -> list[Out]:
+    def _reply(self, addr: str, msg: Message) -> list[Out]:
         msg.update({"from": self.name, "addr": self.addr})
         return [(addr, msg)]
 
@@ -223,17 +223,17 @@ class Election:
         self._deadline = now + self._timeout()
         self._event()
 
-    def _view_ok(self, msg: Mapping[str, Any]) -> bool:
+    def _view_ok(self, msg: Mapping[str, WireValue]) -> bool:
         theirs = msg.get("voters")
         return isinstance(theirs, list) and set(self._voters) <= set(theirs)
 
-    def _held_ok(self, msg: Mapping[str, Any]) -> bool:
+    def _held_ok(self, msg: Mapping[str, WireValue]) -> bool:
         """Raft's up-to-date check: the candidate holds state at least as new as ours (a
         candidate that says nothing holds nothing)."""
         theirs = _held_of(msg.get("held")) or (-1, 0)
         return theirs >= self.held
 
-    def _on_vote(self, msg: Mapping[str, Any], cand: str, term: int, reply_to: str,
+    def _on_vote(self, msg: Mapping[str, WireValue], cand: str, term: int, reply_to: str,
                  now: float) -> list[Out]:
         pre = bool(msg.get("pre"))
         if not self.joined:
@@ -259,7 +259,7 @@ class Election:
         return self._reply(reply_to, {"t": "vote-reply", "pre": False, "term": self.term,
                                       "for_term": term, "granted": granted})
 
-    def _on_vote_reply(self, msg: Mapping[str, Any], voter: str, term: int,
+    def _on_vote_reply(self, msg: Mapping[str, WireValue], voter: str, term: int,
                        now: float) -> list[Out]:
         pre, granted, for_term = bool(msg.get("pre")), bool(msg.get("granted")), msg.get("for_term")
         if term > self.term and not (pre and granted):
@@ -324,7 +324,7 @@ class Election:
         return self._broadcast({"t": "lead", "term": self.term, "leader": self.name,
                                 "payload": self.payload, "commit": self.committed()})
 
-    def _on_lead(self, msg: Mapping[str, Any], sender: str, term: int, reply_to: str,
+    def _on_lead(self, msg: Mapping[str, WireValue], sender: str, term: int, reply_to: str,
                  now: float) -> list[Out]:
         if term < self.term:
             return self._reply(reply_to, {"t": "lead-ack", "term": self.term, "ok": False})
@@ -333,7 +333,7 @@ class Election:
         if self.role == LEADER and sender != self.name:
             # Two leaders in one term: only possible while the member list changes.
             # (priority, name) settles it; the loser steps down.
-            if self.rank_key(self.name) > (int(msg.get("prio") or 0), sender):
+            if self.rank_key(self.name) > (as_int(msg.get("prio") or 0), sender):
                 return self._reply(reply_to, {"t": "lead-ack", "term": self.term,
                                               "ok": False, "conflict": True})
             self._step_down(now)
@@ -353,9 +353,12 @@ class Election:
         return self._reply(reply_to, {"t": "lead-ack", "term": self.term, "ok": True})
 
 
-def _held_of(value: Any) -> tuple[int, int] | None:
+def _held_of(value: WireValue) -> tuple[int, int] | None:
     """A ``[term, version]`` pair off the wire, or None when it is not one."""
-    if (isinstance(value, list | tuple) and len(value) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
-        return (value[0], value[1])
+    if isinstance(value, list | tuple) and len(value) == 2:
+        term, version = value
+        if (isinstance(term, int) and not isinstance(term, bool)
+                and isinstance(version, int) and not isinstance(version, bool)):
+            return (term, version)
     return None
+

@@ -7,9 +7,12 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from skulkp2p.cluster.placement import ModelSpec, tail_start_of
+
+if TYPE_CHECKING:
+    from skulkp2p.models.store import ModelStore
 
 
 def available_memory() -> int:
@@ -34,12 +37,14 @@ def offered_memory(limit: int | None) -> int:
     return min(limit, avail) if avail else limit
 
 
-def model_spec(store: Any, model: str) -> ModelSpec:
+def model_spec(store: ModelStore, model: str) -> ModelSpec:
     """Placement facts for a card id or a local mlx folder (read from its config.json)."""
     resolved = store.resolve(model)
-    if resolved.card is not None and resolved.path is None:
-        spec = ModelSpec.from_card(resolved.card)
-        if resolved.card.source.kind == "local":  # e.g. a .gguf file: loaded by its path
+    if resolved.path is None:
+        card = resolved.card
+        assert card is not None, "a resolved model has a card or a folder"
+        spec = ModelSpec.from_card(card)
+        if card.source.kind == "local":  # e.g. a .gguf file: loaded by its path
             spec = dataclasses.replace(spec, source=str(Path(model).expanduser().resolve())
                                        if Path(model).expanduser().exists() else spec.source)
         return spec

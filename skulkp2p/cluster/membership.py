@@ -23,16 +23,28 @@ import random
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired, TypedDict, TypeGuard
 
 from skulkp2p.cluster.timers import Timers
+from skulkp2p.wire import Message, WireValue, as_list
 
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
 STATES = (ALIVE, SUSPECT, DEAD, LEFT)
 # At equal incarnation the worse news wins; a higher incarnation always wins.
 _RANK = {ALIVE: 0, SUSPECT: 1, DEAD: 2, LEFT: 3}
 
-Out = tuple[str, dict[str, Any]]  # (destination address "host:port", message)
+Out = tuple[str, Message]  # (destination address "host:port", message)
+
+
+class _Entry(TypedDict):
+    """A member's entry as gossip carries it (see Member.entry), once _valid_entry passed."""
+
+    n: str  # name
+    a: str  # address
+    i: int  # incarnation
+    s: str  # state
+    x: NotRequired[WireValue]  # instance
+    f: NotRequired[Message]  # facts
 
 
 @dataclass
@@ -41,12 +53,12 @@ class Member:
     addr: str
     inc: int = 0
     state: str = ALIVE
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: Message = field(default_factory=dict)
     instance: str = ""  # random per process start: tells a restarted node from its old self
     since: float = 0.0  # local time of the last state change
     suspect_deadline: float | None = None
 
-    def entry(self) -> dict[str, Any]:
+    def entry(self) -> Message:
         return {"n": self.name, "a": self.addr, "i": self.inc, "s": self.state,
                 "x": self.instance, "f": self.facts}
 
@@ -69,8 +81,8 @@ class _Relay:
     expires: float
 
 
-def _valid_entry(e: Any) -> bool:
-    return (isinstance(e, dict) and isinstance(e.get("n"), str) and e["n"]
+def _valid_entry(e: WireValue) -> TypeGuard[_Entry]:
+    return (isinstance(e, dict) and isinstance(e.get("n"), str) and bool(e["n"])
             and isinstance(e.get("a"), str) and isinstance(e.get("i"), int)
             and not isinstance(e.get("i"), bool) and e.get("s") in _RANK
             and isinstance(e.get("f", {}), dict))
@@ -79,7 +91,7 @@ def _valid_entry(e: Any) -> bool:
 class Membership:
     """One node's view of the cluster."""
 
-    def __init__(self, name: str, addr: str, facts: Mapping[str, Any] | None = None, *,
+    def __init__(self, name: str, addr: str, facts: Mapping[str, WireValue] | None = None, *,
                  seeds: Iterable[str] = (), timers: Timers | None = None,
                  rng: random.Random | None = None, instance: str | None = None,
                  now: float = 0.0):
@@ -126,7 +138,7 @@ class Membership:
 
     # ---------------------------------------------------------------- local changes
 
-    def update_facts(self, facts: Mapping[str, Any]) -> None:
+    def update_facts(self, facts: Mapping[str, WireValue]) -> None:
         """New facts about this node: a new incarnation carries them."""
         if dict(facts) == self.me.facts:
             return
@@ -138,7 +150,7 @@ class Membership:
         """Graceful exit: tell everyone we left, so we stop counting towards quorum."""
         self.me.inc += 1
         self.me.state = LEFT
-        msg = {"t": "sync", "members": [self.me.entry()], "reply": False}
+        msg: Message = {"t": "sync", "members": [self.me.entry()], "reply": False}
         return [(m.addr, self._stamp(dict(msg))) for m in self.members.values()
                 if m is not self.me and m.state != LEFT]
 
@@ -171,9 +183,9 @@ class Membership:
                              "target_addr": target.addr}, h)))
             elif now >= p.sent + t.probe_timeout:
                 self._probe = None
-                m = self.members.get(p.target)
-                if m is not None and m.state == ALIVE and m.inc == p.inc:
-                    self._set(m, m.inc, SUSPECT, now)
+                silent = self.members.get(p.target)
+                if silent is not None and silent.state == ALIVE and silent.inc == p.inc:
+                    self._set(silent, silent.inc, SUSPECT, now)
         if self._probe is None and now >= self._next_probe:
             self._next_probe = now + t.probe_interval
             target = self._next_target()
@@ -190,7 +202,7 @@ class Membership:
             out.extend(self._syncs())
         return out
 
-    def on_message(self, msg: Mapping[str, Any], now: float) -> list[Out]:
+    def on_message(self, msg: Mapping[str, WireValue], now: float) -> list[Out]:
         """Handle one membership message (types ping, ack, ping-req, sync); anything malformed
         is ignored: the sender was authenticated, but may run a different version."""
         out: list[Out] = []
@@ -205,7 +217,7 @@ class Membership:
         me = msg.get("me")
         if _valid_entry(me):
             self._apply(me, now)
-        for e in msg.get("g") or ():
+        for e in as_list(msg.get("g")):
             if _valid_entry(e):
                 self._apply(e, now)
         kind = msg.get("t")
@@ -229,7 +241,7 @@ class Membership:
                                                  now + self.timers.probe_timeout)
                 out.append((addr, self._with_gossip({"t": "ping", "seq": self._seq}, target)))
         elif kind == "sync":
-            for e in msg.get("members") or ():
+            for e in as_list(msg.get("members")):
                 if _valid_entry(e):
                     self._apply(e, now)
             if msg.get("reply"):
@@ -241,12 +253,12 @@ class Membership:
 
     # ---------------------------------------------------------------- internals
 
-    def _stamp(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _stamp(self, msg: Message) -> Message:
         msg["from"] = self.name
         msg["addr"] = self.me.addr
         return msg
 
-    def _sync_msg(self, reply: bool) -> dict[str, Any]:
+    def _sync_msg(self, reply: bool) -> Message:
         return self._stamp({"t": "sync", "members": [m.entry() for m in self.members.values()],
                             "reply": reply})
 
@@ -256,7 +268,7 @@ class Membership:
     def _syncs(self) -> list[Out]:
         if not self.bootstrapped:
             return self._seed_syncs()
-        out = []
+        out: list[Out] = []
         others = [m for m in self.members.values() if m is not self.me]
         alive = [m for m in others if m.state in (ALIVE, SUSPECT)]
         dead = [m for m in others if m.state == DEAD]
@@ -279,12 +291,12 @@ class Membership:
             self.rng.shuffle(self._order)
         return None
 
-    def _with_gossip(self, msg: dict[str, Any], dest: str | None) -> dict[str, Any]:
+    def _with_gossip(self, msg: Message, dest: str | None) -> Message:
         """Stamp ``msg`` and let it carry our own entry plus the freshest rumours; what we
         believe about ``dest`` goes first when it is bad news, so it can refute at once."""
         self._stamp(msg)
         msg["me"] = self.me.entry()
-        gossip: list[dict[str, Any]] = []
+        gossip: list[WireValue] = []
         if dest is not None:
             d = self.members.get(dest)
             if d is not None and d.state != ALIVE:
@@ -319,7 +331,7 @@ class Membership:
         m.suspect_deadline = now + self.timers.suspect_timeout if state == SUSPECT else None
         self._rumour(m.name)
 
-    def _apply(self, e: dict[str, Any], now: float) -> None:
+    def _apply(self, e: _Entry, now: float) -> None:
         name, inc, state = e["n"], e["i"], e["s"]
         if name == self.name:
             # Someone has news about us. If it is not "alive, this incarnation, this process",
@@ -350,3 +362,4 @@ class Membership:
         if "x" in e:
             m.instance = str(e["x"])
         self._set(m, inc, state, now)
+

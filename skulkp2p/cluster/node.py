@@ -28,9 +28,9 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 from skulkp2p import wire
 from skulkp2p.cluster.config import (
@@ -44,6 +44,7 @@ from skulkp2p.cluster.config import (
 )
 from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.durable import (
+    DurableKey,
     StateInUse,
     cluster_id,
     load_state,
@@ -53,8 +54,10 @@ from skulkp2p.cluster.durable import (
 )
 from skulkp2p.cluster.election import ELECTION_TYPES
 from skulkp2p.cluster.facts import model_spec, offered_memory
+from skulkp2p.cluster.membership import Out
 from skulkp2p.cluster.peer_link import PeerLink
 from skulkp2p.cluster.placement import ModelSpec, Placement
+from skulkp2p.wire import Message, WireValue, as_int, as_list
 
 log = logging.getLogger("skulkp2p.cluster")
 
@@ -62,31 +65,35 @@ TICK_S = 0.05
 IDLE_TIMEOUT_S = 120.0  # an inbound connection silent this long is closed (senders reconnect)
 MAX_INBOUND = 256
 
+# (leader, term, plan version, placements): a change is logged and handed to on_change
+_View: TypeAlias = tuple[str | None, int, int, tuple[tuple[str, Placement], ...]]
+
 
 class ClusterNode:
     """One node's control plane on the running event loop."""
 
-    def __init__(self, config: NodeConfig, facts: dict[str, Any] | None = None,
+    def __init__(self, config: NodeConfig, facts: Mapping[str, WireValue] | None = None,
                  on_change: Callable[[ClusterNode], None] | None = None):
         self.config = config
         self.key = wire.frame_key(config.secret)
         # "engines" (which ones this node runs) comes from the composition root's facts.
-        self.facts = {"memory": offered_memory(config.memory_limit), "engines": [],
-                      **(facts or {})}
+        self.facts: Message = {"memory": offered_memory(config.memory_limit), "engines": [],
+                               **(facts or {})}
         self.metrics: collections.Counter[str] = collections.Counter()
         self.on_change = on_change
-        self.core: ClusterCore | None = None
+        self.core: ClusterCore | None = None  # set by start(); see started_core
         self.addr = ""
         self.bind_source: str | None = None
         self._peers: dict[str, PeerLink] = {}
         self._server: asyncio.base_events.Server | None = None
-        self._ticker: asyncio.Task | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self._inbound: set[asyncio.StreamWriter] = set()
-        self._last_view: Any = None
+        self._last_view: _View | None = None
         self._leader_seen: tuple[str, int] | None = None  # metrics["leader_changes"]
         self._clock0 = time.monotonic()
         self._cluster_id = cluster_id(self.key)
-        self._saved_key: Any = None  # the durable state last written (ClusterCore.durable_key)
+        # the durable state last written (ClusterCore.durable_key)
+        self._saved_key: DurableKey | None = None
         self._save_error: str | None = None
         self._state_lock: int | None = None  # durable.lock_state's descriptor
 
@@ -111,9 +118,9 @@ class ClusterNode:
             name = f"{cfg.name.rpartition(':')[0] or cfg.name}:{port}"
             # A model only this node has (a local folder) was asked for under the old name.
             self.facts["wants"] = [
-                {**w, "only": [name if n == cfg.name else n for n in w["only"]]}
-                if isinstance(w, dict) and isinstance(w.get("only"), list) else w
-                for w in self.facts.get("wants", [])]
+                {**w, "only": [name if n == cfg.name else n for n in only]}
+                if isinstance(w, dict) and isinstance(only := w.get("only"), list) else w
+                for w in as_list(self.facts.get("wants"))]
             self.config = cfg = dataclasses.replace(
                 cfg, name=name, state_file=None if cfg.state_file is None
                 else renamed_state_path(cfg.state_file, name))
@@ -140,14 +147,15 @@ class ClusterNode:
                 log.info("cluster: restored term %d and plan %d.%d (%d place requests) from %s",
                          restored.term, restored.plan_term, restored.plan_version,
                          len(restored.requests), cfg.state_file)
-        self.core = ClusterCore(cfg.name, self.addr, facts=self.facts, seeds=cfg.peers,
-                                priority=cfg.priority, timers=cfg.timers, rng=random.Random(),
-                                now=self._now(), restored=restored)
-        self._saved_key = self.core.durable_key() if restored is not None else None
+        core = self.core = ClusterCore(cfg.name, self.addr, facts=self.facts, seeds=cfg.peers,
+                                       priority=cfg.priority, timers=cfg.timers,
+                                       rng=random.Random(), now=self._now(), restored=restored)
+        self._saved_key = core.durable_key() if restored is not None else None
         log.info("cluster: node %s listening on %s:%d (advertised %s), %s, offers %.0f MB, "
                  "engines %s%s", cfg.name, cfg.host, port, self.addr,
                  "secret set" if cfg.secret else "no secret (loopback only)",
-                 self.facts["memory"] / 1e6, ", ".join(self.facts["engines"]) or "none",
+                 as_int(self.facts["memory"]) / 1e6,
+                 ", ".join(str(e) for e in as_list(self.facts["engines"])) or "none",
                  f", peers {', '.join(cfg.peers)}" if cfg.peers else "")
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
 
@@ -178,11 +186,19 @@ class ClusterNode:
     def port(self) -> int:
         return split_addr(self.addr)[1]
 
-    def status(self) -> dict[str, Any]:
-        st = self.core.status() if self.core else {"node": self.config.name}
+    @property
+    def started_core(self) -> ClusterCore:
+        """The control plane's state machine, which start() creates (RuntimeError before)."""
+        if self.core is None:
+            raise RuntimeError(f"cluster node {self.config.name} is not started")
+        return self.core
+
+    def status(self) -> Message:
+        st: Message = self.core.status() if self.core else {"node": self.config.name}
         st["addr"] = self.addr
         st["state_file"] = str(self.config.state_file) if self.config.state_file else None
-        st["metrics"] = dict(self.metrics)
+        metrics: Message = dict(self.metrics)
+        st["metrics"] = metrics
         return st
 
     def placements(self) -> dict[str, Placement]:
@@ -196,11 +212,12 @@ class ClusterNode:
         return self._save_error is None
 
     def request_placement(self, spec: ModelSpec, nodes: Iterable[str] = ()) -> None:
-        self._send(self._saved(self.core.request_placement(spec, list(nodes), self._now())))
+        self._send(self._saved(self.started_core.request_placement(spec, list(nodes),
+                                                                   self._now())))
 
-    def update_facts(self, **facts: Any) -> None:
+    def update_facts(self, **facts: WireValue) -> None:
         self.facts.update(facts)
-        self.core.update_facts(self.facts)
+        self.started_core.update_facts(self.facts)
 
     # ---------------------------------------------------------------- internals
 
@@ -210,27 +227,28 @@ class ClusterNode:
     async def _tick_loop(self) -> None:
         while True:
             try:
-                self._send(self._saved(self.core.tick(self._now())))
+                self._send(self._saved(self.started_core.tick(self._now())))
                 self._after()
             except Exception:  # a bug must not silence the node's heartbeat for good
                 log.exception("cluster tick failed")
             await asyncio.sleep(TICK_S)
 
     def _after(self) -> None:
-        for line in self.core.drain_events():
+        core = self.started_core
+        for line in core.drain_events():
             log.info("cluster: %s", line)
-        seen = (self.core.leader, self.core.term)
-        if seen[0] is not None and seen != self._leader_seen:  # a new leader, or a new term
-            self._leader_seen = seen
+        leader, term = core.leader, core.term
+        if leader is not None and (leader, term) != self._leader_seen:  # new leader or term
+            self._leader_seen = (leader, term)
             self.metrics["leader_changes"] += 1
-        view = (self.core.leader, self.core.term, self.core.placement_version,
-                tuple(sorted(self.core.placements().items())))
+        view = (core.leader, core.term, core.placement_version,
+                tuple(sorted(core.placements().items())))
         if view != self._last_view:
             if self._last_view is None or view[3] != self._last_view[3]:
-                for model, p in sorted(self.core.placements().items()):
+                for model, p in sorted(core.placements().items()):
                     log.info("cluster: placement of %s: ring %s, layers %s (term %d)", model,
                              " -> ".join(p.ring), p.layers, p.term)
-                for _model, e in sorted(self.core.placement_errors().items()):
+                for _model, e in sorted(core.placement_errors().items()):
                     log.warning("cluster: %s", e["error"])
             self._last_view = view
             if self.on_change is not None:
@@ -239,7 +257,7 @@ class ClusterNode:
                 except Exception:
                     log.exception("cluster: change handler failed")
 
-    def _saved(self, outs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    def _saved(self, outs: list[Out]) -> list[Out]:
         """Write the durable state if this step changed it, before its messages leave: a
         vote, an ack of a plan version or a heartbeat carrying a plan must never be sent by a
         node that could forget it in a power cut. Synchronous on purpose: a write is a small
@@ -248,11 +266,12 @@ class ClusterNode:
         path = self.config.state_file
         if path is None:
             return outs
-        key = self.core.durable_key()
+        core = self.started_core
+        key = core.durable_key()
         if key == self._saved_key:
             return outs
         try:
-            save_state(path, self.core.durable_state(), self._cluster_id)
+            save_state(path, core.durable_state(), self._cluster_id)
         except OSError as e:
             if str(e) != self._save_error:
                 log.error("cluster: cannot save the cluster state to %s (%s): not voting or "
@@ -268,7 +287,7 @@ class ClusterNode:
         self.metrics["state_saves"] += 1
         return outs
 
-    def _send(self, outs: list[tuple[str, dict[str, Any]]]) -> None:
+    def _send(self, outs: list[Out]) -> None:
         for addr, msg in outs:
             if addr == self.addr:
                 continue
@@ -311,20 +330,20 @@ class ClusterNode:
             self._inbound.discard(writer)
             writer.transport.abort()
 
-    def _dispatch(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    def _dispatch(self, msg: Message, writer: asyncio.StreamWriter) -> None:
         if msg["t"] == "status":
-            reply = {"t": "status-reply", "status": self.status()}
+            reply: Message = {"t": "status-reply", "status": self.status()}
             writer.write(wire.encode_frame(reply, self.key, self.config.max_data_frame))
             return
         try:
-            self._send(self._saved(self.core.on_message(msg, self._now())))
+            self._send(self._saved(self.started_core.on_message(msg, self._now())))
             self._after()
         except Exception:  # a message our state machine chokes on must not kill the reader
             self.metrics["bad_messages"] += 1
             log.exception("cluster: failed to handle %s from %s", msg.get("t"), msg.get("from"))
 
 
-def _peer_str(peer: Any) -> str:
+def _peer_str(peer: object) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
 
@@ -357,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         from skulkp2p.models.store import ModelStore
 
         store = ModelStore(Path(args.data_dir) if args.data_dir else None)
-        wants = [model_spec(store, m).to_dict() for m in args.model]
+        wants: list[WireValue] = [model_spec(store, m).to_dict() for m in args.model]
         pulled = [row["id"] for row in store.list() if row["pulled"]]
     except Exception as e:  # configuration errors end the program with one line
         print(f"skulkp2p: error: {e}", file=sys.stderr)

@@ -29,7 +29,7 @@ class PeerLink:
         self.bind_source = bind_source
         self.queue: collections.deque[bytes] = collections.deque()
         self.wake = asyncio.Event()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.failures = 0
         self.backoff_until = 0.0
@@ -50,24 +50,25 @@ class PeerLink:
             if not self.queue:
                 continue
             try:
-                if self.writer is None:
-                    await self._connect()
+                writer = self.writer if self.writer is not None else await self._connect()
                 while self.queue:
-                    self.writer.write(self.queue.popleft())
+                    writer.write(self.queue.popleft())
                     self.metrics["frames_out"] += 1
-                await asyncio.wait_for(self.writer.drain(), WRITE_TIMEOUT_S)
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
                 self.failures = 0
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
                 self._fail(e)
 
-    async def _connect(self) -> None:
+    async def _connect(self) -> asyncio.StreamWriter:
         host, port = split_addr(self.addr)
         bind = self.bind_source
-        reader, self.writer = await asyncio.wait_for(
+        reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, local_addr=(bind, 0) if bind else None),
             CONNECT_TIMEOUT_S)
+        self.writer = writer
         self.metrics["connects"] += 1
-        asyncio.get_running_loop().create_task(self._watch(reader, self.writer))
+        asyncio.get_running_loop().create_task(self._watch(reader, writer))
+        return writer
 
     async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Nothing comes back on this connection; EOF means the peer closed it (it restarted,

@@ -39,7 +39,12 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from skulkp2p.wire import Message, WireValue, as_int
+
+if TYPE_CHECKING:
+    from skulkp2p.models.cards import Card
 
 OVERHEAD = 1.3
 DTYPE_SCALE = {"bfloat16": 1.0, "float16": 1.0, "float32": 2.0}  # vs bf16 card sizes
@@ -81,7 +86,7 @@ class ModelSpec:
         head_dim = self.head_dim or (64 if self.hidden_size < 1536 else 128)
         return 2 * self.kv_heads * head_dim * (self.kv_tokens or self.context_length) * 2
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Message:
         return {"id": self.id, "layers": self.layers, "size_bytes": self.size_bytes,
                 "context_length": self.context_length, "hidden_size": self.hidden_size,
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "source": self.source,
@@ -91,12 +96,14 @@ class ModelSpec:
                 **({"kv_tokens": self.kv_tokens} if self.kv_tokens else {})}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
+    def from_dict(cls, d: Mapping[str, WireValue]) -> ModelSpec:
         ints = ("layers", "size_bytes", "context_length", "hidden_size", "kv_heads", "head_dim",
                 "tail_start", "kv_tokens")
-        if not isinstance(d.get("id"), str) or not all(
-                isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool)
-                for k in ints):
+        model_id = d.get("id")
+        given = {k: d[k] for k in ints if k in d}
+        numbers = {k: v for k, v in given.items()
+                   if isinstance(v, int) and not isinstance(v, bool)}
+        if not isinstance(model_id, str) or len(numbers) != len(given):
             raise ValueError(f"bad model spec {dict(d)!r}")
         source = d.get("source", "")
         if not isinstance(source, str):
@@ -105,10 +112,9 @@ class ModelSpec:
         if not isinstance(engine, str):
             raise ValueError(f"bad model spec engine {engine!r}")
         parallel = d.get("parallel", "")
-        if parallel not in ("", *PARALLEL):
+        if not isinstance(parallel, str) or parallel not in ("", *PARALLEL):
             raise ValueError(f"bad model spec parallel {parallel!r}")
-        spec = cls(d["id"], **{k: d[k] for k in ints if k in d}, source=source, engine=engine,
-                   parallel=parallel)
+        spec = cls(model_id, **numbers, source=source, engine=engine, parallel=parallel)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
         if spec.kv_tokens < 0:
@@ -118,7 +124,7 @@ class ModelSpec:
         return spec
 
     @classmethod
-    def from_card(cls, card: Any) -> ModelSpec:
+    def from_card(cls, card: Card) -> ModelSpec:
         engine = "" if getattr(card, "engine", "mlx") == "mlx" else card.engine
         return cls(card.id, card.layers, card.size_bytes, card.context_length,
                    card.hidden_size, card.kv_heads, source=card.id, engine=engine,
@@ -132,7 +138,7 @@ class ModelSpec:
         return self.parallel == "tensor"
 
 
-def _card_parallel(card: Any) -> str:
+def _card_parallel(card: Card) -> str:
     value = (getattr(card, "placement", None) or {}).get("parallel", "auto")
     return "" if value == "auto" else value
 
@@ -169,25 +175,35 @@ class Placement:
         """The member that runs the decode loop and serves the model's requests."""
         return self.ring[0] if self.parallel == "tensor" else self.ring[-1]
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"model": self.model, "ring": list(self.ring),
-                             "layers": [list(r) for r in self.layers],
-                             "needs": list(self.needs), "term": self.term,
-                             "explicit": self.explicit, "parallel": self.parallel,
-                             "serial": self.serial}
+    def to_dict(self) -> Message:
+        d: Message = {"model": self.model, "ring": list(self.ring),
+                      "layers": [list(r) for r in self.layers],
+                      "needs": list(self.needs), "term": self.term,
+                      "explicit": self.explicit, "parallel": self.parallel,
+                      "serial": self.serial}
         if self.spec is not None:
             d["spec"] = self.spec.to_dict()
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Placement:
-        spec = ModelSpec.from_dict(d["spec"]) if isinstance(d.get("spec"), dict) else None
-        return cls(str(d["model"]), tuple(str(n) for n in d["ring"]),
-                   tuple((int(a), int(b)) for a, b in d["layers"]),
-                   tuple(int(x) for x in d.get("needs", ())), spec,
-                   bool(d.get("explicit")), int(d.get("term", 0)),
+    def from_dict(cls, d: Mapping[str, WireValue]) -> Placement:
+        """A placement off the wire (or the state file); raises TypeError, ValueError or
+        KeyError on one that is malformed."""
+        spec_d = d.get("spec")
+        spec = ModelSpec.from_dict(spec_d) if isinstance(spec_d, dict) else None
+        return cls(str(d["model"]), tuple(str(n) for n in _items(d["ring"])),
+                   tuple((as_int(a), as_int(b)) for a, b in map(_items, _items(d["layers"]))),
+                   tuple(as_int(x) for x in _items(d.get("needs", []))), spec,
+                   bool(d.get("explicit")), as_int(d.get("term", 0)),
                    "tensor" if d.get("parallel") == "tensor" else "pipeline",
-                   int(d.get("serial", 0)))
+                   as_int(d.get("serial", 0)))
+
+
+def _items(value: WireValue) -> list[WireValue]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    return value
+
 
 
 @dataclass(frozen=True)
@@ -236,15 +252,16 @@ def split_with_tail(layers: int, weights: Sequence[float], tail_start: int
     return head + [(tail_start, layers)]
 
 
-def tail_start_of(config: Mapping[str, Any]) -> int:
+def tail_start_of(config: Mapping[str, WireValue]) -> int:
     """The `tail_start` of a model from its config.json (text config merged in): for Gemma 4
     (gemma4_text), the first of the last cache-owning full-attention and sliding-window layers:
     the KV-shared layers after them read them within a call, and the assistant drafter reads
     their caches, so they and everything after stay on the last stage. 0 for other families."""
-    types = list(config.get("layer_types") or [])
+    named = config.get("layer_types")
+    types = list(named) if isinstance(named, list) else []
     if config.get("model_type") not in ("gemma4_text", "gemma4") or not types:
         return 0
-    owners = len(types) - int(config.get("num_kv_shared_layers") or 0)
+    owners = len(types) - as_int(config.get("num_kv_shared_layers") or 0)
     last = {t: i for i, t in enumerate(types[:owners])}
     return min(last.values()) if last else 0
 
@@ -362,7 +379,7 @@ def place_model(spec: ModelSpec, nodes: Sequence[NodeOffer], free: Mapping[str, 
         else:  # many nodes: the largest ones, then each single swap of the smallest
             top = names[:size]
             combos = [tuple(top)] + [tuple(top[:-1] + [n]) for n in names[size:]]
-        best: tuple[tuple[Any, ...], Placement] | None = None
+        best: tuple[tuple[int, int, tuple[str, ...]], Placement] | None = None
         for combo in combos:
             order = _ring_order(combo, free, spec.tail_start > 0 and not spec.tensor)
             got = attempt(spec, order, free, dtypes, overhead)

@@ -23,12 +23,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from skulkp2p import wire
 from skulkp2p.cluster.config import split_addr
 from skulkp2p.cluster.peer_link import CONNECT_TIMEOUT_S, WRITE_TIMEOUT_S
 from skulkp2p.engine.parallel.ring.traversal import RingError, StageWorker
+from skulkp2p.wire import Message
 
 log = logging.getLogger("skulkp2p.ring")
 
@@ -46,11 +46,11 @@ class RingData:
         # model -> (worker, the next stage's data address, looked up per frame)
         self.stages: dict[str, tuple[StageWorker, Callable[[], str | None]]] = {}
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-        self._waiting: dict[str, queue.Queue] = {}
+        self._waiting: dict[str, queue.Queue[Message]] = {}
         self._lock = threading.Lock()
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._server: asyncio.base_events.Server | None = None
-        self._held: dict[str, collections.deque] = {}  # frames for a stage not loaded yet
+        self._held: dict[str, collections.deque[Message]] = {}  # for a stage not loaded yet
         self.dropped = 0
         self.metrics: collections.Counter[str] = collections.Counter()  # frames rejected
         self.bytes_out = 0
@@ -87,7 +87,7 @@ class RingData:
 
     # ---------------------------------------------------------------- awaiting replies
 
-    def expect(self, request: str) -> queue.Queue:
+    def expect(self, request: str) -> queue.Queue[Message]:
         with self._lock:
             return self._waiting.setdefault(request, queue.Queue())
 
@@ -114,14 +114,14 @@ class RingData:
         finally:
             writer.transport.abort()
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
+    def _dispatch(self, msg: Message) -> None:
+        request, model = msg.get("request"), msg.get("model")
         with self._lock:
-            waiting = self._waiting.get(msg.get("request"))
+            waiting = self._waiting.get(request) if isinstance(request, str) else None
         if waiting is not None and msg.get("op") != "end" and msg.get("last") == self.addr:
             waiting.put(msg)
             return
-        stage = self.stages.get(msg.get("model"))
-        if stage is None:
+        if not isinstance(model, str) or (stage := self.stages.get(model)) is None:
             # The stage may still be loading, or its placement not seen here yet: hold a few
             # frames for it (the sender's timeout bounds the wait).
             held = self._held.setdefault(str(msg.get("model")), collections.deque(maxlen=16))
@@ -139,12 +139,16 @@ class RingData:
                 out.update(model=msg["model"], last=msg.get("last"))
                 self.send_threadsafe(addr, out)
 
-        fut = self._executors[msg["model"]].submit(compute)
-        fut.add_done_callback(lambda f: f.exception() and log.error(
-            "ring: %s: stage failed on a frame: %r", msg["model"], f.exception()))
+        def failed(f: concurrent.futures.Future[None]) -> None:
+            if f.exception():
+                log.error("ring: %s: stage failed on a frame: %r", model, f.exception())
 
-    def send_threadsafe(self, addr: str, msg: dict[str, Any]) -> concurrent.futures.Future:
+        self._executors[model].submit(compute).add_done_callback(failed)
+
+    def send_threadsafe(self, addr: str, msg: Message) -> concurrent.futures.Future[None]:
         frame = wire.encode_frame(msg, self.key, self.max_frame)
+        if self.loop is None:
+            raise RuntimeError("the ring's data plane is not started")
         return asyncio.run_coroutine_threadsafe(self._send(addr, frame), self.loop)
 
     async def _send(self, addr: str, frame: bytes) -> None:
@@ -153,9 +157,9 @@ class RingData:
             if writer is None or writer.is_closing():
                 host, port = split_addr(addr)
                 bind = self.bind_source
-                _, writer = await asyncio.wait_for(asyncio.open_connection(
+                _, opened = await asyncio.wait_for(asyncio.open_connection(
                     host, port, local_addr=(bind, 0) if bind else None), CONNECT_TIMEOUT_S)
-                self._writers[addr] = writer
+                self._writers[addr] = writer = opened
             writer.write(frame)
             self.bytes_out += len(frame)
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
@@ -179,9 +183,9 @@ class TcpRingLink:
         self.timeout = timeout or ring_timeout()
         self.link_s = 0.0  # wall time spent waiting on the other stages
 
-    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def traverse(self, msg: Message) -> Message:
         t0 = time.perf_counter()
-        request = msg["request"]
+        request = str(msg["request"])
         replies = self.data.expect(request)
         try:
             self.data.send_threadsafe(self.first_addr, {**msg, "model": self.model,
@@ -207,7 +211,7 @@ class TcpRingLink:
                 raise RingError(f"ring of {self.model}: no answer from the other stages "
                                 f"within {self.timeout:.0f} s")
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: Message) -> None:
         self.data.send_threadsafe(self.first_addr, {**msg, "model": self.model,
                                                     "last": self.data.addr})
-        self.data.forget(msg["request"])
+        self.data.forget(str(msg["request"]))

@@ -4,18 +4,18 @@ answered on the connection it came on)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from skulkp2p import wire
 from skulkp2p.cluster.config import split_addr
+from skulkp2p.wire import Message
 
 
-async def query_status(addr: str, secret: str | None, timeout: float = 2.0) -> dict[str, Any]:
+async def query_status(addr: str, secret: str | None, timeout: float = 2.0) -> Message:
     """The status of the node at ``addr`` (raises OSError/TimeoutError/WireError)."""
     key = wire.frame_key(secret)
     host, port = split_addr(addr)
 
-    async def ask() -> dict[str, Any]:
+    async def ask() -> Message:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(wire.encode_frame({"t": "status"}, key))
@@ -26,12 +26,15 @@ async def query_status(addr: str, secret: str | None, timeout: float = 2.0) -> d
                     raise ConnectionError(f"{addr} closed the connection")
                 for msg in decoder.feed(data):
                     if msg["t"] == "status-reply":
-                        return msg["status"]
+                        status = msg.get("status")
+                        if not isinstance(status, dict):
+                            raise wire.WireError("not-a-map", "a status reply without a status")
+                        return status
         finally:
             writer.transport.abort()
 
     return await asyncio.wait_for(ask(), timeout)
 
 
-def fetch_status(addr: str, secret: str | None, timeout: float = 2.0) -> dict[str, Any]:
+def fetch_status(addr: str, secret: str | None, timeout: float = 2.0) -> Message:
     return asyncio.run(query_status(addr, secret, timeout))

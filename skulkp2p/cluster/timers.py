@@ -70,7 +70,9 @@ def parse_timers(spec: str | None, base: Timers | None = None) -> Timers:
         if number <= 0:
             raise ValueError(f"timers: {key.strip()} must be positive, got {value!r}")
         changes[name] = number
-    timers = dataclasses.replace(timers, **changes)
+    # Each value was parsed as its own field's type (int or float), which one kwargs type
+    # cannot say for every field at once: the fields are merged as values instead.
+    timers = Timers(**{**dataclasses.asdict(timers), **changes})
     if timers.ping_timeout >= timers.probe_timeout:
         raise ValueError("timers: ping must be shorter than probe_timeout")
     return timers

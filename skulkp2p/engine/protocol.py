@@ -9,15 +9,17 @@ its card, by the composition root's factory (skulkp2p/node/engines.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
 
 __all__ = ["Cancelled", "Chunk", "Engine", "EngineFailed", "EngineInfo", "EngineUnavailable",
-           "Generation", "GenerationResult", "RequestError", "VerifyCosts"]
+           "Generation", "GenerationResult", "RequestError", "RingError", "TensorError",
+           "VerifyCosts"]
 
 
 # The MLX engine's prefix cache per model, in MB (`--prefix-cache-mb`; 0 turns it off). Here,
@@ -36,6 +38,15 @@ class EngineUnavailable(Exception):
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+
+
+class RingError(RuntimeError):
+    """The ring could not complete a traversal (a stage died, froze, or dropped the frame)."""
+
+
+class TensorError(RuntimeError):
+    """The tensor-parallel group could not complete a call (a member died, froze, or the
+    placement moved): the request ends with this message."""
 
 
 class EngineFailed(Exception):
@@ -67,10 +78,10 @@ class VerifyCosts:
         base = self.seconds[min(self.seconds)]
         return {w: round(s / base, 4) for w, s in sorted(self.seconds.items())}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """As /v1/models and /v1/cluster show it."""
         rel = self.relative
-        out: dict[str, Any] = {
+        out: JSONObject = {
             "where": self.where, "measured_at": round(self.measured_at, 3),
             "source": self.source,
             "widths": [{"width": w, "seconds": round(s, 6), "relative": rel[w],
@@ -89,7 +100,7 @@ class EngineInfo:
     engine: str  # "mlx" | "llama_server"
     dtype: str
     context_length: int
-    detail: dict[str, Any] = field(default_factory=dict)  # layers held, child pid, ...
+    detail: JSONObject = field(default_factory=dict)  # layers held, child pid, ...
     verify_costs: VerifyCosts | None = None  # measured where it runs (a tensor group's)
 
 
@@ -98,7 +109,8 @@ class Generation:
     any thread, read `result` once the iteration ended. An engine builds it from a generator
     function that receives the interrupt check and returns the GenerationResult."""
 
-    def __init__(self, run: Callable[[Callable[[], None]], Iterator[Chunk]]):
+    def __init__(self, run: Callable[[Callable[[], None]],
+                                     Generator[Chunk, None, GenerationResult]]):
         self._run = run
         self._cancelled = threading.Event()
         self.result: GenerationResult | None = None

@@ -1,28 +1,22 @@
 """What a generation returns, typed: every engine fills these, every front end reads them.
 
-No mlx here: the API, the pipe, the bench and the served engine import these without the MLX
-engine. `to_dict` gives the JSON shapes the README documents (pipe results, the `timing` and
-`speculation` objects that ride along on HTTP responses).
+No mlx here and no JSON: the front ends (skulkp2p/formats/) write these in their own shapes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from skulkp2p.engine.json_types import JSONObject
 
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A function call the model made: its id, the function's name and its arguments (a JSON
-    object, as text)."""
+    """A function call the model made (or made earlier, in a chat's history): its id, the
+    function's name and its arguments (a JSON object, as text)."""
     id: str
     name: str
     arguments: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """OpenAI's shape (also the pipe's)."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
@@ -55,19 +49,6 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_dict(self) -> dict[str, int]:
-        """The pipe's shape (also /v1/cluster/generate)."""
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens, "cached_tokens": self.cached_tokens}
-
-    def openai_dict(self) -> dict[str, Any]:
-        """OpenAI's shape: cached prompt tokens under prompt_tokens_details."""
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
 
 @dataclass(frozen=True)
 class Timing:
@@ -79,15 +60,6 @@ class Timing:
     child_prompt_ms: float | None = None
     child_predicted_per_second: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ttft_s": self.ttft_s, "total_s": self.total_s,
-                               "decode_tok_s": self.decode_tok_s}
-        if self.engine is not None:
-            out["engine"] = self.engine
-            out["child_prompt_ms"] = self.child_prompt_ms
-            out["child_predicted_per_second"] = self.child_predicted_per_second
-        return out
-
 
 @dataclass(frozen=True)
 class DrafterCounts:
@@ -95,9 +67,6 @@ class DrafterCounts:
     rounds: int
     drafted: int
     accepted: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted}
 
 
 @dataclass(frozen=True)
@@ -111,7 +80,7 @@ class SpeculationStats:
     rounds: int | None = None
     acceptance_per_position: list[float | None] | None = None
     gate_fired: bool | None = None
-    gate_events: list[dict[str, Any]] | None = None
+    gate_events: list[JSONObject] | None = None
     by_drafter: dict[str, DrafterCounts] | None = None
     # Counts behind acceptance_per_position: drafts that reached position i, and accepted there.
     drafted_per_position: list[int] | None = None
@@ -121,27 +90,6 @@ class SpeculationStats:
     @property
     def acceptance(self) -> float | None:
         return round(self.accepted / self.drafted, 4) if self.drafted else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"drafter": self.drafter, "mode": self.mode}
-        if self.max_depth is not None:
-            out["max_depth"] = self.max_depth
-        if self.rounds is not None:
-            out["rounds"] = self.rounds
-        out.update(drafted=self.drafted, accepted=self.accepted, acceptance=self.acceptance)
-        if self.acceptance_per_position is not None:
-            out["acceptance_per_position"] = list(self.acceptance_per_position)
-        if self.accepted_per_position is not None:
-            out["drafted_per_position"] = list(self.drafted_per_position or [])
-            out["accepted_per_position"] = list(self.accepted_per_position)
-        if self.gate_fired is not None:
-            out["gate_fired"] = self.gate_fired
-            out["gate_events"] = list(self.gate_events or [])
-        if self.by_drafter is not None:
-            out["by_drafter"] = {k: v.to_dict() for k, v in self.by_drafter.items()}
-        if self.tree_rounds is not None:
-            out["tree_rounds"] = self.tree_rounds
-        return out
 
 
 @dataclass(frozen=True)
@@ -155,21 +103,3 @@ class GenerationResult:
     stop_sequence: str | None = None  # which stop string ended the text, if one did
     # The calls the model made (finish_reason "tool_calls"); `text` is what it said beside them.
     tool_calls: tuple[ToolCall, ...] = ()
-
-    def to_pipe_dict(self, req_id: Any, model: str) -> dict[str, Any]:
-        """The JSONL pipe's result object (also POST /v1/cluster/generate's)."""
-        out: dict[str, Any] = {"id": req_id, "model": model, "text": self.text,
-                               "tokens": list(self.tokens), "finish_reason": self.finish_reason,
-                               "usage": self.usage.to_dict(), "timing": self.timing.to_dict()}
-        if self.tool_calls:
-            out["tool_calls"] = [call.to_dict() for call in self.tool_calls]
-        if self.speculation is not None:
-            out["speculation"] = self.speculation.to_dict()
-        return out
-
-    def extras(self) -> dict[str, Any]:
-        """Our own fields beside an HTTP response's standard ones: timing and speculation."""
-        out: dict[str, Any] = {"timing": self.timing.to_dict()}
-        if self.speculation is not None:
-            out["speculation"] = self.speculation.to_dict()
-        return out

@@ -6,12 +6,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from skulkp2p.cluster.facts import model_spec
+from skulkp2p.wire import Message
+
+if TYPE_CHECKING:
+    from skulkp2p.models.store import ModelStore
 
 
-def own_want(store: Any, model: str, node_name: str) -> dict[str, Any]:
+def own_want(store: ModelStore, model: str, node_name: str) -> Message:
     """What this node asks the cluster to place: its --model. A model from a local folder or
     file can only be placed on nodes that have it (those that ask for it)."""
     resolved = store.resolve(model)
@@ -37,9 +41,9 @@ def detect_engines() -> list[str]:
     return engines
 
 
-def node_facts(store: Any) -> dict[str, Any]:
+def node_facts(store: ModelStore) -> Message:
     """Facts for the cluster beyond memory: engines, models on disk, the dtype we run."""
-    facts: dict[str, Any] = {"engines": detect_engines()}
+    facts: Message = {"engines": list(detect_engines())}
     try:
         facts["models"] = [row["id"] for row in store.list() if row["pulled"]]
     except Exception:  # a broken card must not keep the node out of the cluster

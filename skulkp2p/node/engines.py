@@ -11,9 +11,13 @@ run on MLX behind the user's back), and every other model runs on the MLX engine
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model.loaded import LoadedModel
+    from skulkp2p.models.store import ModelStore
 
 log = logging.getLogger("skulkp2p.node")
 
@@ -34,13 +38,13 @@ def check_max_batch(value: int | None) -> int | None:
     return value
 
 
-def uses_llama_server(store: Any, spec: str) -> bool:
+def uses_llama_server(store: ModelStore, spec: str) -> bool:
     from skulkp2p.served.child_config import wants_served
 
     return wants_served(store.resolve(spec).card)
 
 
-def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+def open_engine(store: ModelStore, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
                 draft_memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
     """Load `spec` (a card id or a local path) on the engine its card names. Blocking: call it
     off the event loop (importing mlx-lm alone takes seconds). `prefix_cache_mb`: the MLX
@@ -59,7 +63,7 @@ def open_engine(store: Any, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_C
                       memory_tokens=draft_memory_tokens, max_batch=max_batch)
 
 
-def mlx_engine(loaded: Any, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, *,
+def mlx_engine(loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, *,
                memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
     """An MlxEngine over `loaded` (a whole model, or a ring's last stage)."""
     from skulkp2p.engine.decode.mlx_engine import MlxEngine

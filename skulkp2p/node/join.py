@@ -9,13 +9,22 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
 from skulkp2p.node.engines import open_engine
 
+if TYPE_CHECKING:
+    from skulkp2p.api.server import ServerConfig
+    from skulkp2p.cluster.config import NodeConfig
+    from skulkp2p.models.store import ModelStore
+
 log = logging.getLogger("skulkp2p.node")
+
+# What the agent's event loop ends with: (workers ended cleanly, its own model's load error)
+_Outcome: TypeAlias = tuple[bool, BaseException | None]
 
 
 class JoinError(Exception):
@@ -30,13 +39,13 @@ class JoinSettings:
     http_port: int
     max_queue: int
     sse_keepalive: float
-    http_config: Any  # api.server.ServerConfig
+    http_config: ServerConfig | None
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # per model (and ring stage); 0: off
     draft_memory_tokens: int | None = None  # MLX engine's draft memory (0 = off, None = card's)
     max_batch: int | None = None  # requests a model generates at once (None: card's, else default)
 
 
-def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
+def run_join(store: ModelStore, settings: JoinSettings, cluster: NodeConfig) -> int:
     """Run the agent until a signal, then end the process with status 0. Raises JoinError."""
     from skulkp2p.cluster.config import ClusterConfigError
     from skulkp2p.node.announce import node_facts, own_want
@@ -64,7 +73,7 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
         log.info("ready: model %s (%s, %d layers here) on this node; Ctrl-C to stop",
                  info.model, info.dtype, info.detail.get("layers_here", 0))
 
-    async def run() -> tuple[bool, BaseException | None]:
+    async def run() -> _Outcome:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -86,6 +95,7 @@ def run_join(store: Any, settings: JoinSettings, cluster: Any) -> int:
             raise JoinError(f"cannot serve HTTP on {settings.http_host}:{settings.http_port}: "
                             f"{e.strerror or e}") from None
 
+    runner: Callable[[Coroutine[object, object, _Outcome]], _Outcome]
     try:
         import uvloop
         runner = uvloop.run

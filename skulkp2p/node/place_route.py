@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response
@@ -17,6 +17,9 @@ from skulkp2p.cluster.core import ABSENT, COMMITTED, ClusterCore
 from skulkp2p.cluster.facts import model_spec
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import PARALLEL, ModelSpec
+
+if TYPE_CHECKING:
+    from skulkp2p.models.store import ModelStore
 
 RETRY_AFTER = "2"
 PLACE_WAIT_S = 5.0  # a place request waits at most this long for a majority to hold it
@@ -33,7 +36,7 @@ class PlaceRoute:
     """The place endpoint of one node: `core` and `node` are its cluster state machine and its
     I/O (the same node), `store` resolves model ids, `name` is this node's name."""
 
-    def __init__(self, core: ClusterCore, node: ClusterNode, store: Any, name: str):
+    def __init__(self, core: ClusterCore, node: ClusterNode, store: ModelStore, name: str):
         self.core = core
         self.node = node
         self.store = store
@@ -41,27 +44,29 @@ class PlaceRoute:
 
     async def __call__(self, req: HttpRequest) -> Response:
         body = req.json()
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or not isinstance(model, str):
             raise ApiError(400, "send {\"model\": ID, \"nodes\": [NAME, ...]?, \"parallel\": "
                                 "\"auto\"|\"pipeline\"|\"tensor\"?}", param="model")
         extra = set(body) - {"model", "nodes", "parallel"}
         if extra:
             raise ApiError(400, f"unknown field {sorted(extra)[0]!r}", param=sorted(extra)[0])
-        nodes = body.get("nodes") or []
-        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        given = body.get("nodes") or []
+        nodes = [n for n in given if isinstance(n, str)] if isinstance(given, list) else []
+        if not isinstance(given, list) or len(nodes) != len(given):
             raise ApiError(400, "'nodes' must be a list of node names", param="nodes")
         parallel = body.get("parallel")
-        if parallel is not None and parallel not in PARALLEL:
+        if parallel is not None and (not isinstance(parallel, str) or parallel not in PARALLEL):
             raise ApiError(400, f"'parallel' must be one of {', '.join(PARALLEL)}",
                            param="parallel")
         core = self.core
-        known = core.placements().get(body["model"])
+        known = core.placements().get(model)
         if known is not None and known.spec is not None:
             spec = known.spec  # a model the cluster already serves: move it
         else:
             try:
-                resolved = self.store.resolve(body["model"])
-                spec = model_spec(self.store, body["model"])
+                resolved = self.store.resolve(model)
+                spec = model_spec(self.store, model)
             except Exception as e:
                 raise ApiError(404, str(e), param="model", code="model_not_found") from None
             if resolved.card is None and not nodes:
@@ -91,7 +96,8 @@ class PlaceRoute:
             if state != ABSENT:
                 err = core.placement_errors().get(spec.id)
                 if err is not None:  # it fits nowhere: no need to wait for a majority to say so
-                    raise ApiError(422, err["error"], param="model", code="model_does_not_fit")
+                    raise ApiError(422, str(err["error"]), param="model",
+                                   code="model_does_not_fit")
                 if state == COMMITTED and self.node.state_saved:
                     got = self._placement_of(spec, nodes)
                     if got is not None:
@@ -142,5 +148,5 @@ class PlaceRoute:
                                         "leader": core.leader})
         err = core.placement_errors().get(spec.id)
         if err is not None:
-            raise ApiError(422, err["error"], param="model", code="model_does_not_fit")
+            raise ApiError(422, str(err["error"]), param="model", code="model_does_not_fit")
         return None

@@ -22,12 +22,9 @@ format, used by ``pipe --peer``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import orjson
 
 from skulkp2p import wire
 from skulkp2p.api import dashboard
@@ -36,12 +33,13 @@ from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.pipe_route import pipe_generate
 from skulkp2p.api.relay import is_forwarded
-from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router
+from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, ServerConfig
 from skulkp2p.cluster.config import NodeConfig, parse_addr, split_addr
 from skulkp2p.cluster.core import ClusterCore
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import Placement
+from skulkp2p.engine.json_types import JSONValue
 from skulkp2p.node.place_route import PlaceRoute
 from skulkp2p.node.place_route import unavailable as _unavailable
 from skulkp2p.node.stages import LocalPlacements, member_check
@@ -64,9 +62,17 @@ class ClusterServing:
     def node(self) -> ClusterNode | None:
         return self.local.node
 
+    def _node(self) -> ClusterNode:
+        """The cluster node; 503 in the moment between the HTTP port opening and the cluster
+        node starting (a health check polls from the first open port)."""
+        if self.node is None or self.node.core is None:
+            raise _unavailable("this node is starting: it has not joined the cluster yet",
+                               "node_starting")
+        return self.node
+
     @property
     def name(self) -> str:
-        return self.node.config.name
+        return self._node().config.name
 
     # ---------------------------------------------------------------- routing
 
@@ -81,7 +87,7 @@ class ClusterServing:
         dashboard.add_routes(r, self.telemetry, self.cluster_view, lambda: self.local.workers)
         return r
 
-    def cluster_view(self) -> dict[str, Any] | None:
+    def cluster_view(self) -> wire.Message | None:
         """What the dashboard and /metrics read of the cluster: the node's status (as GET
         /v1/cluster shows it) plus the data plane's counters; None before the node started."""
         if self.node is None or self.node.core is None:
@@ -91,14 +97,12 @@ class ClusterServing:
         return st
 
     def _core(self) -> ClusterCore:
-        """The cluster's state; 503 in the moment between the HTTP port opening and the
-        cluster node starting (a health check polls from the first open port)."""
-        if self.node is None or self.node.core is None:
-            raise _unavailable("this node is starting: it has not joined the cluster yet",
-                               "node_starting")
-        return self.node.core
+        """The cluster's state; 503 while the node starts (`_node`)."""
+        core = self._node().core
+        assert core is not None
+        return core
 
-    def _model_id(self, name: Any) -> str:
+    def _model_id(self, name: JSONValue) -> str:
         if name is None:
             return self.own_id
         if not isinstance(name, str):
@@ -128,7 +132,8 @@ class ClusterServing:
         if p is None:
             err = core.placement_errors().get(model)
             if err is not None:
-                raise _unavailable(err["error"], "model_not_placed", NOT_FITTING_RETRY_AFTER)
+                raise _unavailable(str(err["error"]), "model_not_placed",
+                                   NOT_FITTING_RETRY_AFTER)
             if model in core.requested():
                 raise _unavailable(f"model {model} is being placed; retry shortly",
                                    "model_not_placed")
@@ -149,14 +154,14 @@ class ClusterServing:
 
     def resolve(self, req: HttpRequest) -> tuple[HttpRequest, ModelEndpoint | Remote]:
         """The API's ModelResolver: this node's endpoint for the model, or the node to forward
-        to."""
+        to. The body is read here, once: the route reads the same value (`HttpRequest.json`)."""
         body = req.json()
         name = body.get("model") if isinstance(body, dict) else None
         model = self._model_id(name)
         if isinstance(body, dict) and name is not None and name != model:
             # Name the model by its cluster-wide id: the serving node may not know this
             # node's alias for it (a local path, say).
-            req = dataclasses.replace(req, body=orjson.dumps({**body, "model": model}))
+            req = req.with_json({**body, "model": model})
         if is_forwarded(req):
             api = self.local.apis.get(model)
             if api is None:  # the placement moved while the request travelled
@@ -170,7 +175,7 @@ class ClusterServing:
                 raise _unavailable(f"model {model} is loading", "model_loading")
             return req, api
         assert http is not None
-        return req, Remote(where, http, member_check(self.node, where))
+        return req, Remote(where, http, member_check(self._node(), where))
 
     # ---------------------------------------------------------------- plain routes
 
@@ -185,10 +190,10 @@ class ClusterServing:
             return Response.json(200, {"status": "ok", "model": self.own_id,
                                        "waiting": api.worker.waiting,
                                        "busy": api.worker.current is not None,
-                                       "node": self.name, "leader": self.node.core.leader,
+                                       "node": self.name, "leader": self._core().leader,
                                        "served_by": self.name})
         return Response.json(200, {"status": "ok", "model": self.own_id, "node": self.name,
-                                   "leader": self.node.core.leader, "served_by": where})
+                                   "leader": self._core().leader, "served_by": where})
 
     async def models(self, req: HttpRequest) -> Response:
         core = self._core()
@@ -205,7 +210,7 @@ class ClusterServing:
             data.append(entry)
         return Response.json(200, {"object": "list", "data": data})
 
-    def _verify_costs(self, model: str, p: Placement) -> dict[str, Any] | None:
+    def _verify_costs(self, model: str, p: Placement) -> object:
         """The verify costs measured where `model` runs: its engine's here, else what the
         member that runs its loop reported (a tensor group's first member: /v1/cluster)."""
         worker = self.local.workers.get(model)
@@ -214,24 +219,26 @@ class ClusterServing:
             costs = engine.info().verify_costs
             return costs.to_json() if costs is not None else None
         m = self._core().membership.get(p.entry)
-        report = ((m.facts.get("stages") or {}).get(model) or {}) if m is not None else {}
-        return report.get("verify_costs")
+        stages = m.facts.get("stages") if m is not None else None
+        report = stages.get(model) if isinstance(stages, dict) else None
+        return report.get("verify_costs") if isinstance(report, dict) else None
 
     async def place(self, req: HttpRequest) -> Response:
         core = self._core()
-        return await PlaceRoute(core, self.node, self.store, self.name)(req)
+        return await PlaceRoute(core, self._node(), self.store, self.name)(req)
 
     async def cluster(self, req: HttpRequest) -> Response:
-        self._core()
-        st = self.node.status()
-        for m in st["members"]:
-            m.pop("self", None)
+        st = self._node().status()
+        for m in wire.as_list(st["members"]):
+            if isinstance(m, dict):
+                m.pop("self", None)
         return Response.json(200, st)
 
 
-async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[str, Any],
+async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: wire.Message,
                         http_host: str, http_port: int, stop: asyncio.Event, *,
-                        http_config: Any = None, facts: dict[str, Any] | None = None,
+                        http_config: ServerConfig | None = None,
+                        facts: Mapping[str, wire.WireValue] | None = None,
                         on_listening: Callable[[str, int], None] | None = None,
                         ) -> tuple[bool, BaseException | None]:
     """Run the HTTP API and the cluster node until ``stop``. Returns (workers ended cleanly,
@@ -241,17 +248,18 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[
     if on_listening:
         on_listening(host, port)
     http_fact_host = host if host not in ("0.0.0.0", "::", "") else None
-    facts = {**(facts or {}), "wants": [want]}
+    announced: wire.Message = {**(facts or {}), "wants": [want]}
     if http_fact_host is not None:
-        facts["http"] = parse_addr(f"{http_fact_host}:{port}")
+        announced["http"] = parse_addr(f"{http_fact_host}:{port}")
     serving.local.ring.key = wire.frame_key(config.secret)
     ring_host = config.host if config.host not in ("0.0.0.0", "::", "") else "0.0.0.0"
     ring_addr = await serving.local.ring.start(ring_host, config.host if ring_host != "0.0.0.0"
                                          else None)
-    node = ClusterNode(config, {**facts, "ring": ring_addr},
+    node = ClusterNode(config, {**announced, "ring": ring_addr},
                        on_change=serving.local.on_cluster_change)
     serving.local.node = node
-    serving.local.own_failed = asyncio.get_running_loop().create_future()
+    own_failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    serving.local.own_failed = own_failed
     try:
         await node.start()
         if http_fact_host is None:  # reachable where the cluster reaches us
@@ -260,8 +268,8 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[
                               ring=parse_addr(f"{http_fact_host}:{split_addr(ring_addr)[1]}"))
         stopper = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait({stopper, serving.local.own_failed},
-                               return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = {stopper, own_failed}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
     finally:
@@ -269,5 +277,5 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: dict[
         await node.close(leave=True)
         await serving.local.ring.close()
         clean = await serving.local.stop_workers()
-    error = serving.local.own_failed.result() if serving.local.own_failed.done() else None
+    error = own_failed.result() if own_failed.done() else None
     return clean, error

@@ -15,21 +15,28 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
-from skulkp2p.cluster.placement import Placement
+from skulkp2p.cluster.placement import ModelSpec, Placement
 from skulkp2p.cluster.ring_link import RingData, TcpRingLink
 from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, VerifyCosts
 from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
+from skulkp2p.wire import Message, WireValue
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+    from skulkp2p.engine.json_types import JSONValue
     from skulkp2p.engine.model.loaded import LoadedModel
     from skulkp2p.engine.model.stage import StageSpan
+    from skulkp2p.engine.parallel.ring.traversal import RingForward
+    from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorForward
+    from skulkp2p.engine.request import GenerationRequest
+    from skulkp2p.models.store import ModelStore
     from skulkp2p.node.tensor_roles import TensorRole
 
 log = logging.getLogger("skulkp2p.node")
@@ -37,12 +44,16 @@ log = logging.getLogger("skulkp2p.node")
 # A tensor group's live width table is re-reported (/v1/cluster) at most this often.
 LIVE_REPORT_S = 1.0
 
+# What this node holds of a model: (ring, layers), and for a tensor group also (term, serial)
+_Role: TypeAlias = (tuple[tuple[str, ...], tuple[tuple[int, int], ...]]
+                    | tuple[tuple[str, ...], tuple[tuple[int, int], ...], int, int])
+
 
 class LocalPlacements:
     """This node's share of the placements: its workers (model -> ModelWorker) and their HTTP
     endpoints, its ring stages (`ring`, the data plane) and its tensor ranks."""
 
-    def __init__(self, store: Any, own_model: str, own_id: str,
+    def __init__(self, store: ModelStore, own_model: str, own_id: str,
                  load_model: Callable[[str], Engine], *, max_queue: int = 16,
                  keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
                  load_stage: Callable[[str, StageSpan], LoadedModel] | None = None,
@@ -58,13 +69,13 @@ class LocalPlacements:
         self.node: ClusterNode | None = None  # set once the cluster node exists (serve_cluster)
         self.workers: dict[str, ModelWorker] = {}
         self.apis: dict[str, ModelEndpoint] = {}
-        self.own_failed: asyncio.Future | None = None
+        self.own_failed: asyncio.Future[BaseException] | None = None
         self._told: set[tuple[str, tuple[str, ...]]] = set()
-        self._roles: dict[str, tuple[Any, Any]] = {}  # model -> (ring, layers) held here
+        self._roles: dict[str, _Role] = {}  # model -> what is held here
         self.ring = RingData(b"")  # the data plane; its key is set in serve_cluster
         self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
-        self._stage_reports: dict[str, dict[str, Any]] = {}  # set on a worker thread
+        self._stage_reports: dict[str, Message] = {}  # set on a worker thread
         self.telemetry = Telemetry()  # the dashboard and /metrics (api/dashboard.py)
         # The process's OpenBLAS thread policy, which every engine here shares.
         self.telemetry.watch_blas_threads(blas_threads.counts)
@@ -73,14 +84,22 @@ class LocalPlacements:
         self.tensor_roles: dict[str, TensorRole] = {}  # model -> this node's rank of its group
 
     @property
+    def _cluster(self) -> ClusterNode:
+        """The cluster node, set (by serve_cluster) before it starts and calls back here."""
+        if self.node is None:
+            raise RuntimeError("this node's placements have no cluster node yet")
+        return self.node
+
+    @property
     def name(self) -> str:
-        return self.node.config.name
+        return self._cluster.config.name
 
     def on_cluster_change(self, node: ClusterNode) -> None:
         """Placements changed: start a worker for every model placed on this node alone, and a
         stage for every ring this node is a member of (the last stage runs the decode loop)."""
         for model, p in sorted(node.placements().items()):
-            sig = (p.ring, p.layers) + ((p.term, p.serial) if p.parallel == "tensor" else ())
+            sig: _Role = ((p.ring, p.layers, p.term, p.serial) if p.parallel == "tensor"
+                          else (p.ring, p.layers))
             if model in self._roles and self._roles[model] != sig:
                 self._retire(model)  # re-placed: what this node held for it is stale
             if p.ring == (self.name,):
@@ -90,9 +109,9 @@ class LocalPlacements:
                 if model not in self._roles:
                     self._roles[model] = sig
                     if p.parallel == "tensor":
-                        self._start_tensor(model, p)
+                        self._start_tensor(model, p, p.spec)
                     else:
-                        self._start_stage(model, p)
+                        self._start_stage(model, p, p.spec)
                 stage = self.ring.stages.get(model)
                 if stage is not None:
                     stage[0].term = p.term
@@ -112,20 +131,20 @@ class LocalPlacements:
         worker = self.workers.pop(model, None)
         if worker is not None:
             asyncio.get_running_loop().run_in_executor(None, worker.stop, 5.0)
-        self.node.update_facts(stages={k: v for k, v in self.node.facts.get(
-            "stages", {}).items() if k != model})
+        node = self._cluster
+        node.update_facts(stages={k: v for k, v in _stages(node).items() if k != model})
 
     def _source(self, model: str, source: str) -> str:
         return self.own_model if model == self.own_id else (source or model)
 
-    def _start_stage(self, model: str, p: Placement) -> None:
+    def _start_stage(self, model: str, p: Placement, placed: ModelSpec) -> None:
         """Load this node's slice of a ring. The last stage serves the model's requests (its
         worker runs the decode loop over a RingForward); the others answer ring frames."""
         from skulkp2p.engine.model.stage import StageSpan
 
         idx = p.ring.index(self.name)
-        span = StageSpan(p.layers[idx][0], p.layers[idx][1], p.spec.layers)
-        spec = self._source(model, p.spec.source)
+        span = StageSpan(p.layers[idx][0], p.layers[idx][1], placed.layers)
+        spec = self._source(model, placed.source)
         log.info("cluster: model %s: this node is stage %d of %d (layers %d-%d): loading them",
                  model, idx + 1, len(p.ring), span.start, span.end - 1)
         if span.last:
@@ -138,12 +157,12 @@ class LocalPlacements:
                 self._stage_reports[model] = {"layers": [span.start, span.end],
                                               "param_bytes": param_bytes(loaded.model)}
                 return mlx_engine(loaded, self.prefix_cache_mb, max_batch=self.max_batch)
-            self._ensure_worker(model, p.spec.source, load)
+            self._ensure_worker(model, placed.source, load)
             return
         loop = asyncio.get_running_loop()
         nxt = p.ring[idx + 1]
 
-        def loaded_stage(fut: asyncio.Future) -> None:
+        def loaded_stage(fut: asyncio.Future[LoadedModel]) -> None:
             if fut.cancelled() or self._roles.get(model) != (p.ring, p.layers):
                 return
             if fut.exception() is not None:
@@ -166,34 +185,38 @@ class LocalPlacements:
 
         loop.run_in_executor(None, self.load_stage, spec, span).add_done_callback(loaded_stage)
 
-    def _start_tensor(self, model: str, p: Placement) -> None:
+    def _start_tensor(self, model: str, p: Placement, placed: ModelSpec) -> None:
         """This node's rank of a tensor-parallel group (node/tensor_roles.py); on the group's
         first member also the worker that runs the decode loop over a TensorForward."""
         from skulkp2p.engine.model.loader import serving_dtype
         from skulkp2p.node.tensor_roles import TensorRole
 
-        spec = self._source(model, p.spec.source)
+        spec = self._source(model, placed.source)
         rank = p.ring.index(self.name)
         log.info("cluster: model %s: this node is rank %d of a tensor-parallel group of %d "
                  "(%s)", model, rank, len(p.ring), ", ".join(p.ring))
 
-        def ready(info: dict[str, Any]) -> None:
+        def ready(info: Message) -> None:
             if self.tensor_roles.get(model) is role:
-                report = {"layers": [0, p.spec.layers], "parallel": "tensor", "rank": rank,
-                          "pid": info.get("pid"), "param_bytes": info.get("param_bytes")}
+                report: Message = {"layers": [0, placed.layers], "parallel": "tensor",
+                                   "rank": rank, "pid": info.get("pid"),
+                                   "param_bytes": info.get("param_bytes")}
                 costs = measured.get("costs")  # (measured before the group was ready)
                 if costs is not None:
-                    report["verify_costs"] = costs.to_json()
+                    report["verify_costs"] = _from_json(costs.to_json())
                 self._report_stage(model, report)
 
         # This generation's measured verify costs, kept for the report above (the first member).
-        measured: dict[str, Any] = {}
+        measured: dict[str, VerifyCosts | None] = {}
         loop = asyncio.get_running_loop()
 
-        def prepare(loaded: LoadedModel, proc: Any) -> None:
+        def prepare(loaded: LoadedModel, proc: RankProcess) -> None:
+            from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+
             costs = self._measure_group_widths(model, loaded, proc, p.ring)
-            if costs is not None:  # the live table seeded by this probe, from now on
-                costs = self._watch_live_costs(model, role, loaded.width_costs, loop)
+            live = loaded.width_costs  # the live table seeded by this probe, from now on
+            if costs is not None and isinstance(live, LiveWidthCosts):
+                costs = self._watch_live_costs(model, role, live, loop)
             measured["costs"] = costs
             if costs is not None:  # shown in /v1/cluster (the stage's report) at once
                 loop.call_soon_threadsafe(self._report_costs, model, role, costs)
@@ -202,10 +225,11 @@ class LocalPlacements:
             # (from supervision, on the loop) why the group cannot form: /v1/cluster shows it
             # under this member's stages.MODEL.error until a new generation starts
             if self.tensor_roles.get(model) is role:
-                report = {"layers": [0, p.spec.layers], "parallel": "tensor", "rank": rank}
+                report: Message = {"layers": [0, placed.layers], "parallel": "tensor",
+                                   "rank": rank}
                 self._report_stage(model, {**report, "error": error} if error else report)
 
-        role = TensorRole(self.node, model, p.ring, f"{p.term}.{p.serial}",
+        role = TensorRole(self._cluster, model, p.ring, f"{p.term}.{p.serial}",
                           lambda: self.store.pull(spec),
                           serving_dtype, on_ready=ready,
                           prefix_cache_mb=self.prefix_cache_mb, on_error=formation_error)
@@ -227,10 +251,10 @@ class LocalPlacements:
                 prepare(loaded, role.proc)
             # The prefix cache's index here; each rank keeps its own slice of every entry.
             return MlxEngine(loaded, self.prefix_cache_mb)
-        self._ensure_worker(model, p.spec.source, load)
+        self._ensure_worker(model, placed.source, load)
 
     @staticmethod
-    def _measure_group_widths(model: str, loaded: LoadedModel, proc: Any,
+    def _measure_group_widths(model: str, loaded: LoadedModel, proc: RankProcess,
                               ring: tuple[str, ...]) -> VerifyCosts | None:
         """The group's verify costs, measured now (None when that failed: the costs from
         before stay the controller's, and nothing is shown for this generation)."""
@@ -252,7 +276,7 @@ class LocalPlacements:
                  ", ".join(f"w{w}={c:.2f}" for w, c in sorted(loaded.width_costs.items())))
         return loaded.verify_costs
 
-    def _watch_live_costs(self, model: str, role: Any, live: Any,
+    def _watch_live_costs(self, model: str, role: TensorRole, live: LiveWidthCosts,
                           loop: asyncio.AbstractEventLoop) -> VerifyCosts:
         """Have this member's stage report (what /v1/cluster and other nodes' /v1/models show)
         follow the group's live width table: after a call changed it, the report is refreshed
@@ -271,24 +295,27 @@ class LocalPlacements:
         live.on_change = changed
         return live.snapshot()
 
-    def _report_costs(self, model: str, role: Any, costs: VerifyCosts) -> None:
+    def _report_costs(self, model: str, role: TensorRole, costs: VerifyCosts) -> None:
         """Add a group's verify costs to this member's stage report, once it made one."""
-        report = (self.node.facts.get("stages") or {}).get(model)
-        if self.tensor_roles.get(model) is role and report and report.get("parallel") == \
-                "tensor":
-            self._report_stage(model, {**report, "verify_costs": costs.to_json()})
+        report = _stages(self._cluster).get(model)
+        if self.tensor_roles.get(model) is role and isinstance(report, dict) and report.get(
+                "parallel") == "tensor":
+            self._report_stage(model, {**report, "verify_costs": _from_json(costs.to_json())})
 
-    def _tensor_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel,
-                                role: Any):
+    def _tensor_forward_factory(
+            self, model: str, ring: tuple[str, ...], loaded: LoadedModel, role: TensorRole
+    ) -> Callable[[GenerationRequest, str | None, Callable[[], None] | None], TensorForward]:
         from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
         from skulkp2p.engine.parallel.tensor.group import TensorError, TensorForward
         from skulkp2p.engine.protocol import EngineUnavailable
 
         others = [n for n in ring if n != self.name]
-        checks = [member_check(self.node, n) for n in others]
+        node = self._cluster
+        checks = [member_check(node, n) for n in others]
 
-        def make(req: Any, hidden: str | None, interrupt: Any) -> TensorForward:
-            p = self.node.core.placements().get(model)
+        def make(req: GenerationRequest, hidden: str | None,
+                 interrupt: Callable[[], None] | None) -> TensorForward:
+            p = node.started_core.placements().get(model)
             if p is None or p.ring != ring:
                 raise TensorError(f"model {model} was re-placed; retry")
             proc, gen = role.proc, role.gen
@@ -304,7 +331,7 @@ class LocalPlacements:
                     why = check()
                     if why:
                         return f"node {name} {why}"
-                now = self.node.core.placements().get(model)
+                now = node.started_core.placements().get(model)
                 if now is None or now.ring != ring:
                     return f"model {model} was re-placed; retry"
                 if role.gen != gen or role.proc is not proc:
@@ -320,22 +347,29 @@ class LocalPlacements:
 
         return make
 
-    def _report_stage(self, model: str, report: dict[str, Any]) -> None:
+    def _report_stage(self, model: str, report: Message) -> None:
         # What the stage really holds, from its parameters (not the card): /v1/cluster shows it.
-        stages = dict(self.node.facts.get("stages", {}))
+        node = self._cluster
+        stages = _stages(node)
         stages[model] = report
-        self.node.update_facts(stages=stages)
+        node.update_facts(stages=stages)
 
     def _ring_addr(self, name: str) -> str | None:
-        m = self.node.core.membership.get(name)
-        return m.facts.get("ring") if m is not None else None
+        m = self._cluster.started_core.membership.get(name)
+        addr = m.facts.get("ring") if m is not None else None
+        return addr if isinstance(addr, str) else None
 
-    def _ring_forward_factory(self, model: str, ring: tuple[str, ...], loaded: LoadedModel):
+    def _ring_forward_factory(
+            self, model: str, ring: tuple[str, ...], loaded: LoadedModel
+    ) -> Callable[[GenerationRequest, str | None, Callable[[], None] | None], RingForward]:
         from skulkp2p.engine.model.stage import StageModel
         from skulkp2p.engine.parallel.ring.traversal import RingError, RingForward
 
-        checks = [member_check(self.node, n) for n in ring if n != self.name]
-        stage = StageModel(loaded.model, loaded.span)
+        node = self._cluster
+        checks = [member_check(node, n) for n in ring if n != self.name]
+        span = loaded.span
+        assert span is not None, "a ring's last stage is loaded with its span"
+        stage = StageModel(loaded.model, span)
 
         def broken() -> str | None:
             # A lost member first: the re-placement it causes may reach this node before
@@ -344,15 +378,16 @@ class LocalPlacements:
                 why = check()
                 if why:
                     return f"node {name} {why}"
-            now = self.node.core.placements().get(model)
+            now = node.started_core.placements().get(model)
             if now is None or now.ring != ring:
                 gone = [n for n in ring if now is None or n not in now.ring]
                 without = f" without node {', '.join(gone)}" if gone and now else ""
                 return f"model {model} was re-placed{without}; retry"
             return None
 
-        def make(req: Any, hidden: str | None, interrupt: Any) -> RingForward:
-            p = self.node.core.placements().get(model)
+        def make(req: GenerationRequest, hidden: str | None,
+                 interrupt: Callable[[], None] | None) -> RingForward:
+            p = node.started_core.placements().get(model)
             if p is None or p.ring != ring:
                 raise RingError(f"model {model} was re-placed; retry")
             first = self._ring_addr(ring[0])
@@ -380,7 +415,7 @@ class LocalPlacements:
         log.info("cluster: model %s is placed here: loading it", model)
         worker.start().add_done_callback(lambda fut: self._loaded(model, fut))
 
-    def _loaded(self, model: str, fut: asyncio.Future) -> None:
+    def _loaded(self, model: str, fut: asyncio.Future[Engine]) -> None:
         if fut.cancelled():
             return
         error = fut.exception()
@@ -407,7 +442,7 @@ class LocalPlacements:
 def member_check(node: ClusterNode, name: str) -> Callable[[], str | None]:
     """Why member `name` can no longer serve its part (declared dead or gone, or restarted
     since this was made), or None while it can."""
-    core = node.core
+    core = node.started_core
     m0 = core.membership.get(name)
     instance = m0.instance if m0 is not None else ""
 
@@ -422,6 +457,22 @@ def member_check(node: ClusterNode, name: str) -> Callable[[], str | None]:
     return check
 
 
-def _open_stage(store: Any, spec: str, span: StageSpan) -> LoadedModel:
+def _open_stage(store: ModelStore, spec: str, span: StageSpan) -> LoadedModel:
     from skulkp2p.engine.model.loader import open_model
     return open_model(store, spec, span=span)
+
+
+def _stages(node: ClusterNode) -> Message:
+    """A copy of the stage reports in this node's facts ({model: report})."""
+    stages = node.facts.get("stages")
+    return dict(stages) if isinstance(stages, dict) else {}
+
+
+def _from_json(value: JSONValue) -> WireValue:
+    """A JSON value as a fact (the same value; a JSON list or map is a wire one too, but its
+    type says otherwise)."""
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _from_json(v) for k, v in value.items()}
+    return value

@@ -29,10 +29,15 @@ import logging
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from skulkp2p.cluster.config import split_addr
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
+from skulkp2p.wire import Message, as_int
+
+if TYPE_CHECKING:
+    from skulkp2p.cluster.node import ClusterNode
+    from skulkp2p.engine.parallel.tensor.group import RankProcess
 
 log = logging.getLogger("skulkp2p.node")
 
@@ -46,9 +51,9 @@ def free_port(host: str) -> int:
 
 
 class TensorRole:
-    def __init__(self, node: Any, model: str, ring: tuple[str, ...], key: str,
+    def __init__(self, node: ClusterNode, model: str, ring: tuple[str, ...], key: str,
                  model_path: Callable[[], Path], dtype: Callable[[], str],
-                 on_ready: Callable[[dict[str, Any]], None] | None = None,
+                 on_ready: Callable[[Message], None] | None = None,
                  prefix_cache_mb: float = 0.0,
                  on_error: Callable[[str | None], None] | None = None):
         self.node = node
@@ -67,42 +72,45 @@ class TensorRole:
         self.prefix_cache_mb = prefix_cache_mb  # each rank's own slice of the prefix cache
         # Run (off the loop) once a generation of the group has formed and before any request
         # may use it: the loop's member measures the group's verify-width costs there.
-        self.prepare: Callable[[Any], None] | None = None
+        self.prepare: Callable[[RankProcess], None] | None = None
         self.gen = 0
         self.addr = ""
-        self.proc: Any = None  # engine.tensor.RankProcess, when started
+        self.proc: RankProcess | None = None  # when started
         # The formation this member's process (starting or started) joined: every member's
         # address at this generation, in rank order.
         self.formed_with: list[str] | None = None
         self.ready = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         # Starting a rank and waiting for its group (up to READY_TIMEOUT_S) runs as its own
         # task: supervision keeps stepping meanwhile, so a formation that can no longer
         # complete is seen and abandoned at once, not when its rank gives up.
-        self._forming: asyncio.Task | None = None
+        self._forming: asyncio.Task[None] | None = None
         self.failures = 0
 
     # ---------------------------------------------------------------- facts
 
     def _host(self) -> str:
         ring_addr = self.node.facts.get("ring") or self.node.addr
-        return split_addr(ring_addr)[0]
+        return split_addr(str(ring_addr))[0]
 
     def _publish(self, remove: bool = False) -> None:
-        tp = {k: v for k, v in (self.node.facts.get("tp") or {}).items() if k != self.model}
+        held = self.node.facts.get("tp")
+        tp: Message = {k: v for k, v in held.items()
+                       if k != self.model} if isinstance(held, dict) else {}
         if not remove:
             tp[self.model] = {"ring": list(self.ring), "key": self.key, "gen": self.gen,
                               "addr": self.addr}
         self.node.update_facts(tp=tp)
 
-    def _peer(self, name: str) -> dict[str, Any] | None:
+    def _peer(self, name: str) -> Message | None:
         if name == self.node.config.name:
             return {"ring": list(self.ring), "key": self.key, "gen": self.gen,
                     "addr": self.addr}
-        m = self.node.core.membership.get(name)
+        m = self.node.started_core.membership.get(name)
         if m is None or m.state not in (ALIVE, SUSPECT):
             return None
-        got = (m.facts.get("tp") or {}).get(self.model)
+        tp = m.facts.get("tp")
+        got = tp.get(self.model) if isinstance(tp, dict) else None
         if (not isinstance(got, dict) or got.get("ring") != list(self.ring)
                 or got.get("key") != self.key):  # an earlier placement's group
             return None
@@ -150,7 +158,7 @@ class TensorRole:
 
     async def _step(self) -> None:
         peers = [self._peer(n) for n in self.ring]
-        newest = max((int(p.get("gen") or 0) for p in peers if p), default=self.gen)
+        newest = max((as_int(p.get("gen") or 0) for p in peers if p), default=self.gen)
         if newest > self.gen:
             log.info("tensor: %s: the group re-forms (generation %d)", self.model, newest)
             self._new_generation(newest)
@@ -182,13 +190,13 @@ class TensorRole:
         self.formed_with = addrs
         self._forming = asyncio.get_running_loop().create_task(self._start_process(addrs))
 
-    def _formation(self, peers: list[dict[str, Any] | None]) -> list[str] | None:
+    def _formation(self, peers: list[Message | None]) -> list[str] | None:
         """Every member's address at this generation, once every member published one."""
-        if not all(p and int(p.get("gen") or 0) == self.gen and p.get("addr") for p in peers):
+        if not all(p and as_int(p.get("gen") or 0) == self.gen and p.get("addr") for p in peers):
             return None
         return [str(p["addr"]) for p in peers if p]
 
-    def _left_formation(self, peers: list[dict[str, Any] | None]) -> str | None:
+    def _left_formation(self, peers: list[Message | None]) -> str | None:
         """Why the formation this member's process joined can no longer complete (a peer of
         the same placement now shows another address at this generation, or an earlier
         generation: its role started over), or None. A peer not heard from (suspect, dead,
@@ -199,9 +207,9 @@ class TensorRole:
         for name, p, addr in zip(self.ring, peers, formed, strict=True):
             if p is None or name == self.node.config.name:
                 continue
-            gen = int(p.get("gen") or 0)
+            gen = as_int(p.get("gen") or 0)
             if gen < self.gen or (gen == self.gen and p.get("addr") != addr):
-                return (f"member {name} started over (generation {gen} at {p.get('addr')}, "
+                return (f"member {name} started over (generation {gen} at {p.get('addr')!s}, "
                         f"this formation had {addr})")
         return None
 
@@ -266,6 +274,6 @@ class TensorRole:
         if self.proc is proc:
             self.ready = True
             log.info("tensor: %s: rank %d ready (%.1f MB held)", self.model, self.rank,
-                     int(ready.get("param_bytes") or 0) / 1e6)
+                     as_int(ready.get("param_bytes") or 0) / 1e6)
             if self.on_ready is not None:
                 self.on_ready(ready)

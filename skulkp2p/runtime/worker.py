@@ -26,9 +26,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from skulkp2p.engine.parallel.ring.frames import RingError
-from skulkp2p.engine.parallel.tensor.group_errors import TensorError
-from skulkp2p.engine.protocol import Cancelled, Engine, Generation, LoopEngine
+from skulkp2p.engine.protocol import (
+    Cancelled,
+    Engine,
+    Generation,
+    LoopEngine,
+    RingError,
+    TensorError,
+)
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
 from skulkp2p.telemetry import RequestFinished, RequestStarted, Telemetry
@@ -166,12 +171,12 @@ class ModelWorker:
         self._job_threads: list[threading.Thread] = []  # the runners beside the worker's own
         self._avg_job_s = 2.0
         self._thread = threading.Thread(target=self._main, name=f"model-{model_id}", daemon=True)
-        self._ready: asyncio.Future | None = None
+        self._ready: asyncio.Future[Engine] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- loop side -------------------------------------------------------------------------
 
-    def start(self) -> asyncio.Future:
+    def start(self) -> asyncio.Future[Engine]:
         """Start the thread; the future resolves when the model is loaded (or fails)."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
@@ -259,9 +264,9 @@ class ModelWorker:
     def _resolve_ready(self, error: BaseException | None) -> None:
         def done() -> None:
             if self._ready is not None and not self._ready.done():
-                if error is None:
+                if error is None and self.engine is not None:
                     self._ready.set_result(self.engine)
-                else:
+                elif error is not None:
                     self._ready.set_exception(error)
         try:
             assert self._loop is not None

@@ -78,7 +78,7 @@ class ServedChild:
         self.host = host
         self.ready_timeout_s = ready_timeout_s
         self.port = 0
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.state = "starting"  # starting | ready | restarting | failed | stopped
         self.error: ServedError | None = None
         self.crashes: collections.deque[float] = collections.deque()
@@ -155,8 +155,8 @@ class ServedChild:
         first = True
         while not self._stopping:
             try:
-                self._launch()
-                self._poll_ready()
+                proc = self._launch()
+                self._poll_ready(proc)
             except ServedError as e:
                 self._kill()
                 if first or self._record_crash():
@@ -167,13 +167,13 @@ class ServedChild:
             first = False
             self._set("ready")
             log.info("llama-server for %s ready on %s (pid %d)", self.name, self.base_url,
-                     self.proc.pid)
-            code = self.proc.wait()
+                     proc.pid)
+            code = proc.wait()
             if self._stopping:
                 return
             reason = stderr_reason(self._read_log())
             log.warning("llama-server for %s (pid %d) exited with %s: %s", self.name,
-                        self.proc.pid, code, reason)
+                        proc.pid, code, reason)
             if self._record_crash():
                 self._set("failed", self._breaker_error(f"exit status {code}: {reason}"))
                 log.error("%s", self.error)
@@ -194,7 +194,7 @@ class ServedChild:
                            f"within {BREAKER_WINDOW_S:.0f} s; not restarting it (breaker "
                            f"tripped). Last: {last}")
 
-    def _launch(self) -> None:
+    def _launch(self) -> subprocess.Popen[bytes]:
         self.port = free_port(self.host)
         cmd = [str(self.binary), *self.args, "--host", self.host, "--port", str(self.port)]
         log.info("starting llama-server for %s: %s", self.name, " ".join(cmd))
@@ -207,14 +207,15 @@ class ServedChild:
             raise ServedError(f"cannot start {self.binary}: {e.strerror or e}") from None
         finally:
             logf.close()
+        return self.proc
 
-    def _poll_ready(self) -> None:
+    def _poll_ready(self, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
         delay = 0.05
         while time.monotonic() < deadline:
             if self._stopping:
                 return
-            code = self.proc.poll()
+            code = proc.poll()
             if code is not None:
                 raise ServedError(f"llama-server for {self.name} exited during start-up "
                                   f"(status {code}): {stderr_reason(self._read_log())}")

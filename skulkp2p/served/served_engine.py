@@ -38,6 +38,7 @@ from skulkp2p.engine.results import (
     ToolCallDelta,
     Usage,
 )
+from skulkp2p.formats.chat_messages import message_json, tool_json
 from skulkp2p.models.cards import Card
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
@@ -280,8 +281,9 @@ def child_body(req: GenerationRequest, default_max_tokens: int, opening: str = "
         body["seed"] = s.seed
     if req.stop:
         body["stop"] = list(req.stop)
-    if req.messages is not None:
-        body["messages"] = req.messages
+    messages = None if req.messages is None else [message_json(m) for m in req.messages]
+    if messages is not None:
+        body["messages"] = messages
     else:
         body["prompt"] = req.prompt
     if req.uses_tools:
@@ -291,11 +293,11 @@ def child_body(req: GenerationRequest, default_max_tokens: int, opening: str = "
         # and parses the call; its own "required" only constrains the call once it started.
         choice = req.tool_choice
         tools = [t for t in req.tools if choice.mode != "function" or t.name == choice.name]
-        body["tools"] = [t.to_openai() for t in tools]
+        body["tools"] = [tool_json(t) for t in tools]
         body["tool_choice"] = "auto" if choice.mode == "auto" or opening else "required"
         body["parallel_tool_calls"] = req.parallel_tool_calls
-        if opening:
-            body["messages"] = [*body["messages"], {"role": "assistant", "content": opening}]
+        if opening and messages is not None:
+            body["messages"] = [*messages, {"role": "assistant", "content": opening}]
     return body
 
 

@@ -4,7 +4,10 @@
   cluster of nodes on 127.0.0.x), waiting for what their logs say, free ports;
 - ``http_client``: a strict HTTP/1.1 client (h11), raw socket exchanges, JSON calls;
 - ``cluster_sim``: a simulated network and clock for the cluster's state machines;
-- ``models``: tiny random-weight models (tools/make_tiny_model.py) and the test model cache.
+- ``models``: tiny random-weight models (``tiny_model``: ``tiny_base`` for the dense families,
+  ``tiny_gemma4`` for Gemma 4 and its assistant) and the test model cache;
+- ``dashboard_demo``: a small cluster on loopback with work, to look at (or screenshot) its
+  dashboard: ``python -m tests.helpers.dashboard_demo``.
 
 The session fixtures in tests/conftest.py build the tiny models once per test session.
 """

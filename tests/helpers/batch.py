@@ -14,7 +14,7 @@ from pathlib import Path
 from skulkp2p.engine.batching.scheduler import BatchScheduler
 from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.model.loaded import load_model
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import Failed, Finished, ModelWorker, Produced
 
 PROMPTS = ["one two three one two three one two", "the river the river the bird",
@@ -116,7 +116,7 @@ def rows_joined_by_hand(lm, contexts: list[int]) -> tuple[BatchScheduler, list]:
         rows = [sched.forward() for _ in contexts]
         for i, (row, n) in enumerate(zip(rows, contexts, strict=True)):
             row.prefill([1 + (7 * i + j) % 200 for j in range(n)])
-            sched._join(row)
+            sched.join(row)
             row.joined = True
     return sched, rows
 

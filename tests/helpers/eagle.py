@@ -10,7 +10,7 @@ import numpy as np
 
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.trunk import Trunk
-from tools import train_sidecar
+from skulkp2p.training import head_init
 
 
 def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int = 0) -> Path:
@@ -20,7 +20,7 @@ def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int =
     hidden = int(Trunk(lm.model).body.norm.weight.shape[0])
     rng = np.random.default_rng(seed)
     fc = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
-    tensors = train_sidecar.initial_tensors(lm.model, fc, vocab_ids, "eagle")
+    tensors = head_init.initial_tensors(lm.model, fc, vocab_ids, "eagle")
     noisy = {}
     for k, v in tensors.items():
         if v.dtype == mx.int32:

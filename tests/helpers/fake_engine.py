@@ -40,13 +40,13 @@ class Script:
         return out
 
     def prompt_length(self, req) -> int:
-        text = req.prompt if req.prompt is not None else req.messages[-1]["content"]
+        text = req.prompt if req.prompt is not None else req.messages[-1].content
         if "too-long" in text:
             raise RequestError("prompt is too long", "prompt")
         return len(text.split())
 
     def run(self, req, interrupt):
-        text = req.prompt if req.prompt is not None else req.messages[-1]["content"]
+        text = req.prompt if req.prompt is not None else req.messages[-1].content
         p = self.params(text)
         self.started.append(text)
         try:

@@ -1,4 +1,4 @@
-"""A card pairing the tiny Gemma 4 target with a tiny assistant (tools/tiny_gemma4.py), written
+"""A card pairing the tiny Gemma 4 target with a tiny assistant (tests/helpers/tiny_gemma4.py), written
 into a cards folder that a test points SKULKP2P_CARDS_DIR at."""
 
 from __future__ import annotations

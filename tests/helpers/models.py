@@ -1,4 +1,4 @@
-"""Tiny random-weight models (written by tools/make_tiny_model.py) and the directory where the
+"""Tiny random-weight models (written by tiny_model.py) and the directory where the
 real models the tests pull (SmolLM2) are kept between runs."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class TinyModels:
 
     def __call__(self, family: str, seed: int = 0, mtp: bool = False, mtp_style: str = "qwen",
                  name: str | None = None) -> Path:
-        from tools.make_tiny_model import make_tiny_model
+        from tests.helpers.tiny_model import make_tiny_model
 
         key = (family, seed, mtp, mtp_style if mtp else None, name or family)
         if key not in self._built:

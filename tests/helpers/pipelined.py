@@ -25,10 +25,8 @@ def loaded(path: Path):
 
 
 class RoundLoopForward(LocalForward):
-    """A LocalForward that does not offer lazy steps: decode runs its round loop on it (no
-    pipelined plain greedy, no quiet stretches)."""
+    """A LocalForward that never runs ahead: decode runs its round loop on it (no pipelined
+    plain greedy, no quiet stretches)."""
 
-    def __getattribute__(self, name: str):
-        if name == "lazy_step":
-            raise AttributeError(name)
-        return super().__getattribute__(name)
+    def may_run_ahead(self) -> bool:
+        return False

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from skulkp2p.engine.cache import caches
+from skulkp2p.engine.decode.drafter_seam import Drafter, DrafterCapabilities
 from skulkp2p.engine.decode.sampling import SamplingParams, process_logits, target_probs
-from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.forward import Forward, LocalForward
 from skulkp2p.engine.model.tree import DraftTree
 from tests.helpers.stats import goodness_of_fit
 
@@ -80,7 +81,7 @@ def fixed_tree(model, prompt: list[int], params: SamplingParams) -> DraftTree:
     return tree
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Proposes the same tokens whatever the history: a maximally skewed deterministic drafter."""
 
     name = "fixed"
@@ -88,35 +89,24 @@ class FixedDrafter:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def begin(self, prompt, forward) -> None:
-        pass
-
     def propose(self, history, k):
         return list(self.tokens[:k]), None
 
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
 
-
-class FixedTreeDrafter:
+class FixedTreeDrafter(Drafter):
     """Proposes the same tree every round (deterministic nodes, q one-hot)."""
 
     name = "fixed-tree"
+    capabilities = DrafterCapabilities(trees=True)
 
     def __init__(self, tree: DraftTree):
         self.tree = tree
-
-    def begin(self, prompt, forward) -> None:
-        pass
 
     def propose(self, history, k):
         return [], None
 
     def propose_tree(self, history, k):
         return self.tree if k >= 2 else None
-
-    def observe(self, drafted, accepted, emitted, forward) -> None:
-        pass
 
     def observe_tree(self, tree, path, emitted, forward) -> None:
         pass
@@ -141,10 +131,10 @@ class ForwardMemo:
             # MemoDrafter offers chains only, and is never quiet: the loop takes the drafter's
             # own path only where the drafter has neither trees nor quiet stretches.
             drafter = make_drafter()
-            assert not hasattr(drafter, "propose_tree") and not hasattr(drafter, "quiet")
+            assert not drafter.capabilities.trees and not drafter.quiet()
         probe = make()
-        self.hidden = getattr(probe, "hidden", None)
-        self.trees = bool(getattr(probe, "trees", False))
+        self.hidden = probe.hidden
+        self.trees = probe.trees
         # (node, call) -> (child node, (output, last_hidden)); node 0: a fresh forward (and
         # drafter)
         self.nodes: dict[tuple[int, tuple], tuple[int, tuple[Any, Any]]] = {}
@@ -159,18 +149,18 @@ class ForwardMemo:
         return forward, MemoDrafter(forward)
 
 
-class MemoForward:
+class MemoForward(Forward):
     """A forward (engine/model/forward.py's seam, trees included) that answers a call sequence seen
     before from its ForwardMemo: the same logits and hidden rows, bit for bit, as the forward
     would compute (they are the arrays it computed the first time). On the first call of an
     unseen sequence it builds a real forward (and drafter), replays the calls so far on it and
-    runs on it from then on. No lazy_step: sampled decoding never pipelines
-    (decode._may_pipeline)."""
+    runs on it from then on. No lazy steps (the seam's default): sampled decoding never
+    pipelines (loop._may_pipeline)."""
 
     def __init__(self, memo: ForwardMemo):
         self.memo = memo
         self.hidden = memo.hidden
-        self.trees = memo.trees
+        self._trees = memo.trees
         self.last_hidden = None
         self._node = 0
         self._calls: list[tuple] = []
@@ -243,6 +233,10 @@ class MemoForward:
         self._run(("reset",))
 
     @property
+    def trees(self) -> bool:
+        return self._trees
+
+    @property
     def cache(self) -> list[_Trim]:
         """Stands in for the caches where a drafter trims them (caches.trim, as
         DraftModelDrafter rewinds): a trim is one more call of the sequence. Anything else
@@ -259,7 +253,7 @@ class _Trim:
         return n
 
 
-class MemoDrafter:
+class MemoDrafter(Drafter):
     """The drafter of a ForwardMemo.pair(): its calls go into its forward's call sequence, its
     drafts are the ones the real (deterministic) drafter gave there. Chains only."""
 

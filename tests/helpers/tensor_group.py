@@ -10,7 +10,7 @@ from skulkp2p.engine.decode.generate import stream
 from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorForward
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.procs import free_port
 
 ECHO = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a,"

@@ -83,7 +83,7 @@ class ArmRuns:
 def ask(engine: Any, messages: list[dict[str, str]], max_tokens: int, speculation: str
         ) -> Turn:
     """One greedy chat request, timed as a client sees it."""
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     req = parse_request({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
                          "speculation": speculation})

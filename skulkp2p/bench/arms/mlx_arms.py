@@ -73,9 +73,9 @@ def drafts_deterministic(arm: Arm, loaded: LoadedModel) -> bool:
     models and the Gemma assistant draw their drafts from a q, and then the text depends on
     the drafts."""
     from skulkp2p.engine.decode.generate import drafts_sampled
-    from skulkp2p.engine.request import parse_speculation
+    from skulkp2p.formats.body_fields import speculation
 
-    return arm.kind == "engine" and not drafts_sampled(loaded, parse_speculation(arm.speculation))
+    return arm.kind == "engine" and not drafts_sampled(loaded, speculation(arm.speculation))
 
 
 def parse_arm(text: str) -> Arm:
@@ -173,7 +173,7 @@ class Sampling:
 def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation: Any,
                    sampling: Sampling | None = None):
     """A chat request as a client of the engine would send it: greedy, or sampled."""
-    from skulkp2p.engine.request import parse_request
+    from skulkp2p.formats.pipe_format import parse_request
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "speculation": speculation}

@@ -421,9 +421,9 @@ def stage_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the bench ends its stages (Ctrl-C there)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from skulkp2p.engine.cpu import blas
+    from skulkp2p.engine.cpu import switch
 
-    blas.ensure_fast_blas()  # inherited from the bench as a rule; before mlx loads
+    switch.install()  # the CPU switch (OpenBLAS inherited from the bench as a rule); before mlx
     try:
         return asyncio.run(_serve_stage(args))
     except Exception as e:

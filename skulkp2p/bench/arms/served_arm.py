@@ -54,7 +54,7 @@ from skulkp2p.bench.arms.served_report import (
 from skulkp2p.bench.bench_error import BenchError
 from skulkp2p.bench.report import fmt, loadavg, machine_info, write_atomic, write_document
 from skulkp2p.bench.workloads import WARMUP_MESSAGES, WARMUP_TOKENS, WORKLOADS
-from skulkp2p.engine.request import parse_request
+from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.served.binary import detect_compute, find_binary
 from skulkp2p.served.child import ServedError, _die_with_parent, free_port
 from skulkp2p.served.child_config import FORCE_NO_SPEC, resolve_gguf, wants_served

@@ -27,15 +27,39 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from skulkp2p.engine.cache.batch_cache import RowLengths, RowsKVCache
 
-if TYPE_CHECKING:
-    from skulkp2p.engine.drafting.mtp_head import MtpHead
+
+class Chained(Protocol):
+    """A head's conventions, as far as the batched forward reads them."""
+
+    @property
+    def chain(self) -> str:
+        """Which head state a deeper draft is fed: "after" or "before" its final norm."""
+        ...
+
+
+class DraftHead(Protocol):
+    """What the batched forward runs of a drafting head (engine/drafting/mtp_head.py: `MtpHead`,
+    one room up)."""
+
+    @property
+    def conventions(self) -> Chained: ...
+
+    def features(self, hidden: mx.array, tokens: mx.array, cache: RowsKVCache,
+                 first: bool = True) -> tuple[mx.array, mx.array]:
+        """(pre, post) head states [B, L, H] of rows (hidden[b, i], tokens[b, i]) appended to
+        `cache`."""
+        ...
+
+    def logits(self, rows: mx.array) -> mx.array:
+        """Full-vocabulary logits of head states."""
+        ...
 
 
 class Barrier(Protocol):
@@ -65,20 +89,20 @@ class HeadCall:
 class HeadRows:
     """The head caches of one head's drafting rows in a batch, and their batched forward."""
 
-    def __init__(self, head: MtpHead, scheduler: Barrier):
+    def __init__(self, head: DraftHead, scheduler: Barrier):
         self.head = head
         self.scheduler = scheduler
         self.rows = RowLengths()
         self.layer = RowsKVCache(self.rows)
-        self.members: list[Any] = []  # the rows' RowForwards, in buffer order
-        self.pending: dict[Any, HeadCall] = {}
+        self.members: list[object] = []  # the rows' RowForwards, in buffer order
+        self.pending: dict[object, HeadCall] = {}
         self.forwards = 0  # batched head forwards run
         self.calls = 0  # row calls they ran (calls / forwards: rows per forward)
         self.peak = 0  # the most rows one head forward ran
 
     # -- rows joining and leaving (lock held) --
 
-    def join(self, member: Any, cache: KVCache) -> None:
+    def join(self, member: object, cache: KVCache) -> None:
         """Add `member`'s head cache (a one-request cache holding at least one row)."""
         if member in self.members:
             raise RuntimeError("a row joined the head batch twice")
@@ -89,7 +113,7 @@ class HeadRows:
         self.rows.set([*self.rows.lengths, cache.offset])
         mx.eval(self.layer.arrays())  # built here; the forward may run on another thread
 
-    def leave(self, member: Any) -> None:
+    def leave(self, member: object) -> None:
         if member not in self.members:
             return
         index = self.members.index(member)
@@ -100,10 +124,10 @@ class HeadRows:
         self.rows.set([self.rows.lengths[i] for i in kept])
         del self.members[index]
 
-    def length(self, member: Any) -> int:
+    def length(self, member: object) -> int:
         return self.rows.lengths[self.members.index(member)]
 
-    def trim(self, member: Any, n: int) -> None:
+    def trim(self, member: object, n: int) -> None:
         """Forget `member`'s last n rows (its speculative draft rows)."""
         if n <= 0:
             return
@@ -114,17 +138,18 @@ class HeadRows:
         lengths[i] -= n
         self.rows.set(lengths)
 
-    def extract(self, member: Any) -> KVCache:
+    def extract(self, member: object) -> KVCache:
         """`member`'s head rows as a one-request cache of its own (copies, evaluated)."""
         self.wait(member)
         i = self.members.index(member)
         single = self.layer.extract(i, self.rows.lengths[i])
+        assert isinstance(single, KVCache)  # (a head's layer has no sliding window)
         mx.eval([a for a in (single.keys, single.values) if a is not None])
         return single
 
     # -- calls --
 
-    def hand_in(self, member: Any, hidden: mx.array, tokens: list[int]) -> HeadCall:
+    def hand_in(self, member: object, hidden: mx.array, tokens: list[int]) -> HeadCall:
         """Queue `member`'s head call for the next batched head forward (run at once when this
         completes the barrier)."""
         if member in self.pending:
@@ -137,7 +162,7 @@ class HeadRows:
         self.scheduler.heads_if_ready()
         return call
 
-    def wait(self, member: Any) -> None:
+    def wait(self, member: object) -> None:
         """Until `member`'s pending call (if any) has run; raises if the forward failed."""
         call = self.pending.get(member)
         if call is None:
@@ -147,7 +172,7 @@ class HeadRows:
         if call.error is not None:
             raise RuntimeError(f"the batched head forward failed: {call.error}") from call.error
 
-    def result(self, member: Any, call: HeadCall) -> tuple[mx.array, mx.array, int]:
+    def result(self, member: object, call: HeadCall) -> tuple[mx.array, mx.array, int]:
         """(logits, chained state, argmax) of `call`, waiting for its forward."""
         if not call.done:
             self.wait(member)
@@ -172,7 +197,7 @@ class HeadRows:
         finally:
             self.scheduler.cond.notify_all()
 
-    def _forward(self, calls: dict[Any, HeadCall]) -> None:
+    def _forward(self, calls: dict[object, HeadCall]) -> None:
         members = self.members
         # Rows without a call this time ride along padded (their writes land past their
         # length, where the mask hides them and their next call overwrites them): one forward
@@ -205,7 +230,7 @@ class HeadRows:
         # MLX runs a lazy array only on the thread that built it: every row's slices too.
         mx.eval(argmax, *self.layer.arrays(), *(a for pair in rows.values() for a in pair))
         self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
-        tokens_out = argmax.tolist()
+        tokens_out = cast(list[int], argmax.tolist())  # (mlx types tolist() as any nesting)
         for i, m in enumerate(members):
             if m in rows:
                 calls[m].logits, calls[m].chained = rows[m]

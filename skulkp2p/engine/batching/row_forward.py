@@ -13,27 +13,28 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
+from skulkp2p.engine.batching.batch_view import BatchView, StepPacking
 from skulkp2p.engine.cache.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
+from skulkp2p.engine.cache.caches import CacheEntry
 from skulkp2p.engine.cpu import blas_threads
-from skulkp2p.engine.drafting.gates import BatchView, StepPacking
-from skulkp2p.engine.model.forward import StageCache
+from skulkp2p.engine.model.forward import Forward, StageCache
 from skulkp2p.engine.model.stage import StageModel
 from skulkp2p.engine.model.tree import validate_parents
 from skulkp2p.engine.parallel.ring.frames import RingError
 
 if TYPE_CHECKING:
-    from skulkp2p.engine.batching.head_batch import HeadRows
-    from skulkp2p.engine.drafting.mtp_head import MtpHead
+    from skulkp2p.engine.batching.head_batch import DraftHead, HeadRows
     from skulkp2p.engine.parallel.ring.traversal import RingForward
 
 
 class RowsBatch(Protocol):
     """What a row needs of its batch (scheduler.BatchScheduler, which builds the rows: a
-    protocol here, so this module does not import the scheduler's)."""
+    protocol here, so this module does not import the scheduler's). Called with the batch's
+    lock held."""
     stage: StageModel
     trees: bool
     max_batch: int
@@ -57,24 +58,41 @@ class RowsBatch(Protocol):
     @property
     def packing(self) -> StepPacking | None: ...
 
-    def head_rows(self, head: MtpHead) -> HeadRows: ...
+    def head_rows(self, head: DraftHead) -> HeadRows:
+        """The batched head caches of `head`'s drafting rows."""
+        ...
 
-    def heads_if_ready(self) -> None: ...
+    def heads_if_ready(self) -> None:
+        """Run the pending head calls once no row can still hand one in."""
+        ...
 
-    def _join(self, row: RowForward) -> None: ...
+    def join(self, row: RowForward) -> None:
+        """Copy the row's own caches into a new row of the batch."""
+        ...
 
-    def _leave(self, row: RowForward) -> None: ...
+    def leave(self, row: RowForward) -> None:
+        """Drop the row from the batch (its request ended)."""
+        ...
 
-    def _settle(self) -> None: ...
+    def settle(self) -> None:
+        """Evaluate the rows' buffers now, on this thread."""
+        ...
 
-    def _step_if_ready(self) -> None: ...
+    def step_if_ready(self) -> None:
+        """Run the batched step once every row has handed its tokens in."""
+        ...
 
-    def _prefill(self, row: RowForward, tokens: list[int]) -> tuple[bool, mx.array | None]: ...
+    def prefill(self, row: RowForward, tokens: list[int]) -> tuple[bool, mx.array | None]:
+        """Prefill one chunk of the row's prompt with the other joining prompts' chunks:
+        whether it ran (False: withdrawn to ride in the decoding rows' steps), and its hidden
+        rows when the row asks for them."""
+        ...
 
 
-class RowForward:
-    """One request's forward in a batch (the decode loop's `Forward`). Its methods are called
-    with the scheduler's lock held (MlxEngine holds it while the request's code runs)."""
+class RowForward(Forward):
+    """One request's forward in a batch (the decode loop's `Forward`); its request's drafters
+    see the batch through it (`batch_view`, `drafts`, `head_batch`). Its methods are called with
+    the scheduler's lock held (MlxEngine holds it while the request's code runs)."""
 
     def __init__(self, scheduler: RowsBatch, hidden: str | None,
                  interrupt: Callable[[], None] | None, ring: RingForward | None = None):
@@ -120,20 +138,20 @@ class RowForward:
     def index(self) -> int:
         return self.scheduler.active.index(self)
 
-    def head_batch(self, head: MtpHead) -> HeadRows | None:
+    def head_batch(self, head: DraftHead) -> HeadRows | None:
         """Where this row's MTP head drafts together with the other rows' (engine/
         head_batch.py), once the row is in the batch; None while it runs alone."""
         return self.scheduler.head_rows(head) if self.joined and not self.closed else None
 
     @property
-    def cache(self) -> list[Any]:
+    def cache(self) -> list[CacheEntry]:
         """The request's caches as one-request caches (copies once it has joined): what the
         prefix cache keeps at the end of the request."""
         if not self.joined:
             return self.local.cache
         i = self.index
         length = self.scheduler.rows.lengths[i]
-        singles = [layer.extract(i, length) for layer in self.scheduler.layers]
+        singles: list[CacheEntry] = [layer.extract(i, length) for layer in self.scheduler.layers]
         if not self.replay:
             return singles
         # Tokens waiting to run again at the front of the next step: run them on the copies.
@@ -143,7 +161,7 @@ class RowForward:
         held.run(self.replay, verify=False)
         return held.cache
 
-    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+    def restore(self, cache: list[CacheEntry], tokens: list[int], key: list[int]) -> int:
         """Go on from a prefix-cache hit (before the prefill); on a ring, only if every other
         stage restores its own entry too (RingForward.restore)."""
         if self.ring is not None:
@@ -180,7 +198,9 @@ class RowForward:
         sched.ahead = self
         sched.lazy_steps += 1
         blas_threads.step(owner=sched)  # the OpenBLAS thread count (blas_threads.py)
-        return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
+        logits, h = self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
+        assert logits is not None  # (asked for)
+        return logits, h
 
     def end_run_ahead(self) -> None:
         """Nothing of this row is in flight any more (decode left a pipelined stretch)."""
@@ -213,12 +233,13 @@ class RowForward:
                 start += len(piece)
                 continue
             if n and sched.active:  # let the decoding rows take one step between chunks
-                sched.cond.wait_for(lambda seen=sched.steps: sched.steps != seen
-                                    or not sched.active)
+                def stepped(seen: int = sched.steps) -> bool:
+                    return sched.steps != seen or not sched.active
+                sched.cond.wait_for(stepped)
                 self.prefill_waits += 1
             n += 1
             piece = tokens[start:start + sched.prefill_chunk]
-            ran, h = sched._prefill(self, piece)
+            ran, h = sched.prefill(self, piece)
             if not ran:  # (withdrawn: it rides in the decoding rows' steps instead)
                 continue
             if h is not None:
@@ -231,7 +252,7 @@ class RowForward:
         """Prefill `tokens` as this row's part of the decoding rows' next step (no logits)."""
         sched = self.scheduler
         if not self.joined:
-            sched._join(self)
+            sched.join(self)
             self.joined = True
         self.prefilling = True
         try:
@@ -266,10 +287,11 @@ class RowForward:
             lengths = list(sched.rows.lengths)
             start = lengths[i] - self._last_width
             for layer in sched.layers:
+                assert isinstance(layer, RowsKVCache)  # (trees: attention-only layers)
                 layer.compact_row(i, start, path)
             lengths[i] = start + 1 + len(path)
             sched.rows.set(lengths)
-            sched._settle()
+            sched.settle()
         if self.ring is not None:  # the other stages keep the path with the next frame
             self.ring.note_keep(path)
         if self.last_hidden is not None:
@@ -281,13 +303,14 @@ class RowForward:
             logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden,
                                        tree=parents)
             sched.solo_steps += 1
+            assert logits is not None  # (asked for)
             if h is not None:
                 self.last_hidden = h
             return logits
         if not self.joined:
             # Wait for a free row (a batch at max_batch admits the next row when one leaves).
             sched.cond.wait_for(lambda: len(sched.active) < sched.max_batch)
-            sched._join(self)
+            sched.join(self)
             self.joined = True
         self.width = len(tokens)
         if self.replay and len(tokens) > 1:
@@ -314,7 +337,7 @@ class RowForward:
         self.submitted_tree = parents
         self._last_width = len(tokens)
         sched.heads_if_ready()  # (this row may be the last the pending head calls waited for)
-        sched._step_if_ready()
+        sched.step_if_ready()
         sched.cond.wait_for(lambda: self.result is not None or self.error is not None)
         if self.error is not None:
             # A ring breaking stays a RingError (transient: the leader re-places the model),
@@ -322,6 +345,7 @@ class RowForward:
             kind = RingError if isinstance(self.error, RingError) else RuntimeError
             raise kind(f"the batched forward failed: {self.error}") from self.error
         logits, hidden = self.result, self.result_hidden
+        assert logits is not None  # (no error: the step set it)
         self.result = self.result_hidden = None
         return logits, hidden
 
@@ -344,7 +368,7 @@ class RowForward:
             sched.replay_peak = max(sched.replay_peak, len(self.replay))
             for layer in sched.recurrent:
                 layer.restore_row(i)
-            sched._settle()  # built here: the next step may run on another row's thread
+            sched.settle()  # built here: the next step may run on another row's thread
         else:
             lengths[i] -= dropped
         sched.rows.set(lengths)
@@ -365,6 +389,6 @@ class RowForward:
             # asked) before a step of the remaining rows, sent after it, could drop the row.
             self.ring.close()
         if self.joined:
-            sched._leave(self)
+            sched.leave(self)
         else:
             sched.leaves.append(sched.steps)

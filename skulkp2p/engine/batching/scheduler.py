@@ -55,28 +55,29 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from skulkp2p.engine.batching.head_batch import HeadRows
+from skulkp2p.engine.batching.batch_view import StepPacking
+from skulkp2p.engine.batching.head_batch import DraftHead, HeadRows
 from skulkp2p.engine.batching.row_forward import RowForward
 from skulkp2p.engine.batching.ticket_lock import TicketLock
 from skulkp2p.engine.cache.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
+from skulkp2p.engine.cache.caches import CacheEntry
 from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.cpu.step_rope import shared_ropes
-from skulkp2p.engine.drafting.gates import StepPacking
+from skulkp2p.engine.model.arrays import leaves
 from skulkp2p.engine.model.forward import whole_model_stage
-from skulkp2p.engine.model.packed import packed_rows, packs_mlps, step_packing
+from skulkp2p.engine.model.packed import packed_rows, packs_mlps
 from skulkp2p.engine.model.stage import StageModel
 from skulkp2p.engine.model.tree import tree_capable, tree_inputs
 
 if TYPE_CHECKING:
-    from skulkp2p.engine.drafting.mtp_head import MtpHead
-    from skulkp2p.engine.parallel.ring.batch_rows import RingRows
+    from skulkp2p.engine.parallel.ring.batch_rows import RingRows, RowRing
     from skulkp2p.engine.parallel.ring.traversal import RingForward
 
 # A joining prompt prefills in chunks of at most this many tokens, one step of the decoding rows
@@ -90,14 +91,14 @@ BATCH_PREFILL_CHUNK = 512
 # real tokens (engine/model/packed.py), so the decoding rows go on instead of waiting for whole
 # prompts. Off (0) by default: a mixed step costs more per real token than a prefill forward of
 # its own (4.5 against 2.4-2.8 ms), more than the decode steps it saves (docs/measurements/
-# concurrency.md, "first tokens and the prefill path"; tools/batch_timeline.py); exact (tests/
+# concurrency.md, "first tokens and the prefill path"); exact (tests/
 # test_batch_mixed.py), so `BatchScheduler.mixed_chunk` turns it on where it pays.
 MIXED_PREFILL_CHUNK = 0
 
 # A ragged step's MLPs run on its real tokens only from this many padded token rows on
 # (engine/model/packed.py; its head always does): below it the gathers cost about what they save
 # (8 padded rows 1.08x padded, 28 0.82x: docs/measurements/concurrency.md, "Ragged speculative
-# steps packed"; tools/packed_ab.py).
+# steps packed").
 PACK_MLPS_FROM = 8
 
 
@@ -118,6 +119,7 @@ ROW_STATE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def _model_type(model: nn.Module) -> str | None:
+    # (any family's mlx-lm model: the type sits on the model or on its args, family by family)
     args = getattr(model, "args", None)
     return getattr(model, "model_type", None) or getattr(args, "model_type", None)
 
@@ -126,7 +128,7 @@ def batchable(model: nn.Module) -> bool:
     """Every layer's cache has a batched kind here: plain KV caches and sliding windows (rows
     side by side at their own lengths), and the recurrent state of the families that mask it per
     row (ROW_STATE_FAMILIES)."""
-    def fits(c: Any) -> bool:
+    def fits(c: CacheEntry) -> bool:
         if type(c) is KVCache:
             return True
         if type(c) is RotatingKVCache:
@@ -135,22 +137,57 @@ def batchable(model: nn.Module) -> bool:
     return all(fits(c) for c in make_prompt_cache(model))
 
 
-def held_length(cache: list[Any]) -> int:
-    """Tokens a one-request cache list holds (read from a layer that counts them)."""
-    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+def held_length(cache: Sequence[CacheEntry]) -> int:
+    """Tokens a one-request cache list holds (read from a layer that counts them: a batch's
+    layers are the kinds `batchable` takes, and of those a recurrent state counts none)."""
+    return next((c.offset for c in cache if isinstance(c, KVCache | RotatingKVCache)), 0)
 
 
-def _rows_layer(rows: RowLengths, template: Any) -> RowsKVCache | RowsArraysCache:
+def _rows_layer(rows: RowLengths, template: CacheEntry) -> RowsKVCache | RowsArraysCache:
     if type(template) is ArraysCache:
         return RowsArraysCache(len(template.cache))
+    assert isinstance(template, KVCache | RotatingKVCache)  # (batchable)
     return RowsKVCache.like(rows, template)
 
 
-def _rows_of_singles(rows: RowLengths, singles: list[Any], lengths: list[int]
+def _rows_of_singles(rows: RowLengths, singles: list[CacheEntry], lengths: list[int]
                      ) -> RowsKVCache | RowsArraysCache:
+    # (one layer of each row: all of one kind, a kind `batchable` takes)
     if type(singles[0]) is ArraysCache:
-        return RowsArraysCache.of_singles(rows, singles, lengths)
-    return RowsKVCache.of_singles(rows, singles, lengths)
+        return RowsArraysCache.of_singles(rows, cast(list[ArraysCache], singles), lengths)
+    return RowsKVCache.of_singles(rows, cast(list[KVCache | RotatingKVCache], singles), lengths)
+
+
+def _append_row(layer: RowsKVCache | RowsArraysCache, single: CacheEntry, length: int) -> None:
+    """Add a row's one-request cache of this layer (of the kind the layer batches)."""
+    if isinstance(layer, RowsArraysCache):
+        assert isinstance(single, ArraysCache)
+        layer.append_row(single, length)
+    else:
+        # (a sliding window's RotatingKVCache is read as a KVCache is: keys, values, offset)
+        layer.append_row(cast(KVCache, single), length)
+
+
+def _weights(module: nn.Module) -> int:
+    return sum(int(a.size) for a in leaves(module.parameters()))
+
+
+def step_packing(layers: list[nn.Module], head: nn.Module | None, mlps_from: int
+                 ) -> StepPacking:
+    """The shares of one token row's work that a packed step runs on the real tokens only
+    (engine/model/packed.py runs it so; the gates price a ragged step with them:
+    gates.step_cost), by weights: a forward over a few dozen token rows on a CPU multiplies
+    every weight once per row, so a module's share of the weights is its share of the work (SmolLM2-135M: MLPs 0.59, head 0.21). A mixture of experts
+    routes each token to a few of its experts: its MLPs' share is overstated (the gates then
+    expect a little more from packing than it saves). Attention's own products over the context
+    are left out (small at the context lengths of a chat)."""
+    mlps = sum(_weights(layer.mlp) for layer in layers)
+    rest = sum(_weights(layer) for layer in layers) - mlps
+    out = _weights(head) if head is not None else 0
+    total = mlps + rest + out
+    if total <= 0:
+        return StepPacking(0.0, 0.0, mlps_from)
+    return StepPacking(head=out / total, mlps=mlps / total, mlps_from=mlps_from)
 
 
 class BatchScheduler:
@@ -172,7 +209,8 @@ class BatchScheduler:
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_step, BATCH_PREFILL_CHUNK)
         self.lock = TicketLock()  # the model's, for every MLX call
-        self.cond = threading.Condition(self.lock)
+        # (typeshed takes only threading's locks; a Condition works over any acquire/release)
+        self.cond = threading.Condition(self.lock)  # type: ignore[arg-type]
         self.rows = RowLengths()
         self.layers = [_rows_layer(self.rows, c) for c in make_prompt_cache(model)]
         self.recurrent = [c for c in self.layers if isinstance(c, RowsArraysCache)]
@@ -205,9 +243,10 @@ class BatchScheduler:
         self.pack_ragged = packs_mlps(self.stage.trunk.body.layers)
         self.pack_mlps_from = PACK_MLPS_FROM
         # The gates price a ragged step as it runs packed (gates.step_cost); False prices it
-        # padded to the widest (A/B in tools/batch_profile.py).
+        # padded to the widest (A/B: docs/measurements/concurrency.md).
         self.price_packed = True
         trunk = self.stage.trunk
+        # (an untied mlx-lm model's output head, where its family names it lm_head)
         head = trunk.body.embed_tokens if trunk.tied else getattr(trunk.text, "lm_head", None)
         self._packing = step_packing(list(trunk.body.layers), head, PACK_MLPS_FROM) \
             if self.pack_ragged else None
@@ -258,7 +297,7 @@ class BatchScheduler:
 
     # -- called with the lock held --
 
-    def head_rows(self, head: MtpHead) -> HeadRows:
+    def head_rows(self, head: DraftHead) -> HeadRows:
         """The batched head caches of `head`'s drafting rows (made on first use)."""
         rows = self.heads.get(id(head))
         if rows is None:
@@ -277,44 +316,47 @@ class BatchScheduler:
             for h in self.heads.values():
                 h.run()
 
-    def _join(self, row: RowForward) -> None:
+    def join(self, row: RowForward) -> None:
+        """Copy the row's own caches into a new row of the batch."""
         if len(self.active) >= self.max_batch:
             raise RuntimeError(f"batch is full ({self.max_batch} rows)")
         length = held_length(row.local.cache)
         for layer, single in zip(self.layers, row.local.cache, strict=True):
-            layer.append_row(single, length)
-        self._settle()  # (built on this thread: see _step)
+            _append_row(layer, single, length)
+        self.settle()  # (built on this thread: see _step)
         self.active.append(row)
         self.rows.set([*self.rows.lengths, length])
         row.local.reset()  # the row's tokens live in the batch now
 
-    def _leave(self, row: RowForward) -> None:
+    def leave(self, row: RowForward) -> None:
+        """Drop the row from the batch (its request ended); the others go on without it."""
         index = self.active.index(row)
         kept = [i for i in range(len(self.active)) if i != index]
         for layer in self.layers:
             layer.keep_rows(kept)
-        self._settle()
+        self.settle()
         self.rows.set([self.rows.lengths[i] for i in kept])
         del self.active[index]
         for head in self.heads.values():
             head.leave(row)
         self.leaves.append(self.steps)
         self.heads_if_ready()
-        self._step_if_ready()
+        self.step_if_ready()
         self.cond.notify_all()
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Evaluate the rows' buffers now, on this thread (see _step)."""
         mx.eval([a for c in self.layers for a in c.arrays()])
 
     def _ready(self) -> bool:
         return bool(self.active) and all(r.submitted is not None for r in self.active)
 
-    def _step_if_ready(self) -> None:
+    def step_if_ready(self) -> None:
+        """Run the batched step once every row has handed its tokens in."""
         if self._ready():
             self._step()
 
-    def _prefill(self, row: RowForward, tokens: list[int]) -> tuple[bool, mx.array | None]:
+    def prefill(self, row: RowForward, tokens: list[int]) -> tuple[bool, mx.array | None]:
         """Prefill one chunk of `row`'s prompt together with the chunks of every other request
         that hands one in meanwhile: whether it ran (False: rows started decoding before it did,
         and it was withdrawn to ride in their steps: RowForward.mixes), and the chunk's hidden
@@ -401,7 +443,7 @@ class BatchScheduler:
             c.row.local.adopt([layer.extract(i, n + w) for layer in layers])
             c.hidden = h[i, :w] if h is not None else None
             c.row.prefill_shared = max(c.row.prefill_shared, len(group))
-            out += [a for single in c.row.local.cache for a in single.state]
+            out += [a for single in c.row.local.cache for a in leaves(single.state)]
             out += [] if c.hidden is None else [c.hidden]
         mx.eval(out)  # here: other rows' threads read these (see _step)
 
@@ -415,20 +457,23 @@ class BatchScheduler:
         rows = self.active
         for head in self.heads.values():  # (calls handed in and not waited for: run them first)
             head.run()
-        for layer in self.window_layers:  # (every row has rolled back: see RowsKVCache.trim)
-            layer.trim()
-        widths = [len(r.submitted) for r in rows]  # type: ignore[arg-type]
+        for window in self.window_layers:  # (every row has rolled back: see RowsKVCache.trim)
+            window.trim()
+        submitted: list[list[int]] = []
+        for r in rows:
+            assert r.submitted is not None  # (ready: every row handed its tokens in)
+            submitted.append(r.submitted)
+        widths = [len(s) for s in submitted]
         width = max(widths)
         # Pad on the right with the row's last token: the padded positions are written past
         # the row's length and masked from its real queries; the next step overwrites them.
-        tokens = [r.submitted + [r.submitted[-1]] * (width - len(r.submitted))  # type: ignore
-                  for r in rows]
+        tokens = [s + [s[-1]] * (width - len(s)) for s in submitted]
         hidden = next((r.hidden for r in rows if r.hidden is not None), None)
         tree = None
         if any(r.submitted_tree is not None for r in rows):
             # One row's tree makes the step a tree forward; the other rows are chains in it.
-            shapes = [r.submitted_tree or list(range(-1, len(r.submitted) - 1))  # type: ignore
-                      for r in rows]
+            shapes = [r.submitted_tree or list(range(-1, len(s) - 1))
+                      for r, s in zip(rows, submitted, strict=True)]
             tree = tree_inputs(self.rows.lengths, shapes, width)
         riding = [r.prefilling for r in rows]
         packed = None
@@ -444,13 +489,13 @@ class BatchScheduler:
             # A mixed step's work is its real tokens (packed: a prefill's, compute-bound): it
             # takes the thread count a prefill of that many tokens learned.
             mixed = packed is not None and packed.attention
-            with blas_threads.waited(packed.tokens if mixed else width * len(rows),  # type: ignore
-                                     "forward" if mixed else "batch", owner=self), \
+            work = packed.tokens if packed is not None and packed.attention else width * len(rows)
+            # (on a ring's last stage each row has its own RingForward)
+            rings: list[RowRing] = [r.ring for r in rows if r.ring is not None]
+            with blas_threads.waited(work, "forward" if mixed else "batch", owner=self), \
                     self._ropes():
                 if self.through is not None:  # the layers before this stage: one traversal
-                    x = self.through.traverse([r.ring for r in rows],  # type: ignore[misc]
-                                              [r.submitted for r in rows],  # type: ignore[misc]
-                                              [r.submitted_tree for r in rows])
+                    x = self.through.traverse(rings, submitted, [r.submitted_tree for r in rows])
                     t0 = time.perf_counter()
                     logits, h = self.stage.run_rows(None, self.layers, hidden=hidden, embeddings=x,
                                                     tree=tree, packed=packed)
@@ -461,7 +506,8 @@ class BatchScheduler:
                 if self.through is not None:  # this stage's compute, for the rings' reports
                     own = time.perf_counter() - t0
                     for r in rows:
-                        r.ring.compute_s += own  # type: ignore[union-attr]
+                        assert r.ring is not None  # (a ring's rows each have theirs)
+                        r.ring.compute_s += own
         except BaseException as e:  # every waiting row fails with it, not only this one
             for r in rows:
                 r.submitted, r.error = None, e
@@ -470,6 +516,7 @@ class BatchScheduler:
         finally:
             for layer in self.recurrent:
                 layer.end_step()
+        assert logits is not None  # (the last stage's rows: logits asked for)
         self.rows.set([n + w for n, w in zip(self.rows.lengths, widths, strict=True)])
         out = []
         for i, (r, w) in enumerate(zip(rows, widths, strict=True)):
@@ -480,7 +527,7 @@ class BatchScheduler:
         # MLX runs a lazy array only on the thread that built it: every array another row's
         # thread reads is evaluated here.
         mx.eval(out)
-        self._settle()
+        self.settle()
         self.steps += 1
         self.widths = widths
         self.peak = max(self.peak, len(rows))

@@ -26,12 +26,10 @@ that a row whose verify was partly rejected gets its own state back (`restore_ro
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from skulkp2p.engine.model.tree import compact_positions
+from skulkp2p.engine.cache.caches import compact_positions
 
 # Buffers grow by this many positions (as mlx-lm's KVCache does).
 STEP = 256
@@ -86,7 +84,7 @@ class RowsKVCache:
         self.trims = 0  # times this layer dropped positions (tests)
 
     @classmethod
-    def like(cls, rows: RowLengths, template: Any) -> RowsKVCache:
+    def like(cls, rows: RowLengths, template: KVCache | RotatingKVCache) -> RowsKVCache:
         """The rows' layer for a layer whose one-request cache is `template`."""
         if type(template) is RotatingKVCache:
             return cls(rows, template.max_size)
@@ -104,7 +102,7 @@ class RowsKVCache:
         b, h, _, dk = like_k.shape
         pad_k = mx.zeros((b, h, grow, dk), like_k.dtype)
         pad_v = mx.zeros((b, h, grow, like_v.shape[3]), like_v.dtype)
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # (set together)
             self.keys, self.values = pad_k, pad_v
         else:
             self.keys = mx.concatenate([self.keys, pad_k], axis=2)
@@ -167,7 +165,7 @@ class RowsKVCache:
         self.trims += 1
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None,
-                  **_: Any) -> mx.array:
+                  **_: object) -> mx.array:
         """[B, 1, n, max length + n]: query j of row i sees keys [0, length_i + j], only the
         last `window_size` of them in a sliding-window layer (the model passes its window)."""
         if window_size is not None and self.window is not None and window_size != self.window:
@@ -195,7 +193,7 @@ class RowsKVCache:
         the row's length is added to `rows`)."""
         if single.keys is None or length == 0:  # a one-token prompt: nothing prefilled
             self.base.append(0)
-            if self.keys is not None:
+            if self.keys is not None and self.values is not None:  # (set together)
                 self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])], axis=0)
                 self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])],
                                              axis=0)
@@ -206,11 +204,11 @@ class RowsKVCache:
         held = length - base
         have = 0 if self.keys is None else self.keys.shape[2]
         cap = max(have, ((held + STEP - 1) // STEP) * STEP or STEP)
-        if self.keys is not None and cap > have:
+        if self.keys is not None and self.values is not None and cap > have:
             self._reserve(cap, self.keys, self.values)
         pad = [(0, 0), (0, 0), (0, cap - held), (0, 0)]
         k, v = mx.pad(k, pad), mx.pad(v, pad)
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # (set together)
             # Rows that joined before with nothing prefilled (one-token prompts) have no place
             # in a buffer yet: zeros for them, never read (their length is 0), so that row i
             # of the buffer stays row i of the batch.
@@ -230,7 +228,7 @@ class RowsKVCache:
         return 0 if self.window is None else max(0, length - self.window)
 
     @classmethod
-    def of_singles(cls, rows: RowLengths, singles: list[Any],
+    def of_singles(cls, rows: RowLengths, singles: list[KVCache | RotatingKVCache],
                    lengths: list[int]) -> RowsKVCache:
         """One layer of a batch whose row i holds the first lengths[i] positions of singles[i]
         (requests prefilling together). Empty rows get zeros, never read (the mask)."""
@@ -263,7 +261,7 @@ class RowsKVCache:
 
     def keep_rows(self, kept: list[int]) -> None:
         self.base = [self.base[i] for i in kept]
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # (set together)
             return
         if not kept:
             self.keys = self.values = None
@@ -278,7 +276,7 @@ class RowsKVCache:
         order (what mlx-lm's updates and caches.py's cuts expect of one)."""
         if self.window is not None:
             rotating = RotatingKVCache(self.window)
-            if self.keys is None or length == 0:
+            if self.keys is None or self.values is None or length == 0:
                 return rotating
             start = max(0, length - self.window)
             first, last = start - self.base[row], length - self.base[row]
@@ -323,11 +321,11 @@ class RowsKVCache:
         return False
 
     @property
-    def state(self) -> tuple[Any, Any]:
+    def state(self) -> tuple[mx.array | None, mx.array | None]:
         return self.keys, self.values
 
 
-def held_keys(single: Any, length: int) -> tuple[mx.array, mx.array]:
+def held_keys(single: KVCache | RotatingKVCache, length: int) -> tuple[mx.array, mx.array]:
     """The first `length` positions of a one-request cache, [1, H, length, D] each, at their
     absolute positions: a rotating cache holds only the last window of them (in its own order):
     the positions before are zeros, which the window's mask never shows."""
@@ -353,6 +351,11 @@ class RowsArraysCache(ArraysCache):
     and keeps its convolution window at each row's last real token). The arrays from before the
     step are kept: the layer replaces its arrays rather than writing into them, so keeping them
     is a reference, not a copy, and a row's rollback takes its own slice back from them."""
+
+    # mlx-lm's attributes (one entry per array of the layer's state; the rows' widths): it
+    # leaves them unannotated, and mypy infers list[None] and None from their first values
+    cache: list[mx.array | None]  # type: ignore[assignment]
+    lengths: mx.array | None  # type: ignore[assignment]
 
     def __init__(self, size: int):
         super().__init__(size)
@@ -384,7 +387,7 @@ class RowsArraysCache(ArraysCache):
             if like is None:
                 out.append(None)
                 continue
-            out.append(mx.concatenate([r[e] if r[e] is not None else mx.zeros_like(like)
+            out.append(mx.concatenate([a if (a := r[e]) is not None else mx.zeros_like(like)
                                        for r in rows], axis=0))
         return out
 
@@ -394,7 +397,7 @@ class RowsArraysCache(ArraysCache):
     def append_row(self, single: ArraysCache, length: int = 0) -> None:
         """Add a row holding a one-request cache's state (called before the row's length is
         added to the batch's lengths)."""
-        new = list(single.cache)
+        new: list[mx.array | None] = list(single.cache)
         self.cache = self._stack(self._rows(self.cache, self.count) + [new])
         self.before = self._stack(self._rows(self.before, self.count) + [new])
         self.count += 1
@@ -403,7 +406,8 @@ class RowsArraysCache(ArraysCache):
     def of_singles(cls, rows: RowLengths, singles: list[ArraysCache],
                    lengths: list[int]) -> RowsArraysCache:
         layer = cls(len(singles[0].cache))
-        layer.cache = layer._stack([list(c.cache) for c in singles])
+        states: list[list[mx.array | None]] = [list(c.cache) for c in singles]
+        layer.cache = layer._stack(states)
         layer.count = len(singles)
         return layer
 
@@ -416,7 +420,9 @@ class RowsArraysCache(ArraysCache):
     def extract(self, row: int, length: int = 0) -> ArraysCache:
         """Row `row`'s state as a one-request cache of its own (copies)."""
         single = ArraysCache(len(self.cache))
-        single.cache = [None if a is None else mx.array(a[row:row + 1]) for a in self.cache]
+        # (mlx-lm leaves ArraysCache.cache unannotated: mypy infers list[None] from [None] * n)
+        single.cache = [None if a is None else mx.array(a[row:row + 1])  # type: ignore[misc]
+                        for a in self.cache]
         return single
 
     def arrays(self) -> list[mx.array]:

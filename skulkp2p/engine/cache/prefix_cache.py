@@ -43,14 +43,16 @@ from __future__ import annotations
 import copy
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeVar, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import PromptTrie
+from mlx_lm.models.cache import KVCache, PromptTrie
 
 from skulkp2p.engine.cache import caches
+from skulkp2p.engine.cache.caches import CacheEntry
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB
 
 __all__ = ["DEFAULT_PREFIX_CACHE_MB", "MB", "PrefixCache", "PrefixHit"]
@@ -66,10 +68,10 @@ _KV_TYPES = ("KVCache", "ConcatenateKVCache")  # keys/values [B, H, S, D] up to 
 @dataclass
 class _Entry:
     key: tuple[int, ...]
-    caches: list[Any]  # hold len(key) - 1 positions
-    mtp: Any | None  # the MTP head's KVCache, `mtp_rows` rows
+    caches: list[CacheEntry]  # hold len(key) - 1 positions
+    mtp: KVCache | None  # the MTP head's KVCache, `mtp_rows` rows
     mtp_rows: int
-    mtp_hidden: Any | None  # the trunk's hidden row paired in the head's last row [H]
+    mtp_hidden: mx.array | None  # the trunk's hidden row paired in the head's last row [H]
     trimmable: bool
     nbytes: int
 
@@ -84,48 +86,71 @@ class PrefixHit:
     cache over the first `length` positions, or, with `mtp_hidden`, over all but the last one,
     whose row the head recomputes from `mtp_hidden` (the cache is None when that leaves none)."""
     length: int
-    caches: list[Any]
-    mtp: Any | None = None
-    mtp_hidden: Any | None = None
+    caches: list[CacheEntry]
+    mtp: KVCache | None = None
+    mtp_hidden: mx.array | None = None
 
 
-def _is_kv(cache: Any) -> bool:
+class _KV(CacheEntry, Protocol):
+    """An entry of _KV_TYPES holding keys: its buffers [B, H, capacity, D] up to `offset`."""
+    keys: mx.array
+    values: mx.array
+    offset: int
+
+
+class _Trims(CacheEntry, Protocol):
+    """An entry whose caches trim exactly (what the prefix cache stores trimmable)."""
+    def trim(self, n: int) -> int: ...
+
+
+_C = TypeVar("_C", bound=CacheEntry)
+
+
+def _is_kv(cache: object) -> bool:
     return type(cache).__name__ in _KV_TYPES and getattr(cache, "keys", None) is not None
 
 
-def _array_bytes(value: Any) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(value) if isinstance(v, mx.array))
+def _leaves(tree: object) -> list[mx.array]:
+    # (tree_flatten's return type allows the dict it gives only when passed one to fill)
+    flat = cast(list[tuple[str, object]], tree_flatten(tree))
+    return [v for _, v in flat if isinstance(v, mx.array)]
 
 
-def _held_bytes(cache: Any) -> int:
+def _array_bytes(value: object) -> int:
+    return sum(v.nbytes for v in _leaves(value))
+
+
+def _held_bytes(cache: CacheEntry) -> int:
     if _is_kv(cache):
-        return cache.keys.nbytes + cache.values.nbytes  # the whole buffers a slice keeps alive
+        kv = cast(_KV, cache)
+        return kv.keys.nbytes + kv.values.nbytes  # the whole buffers a slice keeps alive
     return _array_bytes(cache.state)
 
 
-def _detach(cache: Any, length: int) -> Any:
+def _detach(cache: _C, length: int) -> _C:
     """A new cache object for the first `length` positions of `cache`, sharing nothing that
     either side could change: KV buffers as slices, everything else copied."""
     new = copy.copy(cache)
     if _is_kv(cache):
-        new.keys = cache.keys[..., :length, :]
-        new.values = cache.values[..., :length, :]
-        new.offset = length
+        kv, new_kv = cast(_KV, cache), cast(_KV, new)
+        new_kv.keys = kv.keys[..., :length, :]
+        new_kv.values = kv.values[..., :length, :]
+        new_kv.offset = length
         return new
     new.state = caches.copy_state(cache.state)
     offset = getattr(new, "offset", None)
     if offset is not None and offset > length:
-        new.trim(offset - length)  # only entries whose caches trim exactly get here
+        cast(_Trims, new).trim(offset - length)  # only entries whose caches trim exactly get here
     return new
 
 
-def _arrays(objs: list[Any]) -> list[mx.array]:
+def _arrays(objs: Sequence[CacheEntry | None]) -> list[mx.array]:
     out: list[mx.array] = []
     for c in objs:
         if c is None:
             continue
-        state = (c.keys, c.values) if _is_kv(c) else c.state
-        out.extend(v for _, v in tree_flatten(state) if isinstance(v, mx.array))
+        state = (cast(_KV, c).keys, cast(_KV, c).values) if _is_kv(c) else c.state
+        out.extend(_leaves(state))
     return out
 
 
@@ -170,10 +195,11 @@ class PrefixCache:
         entry, length, use_hidden = found
         self._lru.move_to_end(entry.key)
         hit = PrefixHit(length, [_detach(c, length) for c in entry.caches])
+        # (an entry without the head's rows never gives an MTP request positions: _mtp_plan)
         if use_hidden:
-            hit.mtp = _detach(entry.mtp, length - 1) if length > 1 else None
+            hit.mtp = _detach(entry.mtp, length - 1) if length > 1 and entry.mtp else None
             hit.mtp_hidden = entry.mtp_hidden
-        elif mtp:
+        elif mtp and entry.mtp is not None:
             hit.mtp = _detach(entry.mtp, length)
         mx.eval(_arrays(hit.caches + [hit.mtp]))
         self.hits += 1
@@ -240,8 +266,9 @@ class PrefixCache:
         entry = self._lru.get(tuple(int(t) for t in key))
         return None if entry is None else entry.nbytes
 
-    def store(self, key: list[int], stage_caches: list[Any], mtp: Any | None = None,
-              mtp_hidden: Any | None = None, *, trim: bool = True,
+    def store(self, key: list[int], stage_caches: Sequence[CacheEntry],
+              mtp: KVCache | None = None, mtp_hidden: mx.array | None = None, *,
+              trim: bool = True,
               elsewhere_bytes: int = 0) -> bool:
         """Keep `stage_caches` (and the MTP head's cache, with the trunk's hidden row paired in
         its last row) as the state after every token of `key` but the last. They are detached
@@ -251,11 +278,11 @@ class PrefixCache:
         (a tensor group's ranks keep the caches, this cache only the index: the largest rank's
         slice), counted against the bound so that the index evicts as the ranks do. False when
         nothing was stored (caches not at that length, or too big for the cache)."""
-        key = tuple(int(t) for t in key)
-        length = len(key) - 1
+        held = tuple(int(t) for t in key)
+        length = len(held) - 1
         if length < 1:
             return False
-        offsets = {c.offset for c in stage_caches if getattr(c, "offset", None) is not None}
+        offsets = {o for c in stage_caches if (o := getattr(c, "offset", None)) is not None}
         if offsets and offsets != {length}:
             log.warning("prefix cache: caches hold %s positions, the key says %d: not stored",
                         sorted(offsets), length)
@@ -279,12 +306,12 @@ class PrefixCache:
             log.debug("prefix cache: an entry of %d tokens (%.1f MB) exceeds the cache's %.1f MB",
                       length, nbytes / MB, self.max_bytes / MB)
             return False
-        entry = _Entry(key, detached, mtp, mtp_rows, mtp_hidden,
+        entry = _Entry(held, detached, mtp, mtp_rows, mtp_hidden,
                        trim and caches.exactly_trimmable(stage_caches), nbytes)
-        if key in self._lru:
-            self._remove(key)
-        self._trie.add(_NS, list(key), entry)
-        self._lru[key] = entry
+        if held in self._lru:
+            self._remove(held)
+        self._trie.add(_NS, list(held), entry)
+        self._lru[held] = entry
         self.nbytes += nbytes
         if entry.trimmable:
             self._drop_covered(entry)

@@ -4,7 +4,8 @@ The ``mlx[cpu]`` wheel links the reference BLAS it vendors, so float32 products 
 GFLOP/s. OpenBLAS (from the ``cmeel-openblas`` wheel) exports the same ``cblas_*`` and LAPACK
 symbols; preloading it makes the dynamic linker bind mlx's imports to OpenBLAS instead. A preload
 only counts at process start, so :func:`ensure_fast_blas` re-executes the process once with
-``LD_PRELOAD`` set, before mlx is imported.
+``LD_PRELOAD`` set, before mlx is imported. Processes reach it through the engine's CPU switch
+(switch.install); importing this module changes nothing.
 
 Environment:
 
@@ -32,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 ENV_MODE = "SKULKP2P_BLAS"
 ENV_LIB = "SKULKP2P_BLAS_LIB"
@@ -275,7 +276,7 @@ def default_blas_threads(cores: int | None = None) -> int:
     mlx calls BLAS from its own stream thread while Python keeps working on the main thread;
     with as many OpenBLAS threads as cores the spinning workers get descheduled mid-product,
     and products and forwards take many times as long on a 2-core machine
-    (docs/measurements/blas-threads.md; tools/blas_probe.py).
+    (docs/measurements/blas-threads.md).
     """
     if cores is None:
         try:
@@ -363,6 +364,17 @@ def ensure_fast_blas(argv: list[str] | None = None) -> None:
         _set_reason(f"re-exec with LD_PRELOAD failed: {exc}")
 
 
+def preload_state() -> str:
+    """"openblas" when libopenblas is preloaded in this process, else why not (as
+    :func:`ensure_fast_blas` left it; for the CPU switch's record, without importing mlx)."""
+    if _preloaded(os.environ):
+        return "openblas"
+    if _reason is not None:
+        return _reason
+    return f"no OpenBLAS preload on {sys.platform}" if not sys.platform.startswith("linux") \
+        else "ensure_fast_blas() was not called"
+
+
 # --------------------------------------------------------------------------------------------
 # After mlx is imported: what runs
 
@@ -428,10 +440,23 @@ def _diagnose() -> str:
     env, why = _fast_env(lib)
     if env is None:
         return why or "libopenblas cannot be used"
-    return "mlx was imported without OpenBLAS preloaded (ensure_fast_blas() not called first?)"
+    return "mlx was imported without OpenBLAS preloaded (switch.install() not called first?)"
 
 
-def fast_path_report() -> dict[str, Any]:
+class FastPathReport(TypedDict):
+    """:func:`fast_path_report`'s answer (its docstring says what each key means)."""
+    blas: str
+    library: str | None
+    dtype: str
+    gflops_f32: float
+    gflops_f32_cpu: float
+    reason: str | None
+    disabled_by_user: bool
+    dtype_overridden: bool
+    device: str
+
+
+def fast_path_report() -> FastPathReport:
     """Which BLAS mlx's CPU products use in this process, and the dtype models should run in.
 
     Keys: ``blas`` ("openblas" | "reference", "accelerate" on macOS), ``library`` (mapped
@@ -482,7 +507,7 @@ def fast_path_report() -> dict[str, Any]:
     }
 
 
-def log_fast_path(report: dict[str, Any], logger: logging.Logger, *, force: bool = False) -> None:
+def log_fast_path(report: FastPathReport, logger: logging.Logger, *, force: bool = False) -> None:
     """Log the report once per process: INFO when fast (or off by choice), else one WARNING."""
     global _logged
     if _logged and not force:

@@ -5,7 +5,7 @@ workers as cores, a product whose worker is descheduled stalls). On a quiet 2-co
 thread still pays off where Python waits on the forward (a verify round, prefill): nothing of
 ours needs the second core then. On a loaded node (other processes runnable: a 3-node CI cluster,
 other jobs, even niced ones) two threads are a cliff: a forward takes many times as long
-(docs/measurements/blas-threads.md; tools/blas_threads_probe.py --load 1). So this module
+(docs/measurements/blas-threads.md). So this module
 raises the count per forward only while it pays, and the forward calls it without knowing what
 it decides:
 
@@ -42,7 +42,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 ENV = "SKULKP2P_BLAS_THREADS"
 AUTO = "auto"
@@ -123,7 +122,7 @@ class LoadProbe:
     threads change state between the two reads (mlx's stream thread finishing a pipelined
     step, an OpenBLAS worker going to sleep after its share of a product), and a kernel thread
     (kworker, kdamond, rcu) is runnable for a few microseconds now and then
-    (tools/load_probe_trace.py). So:
+    (docs/measurements/blas-threads.md, "What the load probe sees"). So:
 
     * our threads' states are read both before and after loadavg, and the larger count is
       ours (a thread that ran at the loadavg read is running at one of the two reads unless it
@@ -131,8 +130,7 @@ class LoadProbe:
     * one excess is noise until seen again: a load counts when the last ``CONFIRM`` readings
       all saw one (a CPU-bound process is runnable at every reading; a transient is not);
     * readings are at most one per ``EVERY_S`` (0.1-0.3 ms each, on the decode's path:
-      docs/measurements/blas-threads.md, "What the load probe sees";
-      tools/load_probe_trace.py): in between, the last answer stands, except
+      docs/measurements/blas-threads.md, "What the load probe sees"): in between, the last answer stands, except
       that a reading which saw a load not yet confirmed is followed by another at the next
       call, so a lasting load is confirmed one forward after it is first seen.
 
@@ -263,7 +261,7 @@ def other_runnable() -> int:
 class OpenBlasThreads:
     """The calls into the preloaded libopenblas (ctypes, symbols found in the process)."""
 
-    def __init__(self, lib: Any):
+    def __init__(self, lib: ctypes.CDLL):
         self._set = lib.openblas_set_num_threads
         self._set.argtypes = [ctypes.c_int]
         self._set.restype = None
@@ -326,7 +324,7 @@ class ThreadPolicy:
         self._clock = clock
         self._lock = threading.Lock()
         self.current = blas.get()
-        self.timings: dict[Any, Timings] = {}
+        self.timings: dict[tuple[str, int], Timings] = {}  # (kind, width class) -> timings
         self.counters = Counters()
         self._trip_until = 0.0
         self._trip_s = TRIP_S
@@ -341,7 +339,7 @@ class ThreadPolicy:
     def auto(self) -> bool:
         return self.fixed is None and self.wide > self.narrow
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, str | int | dict[str, int]]:
         """The policy's settings and what it did, for reports (the `counts` snapshot as JSON)."""
         c = self.counts()
         return {"mode": c.mode, "narrow": c.narrow, "wide": c.wide,
@@ -422,7 +420,7 @@ class ThreadPolicy:
         other = self.narrow if best == self.wide else self.wide
         return other if t.calls % explore_every == 0 else best
 
-    def _decide(self, key: Any, baseline: int, explore_every: int,
+    def _decide(self, key: tuple[str, int], baseline: int, explore_every: int,
                 owner: object | None = None) -> int:
         if self._pinned is not None:
             return self._pinned
@@ -439,7 +437,7 @@ class ThreadPolicy:
             return self.narrow
         return choice
 
-    def _observe(self, key: Any, threads: int, seconds: float) -> None:
+    def _observe(self, key: tuple[str, int], threads: int, seconds: float) -> None:
         t = self.timings.setdefault(key, Timings())
         reference = t.seconds.get(self.narrow)
         if threads == self.wide and reference is not None and seconds > TRIP_RATIO * reference:
@@ -491,12 +489,23 @@ class ThreadPolicy:
 _policy: ThreadPolicy | None = None
 _policy_lock = threading.Lock()
 _NO_POLICY = object()
+# Set by the CPU switch (switch.install): until then no forward changes the thread count.
+_armed = False
+
+
+def arm() -> None:
+    """Let forwards run under the policy (switch.install calls it; the policy is made at the
+    first forward after)."""
+    global _armed
+    _armed = True
 
 
 def policy() -> ThreadPolicy | None:
     """This process's policy, made on first use (after mlx and OpenBLAS are loaded); None when
-    no OpenBLAS runs here."""
+    no OpenBLAS runs here, or before the CPU switch armed it (switch.install)."""
     global _policy
+    if not _armed:
+        return None
     if _policy is None:
         with _policy_lock:
             if _policy is None:

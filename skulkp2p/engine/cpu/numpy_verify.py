@@ -5,7 +5,7 @@ vectorised exp under one. MLX has no fused CPU attention (`mx.fast.scaled_dot_pr
 runs as ops), so a verify of w rows over S tokens of context takes heads x w x S exponentials
 per layer in its softmax, and w x intermediate more in the MLP's SiLU: a large share of a wide
 verify's forward, most of which numpy saves (docs/measurements/decode-loop.md, "A verify's
-exponentials in numpy"; tools/weight_first_ab.py --part numpy). At 2 rows the gain is within
+exponentials in numpy"). At 2 rows the gain is within
 what leaving MLX costs, so 2-row verifies stay mlx-lm's (MIN_ROWS). Nothing in mlx or mlx-lm
 offers a faster CPU exp, so these two steps leave MLX for numpy (the matrix products stay
 MLX's).
@@ -27,15 +27,18 @@ the exactness tests check.
 which mistral maps to; qwen2; qwen3) at the dispatchers below, which hand everything else to
 mlx-lm's own functions: outside a verify, a single row, another dtype or device, a quantized KV
 cache or attention sinks. mlx-lm's own generate never enters `verify_rows()`, so it is unchanged
-in the same process. `SKULKP2P_NUMPY_VERIFY=0` turns it off (read when a model loads).
+in the same process. load_model calls it through the CPU switch (switch.apply, once
+switch.install ran); importing this module replaces nothing. `SKULKP2P_NUMPY_VERIFY=0` turns it
+off (read when a model loads).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from skulkp2p.engine.cpu.weight_first import cpu_float32_switch, is_verifying
@@ -44,10 +47,14 @@ ENV = "SKULKP2P_NUMPY_VERIFY"
 FAMILIES = ("llama", "qwen2", "qwen3")
 ATTENTION, SWIGLU = "scaled_dot_product_attention", "swiglu"
 
-_original: dict[tuple[str, str], Any] = {}  # (module name, function name) -> mlx-lm's function
+# mlx-lm's functions: its scaled_dot_product_attention(queries, keys, values, cache=, scale=,
+# mask=, sinks=) and its swiglu(gate, x)
+MlxLmFunction = Callable[..., mx.array]
+
+_original: dict[tuple[str, str], MlxLmFunction] = {}  # (module name, function name) -> mlx-lm's
 # Fewer rows stay mlx-lm's: a 2-row verify (an MTP head's one-token draft) saved too little to
 # pay for leaving MLX twice a layer; from 3 rows it gains (docs/measurements/decode-loop.md,
-# "A verify's exponentials in numpy"; tools/weight_first_ab.py --part numpy).
+# "A verify's exponentials in numpy").
 MIN_ROWS = 3
 # False: the installed dispatchers hand every call to mlx-lm's functions (an A/B, or a test of
 # bit-for-bit equality between forwards of different widths, which these keep within rounding).
@@ -59,7 +66,7 @@ def enabled(dtype: str) -> bool:
     return cpu_float32_switch(dtype, ENV)
 
 
-def install(model: Any) -> list[str]:
+def install(model: nn.Module) -> list[str]:
     """Route the attention and SwiGLU of `model`'s layers from mlx-lm's attention-only
     families through the dispatchers below (each family's module once, for every model of it
     in this process, which only a verify of ours diverts); the families routed."""
@@ -83,9 +90,10 @@ def _diverted(a: mx.array) -> bool:
     return active and is_verifying() and a.dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
-def _attention_dispatcher(original: Any) -> Any:
-    def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
-                                     scale: float, mask: Any, sinks: Any = None) -> mx.array:
+def _attention_dispatcher(original: MlxLmFunction) -> MlxLmFunction:
+    def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                                     cache: object, scale: float, mask: mx.array | str | None,
+                                     sinks: mx.array | None = None) -> mx.array:
         if (queries.ndim == 4 and queries.shape[2] >= MIN_ROWS and _diverted(queries)
                 and sinks is None and not hasattr(cache, "bits")):
             out = attention(queries, keys, values, scale, mask)
@@ -97,7 +105,7 @@ def _attention_dispatcher(original: Any) -> Any:
     return scaled_dot_product_attention
 
 
-def _swiglu_dispatcher(original: Any) -> Any:
+def _swiglu_dispatcher(original: MlxLmFunction) -> MlxLmFunction:
     def swiglu_(gate: mx.array, x: mx.array) -> mx.array:
         if (gate.ndim >= 2 and gate.shape[-2] >= MIN_ROWS and _diverted(gate)
                 and x.dtype == mx.float32 and x.shape == gate.shape):
@@ -122,7 +130,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-              mask: Any) -> mx.array | None:
+              mask: mx.array | str | None) -> mx.array | None:
     """softmax(q k^T * scale + mask) v for queries [B, Hq, w, D] over keys and values
     [B, Hkv, S, D], the softmax in numpy; None for a mask shape it does not know (the caller
     then runs mlx-lm's). `mask`: None, "causal" (the w queries are the last w positions), a

@@ -5,7 +5,7 @@ and a third of them (positions, inverse frequencies, their product, cos, sin) co
 table in every call of a forward: twice per layer (queries and keys), once per layer, for the
 same positions. In a 4-row step of SmolLM2-135M that is 60 calls and about a third of the step's
 ~4,300 primitives; each costs its dispatch whatever its size (docs/measurements/concurrency.md,
-"The cost of one batched step"; tools/step_parts.py).
+"The cost of one batched step").
 
 Here the first call of a forward asks the layer's own rope for the table, by rotating a unit
 input (first half ones, second half zeros: MLX's own fallback then returns exactly its cos in
@@ -19,7 +19,6 @@ halves), on the CPU device (a GPU runs a fused kernel whose bits this would not 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,24 +27,27 @@ from skulkp2p.engine.cpu.table_rope import TableRoPE, rotate_halves
 from skulkp2p.engine.model.swapped import swapped
 
 
-def shares_tables(rope: Any) -> bool:
+def shares_tables(rope: object) -> bool:
     """Whether this rope's output can come from a shared table bit for bit (module doc)."""
     # (TableRoPE: the same rope, whose int offsets come from its table; a batch's array offsets
     # run the fallback, as here)
-    return (type(rope) in (nn.RoPE, TableRoPE) and not rope.traditional
-            and mx.default_device() == mx.cpu)
+    return (isinstance(rope, nn.RoPE) and type(rope) in (nn.RoPE, TableRoPE)
+            and not rope.traditional and mx.default_device() == mx.cpu)
 
 
 class RopeTables:
     """The sines and cosines of one forward, per (rope settings, width, offset array)."""
 
     def __init__(self) -> None:
-        self._tables: dict[tuple[Any, ...], tuple[mx.array, mx.array, mx.array]] = {}
+        # (dims, base, scale, dtype, rows, width, id of the offsets) -> (cos, sin, the offsets)
+        self._tables: dict[tuple[int, float, float, mx.Dtype, int, int, int],
+                           tuple[mx.array, mx.array, mx.array]] = {}
         self.built = 0  # tables computed (tests: one per forward and rope setting)
 
-    def rotate(self, rope: nn.RoPE, x: mx.array, offset: Any) -> mx.array:
+    def rotate(self, rope: nn.RoPE, x: mx.array, offset: int | mx.array) -> mx.array:
+        # (nn.RoPE annotates its offset int; mx.fast.rope, which it calls, takes arrays too)
         if x.ndim != 4 or not isinstance(offset, mx.array):
-            return rope(x, offset=offset)
+            return rope(x, offset=offset)  # type: ignore[arg-type]
         b, _, t, _ = x.shape
         dims = rope.dims
         # (the offset array itself is kept in the entry, so its id is not reused meanwhile)
@@ -55,7 +57,7 @@ class RopeTables:
             half = dims // 2
             unit = mx.concatenate([mx.ones((b, 1, t, half), x.dtype),
                                    mx.zeros((b, 1, t, dims - half), x.dtype)], axis=-1)
-            table = rope(unit, offset=offset)
+            table = rope(unit, offset=offset)  # type: ignore[arg-type]
             entry = (table[..., :half], table[..., half:dims], offset)
             self._tables[key] = entry
             self.built += 1
@@ -71,7 +73,7 @@ class SharedRope(nn.Module):
         self.inner = inner
         self.tables = tables
 
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return self.tables.rotate(self.inner, x, offset)
 
 

@@ -4,7 +4,7 @@ MLX 0.32 has no CPU kernel for `mx.fast.rope`: each call runs its fallback as ab
 recomputing the frequencies and the cosines and sines of its positions every time, for the
 queries and the keys of every layer, each op paying its dispatch however small. With the table
 every forward costs less, one row most (SmolLM2-135M: 102 to 89 ms; docs/measurements/
-decode-loop.md, "Rotary embeddings from a table"; tools/table_rope_ab.py in the decode loop).
+decode-loop.md, "Rotary embeddings from a table", in the decode loop).
 
 `TableRoPE` computes the same cosines and sines once, for positions 0..N (N doubling as
 contexts grow), with the fallback's own formula and ops (positions x scale times
@@ -21,6 +21,7 @@ float32 inputs on the CPU with an integer offset; anything else (a batch's per-r
 dtypes, a GPU) runs `mx.fast.rope` (a batch's steps share one table per forward instead:
 step_rope.py), and so does everything inside `stock()`: the bench's mlx-lm
 arm and the tests' mlx-lm reference run mlx-lm as it ships on the same model object.
+load_model calls `install` through the CPU switch (switch.apply, once switch.install ran).
 `SKULKP2P_TABLE_ROPE=0` turns it off (read at load).
 """
 
@@ -31,7 +32,6 @@ import contextvars
 import math
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,7 +64,7 @@ def stock() -> Iterator[None]:
         _stock.reset(token)
 
 
-def install(model: Any) -> int:
+def install(model: nn.Module) -> int:
     """Swap the class of `model`'s plain `nn.RoPE` modules to `TableRoPE` (their attributes
     stay); how many were swapped."""
     swapped = 0
@@ -139,9 +139,11 @@ def rope(x: mx.array, dims: int, traditional: bool, base: float, scale: float,
 
 
 class TableRoPE(nn.RoPE):
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if (isinstance(offset, int) and 0 <= offset and offset + x.shape[-2] <= MAX_POSITIONS
                 and x.ndim >= 3 and x.dtype == mx.float32 and mx.default_device() == mx.cpu
                 and not _stock.get()):
             return rope(x, self.dims, self.traditional, self.base, self.scale, offset)
-        return super().__call__(x, offset)
+        # nn.RoPE annotates its offset int, but hands it to mx.fast.rope, which takes an array
+        # of per-row offsets too (a batch's)
+        return super().__call__(x, offset)  # type: ignore[arg-type]

@@ -6,8 +6,7 @@ two OpenBLAS threads, that product is slower for a few rows than the same number
 `(W @ x.T).T`, where the weight is the operand with many rows (whole verify forwards 10-25%
 cheaper with two threads, a wash with one); one row is a matrix-vector product either way and
 is left alone. In the decode loop that made echo's and code-edit's speculative runs faster
-with the same drafts (docs/measurements/decode-loop.md, "Weight-first verify products";
-tools/weight_first_ab.py).
+with the same drafts (docs/measurements/decode-loop.md, "Weight-first verify products").
 
 Only verify forwards (`verify_rows()`, entered by forward.StageCache.run around a verify of
 2+ rows) take the weight-first product. Prefill chunks and one-token steps run mlx-lm's own
@@ -18,7 +17,8 @@ exactness tests check.
 
 `install(model)` turns a loaded model's plain `nn.Linear` layers and its `nn.Embedding` (a
 tied output head calls `as_linear`) into the subclasses below, in place and sharing their
-weights; quantized layers are not touched. `SKULKP2P_WEIGHT_FIRST=0` turns it off (load time).
+weights; quantized layers are not touched. load_model calls it through the CPU switch
+(switch.apply, once switch.install ran). `SKULKP2P_WEIGHT_FIRST=0` turns it off (load time).
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.nn as nn
 
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.cache.prefix_cache import PrefixCache
+from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import make_rng
 from skulkp2p.engine.decode.text import TextAssembler
@@ -24,7 +25,8 @@ from skulkp2p.engine.drafting.gates import (
 )
 from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
 from skulkp2p.engine.drafting.suffix import SuffixDrafter, SuffixMemory
-from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.arrays import leaves
+from skulkp2p.engine.model.forward import Forward, LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel
 from skulkp2p.engine.request import GenerationRequest, RequestError, Speculation
 from skulkp2p.engine.results import (
@@ -36,13 +38,17 @@ from skulkp2p.engine.results import (
     Usage,
 )
 
+if TYPE_CHECKING:
+    from skulkp2p.engine.drafting.assistant import AssistantDrafter
+    from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+
 log = logging.getLogger("skulkp2p.engine")
 
 
 def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
-    tok = loaded.tokenizer
+    tok = loaded.tokenizer  # mlx-lm's TokenizerWrapper
     if req.messages is not None:
-        if not getattr(tok, "has_chat_template", True) and not getattr(tok, "chat_template", None):
+        if not tok.has_chat_template:
             raise RequestError(f"model {loaded.id} has no chat template: send 'prompt'", "messages")
         messages, tools, opening = chat_tools(loaded, req)  # (tool_calls.py)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -52,8 +58,10 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
         if opening:  # tool_choice forces a call: the reply starts inside it
             return list(ids) + list(tok.encode(opening, add_special_tokens=False))
         return list(ids)
+    if req.prompt is None:
+        raise RequestError("send 'messages' or 'prompt'", "prompt")
     # As mlx-lm does: add special tokens (BOS) unless the prompt already starts with BOS.
-    bos = getattr(tok, "bos_token", None)
+    bos = tok.bos_token
     add_special = bos is None or not req.prompt.startswith(bos)
     return list(tok.encode(req.prompt, add_special_tokens=add_special))
 
@@ -64,8 +72,7 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
 MTP_PRIOR_WEIGHT = 8.0
 # The head drafts nothing where its own probability of its guess is below this. Off (0) by
 # default: the replay modelled 0.3 as a gain on every workload, but a one-thread A/B measured
-# it 1-3% slower on code-edit and qa (docs/measurements/drafting.md, "The head's confidence";
-# tools/draft_trace.py --replay).
+# it 1-3% slower on code-edit and qa (docs/measurements/drafting.md, "The head's confidence").
 MTP_MIN_CONFIDENCE = 0.0
 
 # Beside a model drafter, lookup takes only matches of at least this many tokens: a one-token
@@ -124,7 +131,8 @@ def drafts_sampled(loaded: LoadedModel, spec: Speculation) -> bool:
 
 
 def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int],
-                    memory: SuffixMemory | None = None):
+                    memory: SuffixMemory | None = None
+                    ) -> tuple[Drafter | None, int, str | None]:
     """(drafter or None, depth, which trunk hidden state the forward must keep).
 
     An explicit drafter runs at the asked depth, ungated: the caller asked for it. "auto" wraps
@@ -160,7 +168,8 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
         return _draft_drafter(loaded, req), spec.depth or 3, None
     costs = _costs(loaded)
     weigh = fixed_text
-    model_drafter, model_depth, hidden = None, 0, None
+    model_drafter: GatedDrafter | None = None
+    model_depth, hidden = 0, None
     cfg = loaded.speculation.get("lookup", {})
     # Token trees (engine/model/tree.py) where the counts disagree (lookup) or the MTP head's top two
     # are close, when the card's `trees = true`: off by default, as on a quiet machine they
@@ -204,26 +213,26 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     # prompt: the head drafts every round lookup has no match of 2+ tokens for, so a lookup
     # that is on costs nothing where it finds nothing, and on novel answers that quote their
     # question it drafts runs the head cannot (on qa the gate kept lookup off through rounds
-    # with a copy of 2+ tokens: docs/architecture.md, "Drafting edits"; tools/draft_trace.py).
+    # with a copy of 2+ tokens: docs/architecture.md, "Drafting edits").
     # Alone, the gate stays: its rounds would otherwise run pipelined (quiet stretches).
     edits = bool(cfg.get("edits", True))
     default_gate = 0.02 if alone or not edits else 0.0
     start_on = repetition_score(prompt) >= float(cfg.get("min_repetition", default_gate))
     inner = _lookup(loaded, 1 if alone else LOOKUP_MIN_KEY_WITH_MODEL, memory, prompt)
-    start_on = start_on or getattr(inner, "memory_match", 0) >= MEMORY_START_MATCH
+    start_on = start_on or (isinstance(inner, SuffixDrafter)
+                            and inner.memory_match >= MEMORY_START_MATCH)
     prior = float(cfg.get("prior_acceptance", 0.5 if scan else SUFFIX_PRIOR_ACCEPT))
     lookup = GatedDrafter(inner, costs, depth, start_on=start_on, can_return=True,
                           request_id=req.id, prior_accept=prior, weigh_batch=weigh,
                           trees=trees)
-    if alone:
+    if model_drafter is None:
         return lookup, depth, None
     # Both: lookup where it matches, the model's drafter elsewhere (gates.LookupThenModel).
     return LookupThenModel(lookup, model_drafter), max(depth, model_depth), hidden
 
 
 def _param_count(module: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-    return sum(v.size for _, v in tree_flatten(module.parameters()))
+    return sum(v.size for v in leaves(module.parameters()))
 
 
 def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
@@ -239,7 +248,7 @@ def _relative_cost(drafter_module: nn.Module, loaded: LoadedModel) -> float:
         if drafter_module is loaded.mtp and trunk.tied:
             # The shared head is read again per draft: only its draft-vocabulary rows when the
             # head drafts over a reduced vocabulary.
-            rows = getattr(loaded.mtp, "vocab_ids", None)
+            rows = loaded.mtp.vocab_ids
             weight = trunk.embed_tokens.weight
             own += weight.size if rows is None else len(rows) * weight.shape[-1]
         cache[key] = own / max(loaded.whole_params or _param_count(loaded.model), 1)
@@ -252,7 +261,7 @@ def mtp_min_confidence(loaded: LoadedModel) -> float:
     return float(loaded.speculation.get("mtp_min_confidence", MTP_MIN_CONFIDENCE))
 
 
-def _mtp_drafter(loaded: LoadedModel, min_confidence: float = 0.0):
+def _mtp_drafter(loaded: LoadedModel, min_confidence: float = 0.0) -> MtpDrafter:
     """`min_confidence`: 0 for an explicit drafter (the caller asked for its drafts)."""
     from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
     return MtpDrafter(loaded.mtp,
@@ -267,7 +276,8 @@ def _assistant_usable(loaded: LoadedModel) -> bool:
     return loaded.assistant is not None
 
 
-def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bool = False):
+def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bool = False
+                       ) -> AssistantDrafter:
     from skulkp2p.engine.drafting.assistant import AssistantDrafter, explicit_unavailable
     if explicit and not _assistant_usable(loaded):
         if loaded.speculation.get("drafter") == "assistant":  # paired, but not loaded here
@@ -279,21 +289,23 @@ def _assistant_drafter(loaded: LoadedModel, req: GenerationRequest, explicit: bo
         None if req.sampling.seed is None else req.sampling.seed + 1))
 
 
-def _draft_drafter(loaded: LoadedModel, req: GenerationRequest):
+def _draft_drafter(loaded: LoadedModel, req: GenerationRequest) -> DraftModelDrafter:
     # Tokenizers were checked once when the draft model loaded (loader.open_model).
+    assert loaded.draft is not None  # (the callers asked)
     return DraftModelDrafter(loaded.draft, req.sampling, make_rng(
         None if req.sampling.seed is None else req.sampling.seed + 1),
         target_vocab=vocab_size(loaded.model))
 
 
-def _mtp_in(drafter: Any) -> Any:
+def _mtp_in(drafter: Drafter | None) -> MtpDrafter | None:
     """The MTP head drafter inside a (gated, combined) drafter, or None."""
     from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 
-    while drafter is not None and not isinstance(drafter, MtpDrafter):
-        drafter = drafter.model if isinstance(drafter, LookupThenModel) else getattr(
-            drafter, "inner", None)
-    return drafter
+    if isinstance(drafter, LookupThenModel):
+        drafter = drafter.model
+    if isinstance(drafter, GatedDrafter):
+        drafter = drafter.inner
+    return drafter if isinstance(drafter, MtpDrafter) else None
 
 
 class _PrefixUse:
@@ -301,7 +313,8 @@ class _PrefixUse:
     longest cached prefix of the prompt before the prefill, keep the caches at the end of the
     prompt when they cannot trim back to it later, and at the end of the request."""
 
-    def __init__(self, cache: PrefixCache, forward: Any, mtp: Any, caches_trim: bool):
+    def __init__(self, cache: PrefixCache, forward: Forward, mtp: MtpDrafter | None,
+                 caches_trim: bool):
         self.cache = cache
         self.forward = forward
         # Whether every stage's caches trim (on a ring, other stages may hold recurrent state
@@ -312,8 +325,11 @@ class _PrefixUse:
 
     def restore(self, prompt: list[int]) -> int:
         hit = self.cache.fetch(prompt, mtp=self.mtp is not None)
-        self.held = 0 if hit is None else self.forward.restore(
-            hit.caches, prompt[:hit.length], prompt[:hit.length + 1])
+        if hit is None:
+            self.held = 0
+            return 0
+        self.held = self.forward.restore(hit.caches, prompt[:hit.length],
+                                         prompt[:hit.length + 1])
         if self.held and self.mtp is not None:
             self.mtp.restore(hit.mtp, hit.mtp_hidden)
         return self.held
@@ -329,26 +345,21 @@ class _PrefixUse:
         mtp = self.mtp
         if mtp is not None:
             mtp.catch_up()  # the rows it skipped while switched off, in one call
-        elsewhere = 0
-        keep_in_group = getattr(self.forward, "keep_in_group", None)
-        if keep_in_group is not None:  # a tensor group: its ranks keep their slices now
-            held = keep_in_group(key)
-            if held is None:
-                return  # some rank could not keep its slice: no entry (a hit would miss there)
-            elsewhere = held
+        # A tensor group's ranks keep their slices now (none elsewhere: 0).
+        elsewhere = self.forward.keep_in_group(key)
+        if elsewhere is None:
+            return  # some rank could not keep its slice: no entry (a hit would miss there)
         self.cache.store(key, self.forward.cache, None if mtp is None else mtp.cache,
                          None if mtp is None else mtp.last_hidden_row, trim=self.trim,
                          elsewhere_bytes=elsewhere)
-        share = getattr(self.forward, "share_store", None)  # a ring: the other stages too
-        if share is not None:
-            share(key)
+        self.forward.share_store(key)  # a ring: the other stages keep theirs too
 
 
 def stream(loaded: LoadedModel, req: GenerationRequest,
            interrupt: Callable[[], None] | None = None,
            prefix_cache: PrefixCache | None = None, prompt: list[int] | None = None,
            memory: SuffixMemory | None = None,
-           make_forward: Callable[[str | None, Callable[[], None] | None], Any] | None = None
+           make_forward: Callable[[str | None, Callable[[], None] | None], Forward] | None = None
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
@@ -371,6 +382,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
+    forward: Forward
     if make_forward is not None:
         forward = make_forward(hidden, interrupt)
     elif loaded.make_forward is not None:
@@ -420,8 +432,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
                 log.exception("prefix cache: keeping the request's caches failed")
     finally:
         steps.close()
-        if hasattr(forward, "close"):
-            forward.close()  # a ring frees the request's caches on the other stages
+        forward.close()  # a ring frees the request's caches on the other stages
     tail = text.finish()
     if calls is not None:
         yield from calls.finish(tail)
@@ -440,10 +451,12 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     return done if calls is None else calls.result(done)  # the calls, the text beside them
 
 
-def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> SpeculationStats | None:
+def _speculation_stats(drafter: Drafter | None, depth: int, stats: DecodeStats
+                       ) -> SpeculationStats | None:
     if drafter is None:
         return None
     gated = isinstance(drafter, GatedDrafter | LookupThenModel)
+    events = list(drafter.events) if isinstance(drafter, GatedDrafter | LookupThenModel) else []
     by_drafter = None
     if isinstance(drafter, LookupThenModel):
         by_drafter = {name: DrafterCounts(**c) for name, c in drafter.counts().items()}
@@ -454,8 +467,7 @@ def _speculation_stats(drafter: Any, depth: int, stats: DecodeStats) -> Speculat
                                  zip(stats.accepted_at, stats.drafted_at, strict=True)],
         drafted_per_position=list(stats.drafted_at),
         accepted_per_position=list(stats.accepted_at),
-        gate_fired=bool(gated and drafter.events),
-        gate_events=list(drafter.events) if gated else [], by_drafter=by_drafter,
+        gate_fired=bool(events), gate_events=events, by_drafter=by_drafter,
         tree_rounds=stats.tree_rounds)
 
 
@@ -468,8 +480,3 @@ def run(loaded: LoadedModel, req: GenerationRequest,
             next(steps)
         except StopIteration as done:
             return done.value
-
-
-def generate(loaded: LoadedModel, req: GenerationRequest) -> dict[str, Any]:
-    """The whole result of one request as the JSONL pipe writes it."""
-    return run(loaded, req).to_pipe_dict(req.id, loaded.id)

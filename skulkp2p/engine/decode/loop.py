@@ -2,20 +2,23 @@
 
 Plain decoding is this loop with no drafter (every round verifies just the pending token), so
 there is a single code path to trust. The loop sees only the `Forward` seam, never where the
-layers run.
+layers run, and a drafter only through its `Drafter` protocol (drafter_seam.py). Both are
+declared (engine/model/forward.py: `Forward`): what either cannot do is a declared default (no
+trees, no lazy steps, never quiet), never a missing attribute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.decode.sampling import (
     SamplingParams,
+    as_token,
     greedy_token,
     greedy_tokens,
     log_probs,
@@ -24,52 +27,13 @@ from skulkp2p.engine.decode.sampling import (
     target_probs,
 )
 from skulkp2p.engine.decode.tree_accept import draw_child, walk_tree
-from skulkp2p.engine.model.forward import Forward
 from skulkp2p.engine.model.tree import DraftTree, greedy_walk
 
+if TYPE_CHECKING:
+    import mlx.core as mx
 
-class Drafter(Protocol):
-    name: str
-
-    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
-        """Up to k draft tokens following `history`, and the drafter's distributions q for each
-        (None for a deterministic drafter, whose q is one-hot on its token)."""
-        ...
-
-    def begin(self, prompt: list[int], forward: Forward) -> None:
-        """Called once after the prompt (all but its last token) is prefilled; a drafter that
-        reads the trunk's hidden rows finds them in `forward.last_hidden` (the rows of the
-        positions this prefill ran: after a prefix-cache hit, those past the cached ones)."""
-        ...
-
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
-        """Called after every verify round, after the caches were rolled back: `drafted` tokens
-        were proposed, the first `accepted` of them were kept, and `emitted` (accepted drafts
-        plus the verifier's own token) were emitted. `forward.last_hidden` holds the hidden rows
-        of [pending, *draft] from that round's verify. Gates and depth control listen here too."""
-        ...
-
-
-class QuietDrafter(Drafter, Protocol):
-    """A drafter that says when it expects to offer nothing for a while (a gate switched off):
-    the loop then runs greedy steps pipelined, asking it for a draft after every token
-    (decode._pipelined). Taking back the step built ahead costs a whole step, so a drafter
-    that merely found no match this round (it likely will next round) is not quiet."""
-
-    def quiet(self) -> bool: ...
-
-
-class TreeDrafter(Drafter, Protocol):
-    """A drafter that may propose a token tree (engine/model/tree.py) instead of a chain. The loop
-    asks for trees on requests whose forward verifies trees (greedy and sampled: the sampled
-    rule is tree_accept.py's); a tree that is a chain is verified as a chain (`observe`, with
-    the chain's q from `tree.q`), any other one in one tree forward, after which
-    `observe_tree` gets the tree, the accepted path's node indices and the emitted tokens, with
-    `forward.last_hidden` holding the rows of [pending, *path] (what a chain round leaves)."""
-
-    def propose_tree(self, history: list[int], k: int) -> DraftTree | None: ...
-    def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
-                     forward: Forward) -> None: ...
+    from skulkp2p.engine.decode.drafter_seam import Drafter
+    from skulkp2p.engine.model.forward import Forward
 
 
 @dataclass
@@ -112,14 +76,14 @@ class DecodeStats:
             self.accepted_at[i] += int(i < accepted)
 
 
-def choose(row, params: SamplingParams, rng: np.random.Generator) -> int:
+def choose(row: mx.array, params: SamplingParams, rng: np.random.Generator) -> int:
     """The token plain decoding picks from one processed logits row."""
     if params.greedy:
         return greedy_token(row)
     return sample_from(target_probs(row, params), rng)
 
 
-def verify_one(row, draft: int, q: np.ndarray | None, params: SamplingParams,
+def verify_one(row: mx.array, draft: int, q: np.ndarray | None, params: SamplingParams,
                rng: np.random.Generator) -> tuple[int, bool]:
     """Decide one draft token against the target row: (token to emit, accepted?).
 
@@ -161,7 +125,7 @@ def decode(
     cached: int = 0,
     history: list[int] | None = None,
     on_prefill: Callable[[], None] | None = None,
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Yield generated tokens one at a time. The caller stops consuming at EOS or a stop string.
 
     `cached`: the forward's caches already hold prompt[:cached] (a prefix-cache hit), so only
@@ -189,17 +153,15 @@ def decode(
     if history is None:
         history = []
     history[:] = prompt
-    # Trees where the forward verifies them (attention-only families): greedy requests keep
-    # the target's choices, sampled ones the multi-draft rejection rule (tree_accept.py).
-    trees = (drafter is not None and hasattr(drafter, "propose_tree")
-             and getattr(forward, "trees", False))
+    # Trees where the drafter proposes them and the forward verifies them (attention-only
+    # families): greedy requests keep the target's choices, sampled ones the multi-draft
+    # rejection rule (tree_accept.py).
+    trees = drafter is not None and drafter.capabilities.trees and forward.trees
     produced = 0
     # Rounds with nothing to verify run pipelined (_pipelined): plain greedy from its first
     # token, and with a drafter the stretches where it expects to offer nothing for a while (its
-    # gate is off). A step built ahead is taken back when a draft turns up, or when the caller
-    # keeps the caches (the prefix cache), so then the caches must trim exactly.
-    said_quiet = getattr(drafter, "quiet", None)
-    may_stretch = plain_rows and (drafter is None or said_quiet is not None)
+    # gate is off: `quiet`). A step built ahead is taken back when a draft turns up, or when
+    # the caller keeps the caches (the prefix cache), so then the caches must trim exactly.
     trims = keeps or drafter is not None
     offered: Proposal | None = None
     while produced < max_tokens:
@@ -208,13 +170,15 @@ def decode(
             offered = _propose(drafter, history, k, trees)
         draft, q, tree = offered
         offered = None
-        if (not draft and may_stretch and (said_quiet is None or said_quiet())
+        if (not draft and plain_rows and (drafter is None or drafter.quiet())
                 and _may_pipeline(forward, trims)):
             produced, pending, offered = yield from _pipelined(
                 forward, drafter, pending, produced, max_tokens, depth, history, keeps, stats,
                 trees)
             continue
+        emitted: list[int]
         if tree is not None:
+            assert drafter is not None  # (a tree comes from the drafter)
             emitted, path = _tree_round(forward, pending, tree, params, history, rng,
                                         plain_rows)
             stats.record_tree(tree, len(path))
@@ -226,7 +190,7 @@ def decode(
                 yield token
             continue
         logits = forward([pending, *draft])
-        emitted: list[int] = []
+        emitted = []
         accepted = 0
         if plain_rows:
             chosen = greedy_tokens(logits[:len(draft) + 1])
@@ -257,7 +221,7 @@ def decode(
             yield token
 
 
-def _tree_round(forward, pending: int, tree: DraftTree, params: SamplingParams,
+def _tree_round(forward: Forward, pending: int, tree: DraftTree, params: SamplingParams,
                 history: list[int], rng: np.random.Generator,
                 plain_rows: bool) -> tuple[list[int], list[int]]:
     """Verify a tree in one forward, walk it (greedy: the target's choices; sampled: recursive
@@ -280,15 +244,13 @@ def _may_pipeline(forward: Forward, trims: bool) -> bool:
     may run ahead now (a batch row only while it decodes alone), and, when a step built ahead
     may have to be taken back (the caller keeps the caches afterwards, or a draft may turn
     up), its caches trim exactly."""
-    if not hasattr(forward, "lazy_step"):
-        return False
-    may_run_ahead = getattr(forward, "may_run_ahead", None)
-    if may_run_ahead is not None and not may_run_ahead():
+    if not forward.may_run_ahead():
         return False
     return not trims or caches.exactly_trimmable(forward.cache)
 
 
-Proposal = tuple[list[int], "list[np.ndarray] | None", "DraftTree | None"]
+# A round's drafts: the tokens, their q (None: deterministic), the tree when it is not a chain.
+Proposal = tuple[list[int], Sequence[np.ndarray | None] | None, DraftTree | None]
 
 
 def _propose(drafter: Drafter | None, history: list[int], k: int, trees: bool) -> Proposal:
@@ -304,7 +266,7 @@ def _propose(drafter: Drafter | None, history: list[int], k: int, trees: bool) -
     return draft, q, None
 
 
-def _pipelined(forward: Any, drafter: Drafter | None, pending: int, produced: int,
+def _pipelined(forward: Forward, drafter: Drafter | None, pending: int, produced: int,
                max_tokens: int, depth: int, history: list[int], keeps: bool,
                stats: DecodeStats, trees: bool
                ) -> Generator[int, None, tuple[int, int, Proposal | None]]:
@@ -337,16 +299,14 @@ def _pipelined(forward: Any, drafter: Drafter | None, pending: int, produced: in
             mx.async_eval(y, hidden)
         return y, hidden
 
-    may_run_ahead = getattr(forward, "may_run_ahead", None)
-    settled = getattr(forward, "end_run_ahead", None)  # a batch row: arrivals may go on
     y, hidden = step(mx.array([pending]))
     token = pending
     while True:
         produced += 1
         ahead = None
-        if produced < max_tokens and (may_run_ahead is None or may_run_ahead()):
+        if produced < max_tokens and forward.may_run_ahead():
             ahead = step(y)
-        token = int(y.item())
+        token = as_token(y)
         if drafter is not None:
             if hidden is not None:
                 forward.last_hidden = hidden  # the row of the token this step ran, as a round's
@@ -362,8 +322,7 @@ def _pipelined(forward: Any, drafter: Drafter | None, pending: int, produced: in
                     forward.rollback(keep=0, dropped=1)
             raise
         if ahead is None:
-            if settled is not None:
-                settled()
+            forward.end_run_ahead()  # (a batch row: an arriving request may go on)
             return produced, token, None
         if drafter is not None:
             offered = _propose(drafter, history, min(depth, max_tokens - produced - 1), trees)
@@ -371,7 +330,6 @@ def _pipelined(forward: Any, drafter: Drafter | None, pending: int, produced: in
                 mx.eval(ahead[0])  # its cache entry is written before it is cut
                 forward.rollback(keep=0, dropped=1)
                 stats.taken_back += 1
-                if settled is not None:
-                    settled()
+                forward.end_run_ahead()
                 return produced, token, offered
         y, hidden = ahead

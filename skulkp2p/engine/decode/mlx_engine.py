@@ -3,14 +3,15 @@ of a pipeline ring) that generates with the one speculative decode loop."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator
-from typing import Any
 
 from skulkp2p.engine.batching.scheduler import BatchScheduler, batchable
 from skulkp2p.engine.cache.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
 from skulkp2p.engine.decode.generate import prompt_tokens, stream
 from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.drafting.suffix import SuffixMemory
+from skulkp2p.engine.model.forward import Forward
 from skulkp2p.engine.model.loaded import LoadedModel
 from skulkp2p.engine.protocol import EngineInfo, Generation, VerifyCosts
 from skulkp2p.engine.request import GenerationRequest, RequestError
@@ -21,9 +22,12 @@ from skulkp2p.engine.results import Chunk, GenerationResult
 DEFAULT_MEMORY_TOKENS = 65536
 
 # Requests decoded together when neither the caller nor the card (`[runtime] max_batch`) says
-# (8 rows cost 1.46x one row: docs/measurements/concurrency.md, "Batching in one process";
-# tools/batch_bench.py --widths).
+# (8 rows cost 1.46x one row: docs/measurements/concurrency.md, "Batching in one process").
 DEFAULT_MAX_BATCH = 8
+
+# The forward a request decodes on, given the trunk hidden state its drafter reads and its
+# interrupt (a row of the model's batch).
+MakeForward = Callable[[str | None, Callable[[], None] | None], Forward]
 
 
 class MlxEngine:
@@ -68,6 +72,7 @@ class MlxEngine:
             if self.ring:
                 from skulkp2p.engine.model.stage import StageModel
                 from skulkp2p.engine.parallel.ring.batch_rows import RingRows
+                assert loaded.span is not None  # (a ring's last stage)
                 stage, through = StageModel(loaded.model, loaded.span), RingRows()
             self.scheduler = BatchScheduler(loaded.model, max_batch, int(loaded.runtime.get(
                 "prefill_step", 2048)), stage=stage, through=through)
@@ -81,6 +86,10 @@ class MlxEngine:
                 "memory_tokens", DEFAULT_MEMORY_TOKENS))
         # Both live as long as the model is loaded; one worker thread runs its requests in turn.
         self.memory = SuffixMemory(memory_tokens)
+        # The prompts prompt_length rendered, by request, until its generation takes them: the
+        # worker asks for the length, then generates, and the chat template renders once.
+        self._rendered: dict[int, tuple[GenerationRequest, list[int]]] = {}
+        self._rendered_lock = threading.Lock()
 
     def info(self) -> EngineInfo:
         loaded = self.loaded
@@ -106,14 +115,28 @@ class MlxEngine:
         return self.loaded.verify_costs
 
     def prompt_length(self, req: GenerationRequest) -> int:
-        """Tokenise once more up front (cheap next to a forward) so the client learns the
-        prompt size, and an over-long prompt is refused before a stream commits to a 200."""
-        n = len(prompt_tokens(self.loaded, req))
+        """Tokenise up front so the client learns the prompt size, and an over-long prompt is
+        refused before a stream commits to a 200; the generation of `req` reuses the tokens."""
+        prompt = prompt_tokens(self.loaded, req)
+        n = len(prompt)
         if n >= self.context_length:
             raise RequestError(f"prompt is {n} tokens; model {self.id} takes at most "
                                f"{self.context_length - 1}", "messages" if req.messages
                                else "prompt")
+        with self._rendered_lock:
+            self._rendered[id(req)] = (req, prompt)  # holds req: its id is not reused
+            while len(self._rendered) > 4 * self.max_concurrent:  # lengths never generated
+                del self._rendered[next(iter(self._rendered))]
         return n
+
+    def _prompt(self, req: GenerationRequest) -> list[int]:
+        """The prompt's tokens: those prompt_length rendered for this request, else rendered
+        now."""
+        with self._rendered_lock:
+            kept = self._rendered.pop(id(req), None)
+        if kept is not None and kept[0] is req:
+            return kept[1]
+        return prompt_tokens(self.loaded, req)
 
     def generate(self, req: GenerationRequest) -> Generation:
         if self.scheduler is None:
@@ -121,11 +144,11 @@ class MlxEngine:
         return Generation(lambda interrupt: self._in_batch(req, interrupt))
 
     def _remembered(self, req: GenerationRequest, interrupt: Callable[[], None],
-                    make_forward: Callable[..., Any] | None = None
+                    make_forward: MakeForward | None = None
                     ) -> Generator[Chunk, None, GenerationResult]:
         """The stream, and its prompt and output into the draft memory when it ends."""
         memory = self.memory if self.memory.enabled else None
-        prompt = prompt_tokens(self.loaded, req)  # once: the stream and the memory share it
+        prompt = self._prompt(req)  # once: the stream and the memory share it
         result = yield from stream(self.loaded, req, interrupt, self.prefix_cache, prompt,
                                    memory=memory, make_forward=make_forward)
         if memory is not None:
@@ -140,13 +163,14 @@ class MlxEngine:
         assert sched is not None
         lock = sched.cond
         sched.arrive()  # (before the lock: a lone row sees it at its next step)
-        make = sched.forward
+        make: MakeForward = sched.forward
         if self.ring:  # each row over its own RingForward (its prefill, its frames' ids)
             ring_forward = self.loaded.make_forward
             assert ring_forward is not None
 
-            def make(hidden: str | None, interrupt: Callable[[], None] | None) -> Any:
+            def ring_row(hidden: str | None, interrupt: Callable[[], None] | None) -> Forward:
                 return sched.forward(hidden, interrupt, ring_forward(req, hidden, interrupt))
+            make = ring_row
         steps = self._remembered(req, interrupt, make)
         try:
             with lock:

@@ -12,13 +12,15 @@ from. Draws come from a per-request numpy Generator, so concurrent requests neve
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 import numpy as np
 
 from skulkp2p.engine.request import SamplingParams
 
-__all__ = ["SamplingParams", "greedy_token", "greedy_tokens", "log_probs", "make_rng", "process_logits",
-           "sample_from", "target_probs"]
+__all__ = ["SamplingParams", "as_floats", "as_token", "as_tokens", "greedy_token", "greedy_tokens", "log_probs",
+           "make_rng", "process_logits", "sample_from", "target_probs"]
 
 
 def process_logits(row: mx.array, history: list[int], params: SamplingParams) -> mx.array:
@@ -41,9 +43,24 @@ def log_probs(row: mx.array) -> mx.array:
     return row - mx.logsumexp(row, axis=-1, keepdims=True)
 
 
+def as_token(a: mx.array) -> int:
+    """The token id in a one-element integer array (mlx types `item()` as any scalar)."""
+    return cast(int, a.item())
+
+
+def as_tokens(a: mx.array) -> list[int]:
+    """The token ids in a 1-d integer array (mlx types `tolist()` as any nesting)."""
+    return cast(list[int], a.tolist())
+
+
+def as_floats(a: mx.array) -> list[float]:
+    """The values of a 1-d floating array (mlx types `tolist()` as any nesting)."""
+    return cast(list[float], a.tolist())
+
+
 def greedy_token(row: mx.array) -> int:
     """argmax of log-probabilities in the model's dtype, as mlx-lm's greedy sampler sees them."""
-    return int(mx.argmax(log_probs(row), axis=-1).item())
+    return as_token(mx.argmax(log_probs(row), axis=-1))
 
 
 # Relative rounding step (machine epsilon) of the dtypes log-probabilities are computed in.
@@ -70,8 +87,8 @@ def greedy_tokens(rows: mx.array) -> list[int]:
         gap = best - x.max(axis=-1)
         bound = eps * (2.0 * (np.log(x.shape[1]) + 1.0) + gap)
         if np.all(np.isfinite(best)) and np.all(gap > bound):
-            return top.tolist()
-    return mx.argmax(log_probs(rows), axis=-1).tolist()
+            return cast(list[int], top.tolist())
+    return as_tokens(mx.argmax(log_probs(rows), axis=-1))
 
 
 def target_probs(row: mx.array, params: SamplingParams) -> np.ndarray:

@@ -6,11 +6,18 @@ still grow into a stop string, is held back until the next token settles it.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Detokenizer(Protocol):
+    """What is read of a tokenizer here: the text of a run of tokens."""
+
+    def decode(self, tokens: Sequence[int], /) -> str: ...
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Detokenizer, stops: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stops = stops
         self.tokens: list[int] = []

@@ -26,12 +26,16 @@ from __future__ import annotations
 import importlib
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.json_types import JSONObject
+from skulkp2p.engine.request import GenerationRequest, Message, RequestError, Tool
 from skulkp2p.engine.results import Chunk, GenerationResult, ToolCall, ToolCallDelta
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model.loaded import LoadedModel
 
 PARSERS = "mlx_lm.tool_parsers"
 
@@ -71,7 +75,14 @@ def known_parsers() -> list[str]:
                   if p.name.endswith(".py") and not p.name.startswith("_"))
 
 
-def model_format(card_chat: dict[str, Any], tokenizer: Any) -> ToolFormat | None:
+class TemplateTokenizer(Protocol):
+    """What is read here of a model's tokenizer (mlx-lm's wrapper): its chat template."""
+
+    def apply_chat_template(self, conversation: list[dict[str, object]], /,
+                            **kwargs: object) -> object: ...
+
+
+def model_format(card_chat: Mapping[str, object], tokenizer: object) -> ToolFormat | None:
     """The model's tool format: the card's `[chat] tool_parser` ("none": the model takes no
     tools), else the parser mlx-lm's tokenizer wrapper picked from the chat template (or from
     tokenizer_config's tool_parser_type), else None."""
@@ -79,7 +90,7 @@ def model_format(card_chat: dict[str, Any], tokenizer: Any) -> ToolFormat | None
     if name == "none":
         return None
     if name:
-        return load_format(name)
+        return load_format(str(name))
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
     if parser is None or not module.startswith(PARSERS + "."):
@@ -131,26 +142,44 @@ def json_tools_template(template: str) -> bool:
             and "<function=" not in template)
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates read them: a call's arguments as an object (templates write
-    them with `| tojson`), not as the JSON text OpenAI's shape carries."""
+def template_messages(messages: Sequence[Message]) -> list[dict[str, object]]:
+    """Messages as chat templates read them (OpenAI chat's shape, which mlx-lm's and Hugging
+    Face's templates follow), with a call's arguments as an object (templates write them with
+    `| tojson`), not as the JSON text a call carries."""
     out = []
     for m in messages:
-        if "tool_calls" in m:
-            m = {**m, "tool_calls": [
-                {**c, "function": {**c["function"],
-                                   "arguments": json.loads(c["function"]["arguments"])}}
-                for c in m["tool_calls"]]}
-        out.append(m)
+        msg: dict[str, object] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.loads(c.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
     return out
 
 
-PROBE_TOOL = {"type": "function", "function": {
-    "name": "skulkp2p_probe_tool", "description": "probe",
+def template_tools(tools: Sequence[Tool]) -> list[JSONObject]:
+    """Tools as chat templates and mlx-lm's tool parsers take them (OpenAI chat's `tools`)."""
+    out: list[JSONObject] = []
+    for tool in tools:
+        fn: JSONObject = {"name": tool.name}
+        if tool.description is not None:
+            fn["description"] = tool.description
+        fn["parameters"] = (tool.parameters if tool.parameters is not None
+                            else {"type": "object", "properties": {}})
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+PROBE_NAME = "skulkp2p_probe_tool"
+PROBE_TOOL: JSONObject = {"type": "function", "function": {
+    "name": PROBE_NAME, "description": "probe",
     "parameters": {"type": "object", "properties": {}}}}
 
 
-def renders_tools(tokenizer: Any) -> bool:
+def renders_tools(tokenizer: TemplateTokenizer) -> bool:
     """Whether the chat template writes the tools into the prompt (a template that ignores them
     would let the model answer without ever seeing them)."""
     try:
@@ -159,7 +188,7 @@ def renders_tools(tokenizer: Any) -> bool:
                                              tokenize=False)
     except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
         return False
-    return isinstance(text, str) and PROBE_TOOL["function"]["name"] in text
+    return isinstance(text, str) and PROBE_NAME in text
 
 
 def new_call_id() -> str:
@@ -185,12 +214,12 @@ class ToolCallParser:
     function (else it is released as text); inside the tags, the call ends where its object
     does when the model writes something other than the end marker after it."""
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]] | None = None,
+    def __init__(self, fmt: ToolFormat, tools: Sequence[Tool] | None = None,
                  parallel: bool = True, opening: str = "",
                  new_id: Callable[[], str] = new_call_id):
         self.fmt = fmt
-        self.tools = tools
-        self.names = None if tools is None else {t["function"]["name"] for t in tools}
+        self.tools = None if tools is None else template_tools(tools)  # what mlx-lm's take
+        self.names = None if tools is None else {t.name for t in tools}
         self.parallel = parallel
         self.new_id = new_id
         self.in_call = False
@@ -474,9 +503,9 @@ def _as_chunks(events: list[str | ToolCallDelta], tokens: list[int], empty: bool
             yield Chunk("", toks, tool_call=event)
 
 
-# ---- the MLX engine's side: a loaded model (duck-typed: no mlx here) ----------------------
+# ---- the MLX engine's side: a loaded model (its type only named: no mlx here) -------------
 
-def model_tools(loaded: Any) -> tuple[ToolFormat | None, bool]:
+def model_tools(loaded: LoadedModel) -> tuple[ToolFormat | None, bool]:
     """(the model's tool format, whether its chat template renders tools), once per model."""
     cached = loaded.runtime.get("_tool_support")
     if cached is None:
@@ -485,12 +514,12 @@ def model_tools(loaded: Any) -> tuple[ToolFormat | None, bool]:
     return cached
 
 
-def chat_tools(loaded: Any, req: GenerationRequest
-               ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+def chat_tools(loaded: LoadedModel, req: GenerationRequest
+               ) -> tuple[list[dict[str, object]], dict[str, object], str]:
     """What the chat template is given for `req`: (messages, extra arguments: the tools, the
     opening the prompt ends with when tool_choice forces a call). RequestError (400) for tools
     the model cannot take."""
-    messages = template_messages(req.messages or [])
+    messages = template_messages(req.messages or ())
     if not req.uses_tools:
         return messages, {}, ""
     fmt, renders = model_tools(loaded)
@@ -500,15 +529,15 @@ def chat_tools(loaded: Any, req: GenerationRequest
     if fmt is None:
         raise RequestError(f"model {loaded.id} has no known tool-call format: name one of "
                            "mlx-lm's tool parsers in its card ([chat] tool_parser)", "tools")
-    return messages, {"tools": [t.to_openai() for t in req.tools]}, forced_opening(fmt, req)
+    return messages, {"tools": template_tools(req.tools)}, forced_opening(fmt, req)
 
 
-def tool_stream(loaded: Any, req: GenerationRequest) -> ToolCallStream | None:
+def tool_stream(loaded: LoadedModel, req: GenerationRequest) -> ToolCallStream | None:
     """The parser for `req`'s reply, or None when it offers no tools."""
     if not req.uses_tools:
         return None
     fmt, _ = model_tools(loaded)
     if fmt is None:  # chat_tools refused it already
         return None
-    return ToolCallStream(ToolCallParser(fmt, [t.to_openai() for t in req.tools],
-                                         req.parallel_tool_calls, forced_opening(fmt, req)))
+    return ToolCallStream(ToolCallParser(fmt, req.tools, req.parallel_tool_calls,
+                                         forced_opening(fmt, req)))

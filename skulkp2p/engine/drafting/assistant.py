@@ -28,24 +28,34 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
 
+from skulkp2p.engine.cache.caches import CacheEntry
 from skulkp2p.engine.decode.sampling import (
     SamplingParams,
+    as_tokens,
     greedy_token,
     process_logits,
     sample_from,
     target_probs,
 )
+from skulkp2p.engine.drafting.drafter import InnerDrafter
 from skulkp2p.engine.model.arrays import materialize
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.engine.request import RequestError
+
+if TYPE_CHECKING:
+    from mlx_lm.models.gemma4_text import ModelArgs as Gemma4TextArgs
+
+    from skulkp2p.engine.model.forward import Forward
 
 log = logging.getLogger("skulkp2p.engine")
 
@@ -66,7 +76,7 @@ class AssistantConfig:
     num_centroids: int
     centroid_top_k: int
     tie_word_embeddings: bool
-    text: Any  # mlx_lm.models.gemma4_text.ModelArgs, every layer KV-shared
+    text: Gemma4TextArgs  # every layer KV-shared
     quantization: dict[str, Any] | None = None
 
 
@@ -139,10 +149,11 @@ class _Body(nn.Module):
 
 def _rows(embedding: nn.Module, ids: mx.array) -> mx.array:
     """Rows `ids` of an embedding (or linear) weight, as floats."""
-    if hasattr(embedding, "scales"):  # quantized: gather the packed rows, then dequantize them
+    if isinstance(embedding, nn.QuantizedEmbedding | nn.QuantizedLinear):
+        # quantized: gather the packed rows, then dequantize them
+        biases = embedding.biases
         return mx.dequantize(embedding.weight[ids], embedding.scales[ids],
-                             getattr(embedding, "biases", None)[ids]
-                             if getattr(embedding, "biases", None) is not None else None,
+                             None if biases is None else biases[ids],
                              embedding.group_size, embedding.bits)
     return embedding.weight[ids]
 
@@ -253,10 +264,12 @@ def target_view(model: nn.Module, window: int | None = None, first_layer: int = 
     """`first_layer`: where the target's layers start here (a ring's last stage holds layers
     from there on, and its cache list starts there)."""
     trunk = Trunk(model)
+    # (any family's mlx-lm model: these config fields exist on Gemma 4's only)
     args = getattr(trunk.text, "args", None)
     types = list(getattr(args, "layer_types", None) or [])
     owners = len(types) - int(getattr(args, "num_kv_shared_layers", 0) or 0)
-    if getattr(args, "model_type", None) != "gemma4_text" or not types or owners <= 0:
+    if (args is None or getattr(args, "model_type", None) != "gemma4_text" or not types
+            or owners <= 0):
         raise AssistantError("the Gemma 4 assistant drafts for a Gemma 4 target (gemma4_text, "
                              f"or gemma4 with a text_config); this model is "
                              f"{getattr(args, 'model_type', type(model).__name__)!r}")
@@ -272,12 +285,13 @@ def target_view(model: nn.Module, window: int | None = None, first_layer: int = 
                       trunk.embed_tokens, float(trunk.body.embed_scale))
 
 
-def check_pair(config: AssistantConfig, target_args: Any, where: str = "assistant") -> None:
+def check_pair(config: AssistantConfig, target_args: Gemma4TextArgs, where: str = "assistant"
+               ) -> None:
     """Refuse an assistant made for another target, naming the first field that differs."""
     a = config.text
     t = target_args
 
-    def differ(field: str, mine: Any, theirs: Any, target_field: str) -> None:
+    def differ(field: str, mine: object, theirs: object, target_field: str) -> None:
         if mine != theirs:
             raise AssistantError(f"{where} does not fit this target: {field} = {mine} but the "
                                  f"target's {target_field} = {theirs}")
@@ -327,7 +341,9 @@ class LoadedAssistant:
 
         config = self.config
         head = {"model.embed_tokens.weight", "lm_head.weight", "masked_embedding.token_ordering"}
-        own = sum(v.size for name, v in tree_flatten(self.model.parameters())
+        # (tree_flatten gives a dict only when handed one to fill)
+        named = cast(list[tuple[str, mx.array]], tree_flatten(self.model.parameters()))
+        own = sum(v.size for name, v in named
                   if name.split(".scales")[0].split(".biases")[0] not in head
                   and not name.startswith(("model.embed_tokens.", "lm_head.")))
         rows = config.text.vocab_size
@@ -351,7 +367,9 @@ def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
     model = AssistantModel(config)
     weights: dict[str, mx.array] = {}
     for file in _safetensors(path):
-        weights.update(mx.load(str(file)))
+        tensors = mx.load(str(file))
+        assert isinstance(tensors, dict)  # (safetensors, no metadata asked for)
+        weights.update(tensors)
     weights = model.sanitize(weights)
     if config.quantization:
         q = config.quantization
@@ -363,7 +381,8 @@ def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
         raise AssistantError(f"assistant {path}: its tensors do not match a "
                              f"{config.model_type}: {e}") from None
     if dtype is not None:
-        ordering = getattr(getattr(model, "masked_embedding", None), "token_ordering", None)
+        ordering = model.masked_embedding.token_ordering if config.use_ordered_embeddings \
+            else None
         model.set_dtype(dtype)
         if ordering is not None:
             model.masked_embedding.token_ordering = ordering  # indices stay integers
@@ -374,24 +393,35 @@ def load_assistant(path: Path, target: nn.Module, dtype: mx.Dtype | None = None,
     return LoadedAssistant(path, config, model, view, block_size, query_position)
 
 
-def _time_ordered(entry: Any) -> tuple[mx.array, mx.array]:
+class _Attention(CacheEntry, Protocol):
+    """A target layer's attention cache (mlx-lm's KVCache, or a RotatingKVCache)."""
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+
+
+def _attention(cache: Sequence[CacheEntry], index: int) -> _Attention:
+    # (a layer the view names is an attention layer: target_view found it by its layer type)
+    return cast(_Attention, cache[index])
+
+
+def _time_ordered(entry: _Attention) -> tuple[mx.array, mx.array]:
     """A cache entry's keys and values as stored, oldest first: a rotating cache's buffer may
     have wrapped (its `_temporal_order` is mlx-lm's own reordering)."""
-    if entry.keys is None:
+    if entry.keys is None or entry.values is None:
         raise ValueError("the target's cache is empty")
-    reorder = getattr(entry, "_temporal_order", None)
-    if reorder is None:
+    if not isinstance(entry, RotatingKVCache):
         return entry.keys[..., :entry.offset, :], entry.values[..., :entry.offset, :]
-    return reorder(entry.keys), reorder(entry.values)
+    return entry._temporal_order(entry.keys), entry._temporal_order(entry.values)
 
 
-def shared_kv(view: TargetView, cache: list[Any], position: int
+def shared_kv(view: TargetView, cache: Sequence[CacheEntry], position: int
               ) -> tuple[dict[str, tuple[mx.array, mx.array]], dict[str, mx.array | None]]:
     """The K/V the assistant attends over, read from the target's live cache, and its masks:
     full attention sees every cached key; sliding attention the keys within the window of the
     query position on either side (the published assistants' bidirectional window)."""
-    full = cache[view.full_index]
-    sliding = cache[view.sliding_index]
+    full = _attention(cache, view.full_index)
+    sliding = _attention(cache, view.sliding_index)
     kv = {FULL: _time_ordered(full), SLIDING: _time_ordered(sliding)}
     n = kv[SLIDING][0].shape[2]
     first = sliding.offset - n  # the position of the oldest key the sliding cache holds
@@ -412,8 +442,8 @@ def assistant_pass(assistant: LoadedAssistant, token: mx.array, carry: mx.array,
                                 masks, position)
 
 
-class AssistantDrafter:
-    """Drafter protocol (decode.Drafter) over a loaded assistant: k passes per round, one token
+class AssistantDrafter(InnerDrafter):
+    """A drafter (engine/drafting/drafter.py) over a loaded assistant: k passes per round, one token
     each, reading the forward's live caches (after the loop's rollback, so no draft ever reads
     K/V that a rejection undid). Needs the forward's hidden rows after the final norm."""
 
@@ -424,31 +454,36 @@ class AssistantDrafter:
         self.assistant = assistant
         self.params = params
         self.rng = rng
-        self.forward: Any = None
+        self.forward: Forward | None = None
         self.carry: mx.array | None = None  # [1, Hb]: the target's row at the last cached position
 
-    def begin(self, prompt: list[int], forward: Any) -> None:
+    def begin(self, prompt: list[int], forward: Forward) -> None:
         self.forward = forward
-        rows = getattr(forward, "last_hidden", None)
+        rows = forward.last_hidden
         # A one-token prompt prefills nothing: the first round verifies without drafts.
         self.carry = None if rows is None or len(prompt) < 2 else rows[-1:]
 
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
         # The verify's rows are [pending, *drafts]; row `accepted` is the last one kept in the
         # cache, whose logits chose the new pending token.
-        self.carry = forward.last_hidden[accepted:accepted + 1]
+        rows = forward.last_hidden
+        assert rows is not None  # (the forward keeps the rows after the final norm)
+        self.carry = rows[accepted:accepted + 1]
 
     # A round another drafter drafted (lookup first, gates.LookupThenModel), or one while the
     # gate has it off: the carried row still follows the cache (a slice, no compute).
-    follow = lag = lambda self, accepted, emitted, forward: self.observe(0, accepted, emitted,
-                                                                         forward)
+    def follow(self, accepted: int, emitted: list[int], forward: Forward) -> None:
+        self.observe(0, accepted, emitted, forward)
+
+    def lag(self, accepted: int, emitted: list[int], forward: Forward) -> None:
+        self.observe(0, accepted, emitted, forward)
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
-        if k <= 0 or self.carry is None or len(history) < 2:
+        if k <= 0 or self.carry is None or self.forward is None or len(history) < 2:
             return [], None
         a = self.assistant
         cache = self.forward.cache
-        cached = cache[a.view.full_index].offset  # tokens in the cache: history[:-1]
+        cached = _attention(cache, a.view.full_index).offset  # tokens in the cache: history[:-1]
         position = cached - 1 if a.query_position == "last" else cached
         kv, masks = shared_kv(a.view, cache, position)
         pos = mx.array(position)
@@ -462,7 +497,7 @@ class AssistantDrafter:
                 carry, h = assistant_pass(a, token, carry, kv, masks, pos)
                 token = a.model.greedy(h[0, 0])[None]
                 chain.append(token)
-            return mx.concatenate(chain).tolist(), None
+            return as_tokens(mx.concatenate(chain)), None
         ctx = self.params.repetition_context
         recent = history[-ctx:] if ctx > 0 else list(history)
         drafts: list[int] = []
@@ -480,12 +515,12 @@ class AssistantDrafter:
         return drafts, (None if greedy else qs)
 
 
-def draft_row(assistant: LoadedAssistant, cache: list[Any], carry: mx.array, token: int
-              ) -> mx.array:
+def draft_row(assistant: LoadedAssistant, cache: Sequence[CacheEntry], carry: mx.array,
+              token: int) -> mx.array:
     """The logits [1, V] of a round's first draft given the target's cache and carried row
     (what `propose` computes first): for tests that check what a live cache gives against a
     cache rebuilt from the same tokens."""
-    cached = cache[assistant.view.full_index].offset
+    cached = _attention(cache, assistant.view.full_index).offset
     position = cached - 1 if assistant.query_position == "last" else cached
     kv, masks = shared_kv(assistant.view, cache, position)
     _, h = assistant_pass(assistant, mx.array([token]), carry[None], kv, masks,

@@ -6,7 +6,7 @@ tensor-parallel group times its widths once, when it forms: engine/parallel/tens
 state the machine was in that minute: on a shared CPU a probe can read nearly flat while the
 decode calls later grow steeply with their rows, so the controller drafts as deep as where wide
 verifies really are cheap (docs/measurements/tensor-parallel.md, "A call's cost grows with its
-rows"; tools/tensor_call_widths.py).
+rows").
 
 A `LiveWidthCosts` is that table, seeded by the probe's seconds and then following the seconds
 of the forward's own verify calls: the forward that runs them records each (`observe`), the

@@ -19,7 +19,8 @@ the tests check acceptance (100% for a model drafting for itself) as well as the
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,9 +35,13 @@ from skulkp2p.engine.decode.sampling import (
     sample_from,
     target_probs,
 )
+from skulkp2p.engine.drafting.drafter import InnerDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel
 from skulkp2p.engine.request import RequestError
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model.forward import Forward
 
 log = logging.getLogger("skulkp2p.engine")
 
@@ -46,6 +51,7 @@ _LONG_FEED = 64
 
 def vocab_size(model: nn.Module) -> int:
     """Width of the model's logits rows (the embedding's row count, padding included)."""
+    # (any family's mlx-lm model: its config, nested or not, may name the width)
     args = getattr(model, "args", None)
     for obj in (args, getattr(args, "text_config", None)):
         n = obj.get("vocab_size") if isinstance(obj, dict) else getattr(obj, "vocab_size", None)
@@ -60,8 +66,17 @@ def _tokenizer_size(vocab: dict[str, int]) -> int:
     return max(vocab.values(), default=-1) + 1
 
 
-def check_compatible(target_tokenizer: Any, draft_tokenizer: Any, target_vocab: int,
-                     draft_vocab: int, draft_id: str = "draft") -> None:
+class Vocabulary(Protocol):
+    """What the check reads of a tokenizer (mlx-lm's TokenizerWrapper)."""
+
+    @property
+    def eos_token_ids(self) -> Collection[int] | None: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
+def check_compatible(target_tokenizer: Vocabulary, draft_tokenizer: Vocabulary,
+                     target_vocab: int, draft_vocab: int, draft_id: str = "draft") -> None:
     """Refuse a draft model whose token ids do not mean what the target's mean.
 
     The two tokenizers must map the same strings to the same ids (added tokens included) and end
@@ -76,8 +91,8 @@ def check_compatible(target_tokenizer: Any, draft_tokenizer: Any, target_vocab: 
         raise RequestError(
             f"draft model {draft_id} has a different tokenizer than the target: {differ} of "
             f"{max(len(tv), len(dv))} vocabulary entries differ", "speculation")
-    t_eos = set(getattr(target_tokenizer, "eos_token_ids", None) or ())
-    d_eos = set(getattr(draft_tokenizer, "eos_token_ids", None) or ())
+    t_eos = set(target_tokenizer.eos_token_ids or ())
+    d_eos = set(draft_tokenizer.eos_token_ids or ())
     if t_eos != d_eos:
         raise RequestError(
             f"draft model {draft_id} has a different tokenizer than the target: end-of-sequence "
@@ -89,8 +104,8 @@ def check_compatible(target_tokenizer: Any, draft_tokenizer: Any, target_vocab: 
             f"{target_vocab} and the draft's {draft_vocab}", "speculation")
 
 
-class DraftModelDrafter:
-    """Drafter protocol over a draft model (see decode.Drafter).
+class DraftModelDrafter(InnerDrafter):
+    """A drafter (engine/drafting/drafter.py) over a draft model.
 
     `params` must be the request's sampling parameters: the draft then samples from the same
     kind of distribution as the target, which is what makes acceptance high. `rng` draws the
@@ -127,7 +142,7 @@ class DraftModelDrafter:
 
     # --- Drafter protocol -----------------------------------------------------------------
 
-    def begin(self, prompt: list[int], forward: Any) -> None:
+    def begin(self, prompt: list[int], forward: Forward) -> None:
         self._reset()
         self._feed(prompt[:-1], want_row=False)
 
@@ -162,7 +177,7 @@ class DraftModelDrafter:
                 row = self._step([token])
         return drafts, (None if greedy else qs)
 
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
         # Nothing to do: the next propose compares its history with `cached` and keeps whatever
         # accepted drafts the cache already holds.
         pass

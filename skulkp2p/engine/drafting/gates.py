@@ -14,11 +14,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from skulkp2p.engine.drafting.suffix import Branch
+from skulkp2p.engine.batching.batch_view import SOLO, BatchView, StepPacking
+from skulkp2p.engine.batching.row_forward import RowForward
+from skulkp2p.engine.decode.drafter_seam import Drafter, DrafterCapabilities
+from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
+from skulkp2p.engine.json_types import JSONObject, JSONValue
 from skulkp2p.engine.model.tree import DraftTree
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model.forward import Forward
 
 log = logging.getLogger("skulkp2p.spec")
 
@@ -55,23 +63,6 @@ def repetition_score(tokens: list[int], n: int = 3) -> float:
     return repeated / total
 
 
-@dataclass(frozen=True)
-class StepPacking:
-    """How a batched step whose rows verify different widths runs (engine/model/packed.py): which
-    shares of one token row's work run on the rows' real tokens only, not on every position of
-    the rows padded to the widest. The rest (attention and its projections) stays padded."""
-    head: float  # the final norm and output head: packed in every ragged step
-    mlps: float  # the layers' MLPs: packed once at least `mlps_from` token rows are padding
-    mlps_from: int = 0
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.head and 0.0 <= self.mlps and self.head + self.mlps <= 1.0):
-            raise ValueError(f"packed shares must be >= 0 and sum to at most 1: head "
-                             f"{self.head}, mlps {self.mlps}")
-        if self.mlps_from < 0:
-            raise ValueError(f"mlps_from must be >= 0, got {self.mlps_from}")
-
-
 def step_cost(costs: Mapping[int, float], widths: Sequence[int],
               packing: StepPacking | None = None) -> float:
     """Cost of one batched forward over rows of these widths, relative to one token row.
@@ -88,17 +79,6 @@ def step_cost(costs: Mapping[int, float], widths: Sequence[int],
         return full
     share = packing.head + (packing.mlps if padded - real >= packing.mlps_from else 0.0)
     return (1.0 - share) * full + share * width_cost(costs, real)
-
-
-@dataclass(frozen=True)
-class BatchView:
-    """The other rows of the batched forward a row runs in, as the row decides its draft."""
-    widths: tuple[int, ...] = ()  # their widths this step (the last step's, if not handed in)
-    drafting: int = 0  # how many of them draft (and so may widen the forward too)
-    packing: StepPacking | None = None  # how a ragged step runs (None: padded to the widest)
-
-
-SOLO = BatchView()
 
 
 @dataclass
@@ -200,7 +180,7 @@ MAX_SIDE_NODES = 12
 MODEL_BRANCHES = 2
 
 
-def build_tree(main: list[int], branches: list, rates: list[float], side_rate: float,
+def build_tree(main: list[int], branches: list[Branch], rates: list[float], side_rate: float,
                costs: Mapping[int, float], rows: int = 1, draft_cost: float = 0.0,
                packing: StepPacking | None = None) -> DraftTree:
     """The chain plus the side branches that pay for their width.
@@ -246,10 +226,10 @@ def build_tree(main: list[int], branches: list, rates: list[float], side_rate: f
             width = 1 + len(tree)
             if value(expected + gain, width + length) > value(expected, width):
                 parent = b.depth  # the chain's node at depth d is node d
-                first = None
+                first = -1
                 for t in b.tokens[:length]:
                     parent = tree.add(parent, t)
-                    first = parent if first is None else first
+                    first = parent if first < 0 else first
                 tree.side.append(first)
                 expected += gain
                 added += length
@@ -257,7 +237,7 @@ def build_tree(main: list[int], branches: list, rates: list[float], side_rate: f
     return tree
 
 
-class GatedDrafter:
+class GatedDrafter(Drafter):
     """Wraps a drafter with the runtime gate and the depth controller.
 
     The inner drafter observes every round while it may still draft (an MTP head must keep its
@@ -268,10 +248,13 @@ class GatedDrafter:
     priced at fell enough for a depth to pay at the acceptance it had (REPRICE_EVERY).
     """
 
-    def __init__(self, inner, costs: Mapping[int, float], max_depth: int, *,
+    # (its propose_tree gives the inner drafter's tree where trees are on, else its chain)
+    capabilities = DrafterCapabilities(trees=True)
+
+    def __init__(self, inner: InnerDrafter, costs: Mapping[int, float], max_depth: int, *,
                  start_on: bool = True, can_return: bool = False, draft_cost: float = 0.0,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, log_every: int = 64,
-                 request_id=None, weigh_batch: bool = True, trees: bool = False):
+                 request_id: JSONValue = None, weigh_batch: bool = True, trees: bool = False):
         """`weigh_batch`: let the batch's size change the depth (see DepthController.
         best_depth). Off for a seeded sampled request, whose text depends on which drafts
         were offered: it must not depend on what else runs. `trees`: may propose token trees
@@ -289,7 +272,7 @@ class GatedDrafter:
         self._active = self.controller
         self.on = start_on
         self.can_return = can_return
-        self.events: list[dict] = []
+        self.events: list[JSONObject] = []
         self.generated = 0
         self.rounds = 0
         self.drafted = 0
@@ -306,7 +289,7 @@ class GatedDrafter:
         # limit it was asked for (priced again every REPRICE_EVERY tokens).
         self._priced_off: tuple[DepthController, int] | None = None
         self._next_reprice = 0
-        self.can_reprice = can_return or callable(getattr(inner, "catch_up", None))
+        self.can_reprice = can_return or inner.capabilities.resumes
 
     @property
     def side_rate(self) -> float:
@@ -314,20 +297,19 @@ class GatedDrafter:
         return (self.side_taken + SIDE_PRIOR_ACCEPT * SIDE_PRIOR_WEIGHT) / (
             self.side_trials + SIDE_PRIOR_WEIGHT)
 
-    def propose_tree(self, history: list[int], k: int, extra: list | None = None
+    def propose_tree(self, history: list[int], k: int, extra: list[Branch] | None = None
                      ) -> DraftTree | None:
         """A token tree for this round (gates.build_tree), or None: the chain `propose` would
         give, with the side branches the inner drafter offers (and `extra` ones from another
         drafter) where they pay for their width."""
-        branch_out = getattr(self.inner, "propose_branches", None)
-        if branch_out is None or not self.trees or not self.on:
+        if not self.inner.capabilities.branches or not self.trees or not self.on:
             draft, q = self.propose(history, k)
             return DraftTree.chain(draft, q) if draft else None
         self._choose_controller(history)
         depth = self._depth(k)
         if depth == 0:
             return None
-        main, branches = branch_out(history, depth)
+        main, branches = self.inner.propose_branches(history, depth)
         if not main:
             return None
         if extra:
@@ -340,7 +322,7 @@ class GatedDrafter:
                           self.controller.draft_cost, view.packing)
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
-                     forward) -> None:
+                     forward: Forward) -> None:
         """A tree round: the chain's controller learns from the chain's part of the path (how
         deep the chain was right), the side estimate from whether a side branch was taken."""
         on_chain = 0
@@ -362,18 +344,17 @@ class GatedDrafter:
         (decode runs such stretches pipelined)."""
         return not self.on
 
-    def begin(self, prompt: list[int], forward) -> None:
+    def begin(self, prompt: list[int], forward: Forward) -> None:
         # A row of a batch shows the other rows of its forwards (a forward of its own: none).
-        if hasattr(forward, "batch_view"):
+        if isinstance(forward, RowForward):
             forward.drafts = True  # (the other rows' gates count it among the drafting rows)
             if self.weigh_batch:
                 self.controller.batch = forward.batch_view
                 # (an MTP head's rows draft in one forward per depth: engine/batching/head_batch.py)
-                self.controller.shared_drafts = bool(getattr(self.inner, "shared_in_batch",
-                                                             False))
+                self.controller.shared_drafts = self.inner.capabilities.shared_in_batch
         self.inner.begin(prompt, forward)
 
-    def propose(self, history: list[int], k: int):
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
         if not self.on:
             return [], None
         self._choose_controller(history)
@@ -383,12 +364,11 @@ class GatedDrafter:
         return self.inner.propose(history, depth)
 
     def _choose_controller(self, history: list[int]) -> None:
-        context = getattr(self.inner, "context", None)
-        kind = context(history) if context is not None else 0
+        kind = self.inner.context(history)
         active = self._controllers.get(kind)
         if active is None:
             c = self.controller
-            priors = getattr(self.inner, "context_priors", {})
+            priors = self.inner.context_priors
             active = self._controllers[kind] = DepthController(
                 c.costs, c.max_depth, prior_accept=priors.get(kind, c.prior_accept),
                 prior_weight=c.prior_weight, draft_cost=c.draft_cost, batch=c.batch)
@@ -407,16 +387,15 @@ class GatedDrafter:
                 self._next_reprice = self.generated + REPRICE_EVERY
         return depth
 
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
         self._observe(drafted, accepted, emitted, forward)
 
-    def _observe(self, drafted: int, accepted: int, emitted: list[int], forward,
+    def _observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward,
                  chain: tuple[int, int] | None = None,
                  tree: tuple[DraftTree, list[int]] | None = None) -> None:
         if self.on or self.can_return:  # a drafter that is off for good stops costing anything
-            inner_tree = getattr(self.inner, "observe_tree", None)
-            if tree is not None and inner_tree is not None:
-                inner_tree(*tree, emitted, forward)
+            if tree is not None:
+                self.inner.observe_tree(*tree, emitted, forward)
             else:
                 self.inner.observe(drafted, accepted, emitted, forward)
         else:
@@ -444,13 +423,11 @@ class GatedDrafter:
                      self.drafted, 100 * self.accepted / self.drafted,
                      f" [request {self.request_id}]" if self.request_id is not None else "")
 
-    def follow(self, accepted: int, emitted: list[int], forward) -> None:
+    def follow(self, accepted: int, emitted: list[int], forward: Forward) -> None:
         """A round another drafter drafted: keep the inner drafter in step (an MTP head's cache
         must see every verified row) without counting the round as its own."""
         if self.on or self.can_return:
-            keep_in_step = getattr(self.inner, "follow", None)
-            if keep_in_step is not None:
-                keep_in_step(accepted, emitted, forward)
+            self.inner.follow(accepted, emitted, forward)
         else:
             self._lag(accepted, emitted, forward)
         self.generated += len(emitted)
@@ -468,17 +445,13 @@ class GatedDrafter:
         if controller.best_depth(limit, SOLO)[0] == 0:
             return
         self._priced_off = None
-        catch_up = getattr(self.inner, "catch_up", None)
-        if catch_up is not None:
-            catch_up()
+        self.inner.catch_up()
         self._switch(True, "verify costs fell")
 
-    def _lag(self, accepted: int, emitted: list[int], forward) -> None:
+    def _lag(self, accepted: int, emitted: list[int], forward: Forward) -> None:
         # Off for good: an MTP head only keeps references to the verified rows (no compute),
         # so that its cache can be brought in step for the prefix cache at the end.
-        lag = getattr(self.inner, "lag", None)
-        if lag is not None:
-            lag(accepted, emitted, forward)
+        self.inner.lag(accepted, emitted, forward)
 
     def _switch(self, on: bool, reason: str) -> None:
         self.on = on
@@ -488,7 +461,7 @@ class GatedDrafter:
                  self.generated, reason)
 
 
-class LookupThenModel:
+class LookupThenModel(Drafter):
     """Auto drafting when the model has its own drafter (MTP head or draft model): prompt lookup
     where the history has a match, the model drafter everywhere else.
 
@@ -496,6 +469,8 @@ class LookupThenModel:
     drafter rarely gets right; a head drafts novel text where lookup has nothing. Each keeps its
     own gate and depth controller, fed only by the rounds it drafted; the model drafter follows
     every round so that its cache stays in step with the trunk."""
+
+    capabilities = DrafterCapabilities(trees=True)
 
     def __init__(self, lookup: GatedDrafter, model: GatedDrafter):
         self.lookup = lookup
@@ -505,18 +480,18 @@ class LookupThenModel:
         self.prefetch_calls = 0  # rounds after which the model drafter started its draft early
 
     @property
-    def events(self) -> list[dict]:
+    def events(self) -> list[JSONObject]:
         return sorted(({**e, "drafter": g.name} for g in (self.lookup, self.model)
-                       for e in g.events), key=lambda e: e["at_token"])
+                       for e in g.events), key=_at_token)
 
     def quiet(self) -> bool:
         return self.lookup.quiet() and self.model.quiet()
 
-    def begin(self, prompt: list[int], forward) -> None:
+    def begin(self, prompt: list[int], forward: Forward) -> None:
         self.lookup.begin(prompt, forward)
         self.model.begin(prompt, forward)
 
-    def propose(self, history: list[int], k: int):
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
         drafts, q = self.lookup.propose(history, k)
         if drafts:
             self._source = self.lookup
@@ -525,22 +500,21 @@ class LookupThenModel:
         drafts, q = self.model.propose(history, k)
         return self._continued(history, drafts, q, k)
 
-    def _continued(self, history: list[int], drafts: list[int], q, k: int):
+    def _continued(self, history: list[int], drafts: list[int], q: list[np.ndarray] | None,
+                   k: int) -> tuple[list[int], list[np.ndarray] | None]:
         """The model drafter's one-token guess, continued by lookup where the guess makes a
         match (suffix.SuffixDrafter.continue_after: after an edit, the head's token often
         resumes a copy that lookup alone had lost)."""
-        more = getattr(self.lookup.inner, "continue_after", None)
-        if len(drafts) != 1 or q is not None or more is None or not self.lookup.on or k < 2:
+        if len(drafts) != 1 or q is not None or not self.lookup.on or k < 2:
             return drafts, q
-        return drafts + more(history, drafts[0], k - 1), q
+        return drafts + self.lookup.inner.continue_after(history, drafts[0], k - 1), q
 
     def propose_tree(self, history: list[int], k: int) -> DraftTree | None:
         """Lookup's tree, with the model drafter's first choice beside it as one more branch
         (an MTP head has it at hand: nothing runs) where it differs and pays."""
         extra = []
-        choices = getattr(self.model.inner, "first_choices", None)
-        if choices is not None and self.model.on and self.lookup.trees and self.lookup.on:
-            extra = [Branch(0, [t], p) for t, p in choices(MODEL_BRANCHES)]
+        if self.model.on and self.lookup.trees and self.lookup.on:
+            extra = [Branch(0, [t], p) for t, p in self.model.inner.first_choices(MODEL_BRANCHES)]
         tree = self.lookup.propose_tree(history, k, extra)
         if tree is not None:
             self._source = self.lookup
@@ -556,7 +530,7 @@ class LookupThenModel:
         return tree
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
-                     forward) -> None:
+                     forward: Forward) -> None:
         source, self._source = self._source, None
         if source is self.model:
             self.model.observe_tree(tree, path, emitted, forward)
@@ -567,7 +541,7 @@ class LookupThenModel:
         self.model.follow(len(path), emitted, forward)
         self._prefetch()
 
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
         source, self._source = self._source, None
         if source is self.lookup:
             self.lookup.observe(drafted, accepted, emitted, forward)
@@ -582,15 +556,19 @@ class LookupThenModel:
         will be asked, so let it start its draft now (an MTP head's `prefetch`: its evaluation
         then overlaps the loop's Python between rounds instead of following it). Where lookup
         drafts, the head's rows stay unevaluated until a round needs them."""
-        prefetch = getattr(self.model.inner, "prefetch", None)
-        if prefetch is None or not self.model.on:
+        if not self.model.inner.capabilities.prefetches or not self.model.on:
             return
-        offers = getattr(self.lookup.inner, "offers_draft", None)
-        if self.lookup.on and (offers is None or offers()):
+        if self.lookup.on and self.lookup.inner.offers_draft():
             return
         self.prefetch_calls += 1
-        prefetch()
+        self.model.inner.prefetch()
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {g.name: {"rounds": g.rounds, "drafted": g.drafted, "accepted": g.accepted}
                 for g in (self.lookup, self.model)}
+
+
+def _at_token(event: JSONObject) -> int:
+    at = event["at_token"]
+    assert isinstance(at, int)  # (the gates write it)
+    return at

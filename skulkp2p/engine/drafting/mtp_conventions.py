@@ -21,7 +21,7 @@ Three checkpoint namings carry such a head; `detect_conventions` recognises them
   (hidden FIRST in the concat), `final_layernorm`; embedding zeroed at position 0.
 
 A fourth kind is no checkpoint's own but a drafting head trained for a model that has none
-(tools/train_sidecar.py, shipped as a sidecar):
+(`python -m skulkp2p head train`, shipped as a sidecar):
 
 * eagle (EAGLE-style): `eagle.fc` (with a bias, as EAGLE's fc) over `eagle.enorm` /
   `eagle.hnorm` of the next token's embedding and the trunk's feature, one decoder layer of the
@@ -45,7 +45,8 @@ import re
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+
+from skulkp2p.engine.json_types import JSONObject, JSONValue
 
 STYLES = ("qwen", "deepseek", "mimo", "eagle")
 # Families whose raw checkpoints store RMSNorm weights zero-centred (x * (1 + w)).
@@ -120,16 +121,24 @@ def _header_names(path: Path) -> list[str]:
     return [k for k in header if k != "__metadata__"]
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    return config.get("text_config") or config
+def _text_config(config: JSONObject) -> JSONObject:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) and text else config
 
 
-def _num_layers(config: dict[str, Any]) -> int | None:
+def config_number(value: JSONValue, field: str) -> float:
+    """A number from a config or a card (JSON: an int, a float, or a numeric string)."""
+    if not isinstance(value, int | float | str):
+        raise ValueError(f"{field} must be a number, got {value!r}")
+    return float(value)
+
+
+def _num_layers(config: JSONObject) -> int | None:
     n = _text_config(config).get("num_hidden_layers", config.get("num_hidden_layers"))
-    return int(n) if n is not None else None
+    return int(config_number(n, "num_hidden_layers")) if n is not None else None
 
 
-def _locate(names: list[str], config: dict[str, Any]) -> tuple[str, str] | None:
+def _locate(names: list[str], config: JSONObject) -> tuple[str, str] | None:
     """(style, tensor prefix) of the MTP head among `names`, or None when there is none."""
     for name in names:
         if name.endswith("mtp.fc.weight"):
@@ -147,12 +156,12 @@ def _locate(names: list[str], config: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _family(config: dict[str, Any]) -> str:
+def _family(config: JSONObject) -> str:
     return str(config.get("model_type") or _text_config(config).get("model_type") or "")
 
 
-def _conventions(style: str, config: dict[str, Any],
-                 overrides: dict[str, Any] | None) -> MtpConventions:
+def _conventions(style: str, config: JSONObject,
+                 overrides: JSONObject | None) -> MtpConventions:
     concat, chain, zero_first = _STYLE_DEFAULTS[style]
     family = _family(config)
     offset = 1.0 if any(family.startswith(f) for f in ZERO_CENTRED_FAMILIES) else 0.0
@@ -161,19 +170,27 @@ def _conventions(style: str, config: dict[str, Any],
     o = overrides or {}
     if "mtp_style" in o and o["mtp_style"] != style:
         # A style named by the card re-derives the style's defaults; explicit fields still win.
-        concat, chain, zero_first = _STYLE_DEFAULTS[o["mtp_style"]]
-        conv = replace(conv, style=o["mtp_style"], concat=concat, chain=chain,
+        named = str(o["mtp_style"])
+        concat, chain, zero_first = _STYLE_DEFAULTS[named]
+        conv = replace(conv, style=named, concat=concat, chain=chain,
                        zero_first_embed=zero_first)
-    fields = {"mtp_hidden": ("hidden", str), "mtp_concat": ("concat", str),
-              "mtp_norm_offset": ("norm_offset", float), "mtp_max_depth": ("max_depth", int),
-              "mtp_chain": ("chain", str), "mtp_zero_first_embed": ("zero_first_embed", bool)}
-    changes = {field: cast(o[key]) for key, (field, cast) in fields.items()
-               if o.get(key) is not None}
-    return replace(conv, **changes) if changes else conv
+    if o.get("mtp_hidden") is not None:
+        conv = replace(conv, hidden=str(o["mtp_hidden"]))
+    if o.get("mtp_concat") is not None:
+        conv = replace(conv, concat=str(o["mtp_concat"]))
+    if o.get("mtp_norm_offset") is not None:
+        conv = replace(conv, norm_offset=config_number(o["mtp_norm_offset"], "mtp_norm_offset"))
+    if o.get("mtp_max_depth") is not None:
+        conv = replace(conv, max_depth=int(config_number(o["mtp_max_depth"], "mtp_max_depth")))
+    if o.get("mtp_chain") is not None:
+        conv = replace(conv, chain=str(o["mtp_chain"]))
+    if o.get("mtp_zero_first_embed") is not None:
+        conv = replace(conv, zero_first_embed=bool(o["mtp_zero_first_embed"]))
+    return conv
 
 
-def detect_conventions(model_path: Path, config: dict[str, Any],
-                       overrides: dict[str, Any] | None = None) -> MtpConventions | None:
+def detect_conventions(model_path: Path, config: JSONObject,
+                       overrides: JSONObject | None = None) -> MtpConventions | None:
     """The MTP conventions of the checkpoint at `model_path` (a model folder or one safetensors
     file such as an `mtp.safetensors` sidecar), or None when it has no MTP tensors.
 
@@ -188,7 +205,7 @@ def detect_conventions(model_path: Path, config: dict[str, Any],
     return _conventions(found[0], config, overrides)
 
 
-def has_mtp_tensors(model_path: Path, config: dict[str, Any],
+def has_mtp_tensors(model_path: Path, config: JSONObject,
                     sidecar: Path | None = None) -> bool:
     """Whether the checkpoint (or sidecar) has an MTP head, from tensor names only."""
     files = _safetensors_files(Path(sidecar) if sidecar is not None else Path(model_path))

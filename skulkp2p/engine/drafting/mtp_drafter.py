@@ -20,7 +20,7 @@ tokens already in the request's verified context (prompt and answer so far) get 
 their logits. A small trained head under-predicts repeating the names and words of the question
 and of its own answer; on the smollm2-135m head's held-out replay a bonus of 0.5 moved depth-1
 acceptance from 49.0% to 49.8% (docs/measurements/mtp-sidecars.md, "A context bias";
-tools/head_vocab_probe.py --context-bias). The drafts stay deterministic (q = None), so greedy
+`head probe --context-bias`). The drafts stay deterministic (q = None), so greedy
 and sampled decoding stay exact whatever the bonus.
 
 In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
@@ -33,35 +33,45 @@ out and catches up alone.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from skulkp2p.engine.batching.head_batch import HeadCall, HeadRows
+from skulkp2p.engine.batching.row_forward import RowForward
+from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
 from skulkp2p.engine.decode.loop import DecodeStats
+from skulkp2p.engine.decode.sampling import as_floats, as_token, as_tokens
+from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
 from skulkp2p.engine.drafting.mtp_conventions import MtpConventions
 from skulkp2p.engine.drafting.mtp_head import MtpHead
-from skulkp2p.engine.drafting.suffix import Branch
 from skulkp2p.engine.model.tree import DraftTree
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model.forward import Forward
 
 # The head offers its second choice at a depth as a side branch when the head gives it at least
 # this share of its first choice's probability (gates.build_tree then weighs its width).
 HEAD_BRANCH_CLOSE = 0.5
 
 
-class MtpDrafter:
-    """Greedy (argmax) drafts from the MTP head, following the Drafter protocol of decode.py.
+class MtpDrafter(InnerDrafter):
+    """Greedy (argmax) drafts from the MTP head (a drafter as engine/drafting/drafter.py declares
+    them).
 
     Deterministic: propose returns q = None, so the decode loop treats q as one-hot and sampled
     decoding stays exact. Needs a forward that keeps the trunk's hidden rows:
     LocalForward(model, hidden=conventions.hidden)."""
 
     name = "mtp"
-    # In a batch its rows' drafts run as one head forward per depth (engine/batching/head_batch.py): the
-    # gate prices D drafting rows' head calls like one forward over D rows (gates.py).
-    shared_in_batch = True
+    # Its top-2 as side branches; switched off it keeps the verified rows and catches up; in a
+    # batch its rows' drafts run as one head forward per depth (engine/batching/head_batch.py),
+    # which the gate prices like one forward over the drafting rows (gates.py); it can start
+    # its first draft early.
+    capabilities = DrafterCapabilities(branches=True, resumes=True, shared_in_batch=True,
+                                       prefetches=True)
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048, context_bias: float = 0.0,
@@ -86,7 +96,7 @@ class MtpDrafter:
         # In a batch: the batch's head rows, this row's key there, and its head call handed
         # in whose results become _next once read.
         self._rows: HeadRows | None = None
-        self._member: Any = None
+        self._member: object = None
         self._call: HeadCall | None = None
         self._speculative = 0  # rows propose appended past the verified ones
         # From the prefix cache, for begin: the head's rows, and the trunk's hidden row of the
@@ -100,8 +110,8 @@ class MtpDrafter:
         self._seen: set[int] = set()  # token ids of the verified context (with a context bias)
         self._bias: mx.array | None = None  # the bonus per logits column; None: rebuild
 
-    def _check_forward(self, forward: Any) -> None:
-        kind = getattr(forward, "hidden", self.conventions.hidden)
+    def _check_forward(self, forward: Forward) -> None:
+        kind = forward.hidden
         if kind != self.conventions.hidden:
             raise ValueError(f"MTP head wants the trunk hidden {self.conventions.hidden!r} its "
                              f"final norm; the forward keeps {kind!r}")
@@ -149,13 +159,14 @@ class MtpDrafter:
         logits, chained, token = self._rows.result(self._member, call)
         self._next, self._next_token = (logits, chained), token
 
-    def _join_batch(self, forward: Any) -> None:
+    def _join_batch(self, forward: Forward) -> None:
         """Move the head's rows into the batch's head rows once the request's row is in a
         batch (a cache with no rows yet stays alone: position 0 is special for some heads)."""
         if self._rows is not None or self._cache.offset == 0:
             return
-        batch = getattr(forward, "head_batch", None)
-        rows = batch(self.head) if batch is not None else None
+        if not isinstance(forward, RowForward):
+            return
+        rows = forward.head_batch(self.head)
         if rows is None:
             return
         rows.join(forward, self._cache)
@@ -179,7 +190,7 @@ class MtpDrafter:
         recomputes that row of the head first."""
         self._restored = (cache, hidden)
 
-    def begin(self, prompt: list[int], forward: Any) -> None:
+    def begin(self, prompt: list[int], forward: Forward) -> None:
         """Fill the head's cache over the prompt: pair (h_i, x_{i+1}) at position i for
         i = 0..n-2 (the prefill covered prompt[:-1]). The last pair, (h_{n-2}, x_{n-1}),
         predicts what the verifier emits from the pending x_{n-1}: round 1's draft 1.
@@ -211,7 +222,7 @@ class MtpDrafter:
         for start in range(first, n, self.prefill_step):
             stop = min(start + self.prefill_step, n)
             self._append(hidden[start - first:stop - first], prompt[start + 1:stop + 1])
-            mx.eval(self._cache.keys, self._cache.values, *self._next)
+            mx.eval(self._cache.keys, self._cache.values, *(self._next or ()))
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
         return self._drafts(k)[0], None
@@ -230,33 +241,33 @@ class MtpDrafter:
         biased = bool(self.context_bias and self._seen)
         if self._ahead is not None:  # (prefetch started it: the same ops, maybe done by now)
             (first, token), self._ahead = self._ahead, None
-            rows, drafts = [first], [int(token.item())]
+            rows, drafts = [first], [as_token(token)]
         else:
             rows = [self._biased(logits)]
             drafts = [self._next_token if self._next_token is not None and not biased
-                      else int(mx.argmax(rows[0]).item())]
+                      else as_token(mx.argmax(rows[0]))]
         if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
             # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
             # verify and the head's call for nothing (docs/measurements/drafting.md, "The head's
-            # confidence"; tools/draft_trace.py --replay).
+            # confidence").
             self.unsure += 1
             return [], []
         chain = self.head.conventions.chain
         while len(drafts) < k:
             # Speculative row (own output, own draft) at the next position; observe trims it.
+            taken: int | None = None  # the batch's argmax of the row, when it ran there
             if self._rows is not None:  # depth d + 1 of every row going deeper: one forward
                 call = self._rows.hand_in(self._member, chained[None], drafts[-1:])
                 self._speculative += 1
-                logits, chained, token = self._rows.result(self._member, call)
+                logits, chained, taken = self._rows.result(self._member, call)
             else:
                 out = self.head(chained[None], mx.array(drafts[-1:], dtype=mx.int32),
                                 self._cache)
                 self._speculative += 1
                 logits, chained = out.logits[-1], out.chain(chain)[-1]
-                token = None
             rows.append(self._biased(logits))
-            drafts.append(token if token is not None and not biased
-                          else int(mx.argmax(rows[-1]).item()))
+            drafts.append(taken if taken is not None and not biased
+                          else as_token(mx.argmax(rows[-1])))
         return drafts, rows
 
     def prefetch(self) -> None:
@@ -288,14 +299,14 @@ class MtpDrafter:
         others = mx.where(mx.arange(probs.shape[-1])[None] == first, -1.0, probs)
         second, p2 = mx.argmax(others, axis=-1), mx.max(others, axis=-1)
         branches = []
-        for d, (t, a, b) in enumerate(zip(second.tolist(), p1.tolist(), p2.tolist(),
+        for d, (t, a, b) in enumerate(zip(as_tokens(second), as_floats(p1), as_floats(p2),
                                           strict=True)):
             if b >= HEAD_BRANCH_CLOSE * a and b > 0.0:
                 branches.append(Branch(d, [t], b / (a + b)))
         return drafts, branches
 
     def observe_tree(self, tree: DraftTree, path: list[int], emitted: list[int],
-                     forward: Any) -> None:
+                     forward: Forward) -> None:
         """A tree round it drafted: count it per depth, follow the accepted path's rows."""
         self.stats.record_tree(tree, len(path))
         self.follow(len(path), emitted, forward)
@@ -318,7 +329,7 @@ class MtpDrafter:
         logits = self._biased(self._next[0]).astype(mx.float32)
         probs = mx.softmax(logits, axis=-1)
         top = mx.argsort(-logits)[:n]
-        return list(zip(top.tolist(), probs[top].tolist(), strict=True))
+        return list(zip(as_tokens(top), as_floats(probs[top]), strict=True))
 
     @property
     def drafted_at(self) -> list[int]:
@@ -328,20 +339,20 @@ class MtpDrafter:
     def accepted_at(self) -> list[int]:
         return self.stats.accepted_at
 
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Any) -> None:
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
         """Trim the speculative rows, then append the verified pairs: row j of the verify
         ([pending, d1..]) is h at the pending position + j, paired with emitted[j]."""
         self.stats.record(drafted, accepted)
         self.follow(accepted, emitted, forward)
 
-    def follow(self, accepted: int, emitted: list[int], forward: Any) -> None:
+    def follow(self, accepted: int, emitted: list[int], forward: Forward) -> None:
         """Keep the head's cache in step after a verify round, whoever drafted it."""
         self.catch_up()
         verified = self._verified(accepted, emitted, forward)
         self._join_batch(forward)
         self._append(*verified)
 
-    def lag(self, accepted: int, emitted: list[int], forward: Any) -> None:
+    def lag(self, accepted: int, emitted: list[int], forward: Forward) -> None:
         """A round while the head is switched off: keep the verified rows (references to the
         trunk rows the verify computed anyway) instead of running the head on them, so that
         `catch_up` can bring its cache in step in one call when it is needed again (the
@@ -362,9 +373,9 @@ class MtpDrafter:
         for start in range(0, len(tokens), self.prefill_step):
             stop = min(start + self.prefill_step, len(tokens))
             self._append(hidden[start:stop], tokens[start:stop])
-            mx.eval(self._cache.keys, self._cache.values, *self._next)
+            mx.eval(self._cache.keys, self._cache.values, *(self._next or ()))
 
-    def _verified(self, accepted: int, emitted: list[int], forward: Any
+    def _verified(self, accepted: int, emitted: list[int], forward: Forward
                   ) -> tuple[mx.array, list[int]]:
         if self._speculative:
             if self._rows is not None:
@@ -386,4 +397,4 @@ class MtpDrafter:
 def _probability(logits: mx.array, token: int) -> float:
     """softmax(logits)[token], without normalising every entry."""
     row = logits.astype(mx.float32)
-    return float(mx.exp(row[token] - mx.logsumexp(row)).item())
+    return cast(float, mx.exp(row[token] - mx.logsumexp(row)).item())

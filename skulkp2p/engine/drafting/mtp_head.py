@@ -4,7 +4,7 @@
 A sidecar's `{prefix}vocab_ids` (int32 [K]) is a reduced draft vocabulary: the head then scores
 only those K rows of the shared lm_head (taken at load, quantised like the base),
 which cuts a draft's cost when the vocabulary is large; other tokens are never drafted. Heads
-trained by tools/train_sidecar.py use it.
+trained by `python -m skulkp2p head train` use it.
 
 The decoder layer is built from the family's own mlx-lm class (the class of a trunk layer whose
 parameter names match the head's layer tensors), so attention, RoPE and the MLP are the trunk's
@@ -18,7 +18,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from skulkp2p.engine.cache.batch_cache import RowsKVCache
 from skulkp2p.engine.drafting.mtp_conventions import (
     _IGNORED,
     _NESTED_LAYER,
@@ -37,7 +38,9 @@ from skulkp2p.engine.drafting.mtp_conventions import (
     _locate,
     _safetensors_files,
     _text_config,
+    config_number,
 )
+from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.model.arrays import materialize
 from skulkp2p.engine.model.trunk import Trunk
 
@@ -101,7 +104,8 @@ class MtpHead(nn.Module):
         source = self.head if "head" in self else (
             self._trunk.body.embed_tokens if self._trunk.tied else self._trunk.text.lm_head)
         if "scales" in source:
-            # Quantised rows: dequantise them; a quantised base quantises the head again.
+            # Quantised rows: dequantise them; a quantised base quantises the head again. (An
+            # mlx quantized module from before quantization modes has no `mode`: affine.)
             rows = mx.dequantize(source["weight"][ids], source["scales"][ids],
                                  source["biases"][ids] if "biases" in source else None,
                                  source.group_size, source.bits,
@@ -114,14 +118,15 @@ class MtpHead(nn.Module):
         self._vocab_ids = ids
         self._vocab_size = vocab
 
-    def features(self, hidden: mx.array, tokens: mx.array, cache: Any = None,
+    def features(self, hidden: mx.array, tokens: mx.array,
+                 cache: KVCache | RowsKVCache | None = None,
                  first: bool = True, attn_mask: mx.array | str | None = None
                  ) -> tuple[mx.array, mx.array]:
         """(pre, post) head states [B, L, H] for rows (hidden[b, i], tokens[b, i]): batched,
         for decoding (B = 1, with `cache`) and for training (no cache, causal over L). `first`:
         row 0 is position 0 (where DeepSeek/MiMo zero the embedding). `attn_mask` (default: causal
         over the cache and the rows) lets training lay out a second draft step beside the first
-        (tools/train_sidecar.py)."""
+        (`head train`)."""
         conv = self._conventions
         embed = self._trunk.embed_tokens(tokens)
         if conv.zero_first_embed and first:
@@ -165,7 +170,9 @@ def _read_tensors(files: list[Path], prefix: str) -> dict[str, mx.array]:
         if not any(n.startswith(prefix) for n in _header_names(f)):
             continue
         # mx.load maps the file lazily; only the arrays kept here are ever read.
-        out.update({k: v for k, v in mx.load(str(f)).items() if k.startswith(prefix)})
+        tensors = mx.load(str(f))
+        assert isinstance(tensors, dict)  # (safetensors, no metadata asked for)
+        out.update({k: v for k, v in tensors.items() if k.startswith(prefix)})
     return out
 
 
@@ -200,8 +207,9 @@ def _is_norm(name: str, value: mx.array) -> bool:
 
 def _names(module: nn.Module) -> set[str]:
     # Quantisation adds scales/biases; compare layers by their float tensor names.
-    return {k for k, _ in tree_flatten(module.parameters())
-            if not k.endswith((".scales", ".biases"))}
+    # (tree_flatten gives a dict only when handed one to fill)
+    named = cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))
+    return {k for k, _ in named if not k.endswith((".scales", ".biases"))}
 
 
 def _build_layer(trunk: Trunk, layer_tensors: dict[str, mx.array]) -> nn.Module:
@@ -210,11 +218,12 @@ def _build_layer(trunk: Trunk, layer_tensors: dict[str, mx.array]) -> nn.Module:
     The class and constructor arguments are those of a trunk layer with the same parameter
     names (for qwen3_5 a full-attention DecoderLayer, not a gated-delta one)."""
     args = trunk.text.args
+    # (an mlx-lm model's body holds its layers, or the text model does: family by family)
     layers = list(getattr(trunk.body, "layers", None) or trunk.text.layers)
     wanted = {k for k in layer_tensors if not k.endswith((".scales", ".biases"))}
 
     def make(cls: type, index: int) -> nn.Module:
-        params = inspect.signature(cls.__init__).parameters
+        params = inspect.signature(cls).parameters
         return cls(args, layer_idx=index) if "layer_idx" in params else cls(args)
 
     for i, layer in enumerate(layers):
@@ -242,15 +251,18 @@ def _check_shapes(head: MtpHead, weights: dict[str, mx.array], origin: dict[str,
                              f"{tuple(want.shape)}: this head was made for another model")
 
 
-def _quantization(config: dict[str, Any]) -> tuple[int, int, str] | None:
+def _quantization(config: JSONObject) -> tuple[int, int, str] | None:
     q = config.get("quantization")
     if not q:
         return None
-    return int(q.get("group_size", 64)), int(q.get("bits", 4)), str(q.get("mode", "affine"))
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization must be a table, got {q!r}")
+    return (int(config_number(q.get("group_size", 64), "group_size")),
+            int(config_number(q.get("bits", 4), "bits")), str(q.get("mode", "affine")))
 
 
-def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
-                  overrides: dict[str, Any] | None = None,
+def load_mtp_head(model_path: Path, model: nn.Module, config: JSONObject,
+                  overrides: JSONObject | None = None,
                   sidecar: Path | None = None) -> MtpHead | None:
     """The MTP head of the checkpoint at `model_path` (or of the `sidecar` safetensors file, a
     separate mtp.safetensors holding only the head's tensors), attached to the loaded trunk
@@ -302,8 +314,9 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: dict[str, Any],
 
     args = trunk.text.args
     hidden_size = int(args.hidden_size)
-    eps = float(getattr(args, "rms_norm_eps", None) or _text_config(config).get("rms_norm_eps")
-                or 1e-6)
+    # (any family's mlx-lm args: not every one names the epsilon)
+    eps = float(getattr(args, "rms_norm_eps", None)
+                or config_number(_text_config(config).get("rms_norm_eps") or 1e-6, "rms_norm_eps"))
     own_head = weights.get("head.weight")  # DeepSeek's shared_head.head, when the file has it
     vocab = int(own_head.shape[0]) if own_head is not None else None
     head = MtpHead(trunk, _build_layer(trunk, layer_tensors), hidden_size, eps, conv, vocab,

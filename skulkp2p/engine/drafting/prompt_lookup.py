@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from skulkp2p.engine.drafting.drafter import InnerDrafter
 
-class PromptLookup:
+
+class PromptLookup(InnerDrafter):
     name = "lookup"
 
     def __init__(self, max_key: int = 3, min_key: int = 1, search_window: int = 4096):
@@ -39,9 +41,3 @@ class PromptLookup:
             if best:
                 return list(best), None
         return [], None
-
-    def begin(self, prompt: list[int], forward) -> None:
-        pass
-
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
-        pass

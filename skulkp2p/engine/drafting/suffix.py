@@ -35,25 +35,30 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
+from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
+
+if TYPE_CHECKING:
+    from skulkp2p.engine.model.forward import Forward
 
 # The copy cursor (SuffixDrafter): below an own match of CURSOR_TRUST tokens, the occurrence of
 # the text's last 2 tokens nearest the cursor (at most CURSOR_WINDOW past it) is drafted from
 # instead of the longest match's latest one. One-token occurrences and resuming at the cursor
-# after a new token were tried too and lost (docs/measurements/drafting.md, "Drafting edits";
-# tools/draft_trace.py --replay).
+# after a new token were tried too and lost (docs/measurements/drafting.md, "Drafting edits").
 CURSOR_TRUST = 8
 CURSOR_WINDOW = 64
 # A match of m tokens drafts at most max(m, MIN_CAP), not m: a 2-token match drafting only 2
-# left copyable tokens undrafted (docs/measurements/drafting.md; tools/draft_trace.py --replay).
+# left copyable tokens undrafted (docs/measurements/drafting.md, "Drafting edits").
 MIN_CAP = 4
 # A match this long is its own context for the gate, starting from a belief of LONG_PRIOR.
 LONG_MATCH = 16
 LONG_PRIOR = 0.95
 # continue_after drafts at most this many tokens past another drafter's guess: more lost on echo
-# in the replay (tools/draft_trace.py --replay; docs/measurements/drafting.md, "Drafting edits").
+# in the replay (docs/measurements/drafting.md, "Drafting edits").
 CONTINUE_CAP = 2
 
 
@@ -262,11 +267,12 @@ class SuffixMemory:
             self._append(key, entry)
 
 
-class SuffixDrafter:
+class SuffixDrafter(InnerDrafter):
     """Drafts the continuation of the longest suffix match in the request's own text, else in
     the memory of earlier requests. Deterministic (q is one-hot)."""
 
     name = "lookup"
+    capabilities = DrafterCapabilities(branches=True)
 
     def __init__(self, min_match: int = 1, memory: SuffixMemory | None = None,
                  long_enough: int = 32, edits: bool = True):
@@ -316,6 +322,7 @@ class SuffixDrafter:
         text, ends = sam.tokens, self._ends
         for t in tokens:
             if self._following:
+                assert self.cursor is not None  # (a copy is followed from the cursor)
                 # The copy goes on while the text says what its source said next; at the
                 # first token that differs (an edit) the cursor stays where the source was.
                 if text[self.cursor] == t:
@@ -331,7 +338,7 @@ class SuffixDrafter:
                 state, matched = mem.step(state, matched, t)
             self._mem_state, self._mem_len = state, matched
 
-    def begin(self, prompt: list[int], forward) -> None:
+    def begin(self, prompt: list[int], forward: Forward) -> None:
         self.prepare(prompt)
 
     def _catch_up(self, history: list[int]) -> None:
@@ -387,6 +394,8 @@ class SuffixDrafter:
             self.cursor, self._following = sam.pos[sam.match] + 1, True
             return sam.walk(sam.match, min(k, max(n, self._min_cap))), None
         if kind == "memory":
+            # (a match in memory: there is one)
+            assert self._mem_sam is not None and self.memory is not None
             draft = self._mem_sam.walk(self._mem_state, min(k, n))
             if draft:
                 self.from_memory += len(draft)
@@ -434,6 +443,7 @@ class SuffixDrafter:
         if not ends:
             return None
         cursor = self.cursor
+        assert cursor is not None  # (asked only with a cursor: _plan)
         i = bisect_left(ends, cursor - 1)
         if i < len(ends) and ends[i] < len(text) - 1 and ends[i] <= cursor + CURSOR_WINDOW:
             return ends[i] + 1
@@ -468,15 +478,5 @@ class SuffixDrafter:
                     branches.append(Branch(0, alt, 0.5))
         return main, branches
 
-    def observe(self, drafted: int, accepted: int, emitted: list[int], forward) -> None:
+    def observe(self, drafted: int, accepted: int, emitted: list[int], forward: Forward) -> None:
         self._feed(emitted)
-
-
-@dataclass
-class Branch:
-    """A side branch a drafter offers beside its chain: `tokens` would stand in for the chain's
-    token at `depth` (0: the first draft token), under the chain's node at that depth; `share`
-    is how often its first token followed there."""
-    depth: int
-    tokens: list[int]
-    share: float

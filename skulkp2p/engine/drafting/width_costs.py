@@ -17,9 +17,12 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from skulkp2p.engine.json_types import JSONObject
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.model.forward import Forward
     from skulkp2p.engine.model.loaded import LoadedModel
 
 DEFAULT_WIDTHS = tuple(range(1, 17))
@@ -81,7 +84,7 @@ def measure_width_seconds(loaded: LoadedModel, text: str, widths: Sequence[int] 
     return {w: min(ts) for w, ts in times.items()}
 
 
-def measure_forward_seconds(forward: Any, tokens: list[int], widths: Sequence[int],
+def measure_forward_seconds(forward: Forward, tokens: list[int], widths: Sequence[int],
                             prefill: int = WIDTH_PREFILL, reps: int = GROUP_REPS
                             ) -> dict[int, float]:
     """As measure_width_seconds, through any Forward whose caches trim back exactly (a tensor
@@ -135,7 +138,7 @@ def width_costs_path(model_id: str, dtype: str, data_dir: Path | str) -> Path:
 
 
 def save_width_costs(model_id: str, dtype: str, data_dir: Path | str, seconds: dict[int, float],
-                     extra: dict[str, Any] | None = None) -> Path:
+                     extra: JSONObject | None = None) -> Path:
     path = width_costs_path(model_id, dtype, data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"model": model_id, "dtype": dtype, "prefill_tokens": WIDTH_PREFILL,

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+
+def leaves(tree: object) -> list[mx.array]:
+    """The arrays of a nested tree of parameters or state (lists, tuples, dicts), in
+    mlx.utils.tree_flatten's order."""
+    # tree_flatten's return type allows the dict it gives only when passed one to fill
+    flat = cast(list[tuple[str, object]], tree_flatten(tree))
+    return [v for _, v in flat if isinstance(v, mx.array)]
 
 
 def materialize(module: nn.Module) -> None:
@@ -17,7 +26,7 @@ def materialize(module: nn.Module) -> None:
     arrays: list[mx.array] = []
     seen: set[int] = set()
 
-    def walk(obj: Any) -> None:
+    def walk(obj: object) -> None:
         if isinstance(obj, mx.array):
             arrays.append(obj)
             return

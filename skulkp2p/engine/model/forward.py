@@ -2,23 +2,26 @@
 
 There is one way to run layers: a `StageModel` (stage.py) runs a contiguous slice of them over a
 `StageCache`, one request's caches with their checkpoint and rollback rules (caches.py). A
-`LocalForward` is a stage that holds every layer; a `RingForward` (ring.py) is the last stage of
-a ring, with the other stages one traversal away. Both implement `Forward`, so the decode loop
-never knows where its layers are. When a drafter needs the trunk's hidden states (an MTP head),
-`hidden` names which one ("after" or "before" the final norm) and the forward keeps the rows of
-its last call in `last_hidden` (prefill included).
+`LocalForward` is a stage that holds every layer; a `RingForward` (parallel/ring/traversal.py)
+is the last stage of a ring, with the other stages one traversal away; a `TensorForward`
+(parallel/tensor/group.py) reaches a tensor-parallel group; a `RowForward`
+(batching/row_forward.py) is one request's row of a batch. All implement `Forward`, so the
+decode loop never knows where its layers are. When a drafter needs the trunk's hidden states
+(an MTP head), `hidden` names which one ("after" or "before" the final norm) and the forward
+keeps the rows of its last call in `last_hidden` (prefill included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from skulkp2p.engine.cache import caches
+from skulkp2p.engine.cache.caches import CacheEntry
 from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.cpu.weight_first import verify_rows
 from skulkp2p.engine.model.stage import StageModel, StageSpan
@@ -27,19 +30,95 @@ from skulkp2p.engine.model.trunk import Trunk
 
 
 class Forward(Protocol):
-    last_hidden: mx.array | None
+    """What the decode loop (engine/decode/loop.py), the request around it (generate.py: the
+    prefix cache) and the drafters ask of the forward a request decodes on. The first members
+    are what every forward does; the rest default to a forward without the capability: it
+    verifies chains only, has no lazy steps, holds every cache here and frees nothing on close.
+    (A row of a batch is a `RowForward`, engine/batching/row_forward.py: its drafters see the
+    batch there.) A forward that imports mlx lazily (a ring's, a tensor group's)
+    implements them all itself."""
 
-    def prefill(self, tokens: list[int]) -> None: ...
-    def __call__(self, tokens: list[int]) -> mx.array: ...
-    def rollback(self, keep: int, dropped: int) -> None: ...
+    # The trunk's hidden rows of the last call (prefill included) when `hidden` asks for them.
+    last_hidden: mx.array | None = None
+    # Which hidden state it keeps: "after" or "before" the final norm, or None (none kept).
+    hidden: str | None = None
+
+    def prefill(self, tokens: list[int]) -> None:
+        """Append `tokens` to the caches (no logits)."""
+        ...
+
+    def __call__(self, tokens: list[int]) -> mx.array:
+        """Logits [w, V] of w tokens appended to the caches."""
+        ...
+
+    def rollback(self, keep: int, dropped: int) -> None:
+        """The last call appended keep + dropped tokens; forget the last `dropped` of them."""
+        ...
+
+    @property
+    def cache(self) -> list[CacheEntry]:
+        """The request's caches as one-request caches: what the prefix cache keeps (a tensor
+        group's: none here, its ranks keep theirs)."""
+        ...
+
+    @property
+    def trees(self) -> bool:
+        """Whether it verifies token trees now (attention-only families)."""
+        return False
+
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
+        """Logits [w, V] of a token tree (node 0 the pending token; `parents` as
+        engine/model/tree.py), appended to the caches; `keep_path` then keeps the accepted
+        path. Only where `trees`."""
+        raise ValueError("this forward verifies chains only")
+
+    def keep_path(self, path: list[int]) -> None:
+        """Keep node 0 and the accepted path of the last tree, in order; `last_hidden` becomes
+        their rows (what a chain verify of that path leaves)."""
+        raise ValueError("this forward verifies chains only")
+
+    def may_run_ahead(self) -> bool:
+        """Whether `lazy_step` may build the next step now, before the current one is handed
+        out (the loop's pipelined greedy steps): False for a forward without lazy steps, and
+        for a batch row once another request is on the model."""
+        return False
+
+    def lazy_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        """Logits [1, V] of one token given as an mx array [1], appended to the caches, and
+        the trunk's hidden row of the token when `hidden` asks for it, NOT evaluated. Only
+        while `may_run_ahead`."""
+        raise NotImplementedError("this forward has no lazy steps")
+
+    def end_run_ahead(self) -> None:
+        """The loop left its pipelined steps: nothing of this forward is in flight now."""
+        return None
+
+    def restore(self, cache: list[CacheEntry], tokens: list[int], key: list[int]) -> int:
+        """Go on from caches that hold `tokens` (a prefix-cache hit; `key` is the entry's key,
+        `tokens` and the next one); how many tokens are now held (0: the prompt is prefilled
+        whole, as where the other stages of a ring miss)."""
+        return 0
+
+    def keep_in_group(self, key: list[int]) -> int | None:
+        """Before the prefix cache keeps the caches held here under `key`: have those held
+        elsewhere kept now (a tensor group's ranks keep their slices). The bytes kept
+        elsewhere (0: none held elsewhere), or None when some holder could not keep them (then
+        no entry: a hit would miss there)."""
+        return 0
+
+    def share_store(self, key: list[int]) -> None:
+        """After the prefix cache kept the caches here under `key`: have the other stages of a
+        ring keep theirs under it too (with the next frame or the end)."""
+        return None
+
+    def close(self) -> None:
+        """The request ended, however: free what it holds elsewhere (a ring's stages, a
+        batch's row)."""
+        return None
 
 
-class TreeForward(Forward, Protocol):
-    """A forward that also verifies token trees (engine/model/tree.py) in one call."""
-    trees: bool  # whether this forward takes trees now (attention-only families)
-
-    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array: ...
-    def keep_path(self, path: list[int]) -> None: ...
+class _Offset(Protocol):
+    offset: int
 
 
 class StageCache:
@@ -50,9 +129,9 @@ class StageCache:
 
     def __init__(self, stage: StageModel):
         self.stage = stage
-        self.cache: list[Any] = make_prompt_cache(stage.model)
+        self.cache: list[CacheEntry] = make_prompt_cache(stage.model)
         self._snapshot: caches.Snapshot | None = None
-        self._inputs: Any = None
+        self._inputs: list[int] | mx.array | None = None  # a snapshotted verify's, to replay
         self._tree_start = 0  # where the last tree verify wrote its node 0
         self._tree: list[int] | None = None  # that tree's parents, until its path is kept
         # Whose forwards these are for the OpenBLAS thread policy (blas_threads.waited): None,
@@ -63,14 +142,14 @@ class StageCache:
         self.cache = make_prompt_cache(self.stage.model)
         self._snapshot = None
 
-    def adopt(self, cache: list[Any]) -> None:
+    def adopt(self, cache: list[CacheEntry]) -> None:
         """Go on from these caches (fresh ones from the prefix cache, one per layer here)."""
         if len(cache) != len(self.cache):
             raise ValueError(f"{len(cache)} caches for a stage of {len(self.cache)} layers")
         self.cache = cache
         self._snapshot = None
 
-    def run(self, x: Any, *, verify: bool, logits: bool = False,
+    def run(self, x: list[int] | mx.array, *, verify: bool, logits: bool = False,
             hidden: str | None = None, tree: list[int] | None = None
             ) -> tuple[mx.array | None, mx.array | None]:
         width = len(x) if isinstance(x, list) else x.shape[0]
@@ -81,7 +160,7 @@ class StageCache:
                 raise ValueError("token trees need plain KV caches (attention-only layers)")
             if len(tree) != width:
                 raise ValueError(f"a tree of {len(tree)} parents for {width} inputs")
-            self._tree_start = self.cache[0].offset
+            self._tree_start = cast(_Offset, self.cache[0]).offset  # (plain KV caches)
             self._tree = list(tree)
             with blas_threads.waited(width, owner=self.owner), verify_rows(width > 1):
                 out, h = self.stage.run(x, self.cache, logits=logits, hidden=hidden, tree=tree)
@@ -104,6 +183,7 @@ class StageCache:
         snap, self._snapshot = self._snapshot, None
 
         def replay(n: int) -> None:
+            assert self._inputs is not None  # (a snapshot keeps its inputs)
             self.stage.run(self._inputs[:n], self.cache, logits=False)
             mx.eval([c.state for c in self.cache])
         caches.rollback(self.cache, snap, dropped, replay, keep)
@@ -114,7 +194,7 @@ class StageCache:
         check_path(self._tree, path)
         self._tree = None
         for entry in self.cache:
-            compact_kv(entry, self._tree_start, path)
+            compact_kv(cast(KVCache, entry), self._tree_start, path)  # (trees: plain KV caches)
 
 
 def whole_model_stage(model: nn.Module) -> StageModel:
@@ -123,7 +203,7 @@ def whole_model_stage(model: nn.Module) -> StageModel:
     return StageModel(model, StageSpan(0, n, n))
 
 
-class LocalForward:
+class LocalForward(Forward):
     """All layers here. `__call__` returns logits [w, V] for w tokens appended to the cache."""
 
     def __init__(self, model: nn.Module, prefill_step: int = 2048, hidden: str | None = None,
@@ -136,17 +216,21 @@ class LocalForward:
         self.prefill_step = prefill_step
         self.last_hidden: mx.array | None = None
         self.interrupt = interrupt  # raises to abandon a long prefill between chunks
-        self.trees = tree_capable(model)
+        self._trees = tree_capable(model)
 
     @property
-    def cache(self) -> list[Any]:
+    def cache(self) -> list[CacheEntry]:
         return self.local.cache
+
+    @property
+    def trees(self) -> bool:
+        return self._trees
 
     def reset(self) -> None:
         """Empty caches (a drafter whose history diverged starts over)."""
         self.local.reset()
 
-    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+    def restore(self, cache: list[CacheEntry], tokens: list[int], key: list[int]) -> int:
         """Go on from caches that hold `tokens` (a prefix-cache hit; `key` is the entry's key,
         `tokens` and the next one); how many tokens are now held (a ring's stages may miss,
         see RingForward.restore)."""
@@ -168,6 +252,7 @@ class LocalForward:
 
     def __call__(self, tokens: list[int]) -> mx.array:
         logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden)
+        assert logits is not None  # (asked for)
         if h is not None:
             self.last_hidden = h
         return logits
@@ -183,6 +268,7 @@ class LocalForward:
             raise ValueError("this model verifies chains only (not an attention-only family)")
         logits, h = self.local.run(tokens, verify=True, logits=True, hidden=self.hidden,
                                    tree=parents)
+        assert logits is not None  # (asked for)
         if h is not None:
             self.last_hidden = h
         return logits
@@ -202,4 +288,10 @@ class LocalForward:
         the step has run. The cache may hold one token past the last one the caller consumed
         (decode takes it back with a rollback when it must)."""
         blas_threads.step()  # the OpenBLAS thread count for pipelined steps (blas_threads.py)
-        return self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
+        logits, h = self.local.stage.run(token, self.local.cache, logits=True, hidden=self.hidden)
+        assert logits is not None  # (asked for)
+        return logits, h
+
+    def may_run_ahead(self) -> bool:
+        """Always: the caches are this request's own."""
+        return True

@@ -12,8 +12,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from skulkp2p.engine.cpu import numpy_verify, table_rope, weight_first
-from skulkp2p.engine.model.arrays import materialize
+from skulkp2p.engine.cpu import switch
+from skulkp2p.engine.json_types import JSONValue
+from skulkp2p.engine.model.arrays import leaves, materialize
 from skulkp2p.engine.model.stage import StageSpan, slice_model
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.engine.protocol import VerifyCosts
@@ -61,7 +62,7 @@ def is_mtp_key(key: str, num_layers: int | None) -> bool:
             or (num_layers is not None and key.startswith(f"model.layers.{num_layers}.")))
 
 
-def _trunk_classes(config: dict[str, Any]):
+def _trunk_classes(config: dict[str, Any]) -> tuple[type[nn.Module], type]:
     """mlx-lm's classes for the family, with MTP tensors stripped before its strict load (some
     families' sanitize keeps them and the load then refuses them). The drafter loads them itself."""
     from mlx_lm.utils import _get_classes
@@ -70,19 +71,19 @@ def _trunk_classes(config: dict[str, Any]):
     n_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get(
         "num_hidden_layers")
 
-    class Trunk(model_class):
-        def sanitize(self, weights):
-            weights = {k: v for k, v in weights.items() if not is_mtp_key(k, n_layers)}
-            parent = getattr(super(), "sanitize", None)
-            return parent(weights) if parent else weights
+    def sanitize(self: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if not is_mtp_key(k, n_layers)}
+        parent = getattr(super(trunk, self), "sanitize", None)
+        return parent(weights) if parent else weights
 
-    Trunk.__name__ = model_class.__name__
-    return Trunk, args_class
+    # A subclass of the family's class chosen at run time (named as it, defined here)
+    trunk: type[nn.Module] = type(model_class.__name__, (model_class,), {"sanitize": sanitize})
+    return trunk, args_class
 
 
 def load_model(path: Path, model_id: str, context_length: int | None = None,
-               dtype: str = "bfloat16", runtime: dict[str, Any] | None = None,
-               speculation: dict[str, Any] | None = None,
+               dtype: str = "bfloat16", runtime: Mapping[str, JSONValue] | None = None,
+               speculation: Mapping[str, JSONValue] | None = None,
                sidecar: Path | None = None, span: StageSpan | None = None,
                head_only: bool = False) -> LoadedModel:
     """Load the trunk with mlx-lm's classes (MTP tensors stripped), cast it to `dtype`, and load
@@ -111,8 +112,7 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     if span is not None or head_only:
         # A drafter's cost is weighed against a step of the whole model, not of the layers
         # held here (a ring's last stage, a tensor group's loop member): counted before slicing.
-        from mlx.utils import tree_flatten
-        whole_params = sum(v.size for _, v in tree_flatten(model.parameters()))  # shapes only
+        whole_params = sum(v.size for v in leaves(model.parameters()))  # shapes only
     if span is not None:
         # The last stage runs the drafter: an MTP head embeds its draft tokens, the Gemma 4
         # assistant the target's embedding of its own.
@@ -147,12 +147,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,
                  head.conventions.max_depth)
-    if weight_first.enabled(dtype):
-        weight_first.install(model)  # verify rows weight-first on a CPU node's BLAS
-    if numpy_verify.enabled(dtype):
-        numpy_verify.install(model)  # a verify's softmax and SwiGLU by numpy
-    if table_rope.enabled(dtype):
-        table_rope.install(model)  # rotary embeddings from a table (bit-identical, cheaper)
+    # The CPU switch's model pieces, where install() ran and the model is float32 on the CPU
+    switch.apply(model, dtype)
     return LoadedModel(model_id, Path(path), model, tokenizer, int(ctx), dtype,
                        dict(runtime or {}), speculation, mtp=head, span=span,
                        caches_trim=caches_trim, whole_params=whole_params)

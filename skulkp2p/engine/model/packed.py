@@ -10,7 +10,7 @@ own key and value, which sit past its row's length, are masked from every real q
 overwritten by the row's next step, so what it holds never reaches a real token.
 
 A CPU forward over many token rows is compute-bound (docs/measurements/concurrency.md,
-"Batching in one process"; tools/batch_bench.py --widths): the MLPs are about three quarters of
+"Batching in one process"): the MLPs are about three quarters of
 a SmolLM2 layer's weights and the head a fifth of the model's, so the padded rows' share of them
 is what this saves.
 
@@ -29,9 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from skulkp2p.engine.drafting.gates import StepPacking
 from skulkp2p.engine.model.swapped import swapped
 
 
@@ -177,25 +175,3 @@ def packed_mlps(layers: list[nn.Module], rows: PackedRows
                 ) -> contextlib.AbstractContextManager[None]:
     """Every layer's MLP runs on the step's real tokens for the duration of one forward."""
     return swapped(layers, "mlp", lambda mlp: _OnRealTokens(mlp, rows, strict=True))
-
-
-def _weights(module: nn.Module) -> int:
-    return sum(int(a.size) for _, a in tree_flatten(module.parameters()))
-
-
-def step_packing(layers: list[nn.Module], head: nn.Module | None, mlps_from: int
-                 ) -> StepPacking:
-    """The shares of one token row's work that a packed step runs on the real tokens only (the
-    gates price a ragged step with them: gates.step_cost), by weights: a forward over a few
-    dozen token rows on a CPU multiplies every weight once per row, so a module's share of the
-    weights is its share of the work (SmolLM2-135M: MLPs 0.59, head 0.21). A mixture of experts
-    routes each token to a few of its experts: its MLPs' share is overstated (the gates then
-    expect a little more from packing than it saves). Attention's own products over the context
-    are left out (small at the context lengths of a chat)."""
-    mlps = sum(_weights(layer.mlp) for layer in layers)
-    rest = sum(_weights(layer) for layer in layers) - mlps
-    out = _weights(head) if head is not None else 0
-    total = mlps + rest + out
-    if total <= 0:
-        return StepPacking(0.0, 0.0, mlps_from)
-    return StepPacking(head=out / total, mlps=mlps / total, mlps_from=mlps_from)

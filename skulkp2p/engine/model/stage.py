@@ -21,16 +21,18 @@ each: hidden | per-layer inputs of the layers still ahead, flattened).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
+from skulkp2p.engine.model.arrays import leaves
 from skulkp2p.engine.model.packed import PackedRows, packed_attention, packed_mlps
 from skulkp2p.engine.model.swapped import swapped
 from skulkp2p.engine.model.tree import (
+    KVLayer,
     TreeInputs,
     TreeView,
     tree_inputs,
@@ -38,6 +40,9 @@ from skulkp2p.engine.model.tree import (
     validate_parents,
 )
 from skulkp2p.engine.model.trunk import Trunk, _Identity
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 MASK_INDEX_ATTRS = ("fa_idx", "ssm_idx", "swa_idx")
 
@@ -68,7 +73,7 @@ class _NoEmbedding(nn.Module):
         raise RuntimeError("this stage holds no embedding")
 
 
-def _kind(layer: Any) -> tuple[Any, ...]:
+def _kind(layer: object) -> tuple[object, ...]:
     return (getattr(layer, "is_linear", None), getattr(layer, "use_sliding", None))
 
 
@@ -91,7 +96,7 @@ class _Gemma4Slice:
         self.args = body.config
         body.previous_kvs = [i - span.start for i in body.previous_kvs[span.start:span.end]]
 
-    def make_cache(self) -> list[Any]:
+    def make_cache(self) -> list[KVCache | RotatingKVCache]:
         from mlx_lm.models.cache import KVCache, RotatingKVCache
         types = self.args.layer_types[self.span.start:self.span.start + self.owners_here]
         return [KVCache() if t == "full_attention" else
@@ -144,7 +149,20 @@ def drop_layers(model: nn.Module) -> nn.Module:
 
 def param_bytes(module: nn.Module) -> int:
     """Bytes of parameters this module holds (what a stage actually keeps in memory)."""
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    return sum(v.nbytes for v in leaves(module.parameters()))
+
+
+def _rows_in(x: mx.array | list[int]) -> mx.array:
+    """What a stage past the first is sent: hidden rows (only the first is sent tokens)."""
+    if not isinstance(x, mx.array):
+        raise TypeError("a stage past the first is sent hidden rows, not tokens")
+    return x
+
+
+def _kv(cache: Sequence[object]) -> Sequence[KVLayer]:
+    """The caches of a tree forward: plain KV caches, which a model that verifies trees holds
+    in every layer (tree.tree_capable), or a batch's rows of them."""
+    return cast("Sequence[KVLayer]", cache)
 
 
 class StageModel:
@@ -157,7 +175,7 @@ class StageModel:
         self.span = span
         self.trunk = Trunk(model)
 
-    def run(self, x: mx.array | list[int], cache: list[Any], *, logits: bool = True,
+    def run(self, x: mx.array | list[int], cache: Sequence[object], *, logits: bool = True,
             hidden: str | None = None, tree: list[int] | None = None
             ) -> tuple[mx.array | None, mx.array | None]:
         """(output rows [w, H] or logits [w, V] on the last stage, trunk rows for a drafter).
@@ -170,29 +188,29 @@ class StageModel:
         if self.span.first:
             inputs, emb = mx.array(x)[None], None
         else:
-            inputs, emb = None, x[None]
+            inputs, emb = None, _rows_in(x)[None]
         shape = None
         if tree is not None:
             validate_parents(tree)
-            shape = tree_inputs([cache[0].offset], [tree], len(tree))
+            shape = tree_inputs([int(_kv(cache)[0].offset)], [tree], len(tree))
         if not self.span.last:
             if shape is None:
                 return self.trunk.body(inputs, cache, input_embeddings=emb)[0], None
             with tree_ropes(self.trunk.body.layers, shape.positions):
-                views = [TreeView(c, shape.mask) for c in cache]
+                views = [TreeView(c, shape.mask) for c in _kv(cache)]
                 return self.trunk.body(inputs, views, input_embeddings=emb)[0], None
         out, h = self.run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=emb,
                                tree=shape)
         return (None if out is None else out[0]), (None if h is None else h[0])
 
-    def run_batch(self, x: mx.array, cache: list[Any], tree: TreeInputs | None = None
+    def run_batch(self, x: mx.array, cache: Sequence[object], tree: TreeInputs | None = None
                   ) -> mx.array:
         """A stage that is not the last on a batch (engine/parallel/ring/batch_rows.py): token rows [B, W]
         (first stage) or hidden rows [B, W, H] in, hidden rows [B, W, H] out. `tree`: some
         rows are token trees (engine/model/tree.py): the rows' mask and positions."""
         if tree is not None:
             with tree_ropes(self.trunk.body.layers, tree.positions):
-                return self.run_batch(x, [TreeView(c, tree.mask) for c in cache])
+                return self.run_batch(x, [TreeView(c, tree.mask) for c in _kv(cache)])
         if self.span.last:
             raise ValueError("the last stage runs its batch with run_rows")
         if getattr(self.trunk.body, "stage_slice", None) is not None:
@@ -201,7 +219,7 @@ class StageModel:
             return self.trunk.body(x, cache)
         return self.trunk.body(None, cache, input_embeddings=x)
 
-    def _run_gemma4(self, gemma: Any, x: mx.array | list[int], cache: list[Any], *,
+    def _run_gemma4(self, gemma: _Gemma4Slice, x: mx.array | list[int], cache: Sequence[object], *,
                     logits: bool, hidden: str | None) -> tuple[mx.array | None, mx.array | None]:
         """A Gemma 4 slice. Per-layer inputs (where the model has them): the first stage
         computes them as the model's own call does (from the token ids and the scaled
@@ -219,9 +237,10 @@ class StageModel:
                     scaled, body._get_per_layer_inputs(inputs, None))
         else:
             size = self.trunk.text.args.hidden_size
-            inputs, emb = None, x[None, :, :size]
+            rows = _rows_in(x)
+            inputs, emb = None, rows[None, :, :size]
             if gemma.per_layer:
-                per_layer = x[None, :, size:].reshape(1, x.shape[0], -1, gemma.per_layer)
+                per_layer = rows[None, :, size:].reshape(1, rows.shape[0], -1, gemma.per_layer)
         saved = body.hidden_size_per_layer_input, body.embed_scale
         body.hidden_size_per_layer_input = 0  # the inputs are given: use them as they are
         if not self.span.first:
@@ -240,7 +259,7 @@ class StageModel:
             body.hidden_size_per_layer_input, body.embed_scale = saved
         return (None if out is None else out[0]), (None if h is None else h[0])
 
-    def run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool = True,
+    def run_rows(self, inputs: mx.array | None, cache: Sequence[object], *, logits: bool = True,
                  hidden: str | None = None, embeddings: mx.array | None = None,
                  per_layer_inputs: mx.array | None = None, tree: TreeInputs | None = None,
                  packed: PackedRows | None = None
@@ -252,7 +271,7 @@ class StageModel:
         only (engine/model/packed.py), and the logits come back packed, [N, V] (`packed.row`)."""
         if tree is not None:
             with tree_ropes(self.trunk.body.layers, tree.positions):
-                return self.run_rows(inputs, [TreeView(c, tree.mask) for c in cache],
+                return self.run_rows(inputs, [TreeView(c, tree.mask) for c in _kv(cache)],
                                      logits=logits, hidden=hidden, embeddings=embeddings,
                                      per_layer_inputs=per_layer_inputs, packed=packed)
         if packed is not None and packed.attention:
@@ -269,7 +288,7 @@ class StageModel:
         return self._run_rows(inputs, cache, logits=logits, hidden=hidden, embeddings=embeddings,
                               per_layer_inputs=per_layer_inputs, packed=packed)
 
-    def _run_rows(self, inputs: mx.array | None, cache: list[Any], *, logits: bool,
+    def _run_rows(self, inputs: mx.array | None, cache: Sequence[object], *, logits: bool,
                   hidden: str | None, embeddings: mx.array | None,
                   per_layer_inputs: mx.array | None, packed: PackedRows | None
                   ) -> tuple[mx.array | None, mx.array | None]:

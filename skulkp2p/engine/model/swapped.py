@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 
 @contextlib.contextmanager
-def swapped(owners: Iterable[Any], name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """Each owner's `name` is `make(its current value)` inside; the old values come back after."""
-    saved: list[tuple[Any, Any]] = []
+def swapped(owners: Iterable[object], name: str, make: Callable[..., object]
+            ) -> Iterator[None]:
+    """Each owner's `name` is `make(its current value)` inside; the old values come back after.
+    (`make` takes the module it replaces, of the type the caller knows it to be.)"""
+    saved: list[tuple[object, object]] = []
     try:
         for owner in owners:
             old = getattr(owner, name)

@@ -19,14 +19,19 @@ hold plain KV caches and rotate with `self_attn.rope(x, offset=cache.offset)` ta
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from skulkp2p.engine.cache.caches import compact_positions
 from skulkp2p.engine.model.swapped import swapped
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import KVCache
 
 # Families whose attention is verified to rotate with `self_attn.rope(x, offset=cache.offset)`
 # and to take its mask from the cache (mlx-lm's llama, qwen2, qwen3; SmolLM2 is llama).
@@ -47,8 +52,10 @@ class DraftTree:
     q: list[np.ndarray | None] | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int], q: list[np.ndarray] | None = None) -> DraftTree:
-        return cls(list(tokens), list(range(len(tokens))), len(tokens), q=q)
+    def chain(cls, tokens: list[int], q: Sequence[np.ndarray | None] | None = None
+              ) -> DraftTree:
+        return cls(list(tokens), list(range(len(tokens))), len(tokens),
+                   q=None if q is None else list(q))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -142,29 +149,40 @@ class TreeRope(nn.Module):
         self.inner = inner
         self.positions = positions
 
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         b, h, w, d = x.shape
         rows = x.transpose(0, 2, 1, 3).reshape(b * w, h, 1, d)
         out = self.inner(rows, offset=self.positions)
         return out.reshape(b, w, h, d).transpose(0, 2, 1, 3)
 
 
+class KVLayer(Protocol):
+    """A layer's KV cache as a tree forward writes it: mlx-lm's KVCache (one request) or a
+    batch's rows (engine/cache/batch_cache.py: an offset per row)."""
+
+    @property
+    def offset(self) -> int | mx.array: ...
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array
+                         ) -> tuple[mx.array, mx.array]: ...
+
+
 class TreeView:
     """A layer's cache during a tree forward: writes and offsets go to the cache, the mask is
     the tree's (mlx-lm builds its attention mask with `cache.make_mask`)."""
 
-    def __init__(self, inner: Any, mask: mx.array):
+    def __init__(self, inner: KVLayer, mask: mx.array):
         self.inner = inner
         self.mask = mask
 
     @property
-    def offset(self) -> Any:
+    def offset(self) -> int | mx.array:
         return self.inner.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self.inner.update_and_fetch(keys, values)
 
-    def make_mask(self, n: int, **_: Any) -> mx.array:
+    def make_mask(self, n: int, **_: object) -> mx.array:
         return self.mask
 
 
@@ -224,15 +242,7 @@ def check_path(parents: list[int] | None, path: list[int]) -> None:
         prev = node
 
 
-def compact_positions(start: int, path: list[int]) -> tuple[list[int], list[int]] | None:
-    """Moves that keep node 0 at `start` and the path's nodes right after it: (destinations,
-    sources), or None when the path is already in place (a chain's accepted prefix)."""
-    if path == list(range(1, len(path) + 1)):
-        return None
-    return ([start + 1 + j for j in range(len(path))], [start + p for p in path])
-
-
-def compact_kv(entry: Any, start: int, path: list[int]) -> None:
+def compact_kv(entry: KVCache, start: int, path: list[int]) -> None:
     """One layer's plain KV cache after a tree of w tokens written at `start`: keep node 0 and
     the path's nodes in order (a gather along the sequence axis), drop the rest."""
     moves = compact_positions(start, path)

@@ -8,7 +8,7 @@ trunk's hidden state, after or before the final norm depending on the model; com
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,8 +28,10 @@ def _softcap(cap: float, x: mx.array) -> mx.array:
 class Trunk:
     def __init__(self, model: nn.Module):
         self.model = model
-        self.text = getattr(model, "language_model", model)  # multimodal wrappers (qwen3_5)
-        self.body = self.text.model
+        # multimodal wrappers (qwen3_5)
+        self.text: nn.Module = model.language_model if hasattr(model, "language_model") \
+            else model
+        self.body: nn.Module = self.text.model
         args = getattr(self.text, "args", None)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or not hasattr(
             self.text, "lm_head")
@@ -52,7 +54,7 @@ class Trunk:
     def norm(self, h: mx.array) -> mx.array:
         return self.body.norm(h)
 
-    def hidden_before_norm(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+    def hidden_before_norm(self, inputs: mx.array, cache: Sequence[object]) -> mx.array:
         """The last layer's output, before the final norm (the norm is bypassed for this call)."""
         with swapped([self.body], "norm", lambda _: _Identity()):
             return self.body(inputs, cache)

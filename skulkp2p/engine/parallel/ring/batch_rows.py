@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
 
@@ -40,7 +40,9 @@ from skulkp2p import wire
 from skulkp2p.engine.cache.batch_cache import RowLengths, RowsKVCache
 from skulkp2p.engine.model.tree import check_path, tree_inputs, validate_parents
 from skulkp2p.engine.parallel.ring.frames import (
+    Frame,
     RingError,
+    RingLink,
     check_answer,
     header,
     int_list,
@@ -48,14 +50,41 @@ from skulkp2p.engine.parallel.ring.frames import (
     seconds_list,
     tree_payload,
 )
+from skulkp2p.wire import WireValue
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.cache.prefix_cache import PrefixCache
     from skulkp2p.engine.model.forward import StageCache
-
-# (ring.py's RingForward and StageWorker are not imported here: ring.py imports this module
-# for a stage's batch. They are `Any` below.)
+    from skulkp2p.engine.model.stage import StageModel
 
 OP = "batch"
+
+
+# traversal.py's RingForward and StageWorker are not imported here (traversal.py imports this
+# module for a stage's batch): what is used of them is below.
+class RowRing(Protocol):
+    """A row's RingForward (traversal.py), as a batched traversal reads and advances it."""
+    term: int
+    instance: str
+    request: str
+    step: int
+    link: RingLink
+    stage: StageModel
+    _pending: tuple[int, int] | None
+    _store: list[WireValue] | None
+    _keep: list[WireValue] | None
+    traversals: int
+    wait_s: float
+    stages_compute_s: float
+    link_rows: int
+
+
+class BatchWorker(Protocol):
+    """The StageWorker (traversal.py) whose batch a StageRows is."""
+    stage: StageModel
+    sessions: dict[str, tuple[str, int, StageCache]]
+    prefix_cache: PrefixCache | None
+    dropped: int
 
 
 class RingRows:
@@ -67,7 +96,7 @@ class RingRows:
         self.traversals = 0  # batched traversals run (tests, reports)
         self.peak = 0  # the most rows one traversal carried
 
-    def traverse(self, rings: list[Any], tokens: list[list[int]],
+    def traverse(self, rings: list[RowRing], tokens: list[list[int]],
                  trees: list[list[int] | None] | None = None) -> mx.array:
         """Hidden rows [B, W, H] (W the widest row's tokens) of the layers before this stage, for
         the rows of `rings` (each a RingForward) with `tokens` each; `trees`: each row's tree
@@ -79,14 +108,16 @@ class RingRows:
         if len(terms) > 1:  # the ring moved to a new term under running requests
             raise RingError(f"the ring's rows span terms {sorted(terms)}: the model was "
                             "re-placed; retry")
-        rows = [{"request": r.request, "instance": r.instance, "step": r.step,
-                 "w": len(t), "rollback": list(r._pending) if r._pending else None,
-                 "store": r._store, "keep": r._keep} for r, t in zip(rings, tokens, strict=True)]
-        x: Any = [[int(v) for v in t] for t in tokens]
+        rows: list[WireValue] = [
+            {"request": r.request, "instance": r.instance, "step": r.step,
+             "w": len(t), "rollback": list(r._pending) if r._pending else None,
+             "store": r._store, "keep": r._keep} for r, t in zip(rings, tokens, strict=True)]
+        payload: WireValue = [[int(v) for v in t] for t in tokens]
         if trees is not None and any(p is not None for p in trees):
-            x = tree_payload(x, [None if p is None else [int(v) for v in p] for p in trees])
-        msg = {**header(first.term, first.instance, self.batch, self.step, OP), "at": 0,
-               "rows": rows, "x": x}
+            payload = tree_payload(payload, [None if p is None else [int(v) for v in p]
+                                             for p in trees])
+        msg: Frame = {**header(first.term, first.instance, self.batch, self.step, OP), "at": 0,
+                      "rows": rows, "x": payload}
         t0 = time.perf_counter()
         try:
             out = first.link.traverse(msg)
@@ -117,7 +148,7 @@ class RingRows:
 class StageRows:
     """A stage's batch (not the last stage): the rows of the requests in the last batch frame."""
 
-    def __init__(self, worker: Any):
+    def __init__(self, worker: BatchWorker):
         """`worker`: the StageWorker whose batch this is (its stage, sessions, prefix cache)."""
         self.worker = worker
         self.batch: str | None = None
@@ -146,7 +177,12 @@ class StageRows:
         self.rows.set([])
         self.layers = self._fresh()
 
-    def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def handle(self, msg: Frame) -> Frame | None:
+        return self._handle(msg)
+
+    def _handle(self, msg: dict[str, Any]) -> Frame | None:
+        # (`msg`'s fields are read as they come: a bad one raises, and the worker drops the
+        # frame)
         batch, step = msg["request"], msg["step"]
         new = batch != self.batch
         if (new and step != 0) or (not new and step != self.step + 1):
@@ -194,11 +230,12 @@ class StageRows:
         for i, r in enumerate(rows):
             self.meta[r["request"]] = (r["instance"], int(r["step"]))
             self.trees.pop(r["request"], None)
-            if trees is not None and trees[i] is not None:
-                self.trees[r["request"]] = (lengths[i], shapes[i])  # type: ignore[index]
+            # (shapes holds every row's parents where the frame has trees)
+            if shapes is not None and isinstance(trees, list) and trees[i] is not None:
+                self.trees[r["request"]] = (lengths[i], shapes[i])
         self.batch, self.step = batch, step
         span = self.worker.stage.span
-        packed: Any = wire.pack_array(out)
+        packed: WireValue = wire.pack_array(out)
         if trees is not None:
             packed = tree_payload(packed, trees)
         return {**header(msg["term"], msg["instance"], batch, step, OP),
@@ -206,7 +243,7 @@ class StageRows:
                 "rows": rows,  # (the decisions and keys travel on, for the stages after)
                 "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
-    def _tree_shapes(self, trees: Any, widths: list[int]) -> list[list[int]] | None:
+    def _tree_shapes(self, trees: WireValue, widths: list[int]) -> list[list[int]] | None:
         """Every row's parents for a step with trees (a chain row's are a chain), checked;
         None for a step of chains only."""
         if trees is None:
@@ -274,12 +311,14 @@ class StageRows:
             self.rows.set([self.rows.lengths[i] for i in kept])
             self.requests = [self.requests[i] for i in kept]
             self.meta = {r: self.meta[r] for r in self.requests}
+        from mlx_lm.models.cache import KVCache
+
         for request, session in joining.items():
-            caches = session.cache if session is not None else None
+            # (a batched stage's layers hold plain KV caches: _fresh)
+            caches = cast("list[KVCache]", session.cache) if session is not None else None
             length = caches[0].offset if caches else 0
             for j, layer in enumerate(self.layers):
                 if caches is None:
-                    from mlx_lm.models.cache import KVCache
                     layer.append_row(KVCache(), 0)
                 else:
                     layer.append_row(caches[j], length)
@@ -311,15 +350,18 @@ class StageRows:
                              f"width {width}")
         return rows
 
-    def _store(self, i: int, key: Any) -> None:
+    def _store(self, i: int, key: object) -> None:
         cache = self.worker.prefix_cache
         if cache is not None and isinstance(key, list) and all(
                 layer.keys is not None for layer in self.layers):
             n = self.rows.lengths[i]
             cache.store(key, [layer.extract(i, n) for layer in self.layers])
 
-    def end(self, msg: dict[str, Any]) -> None:
+    def end(self, msg: Frame) -> None:
         """The request's sender closed it: free its row (keeping it first when asked)."""
+        self._end(msg)
+
+    def _end(self, msg: dict[str, Any]) -> None:
         request = msg["request"]
         known = self.meta.get(request)
         if known is None or known[0] != msg["instance"]:

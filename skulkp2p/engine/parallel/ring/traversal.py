@@ -28,12 +28,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from skulkp2p import wire
 from skulkp2p.engine.parallel.ring.frames import (
     FRAME,
+    Frame,
     RingError,
+    RingLink,
     check_answer,
     header,
     int_list,
@@ -41,30 +43,26 @@ from skulkp2p.engine.parallel.ring.frames import (
     seconds_list,
     tree_payload,
 )
+from skulkp2p.wire import WireValue
 
 if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
     import mlx.core as mx
 
+    from skulkp2p.engine.cache.caches import CacheEntry
+    from skulkp2p.engine.cache.prefix_cache import PrefixCache
     from skulkp2p.engine.model.forward import StageCache
     from skulkp2p.engine.model.stage import StageModel
+    from skulkp2p.engine.parallel.ring.batch_rows import StageRows
+
+__all__ = ["InProcessLink", "RingError", "RingForward", "RingLink", "StageWorker"]
 
 log = logging.getLogger("skulkp2p.ring")
-
-class RingLink(Protocol):
-    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Send `msg` to the first stage; return the frame that reaches the last stage. Raises
-        RingError within a bounded time when a stage does not answer."""
-        ...
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """Best effort, no answer awaited (the end of a request)."""
-        ...
 
 
 class StageWorker:
     """A stage that is not the last: frame in -> frame for the next stage (or None: dropped)."""
 
-    def __init__(self, stage: StageModel, term: int, prefix_cache: Any = None):
+    def __init__(self, stage: StageModel, term: int, prefix_cache: PrefixCache | None = None):
         self.stage = stage
         self.term = term
         self.sessions: dict[str, tuple[str, int, StageCache]] = {}  # request -> (instance, step)
@@ -72,15 +70,15 @@ class StageWorker:
         # This stage's own entries (engine/cache/prefix_cache.py), under the keys the last stage
         # names: a "restore" frame asks for a cached prefix, a "store" field keeps one.
         self.prefix_cache = prefix_cache
-        self.rows: Any = None  # the batch (ring_batch.StageRows), once a batch frame came
+        self.rows: StageRows | None = None  # the batch, once a batch frame came
 
-    def _batch(self) -> Any:
+    def _batch(self) -> StageRows:
         if self.rows is None:
             from skulkp2p.engine.parallel.ring.batch_rows import StageRows
             self.rows = StageRows(self)
         return self.rows
 
-    def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def handle(self, msg: Frame) -> Frame | None:
         try:
             return self._handle(msg)
         except (KeyError, TypeError, ValueError, wire.WireError) as e:
@@ -88,7 +86,8 @@ class StageWorker:
             log.warning("ring: dropping a bad frame: %s: %s", type(e).__name__, e)
             return None
 
-    def _handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(self, msg: dict[str, Any]) -> Frame | None:
+        # (`msg`'s fields are read as they come: a bad one raises, and handle drops the frame)
         if msg.get("t") != FRAME or msg["term"] != self.term:
             self.dropped += 1  # another term's ring: its placement is gone
             return None
@@ -133,9 +132,9 @@ class StageWorker:
                     "at": self.stage.span.end,
                     "prefix": msg["prefix"], "missed": missed,
                     "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
-        raw, tree = open_payload(msg["x"])
+        raw, parents = open_payload(msg["x"])
+        tree = None if parents is None else int_list(parents, "a tree's parents")
         if tree is not None:
-            tree = int_list(tree, "a tree's parents")
             if op != "verify":
                 raise ValueError(f"a tree in a {op!r} frame (only a verify carries one)")
         if msg.get("keep") is not None:  # the last tree's accepted path (before anything else)
@@ -145,13 +144,17 @@ class StageWorker:
             session.rollback(int(keep), int(dropped))
         if msg.get("store"):
             self._store(session, msg["store"])
-        x = raw if self.stage.span.first else wire.unpack_array(raw, as_mlx=True)
-        if self.stage.span.first and (not isinstance(x, list) or not x):
-            raise ValueError("the first stage needs a non-empty token list")
+        x: list[int] | mx.array
+        if self.stage.span.first:
+            if not isinstance(raw, list) or not raw:
+                raise ValueError("the first stage needs a non-empty token list")
+            x = int_list(raw, "the first stage's tokens")
+        else:
+            x = wire.unpack_array(raw, as_mlx=True)
         out, _ = session.run(x, verify=op == "verify", tree=tree)
         self.sessions[request] = (instance, step, session)
         packed = wire.pack_array(out) if tree is None else tree_payload(wire.pack_array(out),
-                                                                        tree)
+                                                                        parents)
         # The decision travels on with the rows, for the stages after this one; so does each
         # stage's compute time ("cs", seconds per stage), which tells the last stage how much
         # of a traversal was compute and how much was link.
@@ -174,7 +177,7 @@ class StageWorker:
         session.adopt(hit.caches)
         return True
 
-    def _store(self, session: StageCache, key: Any) -> None:
+    def _store(self, session: StageCache, key: object) -> None:
         if self.prefix_cache is not None and isinstance(key, list):
             self.prefix_cache.store(key, session.cache)
 
@@ -198,12 +201,14 @@ class RingForward:
         self.last_hidden: mx.array | None = None
         self.step = 0
         self._pending: tuple[int, int] | None = None  # the decision the next frame carries
-        self._keep: list[int] | None = None  # a tree's accepted path the next frame carries
+        # A tree's accepted path and a prefix-cache key the next frame carries (ints, as frame
+        # values)
+        self._keep: list[WireValue] | None = None
         # Whether this ring verifies token trees: every stage is of the same family, so this
         # stage's layers say it (attention-only llama, qwen2, qwen3).
         from skulkp2p.engine.model.tree import tree_capable
         self.trees = tree_capable(stage.model)
-        self._store: list[int] | None = None  # a prefix-cache key the next frame carries
+        self._store: list[WireValue] | None = None
         self.link_rows = 0  # hidden rows that crossed into this stage (for reports)
         # Where the time went (for reports): waiting on the traversal, of which the other
         # stages' own compute (they report it in the frame), and this stage's compute.
@@ -213,13 +218,13 @@ class RingForward:
         self.compute_s = 0.0
 
     @property
-    def cache(self) -> list[Any]:
+    def cache(self) -> list[CacheEntry]:
         return self.local.cache
 
-    def _send(self, op: str, tokens: Any, **extra: Any) -> dict[str, Any]:
+    def _send(self, op: str, tokens: WireValue, **extra: WireValue) -> Frame:
         # "at": the layer the receiving stage must start at (the first stage: 0); each stage
         # passes on where it ended, and a stage cut differently drops the frame.
-        msg = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
+        msg: Frame = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
                "at": 0,
                "rollback": list(self._pending) if self._pending else None,
                "store": self._store, "keep": self._keep, **extra}
@@ -235,13 +240,13 @@ class RingForward:
         self._keep = None
         return out
 
-    def _traverse(self, op: str, tokens: Any) -> mx.array:
+    def _traverse(self, op: str, tokens: WireValue) -> mx.array:
         out = self._send(op, tokens)
         rows = wire.unpack_array(open_payload(out["x"])[0], as_mlx=True)
         self.link_rows += rows.shape[0]
         return rows
 
-    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+    def restore(self, cache: list[CacheEntry], tokens: list[int], key: list[int]) -> int:
         """Go on from this stage's caches for `tokens` (a prefix-cache hit here) if every other
         stage restores its own entry for them too: one traversal asks each for the entry under
         `key` (tokens and the next one), at exactly that length. Returns the tokens now held:
@@ -252,7 +257,7 @@ class RingForward:
         missed = out.get("missed") or []
         if missed:
             log.info("ring: prefix of %d tokens missing on the stage(s) starting at layer %s: "
-                     "full prefill", length, ", ".join(str(m) for m in missed))
+                     "full prefill", length, ", ".join(str(m) for m in wire.as_list(missed)))
             self._send("restore", None, prefix=[0, []])  # the stages that restored start over
             return 0
         self.local.adopt(cache)
@@ -278,7 +283,7 @@ class RingForward:
     def prefill_chunk(self, tokens: list[int]) -> mx.array | None:
         """One chunk of the prompt through the ring into this request's caches; its trunk rows
         when `hidden` asks for them."""
-        x = self._traverse("prefill", tokens)
+        x = self._traverse("prefill", list(tokens))  # (a list of frame values)
         t0 = time.perf_counter()
         _, h = self.local.run(x, verify=False, hidden=self.hidden)
         self.compute_s += time.perf_counter() - t0
@@ -291,13 +296,13 @@ class RingForward:
             self._pending = (keep, dropped)
 
     def __call__(self, tokens: list[int]) -> mx.array:
-        x = self._traverse("verify", tokens)
+        x = self._traverse("verify", list(tokens))
         t0 = time.perf_counter()
         logits, h = self.local.run(x, verify=True, logits=True, hidden=self.hidden)
         self.compute_s += time.perf_counter() - t0
         if h is not None:
             self.last_hidden = h
-        return logits
+        return _logits(logits)
 
     def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
         """Logits [w, V] of a token tree (node 0 the pending token; `parents` as engine/model/tree.py)
@@ -317,7 +322,7 @@ class RingForward:
         self.compute_s += time.perf_counter() - t0
         if h is not None:
             self.last_hidden = h
-        return logits
+        return _logits(logits)
 
     def keep_path(self, path: list[int]) -> None:
         """Keep node 0 and the accepted path of the last tree: here now, on the other stages
@@ -343,9 +348,24 @@ class RingForward:
         self.compute_s += time.perf_counter() - t0
         self._pending = (keep, dropped)
 
+    # The rest of the Forward seam (engine/model/forward.py), declared: a ring runs the round
+    # loop (each step is a traversal), and its other stages keep their caches with the next
+    # frame.
+    def may_run_ahead(self) -> bool:
+        return False
+
+    def lazy_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        raise NotImplementedError("a ring has no lazy steps")
+
+    def end_run_ahead(self) -> None:
+        return None
+
+    def keep_in_group(self, key: list[int]) -> int:
+        return 0
+
     def close(self) -> None:
         """Free the request's caches on the other stages (best effort)."""
-        msg = {**header(self.term, self.instance, self.request, self.step, "end"), "at": 0}
+        msg: Frame = {**header(self.term, self.instance, self.request, self.step, "end"), "at": 0}
         if self._store is not None:  # the stages undo the last rejected drafts, then keep
             msg.update(store=self._store, keep=self._keep,
                        rollback=list(self._pending) if self._pending else None)
@@ -353,6 +373,13 @@ class RingForward:
             self.link.send(msg)
         except Exception as e:  # the ring may be gone already; the stages time sessions out
             log.debug("ring: end of %s not sent: %s", self.request, e)
+
+
+def _logits(out: mx.array | None) -> mx.array:
+    """A last stage's run with logits=True (which always gives them)."""
+    if out is None:
+        raise RuntimeError("the last stage's forward gave no logits")
+    return out
 
 
 class InProcessLink:
@@ -364,24 +391,26 @@ class InProcessLink:
         self.key = wire.frame_key(secret)
         self.bytes = 0
 
-    def _through(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _through(self, msg: Frame) -> Frame:
         frame = wire.encode_frame(msg, self.key, wire.DATA_MAX_FRAME)
         self.bytes += len(frame)
         dec = wire.FrameDecoder(self.key, wire.DATA_MAX_FRAME)
         (decoded,) = dec.feed(frame)
         return decoded
 
-    def traverse(self, msg: dict[str, Any]) -> dict[str, Any]:
-        cur: dict[str, Any] | None = msg
+    def traverse(self, msg: Frame) -> Frame:
+        cur = msg
         for w in self.workers:
-            cur = w.handle(self._through(cur))
-            if cur is None:
+            out = w.handle(self._through(cur))
+            if out is None:
                 raise RingError("a stage dropped the frame")
+            cur = out
         return self._through(cur)
 
-    def send(self, msg: dict[str, Any]) -> None:
-        cur: dict[str, Any] | None = msg
+    def send(self, msg: Frame) -> None:
+        cur = msg
         for w in self.workers:
-            cur = w.handle(self._through(cur))
-            if cur is None:
+            out = w.handle(self._through(cur))
+            if out is None:
                 return
+            cur = out

@@ -18,6 +18,7 @@ group's sockets and its command link, so the other ranks end at once and exit.
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import math
 import mmap
@@ -31,17 +32,20 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 from skulkp2p import wire
 from skulkp2p.engine.parallel.tensor.group_errors import TensorAgreementError, TensorError
+from skulkp2p.wire import WireValue
 
 __all__ = ["RankProcess", "TensorAgreementError", "TensorError", "TensorForward",
            "measure_group_widths", "tensor_timeout"]
 
 if TYPE_CHECKING:
     import mlx.core as mx
+    import mlx.nn as nn
 
+    from skulkp2p.engine.cache.caches import CacheEntry
     from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 
 log = logging.getLogger("skulkp2p.tensor")
@@ -58,7 +62,7 @@ def _shared_logits() -> int:
     processes end. Why not the pipe: a verify's logits are w x V values (3 MB for 16 rows of
     SmolLM2), and framing them (msgpack, an HMAC on each side, the pipe's copies) cost as much
     as the split saved on a wide call (docs/measurements/tensor-parallel.md, "The
-    vocabulary-split head"; tools/tensor_call_widths.py --head-ab); through one mapping they are
+    vocabulary-split head"); through one mapping they are
     copied twice."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("skulkp2p-tp-logits")
@@ -146,14 +150,17 @@ class RankProcess:
             for fd in shared:  # the child holds its own; the mapping outlives the descriptor
                 os.close(fd)
         self.pid = self.proc.pid
-        self.frames: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.ready: dict[str, Any] | None = None
+        # (stdin and stdout are pipes: Popen's buffered writer and reader)
+        self._stdin = cast(io.BufferedWriter, self.proc.stdin)
+        self._stdout = cast(io.BufferedReader, self.proc.stdout)
+        self.frames: queue.Queue[wire.Message | None] = queue.Queue()
+        self.ready: wire.Message | None = None
         self._lock = threading.Lock()  # one call at a time on rank 0's pipe
         threading.Thread(target=self._read, name=f"tp-rank{rank}-out", daemon=True).start()
 
     def _read(self) -> None:
         decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
-        out = self.proc.stdout
+        out = self._stdout
         try:
             while True:
                 data = out.read1(1 << 20)
@@ -179,7 +186,7 @@ class RankProcess:
         return f"its {self.label} process exited with status {code}{detail}"
 
     def _next(self, timeout: float, check: Callable[[], str | None] | None,
-              what: str) -> dict[str, Any]:
+              what: str) -> wire.Message:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -197,57 +204,65 @@ class RankProcess:
                 raise TensorError(broken or self.why_dead())
             if msg.get("op") == "error":
                 kind = TensorAgreementError if msg.get("kind") == "agreement" else TensorError
-                raise kind(f"{self.label}: {msg.get('error')}")
+                raise kind(f"{self.label}: {msg.get('error')!s}")
             return msg
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S,
-                   check: Callable[[], str | None] | None = None) -> dict[str, Any]:
+                   check: Callable[[], str | None] | None = None) -> wire.Message:
         self.ready = self._next(timeout, check, "loading and forming the group")
         return self.ready
 
-    def call(self, msg: dict[str, Any], timeout: float,
-             check: Callable[[], str | None] | None) -> dict[str, Any]:
-        """One command to rank 0 and its answer; raises TensorError in bounded time."""
+    def call(self, msg: wire.Message, timeout: float, check: Callable[[], str | None] | None
+             ) -> tuple[wire.Message, mx.array | None]:
+        """One command to rank 0 and its answer, with the logits rank 0 left in the shared
+        memory for it (None where it left none there); raises TensorError in bounded time."""
         with self._lock:
             if not self.alive():
                 raise TensorError(self.why_dead())
             frame = wire.encode_frame({"t": "tp", **msg}, wire.frame_key(None),
                                       wire.DATA_MAX_FRAME)
             try:
-                self.proc.stdin.write(frame)
-                self.proc.stdin.flush()
+                self._stdin.write(frame)
+                self._stdin.flush()
             except (BrokenPipeError, OSError) as e:
                 raise TensorError(f"{self.label}: {e}") from None
             reply = self._next(timeout, check, "a forward call")
+            shared = None
             if "logits_at" in reply:  # read before the lock lets the next call overwrite them
-                reply["logits_array"] = self._read_logits(reply.pop("logits_at"))
+                shared = self._read_logits(reply.pop("logits_at"))
                 self.shared_reads += 1
-            return reply
+            return reply, shared
 
     def probe(self, width: int, count: int, timeout: float = 60.0) -> float:
         """Seconds that `count` all-sums of `width` rows take in the group, alone (rank 0)."""
-        return float(self.call({"op": "probe", "width": width, "count": count}, timeout,
-                               None)["s"])
+        return _number(self.call({"op": "probe", "width": width, "count": count}, timeout,
+                                 None)[0]["s"])
 
     def compute(self, width: int, count: int, timeout: float = 120.0) -> float:
         """Seconds of `count` forwards of `width` rows through rank 0's slice with no
         collective (every rank runs its own at once): the ranks' compute apart from the
         collectives, for the bench's split of the time."""
-        return float(self.call({"op": "compute", "width": width, "count": count}, timeout,
-                               None)["s"])
+        return _number(self.call({"op": "compute", "width": width, "count": count}, timeout,
+                                 None)[0]["s"])
 
     def stats(self, timeout: float = 60.0) -> list[dict[str, float]]:
         """Every rank's wall and CPU time since it started, busy (in calls) and idle (waiting
         for the next command): engine/tensor_rank.RankTimes."""
-        return list(self.call({"op": "stats"}, timeout, None)["ranks"])
+        ranks = self.call({"op": "stats"}, timeout, None)[0]["ranks"]
+        return list(cast("list[dict[str, float]]", ranks))  # (as rank.py's _gather_times)
 
-    def _read_logits(self, meta: dict[str, Any]) -> mx.array:
+    def _read_logits(self, meta: WireValue) -> mx.array:
         """The logits rank 0 left in the shared memory for the answer just read ({"dtype",
         "shape"}); copied out, since the next call overwrites them."""
+        if not isinstance(meta, dict):
+            raise TensorError(f"{self.label}: logits left in memory without their shape")
         if self._logits_map is None:
             raise TensorError(f"{self.label}: logits left in memory this process did not map")
-        _holder, itemsize = wire.ARRAY_DTYPES[meta["dtype"]]
-        n = itemsize * math.prod(meta["shape"])
+        dtype, shape = meta.get("dtype"), meta.get("shape")
+        if not isinstance(dtype, str) or not isinstance(shape, list):
+            raise TensorError(f"{self.label}: logits left in memory without their shape")
+        _holder, itemsize = wire.ARRAY_DTYPES[dtype]
+        n = itemsize * math.prod(wire.as_int(d) for d in shape)
         if n > len(self._logits_map):
             raise TensorError(f"{self.label}: logits of {n} bytes do not fit the shared memory")
         return wire.unpack_array({"dtype": meta["dtype"], "shape": meta["shape"],
@@ -264,7 +279,7 @@ class RankProcess:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             log.error("tensor %s: pid %d did not end", self.label, self.pid)
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (self._stdin, self._stdout):
             try:
                 stream.close()
             except OSError:
@@ -280,7 +295,7 @@ class TensorForward:
     `head` is this member's model with no layers (embedding, final norm, output head); `rank0`
     the local rank process; `check` says why the group is broken (or None)."""
 
-    def __init__(self, head: Any, rank0: RankProcess, *, prefill_step: int = 2048,
+    def __init__(self, head: nn.Module, rank0: RankProcess, *, prefill_step: int = 2048,
                  hidden: str | None = None, interrupt: Callable[[], None] | None = None,
                  check: Callable[[], str | None] | None = None, timeout: float | None = None,
                  label: str = "model", call_costs: LiveWidthCosts | None = None):
@@ -303,7 +318,7 @@ class TensorForward:
         self.last_hidden: mx.array | None = None
         # The caches live in the ranks; a prefix-cache entry here is only the index (its
         # slices are kept by the ranks, `keep_in_group`).
-        self.cache: list[Any] = []
+        self.cache: list[CacheEntry] = []
         self._pending: tuple[int, int] | None = None  # rides on the next call
         self._reset = True  # the first call of a request starts the ranks' caches afresh
         # Where the time goes (for reports): waiting on the group, of which the ranks' own
@@ -318,7 +333,7 @@ class TensorForward:
         weight = self.trunk.embed_tokens.weight
         self._row_bytes = int(weight.shape[0]) * weight.dtype.size  # one row of logits
 
-    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, msg: wire.Message) -> tuple[wire.Message, mx.array | None]:
         try:
             return self.rank0.call(msg, self.timeout, self.check)
         except TensorError as e:
@@ -337,12 +352,13 @@ class TensorForward:
         self.compute_s += time.perf_counter() - t0
         self.logit_calls += int(logits)
         want = logits and len(tokens) * self._row_bytes <= SPLIT_LOGITS_MAX_BYTES
-        msg = {"op": "run", "x": wire.pack_array(x), "reset": self._reset, "logits": want,
-               "rollback": list(self._pending) if self._pending else None}
+        msg: wire.Message = {"op": "run", "x": wire.pack_array(x), "reset": self._reset,
+                             "logits": want,
+                             "rollback": list(self._pending) if self._pending else None}
         t1 = time.perf_counter()
-        out = self._call(msg)
+        out, shared = self._call(msg)
         self.wait_s += time.perf_counter() - t1
-        self.ranks_s += float(out.get("cs") or 0.0)
+        self.ranks_s += _number(out.get("cs") or 0.0)
         self.calls += 1
         self.rows += len(tokens)
         self._reset = False
@@ -351,8 +367,8 @@ class TensorForward:
         if not want:
             return h, None
         self.split_calls += 1
-        if "logits_array" in out:
-            return h, out["logits_array"]
+        if shared is not None:
+            return h, shared
         return h, wire.unpack_array(out["logits"], as_mlx=True)
 
     def _finish(self, h: mx.array, logits: bool, given: mx.array | None = None) -> mx.array | None:
@@ -362,25 +378,27 @@ class TensorForward:
 
         t0 = time.perf_counter()
         normed = self.trunk.norm(h[None]) if (self.hidden == "after" or given is None) else None
-        out = given if given is not None else (self.trunk.head(normed)[0] if logits else None)
+        out = given
+        if out is None and logits and normed is not None:  # (normed: given is None)
+            out = self.trunk.head(normed)[0]
         if self.hidden == "before":
             self.last_hidden = h
-        elif self.hidden == "after":
+        elif self.hidden == "after" and normed is not None:
             self.last_hidden = normed[0]
         mx.eval([a for a in (out, self.last_hidden) if a is not None])
         self.compute_s += time.perf_counter() - t0
         return out
 
-    def restore(self, cache: list[Any], tokens: list[int], key: list[int]) -> int:
+    def restore(self, cache: list[CacheEntry], tokens: list[int], key: list[int]) -> int:
         """A prefix-cache hit in this member's index: every rank adopts its own slice of the
         entry under `key` (tokens and the next one) at exactly len(tokens) positions. Returns
         the positions now held: len(tokens), or 0 when some rank missed (then every rank
         starts empty and the prompt is prefilled whole: never a wrong answer)."""
-        out = self._call({"op": "restore", "length": len(tokens),
-                          "key": [int(t) for t in key]})
+        out, _ = self._call({"op": "restore", "length": len(tokens),
+                             "key": [int(t) for t in key]})
         self._reset = False  # the ranks' caches are set: the entry's, or empty
         self._pending = None
-        held = int(out.get("held") or 0)
+        held = wire.as_int(out.get("held") or 0)
         if held != len(tokens):
             log.info("tensor: prefix of %d tokens missing on some rank: full prefill",
                      len(tokens))
@@ -390,22 +408,23 @@ class TensorForward:
     def keep_in_group(self, key: list[int]) -> int | None:
         """Have every rank keep its caches (after the pending rollback) under `key`, now; the
         bytes of the largest rank's slice, or None when some rank did not keep it."""
-        out = self._call({"op": "store", "key": [int(t) for t in key],
-                          "rollback": list(self._pending) if self._pending else None})
+        out, _ = self._call({"op": "store", "key": [int(t) for t in key],
+                             "rollback": list(self._pending) if self._pending else None})
         self._pending = None
-        return int(out.get("bytes") or 0) if out.get("ok") else None
+        return wire.as_int(out.get("bytes") or 0) if out.get("ok") else None
 
     def prefill(self, tokens: list[int]) -> None:
         import mlx.core as mx
 
-        rows = []
+        rows: list[mx.array] = []
         for start in range(0, len(tokens), self.prefill_step):
             if self.interrupt is not None:
                 self.interrupt()
             h, _ = self._run(tokens[start:start + self.prefill_step])
             if self.hidden:
                 self._finish(h, logits=False)
-                rows.append(self.last_hidden)
+                if self.last_hidden is not None:  # (set by _finish where `hidden` asks)
+                    rows.append(self.last_hidden)
         if rows:
             self.last_hidden = mx.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
 
@@ -413,6 +432,8 @@ class TensorForward:
         t0 = time.perf_counter()
         h, given = self._run(tokens, logits=True)
         logits = self._finish(h, logits=True, given=given)
+        if logits is None:
+            raise RuntimeError("a call for logits gave none")
         if self.call_costs is not None:  # the whole call as the loop waits for it
             self.call_costs.observe(len(tokens), time.perf_counter() - t0)
         return logits
@@ -421,11 +442,50 @@ class TensorForward:
         if dropped > 0:
             self._pending = (keep, dropped)
 
+    # The rest of the Forward seam (engine/model/forward.py), declared: a group verifies
+    # chains only and runs the round loop (each step is a call to the ranks), and its ranks
+    # keep their caches in `keep_in_group`.
+    @property
+    def trees(self) -> bool:
+        return False
+
+    def verify_tree(self, tokens: list[int], parents: list[int]) -> mx.array:
+        raise ValueError("a tensor-parallel group verifies chains only")
+
+    def keep_path(self, path: list[int]) -> None:
+        raise ValueError("a tensor-parallel group verifies chains only")
+
+    def may_run_ahead(self) -> bool:
+        return False
+
+    def lazy_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        raise NotImplementedError("a tensor-parallel group has no lazy steps")
+
+    def end_run_ahead(self) -> None:
+        return None
+
+    def share_store(self, key: list[int]) -> None:
+        return None
+
     def close(self) -> None:
         """Nothing to send: the next request's first call resets the ranks' caches."""
 
 
-def measure_group_widths(head: Any, tokenizer: Any, rank0: RankProcess,
+class Encodes(Protocol):
+    """A tokenizer, as far as the width measurement uses one (mlx-lm's TokenizerWrapper)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _number(value: WireValue) -> float:
+    """A number off the wire (rank 0's seconds): float() of it, which raises for anything else
+    (TypeError for a list, a map or None)."""
+    if isinstance(value, list | dict) or value is None:
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def measure_group_widths(head: nn.Module, tokenizer: Encodes, rank0: RankProcess,
                          check: Callable[[], str | None] | None = None,
                          timeout: float | None = None) -> dict[int, float]:
     """Seconds of one verify call of w rows on this group, as the decode loop pays it (embedding,

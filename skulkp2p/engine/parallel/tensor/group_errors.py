@@ -1,14 +1,12 @@
 """The error a tensor-parallel group's call ends with (engine/parallel/tensor/group.py raises it). No MLX and no
-processes here: the API's worker imports it to tell a broken group (transient: the leader
-re-places the model, the client retries) from a bug in the forward, as it does RingError
-(engine/parallel/ring/frames.py)."""
+processes here. TensorError itself is defined on the engine's seam (engine/protocol.py), as
+RingError is: the worker tells a broken group by it (transient: the leader re-places the
+model, the client retries) from a bug in the forward."""
 
 from __future__ import annotations
 
-
-class TensorError(RuntimeError):
-    """The tensor-parallel group could not complete a call (a member died, froze, or the
-    placement moved): the request ends with this message."""
+# On the engine's seam, where the worker tells a broken group from a bug; named here too.
+from skulkp2p.engine.protocol import TensorError as TensorError
 
 
 class TensorAgreementError(TensorError):

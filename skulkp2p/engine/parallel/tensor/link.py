@@ -30,7 +30,10 @@ import json
 import socket
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this module
+    import mlx.core as mx
 
 # dtype names as codes in the agreement table (0: unknown)
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
@@ -96,7 +99,7 @@ def disagreement(rows: list[list[int]], dtypes: dict[int, str] | None = None) ->
     return "; ".join(parts) or None
 
 
-def agree(group: Any, rank: int, size: int, dtype: str, digest: str) -> None:
+def agree(group: mx.distributed.Group, rank: int, size: int, dtype: str, digest: str) -> None:
     """Check, with one int32 all-sum, that every rank serves the same dtype and model files;
     raises AgreementError (on every rank alike) when they do not."""
     import mlx.core as mx
@@ -104,7 +107,9 @@ def agree(group: Any, rank: int, size: int, dtype: str, digest: str) -> None:
     mine = _row(dtype, digest)
     table = mx.zeros((size, len(mine)), dtype=mx.int32)
     table[rank] = mx.array(mine, dtype=mx.int32)
-    rows = [[int(v) for v in r] for r in mx.distributed.all_sum(table, group=group).tolist()]
+    summed = mx.distributed.all_sum(table, group=group)
+    # (tolist is typed for any depth: a 2-d array's is a list of rows)
+    rows = [[int(v) for v in r] for r in cast("list[list[int]]", summed.tolist())]
     why = disagreement(rows)
     if why:
         raise AgreementError(f"the group's ranks disagree: {why}")
@@ -125,7 +130,7 @@ class CommandLink:
         self.conns = conns  # rank 0: one per other rank, in rank order; others: [rank 0's]
 
     @classmethod
-    def open(cls, group: Any, rank: int, size: int, hosts: list[str],
+    def open(cls, group: mx.distributed.Group, rank: int, size: int, hosts: list[str],
              addrs: list[str] | None = None) -> CommandLink:
         """Set up over the group: every other rank listens on its own host, the ports are
         all-summed, rank 0 connects to each (each other rank accepts exactly one).
@@ -149,7 +154,9 @@ class CommandLink:
             port = server.getsockname()[1]
         ports = mx.zeros((size,), dtype=mx.int32)
         ports[rank] = port
-        got = [int(p) for p in mx.distributed.all_sum(ports, group=group).tolist()]
+        # (tolist is typed for any depth: a 1-d array's is a list of numbers)
+        summed = mx.distributed.all_sum(ports, group=group)
+        got = [int(p) for p in cast("list[int]", summed.tolist())]
         dial = [(hosts[r], got[r]) for r in range(size)] if addrs is None else [
             (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs]
         conns: list[socket.socket] = []

@@ -45,9 +45,20 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from skulkp2p import wire
+from skulkp2p.wire import WireValue
+
+if TYPE_CHECKING:  # mlx loads in main, after the CPU switch
+    import mmap
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from skulkp2p.engine.cache.caches import CacheEntry
+    from skulkp2p.engine.cache.prefix_cache import PrefixCache
+    from skulkp2p.engine.parallel.tensor.shard import HeadSlice
 
 FRAME = "tp"
 OP_RUN, OP_STOP, OP_PROBE, OP_RESTORE, OP_STORE, OP_COMPUTE, OP_STATS = 1, 2, 3, 4, 5, 6, 7
@@ -57,12 +68,12 @@ COMPUTE_PREFILL = 64
 RUN_RESET, RUN_LOGITS = 1, 2
 
 
-def write_frame(out: BinaryIO, msg: dict[str, Any]) -> None:
+def write_frame(out: BinaryIO, msg: wire.Message) -> None:
     out.write(wire.encode_frame({"t": FRAME, **msg}, wire.frame_key(None), wire.DATA_MAX_FRAME))
     out.flush()
 
 
-def read_frame(inp: BinaryIO, decoder: wire.FrameDecoder) -> dict[str, Any] | None:
+def read_frame(inp: BinaryIO, decoder: wire.FrameDecoder) -> wire.Message | None:
     """The next frame from a blocking stream, or None at its end."""
     while True:
         got = decoder.feed(b"")
@@ -77,7 +88,8 @@ def read_frame(inp: BinaryIO, decoder: wire.FrameDecoder) -> dict[str, Any] | No
             return frames[0]
 
 
-def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) -> tuple[Any, Any]:
+def load_rank_model(path: Path, rank: int, size: int, group: mx.distributed.Group, dtype: str
+                    ) -> tuple[nn.Module, HeadSlice]:
     """(the model cut to this rank's share of every layer, without embedding, norm or head;
     this rank's rows of the head with the final norm, a tensor_shard.HeadSlice)."""
     import mlx.core as mx
@@ -100,13 +112,8 @@ def load_rank_model(path: Path, rank: int, size: int, group: Any, dtype: str) ->
         trunk.text.lm_head = _Identity()
     shard_layers(model, plan, group)
     mx.eval(model.parameters())
-    from skulkp2p.engine.cpu import numpy_verify, table_rope, weight_first
-    if weight_first.enabled(dtype):
-        weight_first.install(model)  # a verify's rows weight-first, as on one node
-    if numpy_verify.enabled(dtype):
-        numpy_verify.install(model)  # its softmax and SwiGLU by numpy, as on one node
-    if table_rope.enabled(dtype):
-        table_rope.install(model)  # rotary embeddings from a table, as on one node
+    from skulkp2p.engine.cpu import switch
+    switch.apply(model, dtype)  # the CPU switch's model pieces, as on one node
     return model, head
 
 
@@ -131,12 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MLX_HOSTFILE"] = args.hostfile
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the pipe
+    from skulkp2p.engine.cpu import switch
+
+    # The CPU switch, before mlx loads; the BLAS is the parent's (its environment preloads it)
+    switch.install(blas=False)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from skulkp2p.engine.cache.caches import trim
     from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
     from skulkp2p.engine.cpu.weight_first import verify_rows
+    from skulkp2p.engine.model.arrays import leaves
     from skulkp2p.engine.model.stage import param_bytes
     from skulkp2p.engine.model.trunk import Trunk
     from skulkp2p.engine.parallel.tensor.link import (
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     body = Trunk(model).body
     hidden = int(model.args.hidden_size) if hasattr(model, "args") else 0
-    dtype = next(iter(v for _, v in _flat(model.parameters()))).dtype
+    dtype = leaves(model.parameters())[0].dtype
     mx.clear_cache()
     # param_bytes: what the shards add up to (the layers' and the head's rows); active_bytes:
     # what MLX really keeps (a slice that still pinned its whole tensor would show here).
@@ -185,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         times.idle_from()
         header: list[int] | None = None
         if args.rank == 0:
-            msg = read_frame(inp, decoder)
+            # (its fields are read as they come: the process that runs the loop wrote it)
+            msg: dict[str, Any] | None = read_frame(inp, decoder)
             if msg is None or msg.get("op") == "stop":
                 header = [OP_STOP, 0, 0, 0]
             elif msg.get("op") == "probe":
@@ -271,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 logits = head.assemble(logits, width)
         mx.eval([a for a in (h, logits) if a is not None])
         if args.rank == 0:
-            reply = {"op": "out", "h": wire.pack_array(h),
+            reply: wire.Message = {"op": "out", "h": wire.pack_array(h),
                      "cs": round(time.perf_counter() - t0, 6)}
             if logits is not None:
                 packed = wire.pack_array(logits)
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             write_frame(out, reply)
 
 
-def _map_logits(fd: int) -> Any:
+def _map_logits(fd: int) -> mmap.mmap | None:
     """The shared memory the loop's member reads logits from (mapped whole), or None: then they
     travel in the reply frame."""
     import mmap
@@ -340,18 +353,20 @@ class RankTimes:
 STAT_FIELDS = ("calls", "busy_wall_s", "busy_cpu_s", "idle_wall_s", "idle_cpu_s")
 
 
-def _gather_times(times: RankTimes, rank: int, size: int, group: Any) -> list[dict[str, float]]:
+def _gather_times(times: RankTimes, rank: int, size: int, group: mx.distributed.Group
+                  ) -> list[WireValue]:
     """Every rank's RankTimes so far (one all-sum where each writes its own row)."""
     import mlx.core as mx
 
     table = mx.zeros((size, len(STAT_FIELDS)), dtype=mx.float32)
     table[rank] = mx.array(times.row(), dtype=mx.float32)
-    rows = mx.distributed.all_sum(table, group=group).tolist()
+    # (tolist is typed for any depth: a 2-d array's is a list of rows)
+    rows = cast("list[list[float]]", mx.distributed.all_sum(table, group=group).tolist())
     return [{k: round(float(v), 4) for k, v in zip(STAT_FIELDS, r, strict=True)} for r in rows]
 
 
-def _compute_alone(model: Any, body: Any, head: Any, width: int, count: int, hidden: int,
-                   dtype: Any) -> float:
+def _compute_alone(model: nn.Module, body: nn.Module, head: HeadSlice, width: int, count: int,
+                   hidden: int, dtype: mx.Dtype) -> float:
     """Seconds of `count` forwards of `width` rows through this rank's slice alone (no
     collective; its rows of the head included), each rolled back, after a
     COMPUTE_PREFILL-row prefill; a scratch cache."""
@@ -377,23 +392,24 @@ def _compute_alone(model: Any, body: Any, head: Any, width: int, count: int, hid
         return time.perf_counter() - t0
 
 
-def _share_key(key: list[int] | None, n: int, group: Any) -> list[int]:
+def _share_key(key: list[int] | None, n: int, group: mx.distributed.Group) -> list[int]:
     """Rank 0's token ids, to every rank (the others add zeros)."""
     import mlx.core as mx
 
     mine = mx.array(key, dtype=mx.int32) if key is not None else mx.zeros((n,), dtype=mx.int32)
-    return [int(t) for t in mx.distributed.all_sum(mine, group=group).tolist()]
+    summed = mx.distributed.all_sum(mine, group=group)
+    return [int(t) for t in cast("list[int]", summed.tolist())]  # (a 1-d array's numbers)
 
 
-def _any_rank(flag: bool, group: Any) -> bool:
+def _any_rank(flag: bool, group: mx.distributed.Group) -> bool:
     import mlx.core as mx
 
-    return int(mx.distributed.all_sum(mx.array([int(flag)], dtype=mx.int32),
-                                      group=group).item()) > 0
+    summed = mx.distributed.all_sum(mx.array([int(flag)], dtype=mx.int32), group=group)
+    return int(cast(int, summed.item())) > 0  # (an int32 array's item is an int)
 
 
-def _restore(prefix: Any, model: Any, key: list[int], length: int,
-             group: Any) -> tuple[list[Any], int]:
+def _restore(prefix: PrefixCache | None, model: nn.Module, key: list[int], length: int,
+             group: mx.distributed.Group) -> tuple[list[CacheEntry], int]:
     """(this rank's caches, positions held): the entry for `key` at exactly `length`
     positions if every rank has its own slice of it, else empty caches everywhere."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -406,24 +422,20 @@ def _restore(prefix: Any, model: Any, key: list[int], length: int,
     return hit.caches, length
 
 
-def _store(prefix: Any, cache: list[Any], key: list[int], rank: int, size: int,
-           group: Any) -> tuple[bool, int]:
+def _store(prefix: PrefixCache | None, cache: list[CacheEntry], key: list[int], rank: int,
+           size: int, group: mx.distributed.Group) -> tuple[bool, int]:
     """Keep this rank's caches under `key`; (whether every rank kept its slice, the bytes of
     the largest rank's entry: what the loop member's index counts against its bound)."""
     import mlx.core as mx
 
     kept = prefix is not None and prefix.store(key, cache)
-    nbytes = (prefix.entry_bytes(key) or 0) if kept else 0
+    nbytes = (prefix.entry_bytes(key) or 0) if prefix is not None and kept else 0
     row = mx.zeros((2, size), dtype=mx.int64)
     row[0, rank] = int(kept)
     row[1, rank] = nbytes
-    got = mx.distributed.all_sum(row, group=group).tolist()
+    # (tolist is typed for any depth: a 2-d array's is a list of rows)
+    got = cast("list[list[int]]", mx.distributed.all_sum(row, group=group).tolist())
     return all(got[0]), int(max(got[1]))
-
-
-def _flat(tree: Any):
-    from mlx.utils import tree_flatten
-    return tree_flatten(tree)
 
 
 def write_hostfile(path: Path, addrs: list[str]) -> None:

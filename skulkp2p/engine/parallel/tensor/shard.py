@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -201,7 +200,7 @@ class _AllSum(nn.Module):
     """A linear layer over this member's input columns whose partial outputs are summed across
     the group (o_proj, down_proj). A bias is added once, after the sum."""
 
-    def __init__(self, weight: mx.array, bias: mx.array | None, group: Any):
+    def __init__(self, weight: mx.array, bias: mx.array | None, group: mx.distributed.Group):
         super().__init__()
         self.weight = weight
         if bias is not None:
@@ -224,7 +223,7 @@ def _rows(linear: nn.Module, a: int, b: int) -> None:
         linear.bias = mx.contiguous(linear.bias[a:b])
 
 
-def _columns(linear: nn.Module, a: int, b: int, group: Any) -> _AllSum:
+def _columns(linear: nn.Module, a: int, b: int, group: mx.distributed.Group) -> _AllSum:
     if not isinstance(linear, nn.Linear) or isinstance(linear, nn.QuantizedLinear):
         raise ShardError(f"cannot shard a {type(linear).__name__} (quantised layers are not "
                          "split tensor-parallel here)")
@@ -232,7 +231,7 @@ def _columns(linear: nn.Module, a: int, b: int, group: Any) -> _AllSum:
     return _AllSum(mx.contiguous(linear.weight[:, a:b]), bias, group)
 
 
-def shard_layers(model: nn.Module, plan: ShardPlan, group: Any) -> None:
+def shard_layers(model: nn.Module, plan: ShardPlan, group: mx.distributed.Group) -> None:
     """Cut every layer of `model` (loaded lazily: the weights are not read yet) to this member's
     share, in place; each layer is evaluated right after its cut so the full tensors it was cut
     from are let go one layer at a time."""
