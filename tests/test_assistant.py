@@ -24,7 +24,6 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from skulkp2p.engine.decode import generate as engine_generate
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams
 from skulkp2p.engine.drafting.assistant import (
@@ -36,6 +35,7 @@ from skulkp2p.engine.drafting.assistant import (
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.request import RequestError
+from skulkp2p.engine.runner import generate as engine_generate
 from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.models.cards import CardError, parse_card
 from tests.helpers import tiny_gemma4
@@ -255,7 +255,7 @@ def test_served_cards_pair_the_assistant_gguf_with_draft_mtp():
 
 
 def test_loader_resolves_a_folder_beside_the_card(gemma, tmp_path):
-    from skulkp2p.engine.model.loader import open_assistant, resolve_assistant
+    from skulkp2p.engine.runner.loader import open_assistant, resolve_assistant
     from skulkp2p.models.store import ModelStore
 
     store = ModelStore(tmp_path / "data", cards={})

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from skulkp2p.engine.batching import scheduler
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import Finished, Produced
 from tests.helpers.batch import (

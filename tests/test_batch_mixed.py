@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from skulkp2p.engine.batching import scheduler
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import Finished
 from tests.helpers.batch import (
@@ -156,7 +156,7 @@ def test_real_model_long_chat_joins_decoding_rows_exactly():
     long echo prompt goes in inside their steps; each gives what it gives alone. (12 tokens
     each: the echo prompt's 6 chunks of 64 all ride in the short rows' steps, asserted.)"""
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.runner.generate import prompt_tokens
 
     lm = smollm2_float32()
     msgs = [[{"role": "user", "content": "Name three rivers in Europe."}],

@@ -16,9 +16,9 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from skulkp2p.engine.cache.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.drafting.assistant import load_assistant
 from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers import tiny_gemma4
 from tests.helpers.batch import PROMPTS, SAMPLINGS, SPECULATION, loaded, requests, solo, together

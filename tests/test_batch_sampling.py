@@ -28,10 +28,10 @@ import threading
 import mlx.core as mx
 import pytest
 
-from skulkp2p.engine.decode import generate
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
+from skulkp2p.engine.runner import generate
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.sampled import (
     FixedDrafter,
@@ -145,7 +145,7 @@ def _served_in_a_batch(lm: LoadedModel, monkeypatch, drafter, depth: int, n: int
 
 @pytest.fixture(scope="module")
 def case(sharp_llama):
-    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.runner.generate import prompt_tokens
 
     prompt = prompt_tokens(sharp_llama, parse_request(_measured(0)))
     joint = exact_joint(sharp_llama.model, prompt, PARAMS)

@@ -578,7 +578,7 @@ def test_a_batch_of_requests_counts_as_one_owner(tiny_models, monkeypatch) -> No
     """Four requests decoded together on the batching engine (each on its own thread, steps
     run by whichever holds the lock): the policy never sees a shared forward, so a quiet node
     may run the batch's steps on two threads; outputs as served alone."""
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
     from tests.helpers.batch import loaded, requests, solo, together
 
     policy, blas, clock = make()

@@ -1,4 +1,4 @@
-"""The EAGLE-style drafting head (engine/drafting/mtp_head.py, style "eagle"): a random head of that kind
+"""The EAGLE-style drafting head (engine/model/mtp_head.py, style "eagle"): a random head of that kind
 on a tiny model loads from its own tensor names (fc bias, reduced vocabulary) and drafts exactly
 (greedy byte-identical at depths 1-3; sampled output keeps the target's distribution); the head
 shipped for smollm2-135m loads as that kind and decodes byte-identically to plain decoding and
@@ -13,10 +13,10 @@ from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng, process_logits, target_probs
-from skulkp2p.engine.drafting.mtp_conventions import detect_conventions, has_mtp_tensors
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.mtp_conventions import detect_conventions, has_mtp_tensors
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.models.cards import PACKAGE_CARDS_DIR
 from skulkp2p.training import head_fit
@@ -293,7 +293,7 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
     """In auto the head drafts with the card's mtp_min_confidence (default MTP_MIN_CONFIDENCE);
     an explicit mtp drafter drafts every round whatever the card says (the caller asked for
     its drafts)."""
-    from skulkp2p.engine.decode.generate import MTP_MIN_CONFIDENCE, _choose_drafter, _mtp_in
+    from skulkp2p.engine.runner.generate import MTP_MIN_CONFIDENCE, _choose_drafter, _mtp_in
     from skulkp2p.formats.pipe_format import parse_request
 
     base, sidecar, _ = eagle_llama
@@ -351,7 +351,7 @@ def test_head_starts_its_draft_early_only_where_lookup_has_none(eagle_llama, mon
     gates.LookupThenModel); after one where lookup will draft, nothing of the head runs. Every
     head draft of the run found its draft started early, the drafts are those of a run
     without the early start (same ops), and greedy output is plain decoding's."""
-    from skulkp2p.engine.decode.generate import _choose_drafter
+    from skulkp2p.engine.runner.generate import _choose_drafter
     from skulkp2p.formats.pipe_format import parse_request
 
     base, sidecar, _ = eagle_llama

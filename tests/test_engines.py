@@ -25,7 +25,7 @@ def test_check_max_batch_passes():
 def test_open_engine_threads_max_batch_to_the_mlx_engine(tiny_models, tmp_path, caplog):
     """With a batching MlxEngine (a `max_batch` keyword) the engine runs that many at once;
     with today's, it still opens and the log says it runs one at a time."""
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
     store = ModelStore(tmp_path)
     with caplog.at_level(logging.WARNING, logger="skulkp2p.node"):

@@ -330,8 +330,8 @@ def test_prompt_gate_applies_to_lookup_alone(tiny_model, monkeypatch):
     """On a novel prompt, lookup starts off when it drafts alone (the prompt gate), and on
     beside a model drafter (the head takes the rounds it has nothing for), unless the card
     turns lookup.edits off (then the gate applies as before)."""
-    from skulkp2p.engine.decode.generate import _choose_drafter
     from skulkp2p.engine.drafting.gates import LookupThenModel
+    from skulkp2p.engine.runner.generate import _choose_drafter
     from skulkp2p.formats.pipe_format import parse_request
 
     req = parse_request({"prompt": "x", "max_tokens": 8})

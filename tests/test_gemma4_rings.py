@@ -278,9 +278,9 @@ def test_a_ring_of_processes_runs_the_assistant_exactly(gemma, tmp_path):
 
 
 def test_a_tensor_groups_loop_member_loads_no_assistant_and_says_why(gemma, tmp_path):
-    from skulkp2p.engine.decode.generate import _choose_drafter
-    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.engine.request import RequestError
+    from skulkp2p.engine.runner.generate import _choose_drafter
+    from skulkp2p.engine.runner.loader import open_model
     from skulkp2p.formats.pipe_format import parse_request
     from skulkp2p.models.store import ModelStore
     card = parse_card({**_card(), "placement": {},

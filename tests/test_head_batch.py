@@ -19,11 +19,11 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from skulkp2p.engine.batching.scheduler import BatchScheduler
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.batch import PROMPTS, SAMPLINGS, loaded, requests, solo, together
 from tests.helpers.eagle import make_eagle_sidecar
@@ -141,7 +141,7 @@ def test_a_head_switched_off_mid_batch_leaves_it(tiny_model, tmp_path_factory, m
     """Seeded requests whose gates ignore the batch (what a request gets whose drafts are drawn
     from a q: patched in here, as this model drafts with a head) draft in the batch as alone, and
     the gate switches two heads off mid-batch: they leave the head batch, outputs still solo's."""
-    from skulkp2p.engine.decode import generate
+    from skulkp2p.engine.runner import generate
 
     monkeypatch.setattr(generate, "drafts_sampled", lambda loaded, spec: True)
     lm = _head_model(tiny_model, tmp_path_factory, "llama", "eagle")

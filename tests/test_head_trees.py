@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.gates import GatedDrafter
 from skulkp2p.engine.drafting.mtp_drafter import HEAD_BRANCH_CLOSE, MtpDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.eagle import make_eagle_sidecar
 from tests.helpers.reference import mlx_lm_tokens

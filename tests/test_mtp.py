@@ -16,11 +16,11 @@ from mlx_lm.models import llama, qwen3, qwen3_5
 
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
-from skulkp2p.engine.drafting.mtp_conventions import MtpConventions, detect_conventions
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
-from skulkp2p.engine.drafting.mtp_head import _stack_experts, load_mtp_head
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.mtp_conventions import MtpConventions, detect_conventions
+from skulkp2p.engine.model.mtp_head import _stack_experts, load_mtp_head
 from tests.helpers.tiny_base import RMS_EPS, mtp_tensor_shapes
 
 CASES = [("llama", "qwen"), ("llama", "deepseek"), ("llama", "mimo"), ("qwen3", "qwen"),
@@ -386,8 +386,8 @@ def test_stack_experts():
 def test_lookup_then_mtp_is_exact_and_keeps_the_head_in_step(tiny):
     """Lookup drafts where it matches, the head elsewhere; greedy output equals plain and the
     head's cache still equals one pass over the sequence after rounds that lookup drafted."""
-    from skulkp2p.engine.decode.generate import _lookup
     from skulkp2p.engine.drafting.gates import GatedDrafter, LookupThenModel
+    from skulkp2p.engine.runner.generate import _lookup
 
     t = tiny("llama", "qwen")
     t.prompt = t.lm.tokenizer.encode(TEXT + " " + TEXT + " " + TEXT)

@@ -13,11 +13,11 @@ import mlx.core as mx
 import pytest
 
 from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
-from skulkp2p.engine.decode.generate import stream
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.runner.generate import stream
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.pipelined import ECHO, TRIMMABLE, RoundLoopForward
 from tests.helpers.pipelined import loaded as _loaded

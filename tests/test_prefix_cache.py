@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 
 from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
-from skulkp2p.engine.decode.generate import prompt_tokens, stream
 from skulkp2p.engine.decode.loop import decode
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.prompt_lookup import PromptLookup
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.stage import StageModel, StageSpan
 from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
+from skulkp2p.engine.runner.generate import prompt_tokens, stream
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.openai_chat import usage_json
 from skulkp2p.formats.pipe_format import parse_request, result_json
 from tests.helpers.tiny_model import make_tiny_model

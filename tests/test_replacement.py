@@ -19,7 +19,7 @@ import pytest
 
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import (
     Failed,

@@ -1,7 +1,7 @@
 """The request path does each step once: a body is read from JSON once, by the node's resolver,
 and every route reads that value (node/serving.py, api/server.py: HttpRequest.json); a chat's
 template is rendered once per request, by the engine's prompt_length, and its generation reuses
-the tokens, on the batched path too (engine/decode/mlx_engine.py)."""
+the tokens, on the batched path too (engine/runner/mlx_engine.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.http import Headers
 from skulkp2p.api.relay import FORWARDED_HEADER
 from skulkp2p.api.server import HttpRequest, StreamingResponse
-from skulkp2p.engine.decode.generate import prompt_tokens
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
+from skulkp2p.engine.runner.generate import prompt_tokens
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.node.serving import ClusterServing
 from skulkp2p.node.stages import LocalPlacements

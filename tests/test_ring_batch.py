@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.model.stage import StageModel
 from skulkp2p.engine.parallel.ring.traversal import RingError, StageWorker
 from skulkp2p.engine.protocol import Cancelled
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.batch import requests, solo, together
 from tests.helpers.rings import Ring, full, stages

@@ -193,7 +193,7 @@ def test_batched_ring_rows_verify_trees_exactly(paths, family, n):
     row is freed on every stage at the end."""
     import dataclasses
 
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
     from skulkp2p.formats.pipe_format import parse_request
     from tests.helpers.batch import solo, together
     from tests.helpers.rings import Ring

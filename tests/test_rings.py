@@ -151,7 +151,7 @@ def test_frames_for_another_cut_of_the_layers_are_dropped(models):
 
 
 def test_card_gate_turns_speculation_off_on_rings(models):
-    from skulkp2p.engine.decode.generate import _choose_drafter
+    from skulkp2p.engine.runner.generate import _choose_drafter
     from skulkp2p.formats.pipe_format import parse_request
 
     req = parse_request({"prompt": ECHO, "speculation": {"drafter": "mtp"}})

@@ -20,10 +20,10 @@ from skulkp2p.cli import main as cli_main
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
-from skulkp2p.engine.drafting.mtp_head import load_mtp_head
-from skulkp2p.engine.model import loader
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import is_mtp_key, load_model
+from skulkp2p.engine.model.mtp_head import load_mtp_head
+from skulkp2p.engine.runner import loader
 from skulkp2p.training import head_fit, head_init, prompt_batches, publish, train_run
 from skulkp2p.training.head_options import PREFIXES, HeadError
 

@@ -1,5 +1,5 @@
 """A batched forward's ropes rotate from one table of sines and cosines per forward
-(engine/cpu/step_rope.py). The end-to-end exactness (every request's tokens equal to the request
+(engine/batching/step_rope.py). The end-to-end exactness (every request's tokens equal to the request
 served alone, prompts prefilled together, ragged and tree steps) is tests/test_batch*.py's, run
 with the shared table on (the default); here: the rotation bit for bit against the rope's own,
 one step's logits and caches bit for bit with and without the shared table, one table per
@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 
 from skulkp2p.engine.batching import scheduler as scheduler_mod
-from skulkp2p.engine.cpu.step_rope import RopeTables, SharedRope, shared_ropes, shares_tables
+from skulkp2p.engine.batching.step_rope import RopeTables, SharedRope, shared_ropes, shares_tables
 from skulkp2p.engine.cpu.table_rope import TableRoPE
 from tests.helpers.batch import loaded, rows_joined_by_hand, step_by_hand
 

@@ -193,11 +193,11 @@ def test_smollm2_code_edit_cursor_and_long_matches_exact(smollm2_path):
     tokens in, where the model repeats its own docstring.)"""
     from skulkp2p.bench.arms.mlx_arms import engine_request
     from skulkp2p.bench.workloads import WORKLOADS
-    from skulkp2p.engine.decode.generate import prompt_tokens
     from skulkp2p.engine.decode.loop import DecodeStats, decode
     from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
     from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, GatedDrafter
     from skulkp2p.engine.model.forward import LocalForward
+    from skulkp2p.engine.runner.generate import prompt_tokens
     from tests.helpers.reference import mlx_lm_tokens
 
     lm = smollm2_float32()
@@ -234,7 +234,7 @@ def _run(engine, req):
 
 @pytest.mark.parametrize("speculation", ["auto", {"drafter": "lookup", "depth": 6}])
 def test_a_retried_request_drafts_from_memory_and_stays_exact(llama, speculation):
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
     engine = MlxEngine(llama, memory_tokens=4096)
     plain = _run(engine, _request("Tell me about the sea.", "off"))
@@ -254,7 +254,7 @@ def test_a_retried_request_drafts_from_memory_and_stays_exact(llama, speculation
 
 
 def test_card_field_turns_memory_off(llama):
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
     saved = llama.speculation
     llama.speculation = {**saved, "lookup": {"memory_tokens": 0}}
@@ -290,7 +290,7 @@ def test_a_seeded_sampled_request_is_the_same_whatever_ran_before(llama):
     """A seeded sampled request drafts from memory (its drafts are deterministic, so plain
     sampling's own draw decides every token): the same seed gives the same text on a fresh
     engine, after itself (drafting its earlier output from memory) and with speculation off."""
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
     from skulkp2p.formats.pipe_format import parse_request
 
     def req(spec=None):

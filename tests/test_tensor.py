@@ -307,7 +307,7 @@ def test_real_model_speculative_equals_plain_on_two_ranks(smollm2_path):
 def test_drafter_cost_is_relative_to_the_whole_model_on_the_loop_member(models):
     """The loop's member holds no layers; the MTP head's cost per draft must still be weighed
     against a step of the whole model (else the gate switches the head off at once)."""
-    from skulkp2p.engine.decode.generate import _relative_cost
+    from skulkp2p.engine.runner.generate import _relative_cost
 
     path = models["llama"]
     head = load_model(path, "llama", dtype="float32", head_only=True)
@@ -320,8 +320,8 @@ def test_drafter_cost_is_relative_to_the_whole_model_on_the_loop_member(models):
 def test_drafter_cost_is_relative_to_the_whole_model_on_a_rings_last_stage(models):
     """Likewise on a pipeline ring: the last stage holds a few layers, yet a draft saves a step
     of every stage's layers."""
-    from skulkp2p.engine.decode.generate import _relative_cost
     from skulkp2p.engine.model.stage import StageSpan
+    from skulkp2p.engine.runner.generate import _relative_cost
 
     path = models["llama"]
     whole = load_model(path, "llama", dtype="float32")
@@ -340,7 +340,7 @@ def test_prefix_cache_on_a_group_decodes_what_a_cold_group_does(llama_group):
     end of the turn before, and an entry the ranks lack falls back to a whole prefill. (12
     tokens a turn, 8 a follow-up: the drafting arms draft in both, asserted.)"""
     from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
-    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.runner.generate import prompt_tokens
 
     group = llama_group
     head = group.head

@@ -35,7 +35,6 @@ import pytest
 
 from skulkp2p.engine.decode import tree_accept
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import (
     SamplingParams,
     make_rng,
@@ -48,6 +47,7 @@ from skulkp2p.engine.drafting.suffix import SuffixDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.tree import DraftTree
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.prefilled import PrefilledForward
 from tests.helpers.sampled import (

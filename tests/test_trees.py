@@ -15,13 +15,13 @@ import pytest
 
 from skulkp2p.engine.batching.batch_view import StepPacking
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.drafter import Branch
 from skulkp2p.engine.drafting.gates import DEFAULT_WIDTH_COSTS, build_tree
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.tree import DraftTree, greedy_walk, tree_capable, tree_inputs
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.loaded import smollm2_float32
 from tests.helpers.reference import mlx_lm_tokens

@@ -135,7 +135,7 @@ def test_the_wheel_holds_the_cards_and_the_trained_head(installed: Installed) ->
 
 def test_the_installed_package_is_imported_not_the_repository(installed: Installed) -> None:
     probe = ("import json, skulkp2p\n"
-             "from skulkp2p.engine.model.loader import resolve_sidecar\n"
+             "from skulkp2p.engine.runner.loader import resolve_sidecar\n"
              "from skulkp2p.models.cards import load_cards\n"
              f"card = load_cards()[{DEFAULT_MODEL!r}]\n"
              "sidecar = resolve_sidecar(card.speculation['mtp_sidecar'], card.file)\n"

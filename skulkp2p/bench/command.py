@@ -114,7 +114,7 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     if args.plot:
         require_matplotlib()  # before minutes of measuring, not after
     from skulkp2p.engine.cpu import blas
-    from skulkp2p.engine.model.loader import open_model, serving_dtype
+    from skulkp2p.engine.runner.loader import open_model, serving_dtype
 
     engine = blas.fast_path_report()
     load_before = loadavg()  # other work on a 2-core node skews timings: record it
@@ -179,7 +179,7 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     single = None
     if ring is not None and getattr(args, "one_node", False) and not getattr(args, "agent",
                                                                              False):
-        from skulkp2p.engine.model.loader import open_model
+        from skulkp2p.engine.runner.loader import open_model
 
         single = open_model(store, args.model, loaded.dtype)
         arms = [*arms, ONE_NODE_PLAIN, ONE_NODE_SPEC]

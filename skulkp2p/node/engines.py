@@ -57,7 +57,7 @@ def open_engine(store: ModelStore, spec: str, prefix_cache_mb: float = DEFAULT_P
         from skulkp2p.served.served_engine import open_served
 
         return open_served(store, spec, max_batch=max_batch)
-    from skulkp2p.engine.model.loader import open_model
+    from skulkp2p.engine.runner.loader import open_model
 
     return mlx_engine(open_model(store, spec), prefix_cache_mb,
                       memory_tokens=draft_memory_tokens, max_batch=max_batch)
@@ -66,6 +66,6 @@ def open_engine(store: ModelStore, spec: str, prefix_cache_mb: float = DEFAULT_P
 def mlx_engine(loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, *,
                memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
     """An MlxEngine over `loaded` (a whole model, or a ring's last stage)."""
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
     return MlxEngine(loaded, prefix_cache_mb, memory_tokens=memory_tokens, max_batch=max_batch)

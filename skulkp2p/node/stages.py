@@ -188,7 +188,7 @@ class LocalPlacements:
     def _start_tensor(self, model: str, p: Placement, placed: ModelSpec) -> None:
         """This node's rank of a tensor-parallel group (node/tensor_roles.py); on the group's
         first member also the worker that runs the decode loop over a TensorForward."""
-        from skulkp2p.engine.model.loader import serving_dtype
+        from skulkp2p.engine.runner.loader import serving_dtype
         from skulkp2p.node.tensor_roles import TensorRole
 
         spec = self._source(model, placed.source)
@@ -239,8 +239,8 @@ class LocalPlacements:
             return
 
         def load() -> Engine:
-            from skulkp2p.engine.decode.mlx_engine import MlxEngine
-            from skulkp2p.engine.model.loader import open_model
+            from skulkp2p.engine.runner.loader import open_model
+            from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
             loaded = open_model(self.store, spec, head_only=True)
             loaded.make_forward = self._tensor_forward_factory(model, p.ring, loaded, role)
@@ -458,7 +458,7 @@ def member_check(node: ClusterNode, name: str) -> Callable[[], str | None]:
 
 
 def _open_stage(store: ModelStore, spec: str, span: StageSpan) -> LoadedModel:
-    from skulkp2p.engine.model.loader import open_model
+    from skulkp2p.engine.runner.loader import open_model
     return open_model(store, spec, span=span)
 
 

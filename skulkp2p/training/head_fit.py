@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from skulkp2p.engine.drafting.mtp_head import MtpHead
+from skulkp2p.engine.model.mtp_head import MtpHead
 
 PROMPT_ROW_WEIGHT = 0.5  # rows inside the prompt count less: drafts happen on generated text
 

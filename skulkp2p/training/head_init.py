@@ -21,8 +21,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from skulkp2p.engine.drafting.mtp_conventions import _PARTS, VOCAB_IDS
-from skulkp2p.engine.drafting.mtp_head import MtpHead, load_mtp_head
+from skulkp2p.engine.model.mtp_conventions import _PARTS, VOCAB_IDS
+from skulkp2p.engine.model.mtp_head import MtpHead, load_mtp_head
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.training.head_options import PREFIXES, HeadError
 

@@ -13,8 +13,8 @@ import numpy as np
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
-from skulkp2p.engine.drafting.mtp_head import MtpHead
 from skulkp2p.engine.model.forward import Forward
+from skulkp2p.engine.model.mtp_head import MtpHead
 
 
 class ReplayForward(Forward):

@@ -6,7 +6,7 @@ Usage::
 
 SRC_DIR is a full-precision checkpoint (one ``*.safetensors`` file, several, or shards listed in
 ``model.safetensors.index.json``) with its ``config.json``. The MTP tensors are found the way the
-engine finds them (skulkp2p.engine.drafting.mtp_conventions): Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*``, DeepSeek-V3's
+engine finds them (skulkp2p.engine.model.mtp_conventions): Qwen3.5 / Qwen3.6 / Qwen3-Next ``mtp.*``, DeepSeek-V3's
 extra layer ``model.layers.{num_hidden_layers}.*``, MiMo's ``model.mtp_layers.*``. Per-expert MoE
 weights are restacked into mlx-lm's ``switch_mlp`` layout with the loader's own function, so a
 sidecar loads without any per-expert work. Names, dtypes and zero-centred norms stay as in the
@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from skulkp2p.engine.drafting.mtp_conventions import (
+from skulkp2p.engine.model.mtp_conventions import (
     _IGNORED,
     _PARTS,
     _conventions,
@@ -38,7 +38,7 @@ from skulkp2p.engine.drafting.mtp_conventions import (
     _num_layers,
     _text_config,
 )
-from skulkp2p.engine.drafting.mtp_head import _read_tensors, _stack_experts
+from skulkp2p.engine.model.mtp_head import _read_tensors, _stack_experts
 from skulkp2p.training.head_options import HeadError
 
 SIDECAR = "mtp.safetensors"

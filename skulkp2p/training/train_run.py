@@ -5,7 +5,7 @@ Usage::
     python -m skulkp2p head train --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
         [--kind eagle|qwen] [--data broad|stdlib] [--init-from SIDECAR]
 
-What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.drafting.mtp_head.load_mtp_head): by
+What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.model.mtp_head.load_mtp_head): by
 default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bias, one decoder
 layer of the trunk's own family, final norm, reduced vocabulary), or the first head's layout in
 qwen naming ``mtp.*`` (``--kind qwen``, no fc bias). Either way: from the trunk's hidden state
@@ -65,8 +65,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from skulkp2p.engine.drafting.mtp_conventions import VOCAB_IDS
-from skulkp2p.engine.drafting.mtp_head import MtpHead, load_mtp_head
+from skulkp2p.engine.model.mtp_conventions import VOCAB_IDS
+from skulkp2p.engine.model.mtp_head import MtpHead, load_mtp_head
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.progress import ProgressBar
 from skulkp2p.training.head_fit import Batches, make_loss, teacher_forced_accuracy

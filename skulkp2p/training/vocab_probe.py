@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from skulkp2p.engine.drafting.mtp_head import MtpHead, load_mtp_head
+from skulkp2p.engine.model.mtp_head import MtpHead, load_mtp_head
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.training.head_fit import two_step_features
 from skulkp2p.training.head_init import choose_vocab

@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 
 from skulkp2p.engine.batching.scheduler import BatchScheduler
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 from skulkp2p.formats.pipe_format import parse_request
 from skulkp2p.runtime.worker import Failed, Finished, ModelWorker, Produced
 

@@ -21,7 +21,7 @@ def smollm2_float32():
     """SmolLM2-135M from the test model cache (pulled the first time), float32, with its
     card; the same object for every caller in this process. Read only (see above)."""
     if not _smollm2:
-        from skulkp2p.engine.model.loader import open_model
+        from skulkp2p.engine.runner.loader import open_model
         from skulkp2p.models.store import ModelStore
 
         _smollm2.append(open_model(ModelStore(test_data_dir()), "smollm2-135m",

@@ -3,7 +3,7 @@ tests that compare our output with mlx-lm's by the pipe's fields)."""
 
 from __future__ import annotations
 
-from skulkp2p.engine.decode.generate import run
+from skulkp2p.engine.runner.generate import run
 from skulkp2p.formats.pipe_format import result_json
 
 

@@ -8,10 +8,10 @@ import dataclasses
 from pathlib import Path
 
 from skulkp2p.engine.cache.prefix_cache import PrefixCache
-from skulkp2p.engine.decode.mlx_engine import MlxEngine
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.stage import StageModel, StageSpan
 from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
+from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
 # Layer spans of a 4-layer tiny model per ring size (the last span runs to the model's end).
 SPLITS = {2: [(0, 2), (2, 4)], 3: [(0, 1), (1, 3), (3, 4)]}

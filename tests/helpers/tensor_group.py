@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skulkp2p.engine.decode.generate import stream
 from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorForward
+from skulkp2p.engine.runner.generate import stream
 from skulkp2p.formats.pipe_format import parse_request
 from tests.helpers.procs import free_port
 

@@ -104,7 +104,7 @@ def ask(engine: Any, messages: list[dict[str, str]], max_tokens: int, speculatio
 
 
 def _engine(loaded: LoadedModel, arm: AgentArm, prefix_cache_mb: float) -> Any:
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
     return MlxEngine(loaded, prefix_cache_mb if arm.prefix else 0)
 

@@ -72,7 +72,7 @@ def drafts_deterministic(arm: Arm, loaded: LoadedModel) -> bool:
     that a seeded request emits plain sampling's text (the engine's own decision); draft
     models and the Gemma assistant draw their drafts from a q, and then the text depends on
     the drafts."""
-    from skulkp2p.engine.decode.generate import drafts_sampled
+    from skulkp2p.engine.runner.generate import drafts_sampled
     from skulkp2p.formats.body_fields import speculation
 
     return arm.kind == "engine" and not drafts_sampled(loaded, speculation(arm.speculation))
@@ -190,8 +190,8 @@ def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
     memory), after the session's earlier requests `setup`, unmeasured. Engines here run without
     the prefix cache: every run is a cold prefill (`--agent` measures the cache). `sampling`:
     the requests sample (bench --temperature)."""
-    from skulkp2p.engine.decode.mlx_engine import MlxEngine
     from skulkp2p.engine.request import RequestError
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
     engine = engine if engine is not None else MlxEngine(loaded, prefix_cache_mb=0)
     for earlier in setup:
@@ -231,7 +231,7 @@ def run_mlx_lm(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
     from mlx_lm import stream_generate
 
     from skulkp2p.engine.cpu import table_rope
-    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.runner.generate import prompt_tokens
 
     prompt = prompt_tokens(loaded, engine_request(messages, max_tokens, "off"))
     eos = set(loaded.tokenizer.eos_token_ids)
@@ -309,7 +309,7 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
     the card's or the default); `peer`: (llama-server binary, GGUF) for llama arms;
     `sampling`: engine arms sample (the peers are greedy only: the bench drops them)."""
     if arm.kind == "engine":
-        from skulkp2p.engine.decode.mlx_engine import MlxEngine
+        from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
         saved = loaded.speculation
         lookup = dict(saved.get("lookup", {}))
@@ -344,8 +344,8 @@ def open_draft(store: ModelStore, spec: str, loaded: LoadedModel) -> LoadedModel
     """Load --draft-model in the target's dtype. It drafts for mlx-lm's speculative peer and,
     unless the card already names one, becomes the engine's draft model too (draft:k arms and
     spec), as a card's speculation.draft_model would."""
-    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.engine.request import RequestError
+    from skulkp2p.engine.runner.loader import open_model
 
     draft = open_model(store, spec, loaded.dtype)
     if hasattr(loaded, "draft") and loaded.draft is None:
@@ -365,7 +365,7 @@ def open_draft(store: ModelStore, spec: str, loaded: LoadedModel) -> LoadedModel
 
 def prompt_len(loaded: LoadedModel, workload: str) -> int:
     """The workload's prompt length in tokens, chat template applied."""
-    from skulkp2p.engine.decode.generate import prompt_tokens
+    from skulkp2p.engine.runner.generate import prompt_tokens
 
     return len(prompt_tokens(loaded, engine_request(WORKLOADS[workload], 1, "off")))
 

@@ -126,8 +126,8 @@ class RingBench:
         from skulkp2p.cluster.facts import model_spec
         from skulkp2p.cluster.placement import split_with_tail
         from skulkp2p.cluster.ring_link import RingData
-        from skulkp2p.engine.model.loader import open_model
         from skulkp2p.engine.model.stage import StageSpan
+        from skulkp2p.engine.runner.loader import open_model
 
         self.store.pull(self.spec)  # once, before N processes would each try
         spec = model_spec(self.store, self.spec)
@@ -372,9 +372,9 @@ def _say(**msg: Any) -> None:
 async def _serve_stage(args: argparse.Namespace) -> int:
     from skulkp2p import wire
     from skulkp2p.cluster.ring_link import RingData
-    from skulkp2p.engine.model.loader import open_model
     from skulkp2p.engine.model.stage import StageModel, StageSpan, param_bytes
     from skulkp2p.engine.parallel.ring.traversal import StageWorker
+    from skulkp2p.engine.runner.loader import open_model
     from skulkp2p.models.store import ModelStore
 
     loop = asyncio.get_running_loop()

@@ -106,9 +106,9 @@ class TensorBench:
 
     def _open(self) -> LoadedModel:
         from skulkp2p.cluster.facts import model_spec
-        from skulkp2p.engine.model.loader import open_model
         from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorError
         from skulkp2p.engine.parallel.tensor.shard import ShardError, plan_shards
+        from skulkp2p.engine.runner.loader import open_model
 
         path = self.store.pull(self.spec)
         spec = model_spec(self.store, self.spec)

@@ -45,7 +45,7 @@ class Chained(Protocol):
 
 
 class DraftHead(Protocol):
-    """What the batched forward runs of a drafting head (engine/drafting/mtp_head.py: `MtpHead`,
+    """What the batched forward runs of a drafting head (engine/model/mtp_head.py: `MtpHead`,
     one room up)."""
 
     @property

@@ -65,11 +65,11 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from skulkp2p.engine.batching.batch_view import StepPacking
 from skulkp2p.engine.batching.head_batch import DraftHead, HeadRows
 from skulkp2p.engine.batching.row_forward import RowForward
+from skulkp2p.engine.batching.step_rope import shared_ropes
 from skulkp2p.engine.batching.ticket_lock import TicketLock
 from skulkp2p.engine.cache.batch_cache import RowLengths, RowsArraysCache, RowsKVCache
 from skulkp2p.engine.cache.caches import CacheEntry
 from skulkp2p.engine.cpu import blas_threads
-from skulkp2p.engine.cpu.step_rope import shared_ropes
 from skulkp2p.engine.model.arrays import leaves
 from skulkp2p.engine.model.forward import whole_model_stage
 from skulkp2p.engine.model.packed import packed_rows, packs_mlps
@@ -257,7 +257,7 @@ class BatchScheduler:
         self.mixed_steps = 0  # steps that carried a joining prompt's chunk
         self.mixed_tokens = 0  # prompt tokens prefilled inside steps
         # Batched forwards rotate from one table of sines and cosines per forward, not one per
-        # layer and projection (engine/cpu/step_rope.py); False: each layer's own rope (A/B).
+        # layer and projection (engine/batching/step_rope.py); False: each layer's own rope (A/B).
         self.share_rope = True
 
     @property
@@ -448,7 +448,7 @@ class BatchScheduler:
         mx.eval(out)  # here: other rows' threads read these (see _step)
 
     def _ropes(self) -> contextlib.AbstractContextManager[None]:
-        """One batched forward's ropes: from one shared table (engine/cpu/step_rope.py)."""
+        """One batched forward's ropes: from one shared table (engine/batching/step_rope.py)."""
         if not self.share_rope:
             return contextlib.nullcontext()
         return shared_ropes(list(self.stage.trunk.body.layers))

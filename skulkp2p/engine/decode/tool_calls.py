@@ -509,7 +509,7 @@ def model_tools(loaded: LoadedModel) -> tuple[ToolFormat | None, bool]:
     """(the model's tool format, whether its chat template renders tools), once per model."""
     cached = loaded.runtime.get("_tool_support")
     if cached is None:
-        fmt = model_format(getattr(loaded, "chat", None) or {}, loaded.tokenizer)
+        fmt = model_format(loaded.chat, loaded.tokenizer)
         cached = loaded.runtime["_tool_support"] = (fmt, renders_tools(loaded.tokenizer))
     return cached
 

@@ -1,5 +1,5 @@
 """Native MTP head drafter: the checkpoint's own multi-token-prediction head (or a trained
-EAGLE-style sidecar head; engine/drafting/mtp_head.py) proposes drafts, following decode.py's Drafter
+EAGLE-style sidecar head; engine/model/mtp_head.py) proposes drafts, following decode.py's Drafter
 protocol.
 
 Pairing. Row t of the head's cache holds (h_t, x_{t+1}) at position t, exactly like the trunk's
@@ -45,8 +45,8 @@ from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
 from skulkp2p.engine.decode.loop import DecodeStats
 from skulkp2p.engine.decode.sampling import as_floats, as_token, as_tokens
 from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
-from skulkp2p.engine.drafting.mtp_conventions import MtpConventions
-from skulkp2p.engine.drafting.mtp_head import MtpHead
+from skulkp2p.engine.model.mtp_conventions import MtpConventions
+from skulkp2p.engine.model.mtp_head import MtpHead
 from skulkp2p.engine.model.tree import DraftTree
 
 if TYPE_CHECKING:

@@ -96,8 +96,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
-    from skulkp2p.engine.drafting.mtp_conventions import has_mtp_tensors
-    from skulkp2p.engine.drafting.mtp_head import load_mtp_head
+    from skulkp2p.engine.model.mtp_conventions import has_mtp_tensors
+    from skulkp2p.engine.model.mtp_head import load_mtp_head
 
     if head_only:
         from skulkp2p.engine.model.stage import drop_layers

@@ -8,7 +8,6 @@ from collections.abc import Callable, Generator
 
 from skulkp2p.engine.batching.scheduler import BatchScheduler, batchable
 from skulkp2p.engine.cache.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
-from skulkp2p.engine.decode.generate import prompt_tokens, stream
 from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.drafting.suffix import SuffixMemory
 from skulkp2p.engine.model.forward import Forward
@@ -16,6 +15,7 @@ from skulkp2p.engine.model.loaded import LoadedModel
 from skulkp2p.engine.protocol import EngineInfo, Generation, VerifyCosts
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
+from skulkp2p.engine.runner.generate import prompt_tokens, stream
 
 # Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
 # drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).

@@ -1,5 +1,5 @@
 """How a checkpoint's multi-token-prediction (MTP) head is laid out and run, found from its
-tensor names without reading any tensor data (no MLX here: engine/drafting/mtp_head.py builds the head,
+tensor names without reading any tensor data (no MLX here: engine/model/mtp_head.py builds the head,
 engine/drafting/mtp_drafter.py drafts with it).
 
 The head maps the trunk's hidden state h_t at position t and the embedding of the
@@ -31,7 +31,7 @@ A fourth kind is no checkpoint's own but a drafting head trained for a model tha
   (chain "after").
 
 A sidecar may also hold `{prefix}vocab_ids` (int32 [K]): a reduced draft vocabulary
-(engine/drafting/mtp_head.py scores only those rows of the shared lm_head).
+(engine/model/mtp_head.py scores only those rows of the shared lm_head).
 
 Which head output depth > 1 feeds back is `MtpConventions.chain`: "after" the head's final norm
 for qwen and mimo, "before" it for deepseek (engine/drafting/mtp_drafter.py says where that comes from);

@@ -1,5 +1,5 @@
 """The MTP head as an MLX module (`MtpHead`) and its loading from a checkpoint or a sidecar
-(`load_mtp_head`); engine/drafting/mtp_conventions.py says how each checkpoint naming lays it out.
+(`load_mtp_head`); engine/model/mtp_conventions.py says how each checkpoint naming lays it out.
 
 A sidecar's `{prefix}vocab_ids` (int32 [K]) is a reduced draft vocabulary: the head then scores
 only those K rows of the shared lm_head (taken at load, quantised like the base),
@@ -27,7 +27,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from skulkp2p.engine.cache.batch_cache import RowsKVCache
-from skulkp2p.engine.drafting.mtp_conventions import (
+from skulkp2p.engine.json_types import JSONObject
+from skulkp2p.engine.model.arrays import materialize
+from skulkp2p.engine.model.mtp_conventions import (
     _IGNORED,
     _NESTED_LAYER,
     _PARTS,
@@ -40,8 +42,6 @@ from skulkp2p.engine.drafting.mtp_conventions import (
     _text_config,
     config_number,
 )
-from skulkp2p.engine.json_types import JSONObject
-from skulkp2p.engine.model.arrays import materialize
 from skulkp2p.engine.model.trunk import Trunk
 
 log = logging.getLogger("skulkp2p.mtp")
