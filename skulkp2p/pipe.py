@@ -37,12 +37,18 @@ class PipeSession:
         self.open_engine = open_engine
         self.default_model = default_model
         self.engines: dict[str, Engine] = {}
+        self.named: dict[str, str] = {}  # engine id -> the card id lines named (its other form)
 
     def engine(self, spec: str) -> Engine:
-        resolved = self.store.resolve(spec)  # raises ModelStoreError for an unknown model
+        # a card id, a path or a Hugging Face repository id (fetched: the line names it);
+        # raises ModelStoreError for an unknown, missing, gated or uncached model
+        resolved = self.store.resolve(spec, fetch=True)
         if resolved.id not in self.engines:
             try:
                 self.engines[resolved.id] = self.open_engine(self.store, spec)
+                served = self.engines[resolved.id].id
+                if served != resolved.id and served in self.store.cards:
+                    self.named[served] = resolved.id  # e.g. its GGUF form on llama-server
             except (ModelStoreError, RequestError):
                 raise
             except Exception as e:  # tried again on the next line that names it
@@ -69,7 +75,7 @@ class PipeSession:
             for _ in generation:
                 pass
             assert generation.result is not None
-            return result_json(generation.result, req.id, engine.id)
+            return result_json(generation.result, req.id, self.named.get(engine.id, engine.id))
         except RequestError as e:
             return error_json(req_id, e.type, e.message, e.param)
         except ModelStoreError as e:
@@ -85,7 +91,7 @@ class PipeSession:
 
 def run_pipe(store: ModelStore, default_model: str, stdin: IO[str], stdout: IO[str],
              open_engine: OpenEngine) -> int:
-    store.resolve(default_model)  # an unknown --model fails at once, not on every line
+    store.resolve(default_model, fetch=True)  # an unknown --model fails at once, not per line
     session = PipeSession(store, default_model, open_engine)
     try:
         for line in stdin:

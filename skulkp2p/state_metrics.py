@@ -15,7 +15,7 @@ from skulkp2p.engine.protocol import VerifyCosts
 from skulkp2p.metrics import PREFIX, Family
 
 WIRE_REASONS = ("oversize", "unsigned", "bad-signature", "undecodable", "not-a-map", "no-type",
-                "version", "array")
+                "version", "array", "handshake")
 MEMBER_STATES = ("alive", "suspect", "dead", "left")
 
 

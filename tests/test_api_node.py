@@ -105,7 +105,7 @@ def test_openai_unsupported_options_are_refused_by_name(oai):
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
          "tools"),
         (dict(logprobs=True), "logprobs"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "xml"}), "response_format.type"),
         (dict(presence_penalty=0.5), "presence_penalty"),
         (dict(extra_body={"banana": 1}), "banana"),
         (dict(max_tokens="many"), "max_tokens"),
@@ -213,13 +213,14 @@ def test_h11_strict_keep_alive_streaming_and_errors(node):
         r = c.request("GET", "/v1/nothing")
         assert r.status == 404 and r.json()["error"]["code"] == "not_found"
         r = c.request("PUT", "/v1/models")
-        assert r.status == 405 and r.headers["allow"] == "GET"
+        assert r.status == 405 and r.headers["allow"] == "GET, HEAD"
         assert c.request("GET", "/v1/models").status == 200  # still the same connection
 
 
 def _post(path: str, body: bytes, close: bool = False) -> bytes:
     extra = b"Connection: close\r\n" if close else b""
-    return (b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%b\r\n%b"
+    return (b"POST %b HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%b\r\n%b"
             % (path.encode(), len(body), extra, body))
 
 
@@ -231,19 +232,19 @@ CHAT_PATH = "/v1/chat/completions"
 ONE = json.dumps({"messages": CHAT, "max_tokens": 2}).encode()
 
 HOSTILE = [
-    ("oversize headers", b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 17000
-     + b"\r\n\r\n", [431]),
-    ("oversize body", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    ("oversize headers", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: "
+     + b"a" * 17000 + b"\r\n\r\n", [431]),
+    ("oversize body", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Content-Length: 100000\r\n\r\n" + b"{" * 1000, [413]),
-    ("oversize chunked body", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    ("oversize chunked body", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Transfer-Encoding: chunked\r\n\r\n" + (b"8000\r\n" + b"a" * 0x8000 + b"\r\n") * 3, [413]),
-    ("bad chunk size", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    ("bad chunk size", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Transfer-Encoding: chunked\r\n\r\nxyz\r\nabc\r\n0\r\n\r\n", [400]),
-    ("chunk without CRLF", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    ("chunk without CRLF", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Transfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n", [400]),
-    ("unknown transfer coding", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    ("unknown transfer coding", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Transfer-Encoding: br\r\n\r\n", [501]),
-    ("conflicting lengths", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    ("conflicting lengths", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", [400]),
     ("malformed request line", b"HELLO\r\n\r\n", [400]),
     ("binary garbage", bytes(range(256)) + b"\r\n\r\n", [400]),
@@ -256,15 +257,17 @@ HOSTILE = [
     ("bool temperature", _post("/v1/completions", b'{"prompt": "a", "temperature": true}',
                                True), [400]),
     ("empty body", _post(CHAT_PATH, b"", True), [400]),
-    ("chunked JSON request", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    ("chunked JSON request", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+     b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
      + _chunked([b'{"prompt": "abc"', b', "max_tokens": 2', b"}"]), [200]),
-    ("pipelined", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + _post(CHAT_PATH, ONE)
-     + b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n"
-     + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", [200, 200, 404, 200]),
-    ("unknown route", b"GET /admin HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", [404]),
-    ("wrong method", b"GET /v1/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-     [405]),
+    ("pipelined", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + _post(CHAT_PATH, ONE)
+     + b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+     + b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+     [200, 200, 404, 200]),
+    ("unknown route", b"GET /admin HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+     [404]),
+    ("wrong method", b"GET /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+     b"Connection: close\r\n\r\n", [405]),
 ]
 
 
@@ -366,7 +369,7 @@ def test_smollm2_over_http(smollm2_path, tmp_path):
     import openai
 
     n = JoinNode("smollm2-135m", tmp_path, "--data-dir", str(smollm2_path.parent.parent),
-                 ready_timeout=300)
+                 "--engine", "mlx", ready_timeout=300)
     try:
         client = openai.OpenAI(base_url=n.base + "/v1", api_key="none", max_retries=0,
                                timeout=120)

@@ -92,3 +92,39 @@ def test_speculation_table(tmp_path):
     card = load_card(write(tmp_path, GOOD + "[speculation]\nmtp_max_depth = 3\n"
                            "[speculation.lookup]\nmax_depth = 6\ntrees = true\n"))
     assert card.speculation == {"mtp_max_depth": 3, "lookup": {"max_depth": 6, "trees": True}}
+
+
+REPO_CARD = """
+id = "mine"
+[source]
+kind = "hf"
+repo = "owner/repo"
+revision = "v1"
+file = "Q4_K_M"
+[chat]
+tool_parser = "none"
+"""
+
+
+def test_a_repository_card_may_leave_its_shape_to_the_repository(tmp_path):
+    card = load_card(write(tmp_path, REPO_CARD))
+    assert card.partial and card.family == "" and card.format == "" and card.layers == 0
+    assert (card.source.repo, card.source.revision, card.source.file) == ("owner/repo", "v1",
+                                                                           "Q4_K_M")
+    assert card.summary()["source"] == "hf:owner/repo@v1:Q4_K_M"
+    full = load_card(write(tmp_path, GOOD.replace('kind = "pypi"\npackages = ["pkg==1.0"]\n'
+                                                  'member = "m.gguf"',
+                                                  'kind = "hf"\nrepo = "owner/repo"')))
+    assert not full.partial and full.source.file == ""
+    # every other source still needs the whole shape
+    with pytest.raises(CardError, match="missing field 'layers'"):
+        load_card(write(tmp_path, GOOD.replace("layers = 2\n", "")))
+    with pytest.raises(CardError, match="'format' must be one of"):
+        load_card(write(tmp_path, REPO_CARD.replace('id = "mine"', 'id = "mine"\nformat = "onnx"')))
+
+
+def test_chat_template_field(tmp_path):
+    card = load_card(write(tmp_path, GOOD + '[chat]\ntemplate = "tokenizer_config.json"\n'))
+    assert card.chat == {"template": "tokenizer_config.json"}
+    with pytest.raises(CardError, match="unknown field 'chat.style'"):
+        load_card(write(tmp_path, GOOD + '[chat]\nstyle = "x"\n'))

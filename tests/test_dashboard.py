@@ -163,7 +163,8 @@ def test_rejected_frames_are_counted(duo):
             s.sendall(frame)
             s.settimeout(5)
             try:
-                assert s.recv(1) == b""  # the node closes the connection...
+                while s.recv(4096):  # the node's hello; then the node closes the connection...
+                    pass
             except ConnectionResetError:
                 pass  # ...or aborts it
     duo.wait(lambda: all(rejected(p) == before[p] + 1 for p in before), 10,
@@ -356,7 +357,8 @@ def test_single_node_app_counts_outcomes():
                              script_chat("tokens=5 fail=2")).status == 500
         s = socket.create_connection(("127.0.0.1", node.port))
         body = json.dumps(script_chat("prefill=30 tokens=1")).encode()
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n"
                   b"\r\n%b" % (len(body), body))
         wait_until(lambda: "prefill=30 tokens=1" in node.script.started)
         s.close()

@@ -166,7 +166,7 @@ def test_auto_lookup_on_echo_and_beside_the_head_on_novel_smollm2(smollm2_path):
     plain = {**novel, "id": "plain", "speculation": "off"}
     env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent)}
     lines = "".join(json.dumps(r) + "\n" for r in (echo, novel, plain))
-    proc = run_cli("pipe", input=lines, env=env)
+    proc = run_cli("pipe", "--engine", "mlx", input=lines, env=env)
     assert proc.returncode == 0, proc.stderr
     res = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
     e, n = res["echo"]["speculation"], res["novel"]["speculation"]

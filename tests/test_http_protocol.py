@@ -283,3 +283,166 @@ def test_partial_request_flag_for_the_slow_header_clock():
     assert conn.next_event() is NEED_DATA and not conn.has_partial_request
     conn.receive_data(b"GE")
     assert conn.next_event() is NEED_DATA and conn.has_partial_request
+
+
+# ---- the chunk-size line limit, however the line arrives ------------------------------------
+
+def _chunked_with_extension(ext_len: int) -> bytes:
+    return (b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5;" + b"e" * ext_len + b"\r\nhello\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("feed", ["whole", "byte by byte"])
+def test_chunk_size_line_limit_holds_however_the_line_arrives(feed):
+    too_long = _chunked_with_extension(http.MAX_CHUNK_LINE)  # "5;" + ext + CR: over the limit
+    pieces = [too_long] if feed == "whole" else [too_long[i:i + 1]
+                                                 for i in range(len(too_long))]
+    conn = ServerConnection()
+    with pytest.raises(ProtocolError) as info:
+        for piece in pieces:
+            conn.receive_data(piece)
+            while conn.next_event() not in (NEED_DATA, PAUSED):
+                pass
+    assert info.value.status == 400 and "chunk size line too long" in info.value.message
+    # A line of exactly the limit (with its CR) is a client's right, in one piece or many.
+    fits = _chunked_with_extension(http.MAX_CHUNK_LINE - 3)
+    pieces = [fits] if feed == "whole" else [fits[i:i + 1] for i in range(len(fits))]
+    conn = ServerConnection()
+    got = []
+    for piece in pieces:
+        conn.receive_data(piece)
+        while (ev := conn.next_event()) not in (NEED_DATA, PAUSED):
+            got.append(ev)
+    assert b"".join(e.data for e in got if isinstance(e, Data)) == b"hello"
+    assert isinstance(got[-1], EndOfMessage)
+
+
+# ---- HEAD --------------------------------------------------------------------------------
+
+def test_head_streaming_response_is_a_head_only_and_keeps_the_connection():
+    conn = ServerConnection()
+    conn.receive_data(b"HEAD /s HTTP/1.1\r\nHost: a\r\n\r\nGET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    read_request(conn)
+    raw = conn.start_stream(200, [("Content-Type", "text/event-stream")])
+    assert not conn.stream_has_body
+    assert conn.stream_data(b"data: 1\n\n") == b"" and conn.end_stream() == b""
+    assert raw.endswith(b"\r\n\r\n") and b"Transfer-Encoding: chunked" in raw
+    evs = client_parse(raw, b"HEAD")
+    assert evs[0].status_code == 200 and isinstance(evs[-1], h11.EndOfMessage)
+    assert not conn.must_close
+    req, _ = read_request(conn)  # the next request on the same connection: a body again
+    assert req.method == "GET"
+    raw = conn.start_stream(200, []) + conn.stream_data(b"x") + conn.end_stream()
+    assert conn.stream_has_body and raw.endswith(b"1\r\nx\r\n0\r\n\r\n")
+
+
+# ---- Host --------------------------------------------------------------------------------
+
+LOOPBACK = http.HostPolicy.serving("127.0.0.1", 8000)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost:8000", "[::1]:8000",
+                                  "LocalHost.:8000", "127.0.0.1", "localhost"])
+def test_host_of_a_loopback_server_accepted(host):
+    assert LOOPBACK.allows(*http.split_authority(host), "127.0.0.1")
+
+
+@pytest.mark.parametrize("host", [
+    "evil.example:8000",  # a DNS name pointed at 127.0.0.1 (rebinding)
+    "evil.example",
+    "127.0.0.1:8001",  # another port
+    "sub.localhost:8000",
+    "127.000.000.001:8000",
+    "2130706433:8000",
+    "192.168.1.5:8000",
+])
+def test_host_of_a_loopback_server_refused(host):
+    assert not LOOPBACK.allows(*http.split_authority(host), "127.0.0.1")
+
+
+def test_host_of_a_server_on_every_address():
+    policy = http.HostPolicy.serving("0.0.0.0", 8000, own_names=("MyBox",))
+
+    def ok(host: str, local: str) -> bool:
+        return policy.allows(*http.split_authority(host), local)
+
+    assert ok("192.168.1.5:8000", "192.168.1.5")  # the address the connection came to
+    assert ok("mybox:8000", "192.168.1.5")  # the machine's name
+    assert ok("localhost:8000", "127.0.0.1") and ok("localhost:8000", "::ffff:127.0.0.1")
+    assert not ok("localhost:8000", "192.168.1.5")  # loopback names on loopback only
+    assert not ok("10.0.0.9:8000", "192.168.1.5")
+    assert not ok("evil.example:8000", "192.168.1.5")
+    assert ok("[fe80::1]:8000", "fe80::1") and not ok("[fe80::2]:8000", "fe80::1")
+    named = policy.with_names("node-a.lan")  # e.g. the address a cluster announces
+    assert named.allows("node-a.lan", 8000, "10.1.1.1") and not named.allows("node-a.lan", 1, "")
+
+
+def test_host_configured_entries():
+    policy = http.HostPolicy.serving("127.0.0.1", 8000, ("api.example", "proxy.lan:8080"))
+    assert policy.allows("api.example", 443, "127.0.0.1")  # no port given: any port
+    assert policy.allows("api.example", None, "127.0.0.1")
+    assert policy.allows("proxy.lan", 8080, "127.0.0.1")
+    assert not policy.allows("proxy.lan", 8000, "127.0.0.1")
+    assert not policy.allows("other.example", 8000, "127.0.0.1")
+    assert http.HostPolicy.serving("127.0.0.1", 8000, ("*",)).allows("x", 1, "")
+    for bad in ("a b", "a:b", "[::1", "a:99999", "a:0", "[nonsense]:1", "a/b", ""):
+        with pytest.raises(ValueError):
+            http.parse_allowed_host(bad)
+    with pytest.raises(ValueError):
+        http.HostPolicy.serving("127.0.0.1", 8000, ("a b",))
+
+
+def _head(conn: ServerConnection, raw: bytes) -> Request:
+    conn.receive_data(raw)
+    ev = conn.next_event()
+    assert isinstance(ev, Request)
+    return ev
+
+
+def test_the_parser_refuses_a_host_it_does_not_serve_with_421():
+    policy = http.HostPolicy.serving("127.0.0.1", 8000)
+    ok = ServerConnection(hosts=policy, local_address="127.0.0.1")
+    assert _head(ok, b"GET / HTTP/1.1\r\nHost: localhost:8000\r\n\r\n").target == "/"
+    cases = [
+        (b"GET / HTTP/1.1\r\nHost: evil.example:8000\r\n\r\n", 421),
+        (b"GET / HTTP/1.0\r\nHost: evil.example\r\n\r\n", 421),
+        # absolute form: its authority is the one that counts (RFC 9112 3.2.2)
+        (b"GET http://evil.example:8000/ HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n\r\n", 421),
+        (b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: \r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: 127.0.0.1:80x\r\n\r\n", 400),
+    ]
+    for raw, status in cases:
+        assert error_status(raw, hosts=policy, local_address="127.0.0.1") == status, raw
+    absolute = ServerConnection(hosts=policy, local_address="127.0.0.1")
+    assert _head(absolute, b"GET http://localhost:8000/x HTTP/1.1\r\nHost: evil\r\n\r\n"
+                 ).target == "http://localhost:8000/x"
+    http10 = ServerConnection(hosts=policy, local_address="127.0.0.1")  # 1.0: Host optional
+    assert _head(http10, b"GET / HTTP/1.0\r\n\r\n").http_version == "1.0"
+    # After a 421 the connection answers and closes.
+    conn = ServerConnection(hosts=policy, local_address="127.0.0.1")
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: evil.example:8000\r\n\r\n")
+    with pytest.raises(ProtocolError):
+        conn.next_event()
+    assert b"Connection: close" in conn.send_response(421, [], b"") and conn.must_close
+
+
+# ---- Content-Type ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,ok", [
+    ("application/json", True),
+    ("application/json; charset=utf-8", True),
+    ("Application/JSON;charset=UTF-8", True),
+    ("application/vnd.api+json", True),
+    ("text/plain", False),
+    ("text/plain; charset=utf-8", False),
+    ("application/x-www-form-urlencoded", False),
+    ("multipart/form-data; boundary=x", False),
+    ("application/jsonx", False),
+    ("application/+json", False),
+    ("json", False),
+    ("", False),
+    (None, False),
+])
+def test_json_media_type(value, ok):
+    assert http.is_json_media_type(value) is ok

@@ -51,7 +51,7 @@ def test_routes_errors_and_keep_alive(node):
         r = c.request("DELETE", "/v1/chat/completions")
         assert r.status == 405 and r.headers["allow"] == "POST"
         r = c.request("POST", "/health", b"{}")
-        assert r.status == 405 and r.headers["allow"] == "GET"
+        assert r.status == 405 and r.headers["allow"] == "GET, HEAD"
         r = c.request("POST", "/v1/chat/completions", b"{not json")
         assert r.status == 400 and r.json()["error"]["code"] == "invalid_json"
         r = c.request("POST", "/v1/chat/completions", chat("hi", model="other"))
@@ -171,7 +171,8 @@ def test_queue_bound_gives_429_with_retry_after():
 def test_disconnect_during_prefill_cancels_at_once(node):
     s = socket.create_connection(("127.0.0.1", node.port))
     body = json.dumps(chat("prefill=30 tokens=1")).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
               % (len(body), body))
     wait_until(lambda: node.script.started)
     t0 = time.monotonic()
@@ -190,7 +191,8 @@ def test_disconnect_while_queued_drops_the_job(node):
         wait_until(lambda: node.script.started)
         s = socket.create_connection(("127.0.0.1", node.port))
         body = json.dumps(chat("queued")).encode()
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
                   % (len(body), body))
         wait_until(lambda: node.worker.waiting == 1)
         s.close()
@@ -203,7 +205,7 @@ def test_disconnect_while_queued_drops_the_job(node):
 @pytest.mark.slow
 def test_slow_headers_and_bodies_get_408_and_idle_connections_close(node):
     t0 = time.monotonic()
-    raw = raw_exchange(node.port, [b"GET /health HTTP/1.1\r\n", b"Host: x\r\n"], pause=0.4,
+    raw = raw_exchange(node.port, [b"GET /health HTTP/1.1\r\n", b"Host: 127.0.0.1\r\n"], pause=0.4,
                        timeout=5)
     (r,) = parse_responses(raw)
     assert r.status == 408 and 0.9 < time.monotonic() - t0 < 3
@@ -215,7 +217,7 @@ def test_slow_headers_and_bodies_get_408_and_idle_connections_close(node):
         time.sleep(1.5)  # past the idle keep-alive timeout
         assert c.sock.recv(10) == b""
     t0 = time.monotonic()  # a body announced but never sent
-    raw = raw_exchange(node.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    raw = raw_exchange(node.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                   b"Content-Length: 10\r\n\r\n{", timeout=5)
     (r,) = parse_responses(raw)
     assert r.status == 408 and 0.9 < time.monotonic() - t0 < 3
@@ -224,7 +226,8 @@ def test_slow_headers_and_bodies_get_408_and_idle_connections_close(node):
 def test_expect_100_continue_and_early_refusal(node):
     body = json.dumps(chat("tokens=1")).encode()
     with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Expect: 100-continue\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body))
         assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
         s.sendall(body)
@@ -232,18 +235,19 @@ def test_expect_100_continue_and_early_refusal(node):
         while b"w0" not in buf:
             buf += s.recv(4096)
         assert buf.startswith(b"HTTP/1.1 200 OK")
-    raw = raw_exchange(node.port, b"POST /nope HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-                                  b"Content-Length: 5\r\n\r\n")
+    raw = raw_exchange(node.port, b"POST /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  b"Expect: 100-continue\r\nContent-Length: 5\r\n\r\n")
     (r,) = parse_responses(raw)  # refused before the body was sent, then closed
     assert r.status == 404 and r.headers["connection"] == "close"
 
 
 def test_pipelined_requests_in_order(node):
     one = json.dumps(chat("tokens=2")).encode()
-    raw = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-           b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b"
-           b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
-           b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % (len(one), one))
+    raw = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+           b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+           b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+           b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" % (len(one), one))
     replies = parse_responses(raw_exchange(node.port, raw))
     assert [r.status for r in replies] == [200, 200, 200, 404]
     assert replies[1].json()["object"] == "chat.completion"
@@ -251,10 +255,11 @@ def test_pipelined_requests_in_order(node):
 
 
 def test_no_task_or_connection_leaks_after_abuse(node):
-    for data in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 3000,
-                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999\r\n\r\n",
-                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"zz\r\n"):
+    host = b"Host: 127.0.0.1\r\n"
+    for data in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + host + b"X: y\r\n" * 3000,
+                 b"POST /v1/completions HTTP/1.1\r\n" + host + b"Content-Length: 99999\r\n\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\n" + host
+                 + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"):
         (r,) = parse_responses(raw_exchange(node.port, data))
         assert r.status in (400, 413, 431)
     for _ in range(5):  # abrupt disconnects mid-stream
@@ -272,3 +277,163 @@ def test_no_task_or_connection_leaks_after_abuse(node):
     # Every connection closed: no connection, handler or watcher task is left behind.
     wait_until(lambda: asyncio.run_coroutine_threadsafe(server_tasks(), node.loop).result() == [])
     assert node.worker.current is None
+
+
+# ---- who may ask: Host, Content-Type; HEAD; the chunk-size line ------------------------------
+
+def _one(port: int, raw: bytes):
+    (r,) = parse_responses(raw_exchange(port, raw))
+    return r
+
+
+def test_a_host_the_server_does_not_serve_gets_421(node):
+    """A page whose DNS name was pointed at 127.0.0.1 (DNS rebinding) sends that name as the
+    Host: refused before any route runs, with the API's error shape, and the connection
+    closes. The node's own addresses pass."""
+    p = node.port
+    for host in (b"evil.example:%d" % p, b"evil.example", b"127.0.0.1:%d" % (p + 1),
+                 b"sub.localhost:%d" % p):
+        r = _one(p, b"GET /health HTTP/1.1\r\nHost: %b\r\n\r\n" % host)
+        assert r.status == 421, host
+        assert r.json()["error"]["code"] == "misdirected_request"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.headers["connection"] == "close"
+    body = json.dumps(chat("tokens=1")).encode()
+    r = _one(p, b"POST /v1/chat/completions HTTP/1.1\r\nHost: evil.example:%d\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+             % (p, len(body), body))
+    assert r.status == 421 and node.script.started == []
+    for host in (b"127.0.0.1:%d" % p, b"localhost:%d" % p, b"[::1]:%d" % p, b"127.0.0.1",
+                 b"LOCALHOST:%d" % p):
+        r = _one(p, b"GET /health HTTP/1.1\r\nHost: %b\r\nConnection: close\r\n\r\n" % host)
+        assert r.status == 200, host
+    r = _one(p, b"GET /health HTTP/1.0\r\n\r\n")  # HTTP/1.0 without a Host
+    assert r.status == 200
+
+
+def test_allowed_hosts_are_answered_too():
+    n = LiveNode(Script(), allowed_hosts=("api.example", "proxy.lan:8443"))
+    try:
+        n.wait_ready()
+        for host, status in ((b"api.example", 200), (b"api.example:443", 200),
+                             (b"proxy.lan:8443", 200), (b"proxy.lan:8444", 421),
+                             (b"localhost:%d" % n.port, 200), (b"other.example", 421)):
+            r = _one(n.port, b"GET /health HTTP/1.1\r\nHost: %b\r\nConnection: close\r\n\r\n"
+                     % host)
+            assert r.status == status, host
+    finally:
+        n.close()
+    n = LiveNode(Script(), allowed_hosts=("*",))
+    try:
+        n.wait_ready()
+        r = _one(n.port, b"GET /health HTTP/1.1\r\nHost: anything\r\nConnection: close\r\n\r\n")
+        assert r.status == 200
+    finally:
+        n.close()
+
+
+def test_a_json_body_must_say_application_json(node):
+    """What a browser may post across sites without asking (text/plain, a form) is 415 in the
+    route's own error shape, before the model sees it; application/json with parameters
+    passes."""
+    body = json.dumps(chat("tokens=1")).encode()
+    with H11Client(node.port) as c:
+        for ctype in ("text/plain", "text/plain;charset=UTF-8",
+                      "application/x-www-form-urlencoded", "multipart/form-data; boundary=b"):
+            for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+                r = c.request("POST", path, body, [("Content-Type", ctype)])
+                err = r.json()["error"]
+                assert r.status == 415 and err["code"] == "unsupported_media_type", (path, r)
+                assert err["type"] == "invalid_request_error" and ctype in err["message"]
+            r = c.request("POST", "/v1/messages", {**chat("tokens=1"), "max_tokens": 1},
+                          [("Content-Type", ctype)])
+            assert r.status == 415 and r.json()["type"] == "error"  # Anthropic's shape
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        r = c.request("POST", "/v1/chat/completions", body,
+                      [("Content-Type", "application/json; charset=utf-8")])
+        assert r.status == 200
+    assert node.script.started == ["tokens=1"]
+    r = _one(node.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+    assert r.status == 415 and "has none" in r.json()["error"]["message"]
+    assert node.script.started == ["tokens=1"]
+
+
+def test_head_answers_a_get_routes_status_and_headers_without_the_body(node):
+    with H11Client(node.port) as c:  # one connection: every HEAD answer keeps it
+        for path in ("/health", "/v1/models", "/metrics", "/v1/stats", "/"):
+            got = c.request("GET", path)
+            head = c.request("HEAD", path)
+            assert head.status == got.status == 200, path
+            assert head.body == b""
+            assert head.headers["content-type"] == got.headers["content-type"]
+            if path != "/metrics" and path != "/v1/stats":  # (those change between requests)
+                assert head.headers["content-length"] == str(len(got.body))
+        r = c.request("HEAD", "/v1/chat/completions")
+        assert r.status == 405 and r.headers["allow"] == "POST" and r.body == b""
+        r = c.request("HEAD", "/nope")
+        assert r.status == 404 and r.body == b""
+        assert c.request("GET", "/health").status == 200
+
+
+def test_head_on_a_streaming_get_route_sends_the_head_only():
+    """A streaming GET route's body is never started for HEAD; its on_close still runs."""
+    from skulkp2p.api.server import HttpServer, Router, StreamingResponse
+
+    started: list[str] = []
+    closed: list[str] = []
+
+    async def events():
+        started.append("body")
+        yield b"data: 1\n\n"
+
+    async def stream(req):
+        return StreamingResponse(200, events(), [("Content-Type", "text/event-stream")],
+                                 on_close=lambda: closed.append(req.method))
+
+    async def main() -> list:
+        router = Router()
+        router.add("GET", "/events", stream)
+        server = HttpServer(router)
+        _, port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"HEAD /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                         b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            raw = await asyncio.wait_for(reader.read(-1), 10)
+            writer.close()
+            return raw
+        finally:
+            await server.close()
+
+    raw = asyncio.run(main())
+    head, sep, rest = raw.partition(b"\r\n\r\n")
+    assert sep and head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+    assert rest.startswith(b"HTTP/1.1 200")  # nothing between the HEAD's head and the next
+    assert rest.endswith(b"data: 1\n\n\r\n0\r\n\r\n")
+    assert started == ["body"] and closed == ["HEAD", "GET"]
+
+
+@pytest.mark.parametrize("pieces", [1, 64])
+def test_chunk_size_line_limit_on_a_socket(node, pieces):
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+           b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"2;" + b"e" * 5000 + b"\r\n{}\r\n0\r\n\r\n")
+    step = -(-len(raw) // pieces)
+    r = _one(node.port, [raw[i:i + step] for i in range(0, len(raw), step)])
+    assert r.status == 400 and "chunk size line too long" in r.json()["error"]["message"]
+    assert node.script.started == []
+
+
+def test_the_real_openai_and_anthropic_clients_pass_the_checks(node):
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    for base in (node.base, f"http://localhost:{node.port}"):
+        oai = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
+        r = oai.chat.completions.create(model="fake", max_tokens=2,
+                                        messages=[{"role": "user", "content": "tokens=2"}])
+        assert r.choices[0].message.content == "w0 w1 "
+        ant = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=30)
+        msg = ant.messages.create(model="fake", max_tokens=2,
+                                  messages=[{"role": "user", "content": "tokens=2"}])
+        assert msg.content[0].text == "w0 w1 "

@@ -153,7 +153,7 @@ def test_smollm2_pipe(smollm2_path, tmp_path):
                     "seed": 42}),
     ]
     env = {"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent), "SKULKP2P_DTYPE": "bfloat16"}
-    proc, out = pipe("smollm2-135m", lines, env=env)
+    proc, out = pipe("smollm2-135m", lines, ["--engine", "mlx"], env=env)
     assert proc.returncode == 0, proc.stderr
     res = {r["id"]: r for r in out}
     assert "Paris" in res["chat"]["text"]

@@ -63,7 +63,8 @@ def test_a_body_is_read_once_on_its_way_to_the_engine(path, stream, monkeypatch)
             route = serving.router().resolve("POST", path)
             monkeypatch.setattr(orjson, "loads", counted)
             response = await route(HttpRequest(
-                "POST", path, path, "", Headers([(FORWARDED_HEADER, "n0")]), raw))
+                "POST", path, path, "", Headers([(FORWARDED_HEADER, "n0"),
+                                                ("content-type", "application/json")]), raw))
             monkeypatch.setattr(orjson, "loads", loads)
             if isinstance(response, StreamingResponse):
                 out = b"".join([piece async for piece in response.body])

@@ -18,13 +18,14 @@ import pytest
 
 from skulkp2p.api.errors import ApiError, engine_error
 from skulkp2p.engine.protocol import EngineUnavailable
+from skulkp2p.engine.request import RequestError
 from skulkp2p.formats.pipe_format import parse_request, result_json
 from skulkp2p.models.cards import load_card
 from skulkp2p.models.store import ModelStore
 from skulkp2p.served.binary import engines, find_binary
 from skulkp2p.served.child import ServedChild, ServedError
 from skulkp2p.served.child_config import DEFAULT_MAX_BATCH, server_args
-from skulkp2p.served.served_engine import ServedModel, open_served
+from skulkp2p.served.served_engine import MAX_CHARS_PER_TOKEN, ServedModel, open_served
 from tests.helpers.models import test_data_dir
 from tests.helpers.procs import JoinNode, run_cli
 
@@ -543,3 +544,17 @@ def test_pipe_serves_a_gguf_card_through_its_llama_server(served, card_dir):
     assert _run(served, QA, 12)["text"] == results[0]["text"]
     # no MLX conversion of the GGUF happened: the store has no converted folder for the card
     assert not (test_data_dir() / "models" / CARD_ID).exists()
+
+
+@pytest.mark.served
+def test_a_prompt_too_long_by_its_characters_never_reaches_the_child(served):
+    """Refused by its characters before the child would tokenise it: from prompt_length (the
+    worker's) and from the generation (the pipe's), naming the field."""
+    limit = (served.context_length - 1) * MAX_CHARS_PER_TOKEN
+    req = parse_request({"messages": [{"role": "user", "content": "a" * (limit + 1)}]})
+    for ask in (served.prompt_length, lambda r: list(served.generate(r))):
+        with pytest.raises(RequestError) as e:
+            ask(req)
+        assert e.value.param == "messages"
+        assert f"prompt is {limit + 1} characters" in e.value.message
+    assert _run(served, QA, max_tokens=2)["usage"]["completion_tokens"] == 2

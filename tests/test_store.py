@@ -1,5 +1,6 @@
 """The model store as a user drives it: pull, kill -9 half-way, pull again, path."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -120,3 +121,39 @@ def test_agents_sharing_a_data_dir_fetch_a_gguf_at_once_without_collision(tmp_pa
     assert outs[0] == str(fetched)
     assert "def add_metaclass" in fetched.read_text()
     assert sorted(p.name for p in fetched.parent.iterdir()) == ["six.py"]
+
+
+def test_rm_removes_a_cards_conversion_and_list_shows_it_gone(tmp_path):
+    from skulkp2p.models.cards import load_card
+    from tests.helpers.gguf_files import hf_weights, write_gguf
+
+    gguf = write_gguf(tmp_path / "tiny.gguf", hf_weights("llama", tied=True))
+    card_file = tmp_path / "tiny.toml"
+    card_file.write_text(f"""
+id = "tiny"
+family = "llama"
+format = "gguf"
+layers = 2
+hidden_size = 64
+kv_heads = 2
+context_length = 256
+size_bytes = 100000
+[source]
+kind = "local"
+path = "{gguf}"
+""")
+    card = load_card(card_file)
+    store = ModelStore(tmp_path / "data", cards={"tiny": card})
+    out = store.pull("tiny")
+    row = next(r for r in store.list() if r["id"] == "tiny")
+    assert row["pulled"] and row["path"] == str(out) and row["disk_bytes"] > 0
+    assert store.remove("tiny") == [f"removed {out}"]
+    assert not out.exists() and not next(r for r in store.list() if r["id"] == "tiny")["pulled"]
+    with pytest.raises(ModelStoreError, match="nothing of 'tiny' is on disk"):
+        store.remove("tiny")
+    with pytest.raises(ModelStoreError, match="nothing named 'no such' is in the store"):
+        store.remove("no such")
+    # a card served by llama-server is fetched as it is, never converted
+    served = ModelStore(tmp_path / "data", cards={"tiny": dataclasses.replace(
+        card, placement={"engine": "llama_server"})})
+    assert served.pull("tiny") == gguf and not out.exists()

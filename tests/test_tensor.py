@@ -105,12 +105,13 @@ def test_card_field_parallel(tmp_path):
 
     base = PACKAGE_CARDS_DIR / "smollm2-135m.toml"
     text = base.read_text()
+    assert "\n[placement]\n" in text  # the field joins the card's own table
     good = tmp_path / "good.toml"
-    good.write_text(text + '\n[placement]\nparallel = "tensor"\n')
+    good.write_text(text.replace("\n[placement]\n", '\n[placement]\nparallel = "tensor"\n'))
     card = load_card(good)
     assert ModelSpec.from_card(card).parallel == "tensor"
     bad = tmp_path / "bad.toml"
-    bad.write_text(text + '\n[placement]\nparallel = "sideways"\n')
+    bad.write_text(text.replace("\n[placement]\n", '\n[placement]\nparallel = "sideways"\n'))
     with pytest.raises(CardError, match="placement.parallel"):
         load_card(bad)
     assert ModelSpec.from_card(load_card(base)).parallel == ""  # auto: a pipeline ring

@@ -5,13 +5,23 @@ a crash), and a rank other than rank 0 waits for the next command without spendi
 
 from __future__ import annotations
 
+import contextlib
+import secrets
+import socket
+import threading
 import time
 
 import pytest
 
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.parallel.tensor.group import RankProcess, TensorAgreementError
-from skulkp2p.engine.parallel.tensor.link import DTYPE_CODES, disagreement
+from skulkp2p.engine.parallel.tensor.link import (
+    DTYPE_CODES,
+    MAX_PENDING,
+    TOKEN_WORDS,
+    accept_proven,
+    disagreement,
+)
 from tests.helpers.procs import free_port
 from tests.helpers.tensor_group import Group, generate
 
@@ -87,3 +97,75 @@ def test_a_follower_rank_waits_for_commands_without_spending_cpu(tiny_model):
         assert generate(group.head, "off", max_tokens=8).tokens == first  # still answers
     finally:
         group.close()
+
+
+def _closed(s: socket.socket, timeout: float = 5.0) -> bool:
+    """Whether the other end closed ``s`` (EOF or reset) within ``timeout``."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(4096):
+            pass
+    except ConnectionError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_the_command_link_takes_only_the_connection_that_shows_rank_0s_token():
+    """Strangers who reach a rank's command port first (idle, a wrong token, more of them than
+    may wait) do not take rank 0's place: they are closed and rank 0's connection is the one
+    taken."""
+    token = secrets.token_bytes(4 * TOKEN_WORDS)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        strangers = [socket.create_connection(addr, timeout=5) for _ in range(MAX_PENDING + 4)]
+        wrong = socket.create_connection(addr, timeout=5)
+        wrong.sendall(token[:-1] + bytes([token[-1] ^ 1]))
+        strangers.append(wrong)
+        rank0 = socket.create_connection(addr, timeout=5)
+        rank0.sendall(token)
+        try:
+            conn, refused = accept_proven(server, token, timeout=10)
+            with conn:
+                assert conn.getpeername() == rank0.getsockname()
+                assert refused == len(strangers)
+                assert all(_closed(s) for s in strangers)
+                rank0.sendall(b"next")
+                assert conn.recv(4) == b"next"
+        finally:
+            for s in [*strangers, rank0]:
+                s.close()
+
+
+def test_a_stranger_on_the_command_port_is_closed_at_its_deadline():
+    """A connection that trickles part of the token is closed PROOF_TIMEOUT_S after its accept
+    (bytes do not move the deadline); rank 0, connecting after, is taken; with no rank 0 at all
+    the wait ends with a TimeoutError."""
+    token = secrets.token_bytes(4 * TOKEN_WORDS)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        stranger = socket.create_connection(addr, timeout=5)
+        taken: list[tuple[socket.socket, int]] = []
+        accepting = threading.Thread(
+            target=lambda: taken.append(accept_proven(server, token, 10, proof_s=1.0)))
+        t0 = time.monotonic()
+        accepting.start()
+        for b in token[:5]:  # the right first bytes, slowly
+            stranger.sendall(bytes([b]))
+            stranger.settimeout(0.1)
+            with contextlib.suppress(TimeoutError):
+                assert stranger.recv(1) == b""
+                break
+        assert _closed(stranger) and 1.0 <= time.monotonic() - t0 < 3.0
+        rank0 = socket.create_connection(addr, timeout=5)
+        rank0.sendall(token)
+        accepting.join(10)
+        conn, refused = taken[0]
+        assert refused == 1 and conn.getpeername() == rank0.getsockname()
+        conn.close()
+        rank0.close()
+        stranger.close()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with pytest.raises(TimeoutError):
+            accept_proven(server, token, 0.3)

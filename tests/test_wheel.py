@@ -162,7 +162,8 @@ def test_cards_list(installed: Installed) -> None:
 
 def test_pipe_answers_with_the_shipped_head(installed: Installed, smollm2_path: Path) -> None:
     request = {"id": "q", "messages": CHAT, "max_tokens": 12, "temperature": 0}
-    out = installed.run("-m", "skulkp2p", "pipe", input=json.dumps(request) + "\n",
+    out = installed.run("-m", "skulkp2p", "pipe", "--engine", "mlx",
+                        input=json.dumps(request) + "\n",
                         timeout=400, env={"SKULKP2P_DATA_DIR": str(smollm2_path.parent.parent)})
     assert out.returncode == 0, out.stderr
     results = [json.loads(line) for line in out.stdout.splitlines()]
@@ -180,7 +181,7 @@ def test_join_serves_a_chat_completion_and_stops_on_ctrl_c(installed: Installed,
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [str(installed.python), "-m", "skulkp2p", "join", "--model", DEFAULT_MODEL,
-             "--data-dir", str(smollm2_path.parent.parent), "--http-host", "127.0.0.1",
+             "--engine", "mlx", "--data-dir", str(smollm2_path.parent.parent), "--http-host", "127.0.0.1",
              "--http-port", "0", "--host", "127.0.0.1", "--port", "0", "--no-cluster-state"],
             cwd=installed.cwd, env=installed.env, stdout=subprocess.DEVNULL, stderr=err)
     try:

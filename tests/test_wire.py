@@ -170,3 +170,108 @@ def test_malformed_arrays_are_wire_errors(bad):
     with pytest.raises(WireError) as e:
         wire.unpack_array(bad)
     assert e.value.reason == "array"
+
+
+# --------------------------------------------------------------------------------------------
+# The handshake (sans-I/O): the listener's nonce, the auth frame, per-connection keys and
+# sequence numbers.
+
+
+def _pair(key: bytes = KEY) -> tuple[wire.Accepting, wire.Connecting, bytes]:
+    listener = wire.Accepting(KEY, max_in=wire.DATA_MAX_FRAME)
+    connector = wire.Connecting(key, max_out=wire.DATA_MAX_FRAME)
+    return listener, connector, connector.answer(listener.hello)
+
+
+def test_handshake_then_frames_both_ways_in_any_chunking():
+    listener, connector, auth = _pair()
+    assert len(listener.hello) == wire.HELLO.size and len(auth) <= wire.HANDSHAKE_MAX_FRAME
+    big = {"t": "rows", "blob": b"x" * (2 << 20)}  # past the handshake's cap, once allowed
+    stream = auth + b"".join(connector.encoder.encode({"t": "m", "i": i}) for i in range(5)) \
+        + connector.encoder.encode(big)
+    got, done = [], False
+    for pos in range(0, len(stream), 1000):
+        chunk = stream[pos:pos + 1000]
+        if not done:
+            done = listener.feed(chunk)
+            chunk = b""
+        if done:
+            got += listener.decoder.feed(chunk)
+    assert [g.get("i") for g in got] == [0, 1, 2, 3, 4, None] and got[-1]["blob"] == big["blob"]
+    reply = listener.encoder.encode({"t": "status-reply"})
+    assert connector.decoder.feed(reply)[0]["t"] == "status-reply"
+
+
+def test_a_frame_larger_than_the_handshake_cap_is_refused_from_its_header():
+    listener = wire.Accepting(KEY, max_in=wire.DATA_MAX_FRAME)
+    with pytest.raises(WireError) as e:
+        listener.feed(wire.HEADER.pack(64 << 20))  # a 64 MiB frame declared, nothing else
+    assert e.value.reason == "oversize" and listener.decoder.buffered == 0
+    with pytest.raises(WireError) as e:  # a bit over the cap, body and all
+        wire.Accepting(KEY).feed(encode_frame({"t": "auth", "pad": b"\0" * 5000}, KEY,
+                                              wire.DATA_MAX_FRAME))
+    assert e.value.reason == "oversize"
+
+
+@pytest.mark.parametrize("case", ["wrong-secret", "not-auth", "no-nonce", "replayed-auth"])
+def test_the_handshake_refuses(case):
+    listener = wire.Accepting(KEY)
+    if case == "wrong-secret":
+        data = wire.Connecting(frame_key("other")).answer(listener.hello)
+        reason = "bad-signature"
+    elif case == "not-auth":  # a frame signed with the secret, but not the answer to the hello
+        data = encode_frame({"t": "ping", "from": "x"}, KEY)
+        reason = "handshake"
+    elif case == "no-nonce":
+        data = encode_frame({"t": "auth", "listener": b"short", "connector": b"\0" * 16}, KEY)
+        reason = "handshake"
+    else:  # the auth frame another connection sent (another listener nonce)
+        _, _, data = _pair()
+        reason = "handshake"
+    with pytest.raises(WireError) as e:
+        listener.feed(data)
+    assert e.value.reason == reason and not listener.authenticated
+
+
+def test_a_replayed_reordered_or_foreign_frame_is_refused_after_the_handshake():
+    listener, connector, auth = _pair()
+    frames = [connector.encoder.encode({"t": "lead", "term": i}) for i in range(3)]
+    assert listener.feed(auth + frames[0])
+    assert listener.decoder.feed(b"")[0]["term"] == 0
+    with pytest.raises(WireError) as e:  # frame 0 again
+        listener.decoder.feed(frames[0])
+    assert e.value.reason == "bad-signature"
+    listener, connector, auth = _pair()
+    frames = [connector.encoder.encode({"t": "lead", "term": i}) for i in range(3)]
+    assert listener.feed(auth)
+    with pytest.raises(WireError):  # frame 1 before frame 0
+        listener.decoder.feed(frames[1])
+    # A frame of another connection (same secret, same sequence number) fails the check too.
+    other, other_connector, other_auth = _pair()
+    assert other.feed(other_auth)
+    with pytest.raises(WireError):
+        other.decoder.feed(frames[0])
+    # ... and a frame signed with the cluster key alone (no connection key) as well.
+    listener, connector, auth = _pair()
+    assert listener.feed(auth)
+    with pytest.raises(WireError):
+        listener.decoder.feed(encode_frame({"t": "lead"}, KEY))
+    # Each direction has its own key: the listener's frames cannot be reflected back to it.
+    listener, connector, auth = _pair()
+    assert listener.feed(auth)
+    with pytest.raises(WireError):
+        listener.decoder.feed(listener.encoder.encode({"t": "lead"}))
+
+
+def test_a_hello_from_another_version_or_program_is_refused():
+    listener = wire.Accepting(KEY)
+    magic, _, nonce = wire.HELLO.unpack(listener.hello)
+    with pytest.raises(WireError) as e:
+        wire.Connecting(KEY).answer(wire.HELLO.pack(magic, wire.PROTOCOL_VERSION + 1, nonce))
+    assert e.value.reason == "version"
+    with pytest.raises(WireError) as e:
+        wire.Connecting(KEY).answer(b"HTTP/1.1 400 Bad Req")  # not even the right size
+    assert e.value.reason == "handshake"
+    with pytest.raises(WireError) as e:
+        wire.Connecting(KEY).answer(b"SSH-" + listener.hello[4:])
+    assert e.value.reason == "handshake"

@@ -29,8 +29,9 @@ from skulkp2p.runtime.worker import Failed, Finished, Produced, Started
 
 
 def _anthropic_error(e: ApiError) -> ApiError:
-    """The same error with Anthropic's type names."""
-    e.type = error_type(e.status, e.type)
+    """The same error with Anthropic's type names (a missing or wrong key is its
+    `authentication_error`)."""
+    e.type = "authentication_error" if e.status == 401 else error_type(e.status, e.type)
     return e
 
 
@@ -41,12 +42,17 @@ def parse_messages_request(node: ModelEndpoint, body: object) -> AnthropicReques
         raise ApiError.from_request_error(e, RENAME) from None
 
 
+def error_response(e: ApiError) -> Response:
+    """An error as this route answers it: Anthropic's envelope and type names."""
+    err = _anthropic_error(e)
+    return Response.json(err.status, error_json(err.body()), err.headers)
+
+
 async def messages(node: ModelEndpoint, http_req: HttpRequest) -> Response | StreamingResponse:
     try:
         return await _messages(node, http_req)
     except ApiError as e:
-        err = _anthropic_error(e)
-        return Response.json(err.status, error_json(err.body()), err.headers)
+        return error_response(e)
 
 
 async def _messages(node: ModelEndpoint, http_req: HttpRequest) -> Response | StreamingResponse:

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skulkp2p.api import anthropic, dashboard, openai, responses
+from skulkp2p.api.auth import OPEN, READ, NodeAuth
 from skulkp2p.api.endpoint import ModelEndpoint
+from skulkp2p.api.errors import ApiError
 from skulkp2p.api.relay import forward
 from skulkp2p.api.server import (
+    ErrorShape,
     HttpRequest,
     HttpServer,
     Response,
@@ -30,12 +33,13 @@ from skulkp2p.telemetry import Telemetry
 
 Handler = Callable[[ModelEndpoint, HttpRequest], Awaitable[Response | StreamingResponse]]
 
-# The generation routes every node answers (OpenAI and Anthropic).
-MODEL_ROUTES: tuple[tuple[str, str, Handler], ...] = (
-    ("POST", "/v1/chat/completions", openai.chat_completions),
-    ("POST", "/v1/completions", openai.completions),
-    ("POST", "/v1/responses", responses.responses),
-    ("POST", "/v1/messages", anthropic.messages),
+# The generation routes every node answers (OpenAI and Anthropic), and the shape of their
+# errors where it is not the default one.
+MODEL_ROUTES: tuple[tuple[str, str, Handler, ErrorShape | None], ...] = (
+    ("POST", "/v1/chat/completions", openai.chat_completions, None),
+    ("POST", "/v1/completions", openai.completions, None),
+    ("POST", "/v1/responses", responses.responses, None),
+    ("POST", "/v1/messages", anthropic.messages, anthropic.error_response),
 )
 
 
@@ -45,6 +49,7 @@ class Remote:
     node: str
     http_addr: str
     alive: Callable[[], str | None]  # None while that node is fine, else why it is not
+    node_auth: NodeAuth | None = None  # signs the forwarded request (the cluster secret's)
 
 
 class ModelResolver(Protocol):
@@ -54,20 +59,31 @@ class ModelResolver(Protocol):
         ...
 
 
-def routed(handler: Handler, resolver: ModelResolver
+def routed(handler: Handler, resolver: ModelResolver, error_shape: ErrorShape | None = None
            ) -> Callable[[HttpRequest], Awaitable[Response | StreamingResponse]]:
+    """`handler` behind `resolver`; what the resolver refuses (a body that is no JSON, a model
+    that is nowhere) and what the relay to another node fails with are answered in
+    `error_shape` when the route has its own."""
     async def route(req: HttpRequest) -> Response | StreamingResponse:
-        req, where = resolver.resolve(req)
-        if isinstance(where, Remote):
-            return await forward(req, where.http_addr, where.node, where.alive)
+        try:
+            req, where = resolver.resolve(req)
+            if isinstance(where, Remote):
+                return await forward(req, where.http_addr, where.node, where.alive,
+                                     node_auth=where.node_auth)
+        except ApiError as e:
+            if error_shape is None:
+                raise
+            return error_shape(e)
         return await handler(where, req)
 
     return route
 
 
 def add_model_routes(router: Router, resolver: ModelResolver) -> None:
-    for method, path, handler in MODEL_ROUTES:
-        router.add(method, path, routed(handler, resolver))
+    """The generation routes (each asks for a key when the node has keys)."""
+    for method, path, handler, error_shape in MODEL_ROUTES:
+        router.add(method, path, routed(handler, resolver, error_shape),
+                   error_shape=error_shape)
 
 
 class OneModel:
@@ -82,12 +98,12 @@ class OneModel:
 
 def one_model_router(endpoint: ModelEndpoint) -> Router:
     r = Router()
-    r.add("GET", "/health", endpoint.health)
+    r.add("GET", "/health", endpoint.health, OPEN)
 
     async def models(req: HttpRequest) -> Response:
         return Response.json(200, {"object": "list", "data": [endpoint.listing()]})
 
-    r.add("GET", "/v1/models", models)
+    r.add("GET", "/v1/models", models, READ)
     add_model_routes(r, OneModel(endpoint))
     return r
 

@@ -5,7 +5,10 @@ gathers every live member's).
 Nothing here measures: skulkp2p/telemetry.py does; this module only serves what it holds. The
 page (api/static/) is plain HTML, CSS and JavaScript written for this project, served from the
 package, and fetches nothing but this node's own routes (its Content-Security-Policy says so).
-Wiring is one call: `add_routes(router, telemetry, cluster_status, workers)`.
+The page and its assets load without a key; its data routes (/v1/cluster, /v1/stats,
+/v1/models, /metrics) ask for one like every other route, and the page asks the user for it
+once per tab (api/static/dashboard.js). Wiring is one call: `add_routes(router, telemetry,
+cluster_status, workers)`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from skulkp2p.api.auth import NODE_AUTH_HEADER, OPEN, READ, NodeAuth
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response, Router
 from skulkp2p.engine.json_types import JSONObject, JSONValue
@@ -68,10 +72,11 @@ def engine_verify_costs(workers: Mapping[str, ModelWorker]) -> dict[str, VerifyC
 
 
 def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStatus,
-               workers: Workers) -> None:
+               workers: Workers, node_auth: NodeAuth | None = None) -> None:
     """GET /, its assets, /metrics and /v1/stats on `router`. `cluster_status()` returns the
     node's cluster status (or None on a node outside any cluster); `workers()` the
-    {model: ModelWorker} this node runs."""
+    {model: ModelWorker} this node runs; `node_auth` signs the stats requests to the other
+    members (the cluster secret's)."""
     telemetry.watch_models(lambda: {m: worker_info(w) for m, w in workers().items()})
     telemetry.watch_cluster(cluster_status)
     telemetry.watch_verify_costs(lambda: engine_verify_costs(workers()))
@@ -94,7 +99,7 @@ def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStat
                                         ("Content-Security-Policy", CSP),
                                         ("X-Content-Type-Options", "nosniff")])
 
-        router.add("GET", path, asset)
+        router.add("GET", path, asset, OPEN)
 
     async def metrics(req: HttpRequest) -> Response:
         return Response(200, telemetry.registry.render().encode(),
@@ -109,16 +114,17 @@ def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStat
             raise ApiError(400, f"scope is 'node' or 'cluster', not {scope[:40]!r}",
                            param="scope")
         return Response.json(200, {"node": own["node"],
-                                   "nodes": await cluster_stats(own, status())})
+                                   "nodes": await cluster_stats(own, status(), node_auth)})
 
-    router.add("GET", "/metrics", metrics)
-    router.add("GET", "/v1/stats", stats)
+    router.add("GET", "/metrics", metrics, READ)
+    router.add("GET", "/v1/stats", stats, READ)
 
 
-async def cluster_stats(own: JSONObject, st: Mapping[str, object] | None
-                        ) -> list[JSONValue]:
+async def cluster_stats(own: JSONObject, st: Mapping[str, object] | None,
+                        node_auth: NodeAuth | None = None) -> list[JSONValue]:
     """This node's stats and every other live member's (asked over HTTP at once, each within
-    PEER_TIMEOUT_S; one that does not answer is listed with its error)."""
+    PEER_TIMEOUT_S, signed with `node_auth`; one that does not answer is listed with its
+    error)."""
     peers = []
     members = st.get("members") if st else None
     for m in members if isinstance(members, list) else ():
@@ -131,7 +137,8 @@ async def cluster_stats(own: JSONObject, st: Mapping[str, object] | None
         if not http:
             return {"node": name, "error": "no HTTP address"}
         try:
-            got = await asyncio.wait_for(get_json(str(http), "/v1/stats"), PEER_TIMEOUT_S)
+            got = await asyncio.wait_for(get_json(str(http), "/v1/stats", node_auth),
+                                         PEER_TIMEOUT_S)
         except Exception as e:
             return {"node": name, "error": f"{type(e).__name__}: {e}"[:200]}
         got["node"] = name
@@ -141,14 +148,17 @@ async def cluster_stats(own: JSONObject, st: Mapping[str, object] | None
     return [own, *sorted(others, key=lambda d: str(d["node"]))]
 
 
-async def get_json(addr: str, path: str) -> JSONObject:
-    """GET http://ADDR/PATH with one request on its own connection; the JSON body or an
-    error. Our own server answers with Content-Length, so no chunked decoding is needed."""
+async def get_json(addr: str, path: str, node_auth: NodeAuth | None = None) -> JSONObject:
+    """GET http://ADDR/PATH with one request on its own connection, signed with `node_auth`
+    when given; the JSON body or an error. Our own server answers with Content-Length, so no
+    chunked decoding is needed."""
     host, _, port = addr.rpartition(":")
     reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    signed = (f"{NODE_AUTH_HEADER}: {node_auth.sign('GET', path, addr, b'')}\r\n"
+              if node_auth is not None else "")
     try:
         writer.write(f"GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\n"
-                     "Connection: close\r\n\r\n".encode())
+                     f"{signed}Connection: close\r\n\r\n".encode())
         await writer.drain()
         raw = await reader.read(MAX_PEER_BODY + 65536)
         while True:

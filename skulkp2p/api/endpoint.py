@@ -46,6 +46,8 @@ class ModelEndpoint:
         self.worker = worker
         self.keepalive_s = keepalive_s
         self.created = int(time.time())
+        self.engine_reason = ""  # why its engine serves it (a model with both forms), set by
+        # the node when it is placed here
 
     async def health(self, req: HttpRequest) -> Response:
         state = self.worker.state
@@ -66,8 +68,16 @@ class ModelEndpoint:
                              f"{why}", code="model_unavailable")
 
     def listing(self) -> JSONObject:
-        return {"id": self.model_id, "object": "model", "created": self.created,
-                "owned_by": "skulkp2p", "ready": self.worker.state == "ready"}
+        """Its /v1/models entry; `engine` ("mlx" | "llama_server") once loaded, and
+        `engine_reason` where the node chose between the model's forms."""
+        entry: JSONObject = {"id": self.model_id, "object": "model", "created": self.created,
+                             "owned_by": "skulkp2p", "ready": self.worker.state == "ready"}
+        engine = self.worker.engine
+        if engine is not None:
+            entry["engine"] = engine.info().engine
+        if self.engine_reason:
+            entry["engine_reason"] = self.engine_reason
+        return entry
 
     def check_model(self, name: object) -> None:
         if name is None:

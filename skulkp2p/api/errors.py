@@ -13,12 +13,15 @@ from skulkp2p.runtime.worker import RingFailed, TensorGroupFailed, WorkerStopped
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
     414: "invalid_request_error",
+    415: "invalid_request_error",
     417: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
     431: "invalid_request_error",
     500: "server_error",
@@ -28,8 +31,9 @@ _TYPES = {
 }
 
 _CODES = {
-    404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
-    413: "payload_too_large", 414: "uri_too_long", 417: "expectation_failed",
+    401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+    413: "payload_too_large", 414: "uri_too_long", 415: "unsupported_media_type",
+    417: "expectation_failed", 421: "misdirected_request",
     429: "queue_full", 431: "headers_too_large", 500: "internal_error",
     501: "not_implemented", 503: "unavailable", 505: "http_version_not_supported",
 }

@@ -9,11 +9,14 @@ One connection serves one request at a time: once a request has been read to its
 from the bytes already buffered. That is what answers pipelined requests in order.
 
 Every protocol violation raises `ProtocolError` carrying the status the client should get; after
-one, the connection only sends that error response and closes.
+one, the connection only sends that error response and closes. So does a request for a host the
+server does not serve (`HostPolicy`: 421), which is how a web page's DNS name pointed at a node
+on its user's machine is refused.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -29,6 +32,12 @@ _BAD_VALUE_CHAR = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # CTLs but HTAB
 _BLANK_LINE = re.compile(rb"\r?\n\r?\n")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
+_PORT = re.compile(r"[0-9]{1,5}")
+# A host name: letters, digits, '-', '_' and dots (what a Host header may name besides an IP).
+_HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]{0,252}[a-z0-9_])?")
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class ProtocolError(Exception):
@@ -136,7 +145,8 @@ class _ChunkedBody:
 
     @staticmethod
     def _line(buf: bytearray, limit: int, what: str) -> bytes | None:
-        i = buf.find(b"\n")
+        # The limit holds however the line arrives: whole in one read or in pieces.
+        i = buf.find(b"\n", 0, limit + 1)
         if i < 0:
             if len(buf) > limit:
                 raise ProtocolError(400, f"{what} line too long")
@@ -197,6 +207,132 @@ class _ChunkedBody:
         return NEED_DATA
 
 
+def normal_host(host: str) -> str:
+    """A host as Host headers are compared: lower-case, no trailing dot, an IP address in its
+    canonical form (an IPv6 address without brackets, an IPv4-mapped one as IPv4)."""
+    host = host.strip().lower().removesuffix(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def split_authority(value: str) -> tuple[str, int | None]:
+    """A Host header's (or an absolute target's) host, normalised (`normal_host`), and port
+    (None when it names none); ValueError when it is no host[:port]."""
+    value = value.strip()
+    if value.startswith("["):  # an IPv6 literal
+        inside, sep, rest = value[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"malformed host {value[:100]!r}")
+        host, port = inside, rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"malformed host {value[:100]!r}") from None
+    else:
+        host, _, port = value.partition(":")
+        if not _HOST_NAME.fullmatch(host.lower().removesuffix(".")):
+            raise ValueError(f"malformed host {value[:100]!r}")
+    if port and not (_PORT.fullmatch(port) and 0 < int(port) < 65536):
+        raise ValueError(f"malformed port in host {value[:100]!r}")
+    return normal_host(host), int(port) if port else None
+
+
+def parse_allowed_host(text: str) -> tuple[str, int | None]:
+    """An allowed-host entry: "name" (any port) or "name:port" (that port only); "*" is
+    `HostPolicy.any_host`, not an entry."""
+    return split_authority(text)
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """Which `Host` a server answers, so that a web page cannot reach it through a DNS name it
+    controls (DNS rebinding): the page's own name arrives as the Host.
+
+    Accepted: the address the connection arrived on; on a loopback address also localhost,
+    127.0.0.1 and ::1; the server's own `names` (its bind address when that is a name, its host
+    name when it listens on every address); each with `port` or with no port. Then `allowed`,
+    the configured entries: a host with one port, or with any (None). `any_host` accepts
+    every Host."""
+    port: int
+    names: frozenset[str] = frozenset()
+    allowed: frozenset[tuple[str, int | None]] = frozenset()
+    any_host: bool = False
+
+    @classmethod
+    def serving(cls, bind_host: str, port: int, allowed: tuple[str, ...] = (),
+                own_names: tuple[str, ...] = ()) -> HostPolicy:
+        """The policy of a server bound to `bind_host`:`port`; `allowed` as configured ("*",
+        "name", "name:port"), `own_names` what else names this machine. ValueError on a bad
+        entry."""
+        entries = [a.strip() for a in allowed if a.strip()]
+        names = set(own_names)
+        if bind_host not in WILDCARD_HOSTS:
+            names.add(bind_host)
+        return cls(port, frozenset(normal_host(n) for n in names if n),
+                   frozenset(parse_allowed_host(a) for a in entries if a != "*"),
+                   "*" in entries)
+
+    def with_names(self, *names: str) -> HostPolicy:
+        return HostPolicy(self.port, self.names | {normal_host(n) for n in names if n},
+                          self.allowed, self.any_host)
+
+    def allows(self, host: str, port: int | None, local_address: str) -> bool:
+        """Whether a request for `host`:`port` (normalised, `split_authority`) that arrived on
+        `local_address` is this server's to answer."""
+        if self.any_host or (host, port) in self.allowed or (host, None) in self.allowed:
+            return True
+        if port is not None and port != self.port:
+            return False
+        local = normal_host(local_address) if local_address else ""
+        if host in self.names or (local and host == local):
+            return True
+        return host in LOOPBACK_NAMES and _is_loopback(local)
+
+    def check(self, target: str, headers: Headers, local_address: str) -> None:
+        """Raise ProtocolError unless the request's authority (an absolute target's, else its
+        Host header's) is one this server answers; 400 when it is malformed, 421 when it names
+        another server."""
+        if target.startswith(("http://", "https://")):
+            authority = target.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+        else:
+            value = headers.get("host")
+            if value is None:
+                return  # HTTP/1.0 without a Host: no name to check (browsers always send one)
+            authority = value
+        try:
+            host, port = split_authority(authority)
+        except ValueError as e:
+            raise ProtocolError(400, str(e)) from None
+        if not self.allows(host, port, local_address):
+            raise ProtocolError(421, f"this server does not answer for host "
+                                     f"{authority.strip()[:100]!r} (a name that is meant to "
+                                     "reach it must be allowed: --allowed-host)")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def is_json_media_type(value: str | None) -> bool:
+    """Whether a Content-Type says JSON: application/json or application/*+json, with any
+    parameters (charset=utf-8, ...)."""
+    if value is None:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    kind, _, sub = media.partition("/")
+    return kind == "application" and (sub == "json" or (sub.endswith("+json") and len(sub) > 5))
+
+
 def reason(status: int) -> str:
     try:
         return HTTPStatus(status).phrase
@@ -213,9 +349,14 @@ class ServerConnection:
     """The server side of one HTTP/1.1 connection."""
 
     def __init__(self, max_header_bytes: int = MAX_HEADER_BYTES,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, hosts: HostPolicy | None = None,
+                 local_address: str = ""):
+        """`hosts`: which Host headers this connection answers (None: any); `local_address`:
+        the address the connection arrived on (what `hosts` compares with)."""
         self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
+        self.hosts = hosts
+        self.local_address = local_address
         self._buf = bytearray()
         self._eof = False
         self._scan_from = 0
@@ -225,6 +366,7 @@ class ServerConnection:
         self._request: Request | None = None
         self._keep_alive = True
         self._stream_chunked = False
+        self._stream_body = True  # False for a HEAD request: its response has a head only
         self.waiting_for_100_continue = False
         self.requests_seen = 0
 
@@ -317,18 +459,21 @@ class ServerConnection:
             raise ProtocolError(505, f"HTTP/{major}.{minor} is not supported; speak HTTP/1.1")
         version = "1.0" if minor == 0 else "1.1"
         items: list[tuple[str, str]] = []
-        for line in lines[1:]:
+        for n, line in enumerate(lines[1:], 2):
             if line[:1] in (b" ", b"\t"):
                 raise ProtocolError(400, "obsolete header line folding")
             name, sep, value = line.partition(b":")
             if not sep or not _HEADER_NAME.fullmatch(name):
-                raise ProtocolError(400, f"malformed header line {line[:40]!r}")
+                # (its text is not repeated: the answer and the log line may not show a key)
+                raise ProtocolError(400, f"malformed header line (line {n} of the request head)")
             value = value.strip(b" \t")
             if _BAD_VALUE_CHAR.search(value):
                 raise ProtocolError(400, f"control character in header {name.decode()!r}")
             items.append((name.decode("ascii").lower(), value.decode("latin-1")))
         headers = Headers(items)
         self._setup_framing(version, headers)
+        if self.hosts is not None:
+            self.hosts.check(target, headers, self.local_address)
         return Request(method, target, version, headers)
 
     def _setup_framing(self, version: str, headers: Headers) -> None:
@@ -443,13 +588,20 @@ class ServerConnection:
             framing = [("Transfer-Encoding", "chunked")]
         head = self._head(status, headers, framing)
         self._stream_chunked = not http10
+        # A HEAD response announces the GET's framing but carries no body.
+        self._stream_body = self._request is None or self._request.method != "HEAD"
         self._our_state = "streaming"
         return head
+
+    @property
+    def stream_has_body(self) -> bool:
+        """Whether the streaming response in progress carries a body (not for HEAD)."""
+        return self._stream_body
 
     def stream_data(self, data: bytes) -> bytes:
         if self._our_state != "streaming":
             raise RuntimeError("no streaming response in progress")
-        if not data:
+        if not data or not self._stream_body:
             return b""  # an empty chunk would end the body
         if not self._stream_chunked:
             return data
@@ -459,7 +611,7 @@ class ServerConnection:
         if self._our_state != "streaming":
             raise RuntimeError("no streaming response in progress")
         self._finish()
-        return b"0\r\n\r\n" if self._stream_chunked else b""
+        return b"0\r\n\r\n" if self._stream_chunked and self._stream_body else b""
 
     def _finish(self) -> None:
         """The response is complete: start the next request cycle, or mark the connection done."""

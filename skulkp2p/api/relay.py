@@ -2,8 +2,11 @@
 
 A minimal HTTP/1.1 client (one request per connection): the request goes out as it came in
 (body, content type, accept), marked with ``X-Skulkp2p-Forwarded`` so the receiver serves it
-itself and never forwards it again. The response comes back through our own server: a
-``Content-Length`` body whole, a chunked body (SSE streams) piece by piece as it arrives.
+itself and never forwards it again. The user's API key stays on this node: the request is
+signed with the cluster secret instead (``X-Skulkp2p-Node-Auth``, api/auth.py), which the
+receiver checks, so a forwarded request is answered only when a node of the cluster sent it.
+The response comes back through our own server: a ``Content-Length`` body whole, a chunked body
+(SSE streams) piece by piece as it arrives.
 
 A forwarded request must never hang on a node that died or froze: while waiting, the forwarder
 asks the cluster every half second whether the serving node is still alive, and ends the
@@ -19,10 +22,10 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 
+from skulkp2p.api.auth import FORWARDED_HEADER, NodeAuth
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response, StreamingResponse
 
-FORWARDED_HEADER = "x-skulkp2p-forwarded"
 POLL_S = 0.5
 MAX_HEAD_BYTES = 64 << 10
 # Response headers worth passing on (framing headers are our own server's business).
@@ -87,9 +90,11 @@ def _error_event(path: str, message: str) -> bytes:
 
 async def forward(req: HttpRequest, http_addr: str, node_name: str,
                   alive: Callable[[], str | None], body: bytes | None = None,
-                  connect_timeout: float = 3.0) -> Response | StreamingResponse:
+                  connect_timeout: float = 3.0, node_auth: NodeAuth | None = None
+                  ) -> Response | StreamingResponse:
     """Send ``req`` (with ``body`` instead of its own, if given) to ``http_addr`` and relay
-    the answer. ``alive()`` returns None while the serving node is fine, else why not."""
+    the answer. ``alive()`` returns None while the serving node is fine, else why not.
+    ``node_auth`` signs it (a node without a cluster secret sends it unsigned)."""
     body = req.body if body is None else body
     host, port = _split(http_addr)
     lost = f"node {node_name} ({http_addr}), which serves this model"
@@ -105,6 +110,10 @@ async def forward(req: HttpRequest, http_addr: str, node_name: str,
         head = [f"{req.method} {req.target} HTTP/1.1", f"Host: {http_addr}",
                 f"Content-Length: {len(body)}", "Connection: close",
                 "X-Skulkp2p-Forwarded: 1"]
+        if node_auth is not None:
+            head.append(f"X-Skulkp2p-Node-Auth: "
+                        f"{node_auth.sign(req.method, req.target, http_addr, body)}")
+        # (never Authorization or x-api-key: the user's key is for this node only)
         for name in ("content-type", "accept", "anthropic-version", "x-request-id"):
             value = req.headers.get(name)
             if value:
@@ -119,6 +128,9 @@ async def forward(req: HttpRequest, http_addr: str, node_name: str,
                                      on_close=up.close)
         length = dict(headers).get("content-length")
         data = await up.read(int(length), exact=True) if length else await _read_to_eof(up)
+        if status == 401:  # the client's key held here; the serving node refused this node
+            raise ApiError(502, f"{lost} refused the request this node forwarded to it: "
+                                f"{_message(data)}", code="forward_refused")
         return Response(status, data, passed)
     except UpstreamGone as e:
         raise ApiError(503, f"{lost} was lost before it answered: {e}; retry shortly",
@@ -126,6 +138,15 @@ async def forward(req: HttpRequest, http_addr: str, node_name: str,
     finally:
         if not handed_over:
             up.close()
+
+
+def _message(body: bytes) -> str:
+    """An error body's message (either API's shape), else its first bytes."""
+    try:
+        err = orjson.loads(body).get("error")
+        return str(err.get("message"))[:500]
+    except (orjson.JSONDecodeError, AttributeError):
+        return body[:200].decode(errors="replace")
 
 
 async def _read_head(up: _Upstream) -> tuple[int, list[tuple[str, str]]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -19,10 +20,16 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from skulkp2p.api import http
+from skulkp2p.api.auth import KEY, OPEN, Access, AuthPolicy
 from skulkp2p.api.errors import ApiError
 from skulkp2p.engine.json_types import JSONObject, JSONValue
+from skulkp2p.ratelog import LogLimiter
 
 log = logging.getLogger("skulkp2p.http")
+# Anyone can send malformed requests without end: one line at once, then counts every 10 s.
+_protocol_errors = LogLimiter(log, "http: protocol errors", logging.INFO)
+# So can requests without a valid key (the line names the reason and the path, never a key).
+_refused = LogLimiter(log, "http: refused requests (401)", logging.INFO)
 
 JSON = "application/json"
 
@@ -37,6 +44,12 @@ class ServerConfig:
     write_timeout: float = 60.0  # a client that reads nothing for this long is dropped
     max_connections: int = 1024
     read_size: int = 65536
+    # Host headers answered besides the server's own addresses (http.HostPolicy): "name" (any
+    # port), "name:port", or "*" (any Host at all).
+    allowed_hosts: tuple[str, ...] = ()
+    # Who may use which route (api/auth.py): API keys, node signatures. None: no checks at all
+    # (a server in a test, or the one-model `serve` without keys).
+    auth: AuthPolicy | None = None
 
 
 @dataclass
@@ -53,11 +66,18 @@ class HttpRequest:
     _json: tuple[JSONValue] | None = field(default=None, init=False, repr=False, compare=False)
 
     def json(self) -> JSONValue:
-        """The body's JSON (parsed on the first call only); 400 when it is not JSON."""
+        """The body's JSON (parsed on the first call only); 400 when it is not JSON, 415 when
+        its Content-Type does not say JSON (a browser sends text/plain or a form across sites
+        without asking, never application/json)."""
         if self._json is None:
             if not self.body.strip():
                 raise ApiError(400, "the request body is empty; send a JSON object",
                                code="invalid_json")
+            ctype = self.headers.get("content-type")
+            if not http.is_json_media_type(ctype):
+                given = f"not {ctype[:100]!r}" if ctype is not None else "the request has none"
+                raise ApiError(415, f"send the JSON body with Content-Type: application/json "
+                                    f"({given})", param="Content-Type")
             try:
                 self._json = (orjson.loads(self.body),)
             except orjson.JSONDecodeError as e:
@@ -100,28 +120,68 @@ class StreamingResponse:
 
 
 Handler = Callable[[HttpRequest], Awaitable[Response | StreamingResponse]]
+ErrorShape = Callable[[ApiError], Response]  # an error in a route's own shape
 
 
 class Router:
+    """Routes by path and method, each with its `Access` (api/auth.py: KEY unless declared
+    otherwise, so a new route asks for a key) and, per path, the shape of its errors."""
+
     def __init__(self) -> None:
         self._routes: dict[str, dict[str, Handler]] = {}
+        self._access: dict[tuple[str, str], Access] = {}
+        self._shapes: dict[str, ErrorShape] = {}
 
-    def add(self, method: str, path: str, handler: Handler) -> None:
+    def add(self, method: str, path: str, handler: Handler, access: Access = KEY,
+            error_shape: ErrorShape | None = None) -> None:
         self._routes.setdefault(path, {})[method] = handler
+        self._access[(method, path)] = access
+        if error_shape is not None:
+            self._shapes[path] = error_shape
+
+    def access(self, method: str, path: str) -> Access:
+        """What `method` on `path` needs (HEAD: its GET's). An unknown route needs a key, so
+        that only a client with one learns it is unknown; a wrong method on a path whose
+        routes are all open is open (its 405 says what the path takes)."""
+        methods = self._routes.get(path)
+        if methods is None:
+            return KEY
+        if method in methods:
+            return self._access[(method, path)]
+        if method == "HEAD" and "GET" in methods:
+            return self._access[("GET", path)]
+        if all(self._access[(m, path)] == OPEN for m in methods):
+            return OPEN
+        return KEY
+
+    def error_response(self, path: str, err: ApiError) -> Response:
+        """`err` as the route on `path` answers errors (the default shape unless declared)."""
+        shape = self._shapes.get(path)
+        return shape(err) if shape is not None else Response.error(err)
 
     def resolve(self, method: str, path: str) -> Handler:
+        """The handler of `method` on `path`; HEAD runs a GET route's handler (the server sends
+        its status and headers without the body)."""
         methods = self._routes.get(path)
         if methods is None:
             raise ApiError(404, f"no route {path[:200]!r}")
-        if method not in methods:
-            allow = ", ".join(sorted(methods))
+        handler = methods.get(method)
+        if handler is None and method == "HEAD":
+            handler = methods.get("GET")
+        if handler is None:
+            allow = ", ".join(sorted({*methods, "HEAD"} if "GET" in methods else methods))
             raise ApiError(405, f"{path} takes {allow}, not {method[:20]}",
                            headers=[("Allow", allow)])
-        return methods[method]
+        return handler
 
 
 class _Gone(Exception):
     """The client closed the connection or stopped reading."""
+
+
+def _note_refusal(client: str, method: str, path: str, e: ApiError) -> None:
+    """A refused request in the log (rate-limited): its code and route, never a key."""
+    _refused.note(client.rpartition(":")[0] or client, f"{e.code} on {method[:20]} {path[:100]}")
 
 
 def _split_target(target: str) -> tuple[str, str]:
@@ -138,13 +198,24 @@ class HttpServer:
         self.config = config or ServerConfig()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
+        self.hosts: http.HostPolicy | None = None  # set by `start`, from the bound address
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Listen; returns the bound (host, port) — port 0 picks a free one."""
+        """Listen; returns the bound (host, port) — port 0 picks a free one. From then on a
+        request whose Host is not one of this server's addresses gets 421 (http.HostPolicy)."""
+        own = (socket.gethostname(),) if host in http.WILDCARD_HOSTS else ()
+        hosts = http.HostPolicy.serving(host, port, self.config.allowed_hosts, own)
         self._server = await asyncio.start_server(self._on_connection, host, port,
                                                   limit=self.config.read_size, reuse_address=True)
         sock = self._server.sockets[0].getsockname()
+        self.hosts = replace(hosts, port=sock[1])  # (port 0 picked one)
         return sock[0], sock[1]
+
+    def allow_host_names(self, *names: str) -> None:
+        """More names this server answers for (on its port), e.g. the address a cluster
+        announces for it, which the other nodes put in the Host of what they relay."""
+        if self.hosts is not None:
+            self.hosts = self.hosts.with_names(*names)
 
     @property
     def open_connections(self) -> int:
@@ -169,6 +240,8 @@ class HttpServer:
         self._connections.add(task)
         peer = writer.get_extra_info("peername")
         client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        local = writer.get_extra_info("sockname")
+        local_address = str(local[0]) if isinstance(local, tuple) else ""
         try:
             if len(self._connections) > self.config.max_connections:
                 conn = http.ServerConnection()
@@ -176,7 +249,7 @@ class HttpServer:
                 writer.write(conn.send_response(503, self._error_headers(err), err.json()))
                 await self._drain(writer)
                 return
-            await self._serve(reader, writer, client)
+            await self._serve(reader, writer, client, local_address)
         except (_Gone, ConnectionError, TimeoutError):
             pass
         except asyncio.CancelledError:
@@ -229,14 +302,33 @@ class HttpServer:
         return True
 
     async def _send_error(self, writer: asyncio.StreamWriter, conn: http.ServerConnection,
-                          err: ApiError) -> None:
-        await self._write(writer, conn.send_response(err.status, self._error_headers(err),
-                                                     err.json()))
+                          err: ApiError, path: str | None = None) -> None:
+        """`err` in the shape of the route on `path` (the default shape without one)."""
+        if path is None:
+            await self._write(writer, conn.send_response(err.status, self._error_headers(err),
+                                                         err.json()))
+            return
+        resp = self.router.error_response(path, err)
+        await self._write(writer, conn.send_response(resp.status, resp.headers, resp.body))
+
+    def _check_head(self, request: http.Request, path: str, client: str) -> str | None:
+        """The auth policy's verdict on a request head: None (go on) or the body hash a
+        node-signed request must have; raises its 401."""
+        auth = self.config.auth
+        if auth is None:
+            return None
+        try:
+            return auth.check_head(request.method, request.target, request.headers,
+                                   self.router.access(request.method, path))
+        except ApiError as e:
+            _note_refusal(client, request.method, path, e)
+            raise
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     client: str) -> None:
+                     client: str, local_address: str) -> None:
         cfg = self.config
-        conn = http.ServerConnection(cfg.max_header_bytes, cfg.max_body_bytes)
+        conn = http.ServerConnection(cfg.max_header_bytes, cfg.max_body_bytes, self.hosts,
+                                     local_address)
         first = True
         while True:
             try:
@@ -246,23 +338,36 @@ class HttpServer:
                 first = False
                 handler: Handler | None = None
                 path, query = _split_target(request.target)
+                refusal: ApiError | None = None
+                signed: str | None = None
                 try:
                     handler = self.router.resolve(request.method, path)
                 except ApiError as e:
-                    if conn.waiting_for_100_continue:  # refuse before the client sends a body
-                        await self._send_error(writer, conn, e)
-                        return
-                    route_error: ApiError | None = e
-                else:
-                    route_error = None
-                body = await self._read_body(reader, writer, conn)
+                    refusal = e
+                try:  # (a refusal wins over a route error: no route is told to a stranger)
+                    signed = self._check_head(request, path, client)
+                except ApiError as e:
+                    refusal = e
+                if refusal is not None and conn.waiting_for_100_continue:
+                    # Refuse before the client sends a body.
+                    await self._send_error(writer, conn, refusal, path)
+                    return
+                # A refused request's body is read (the connection stays usable) but not kept.
+                body = await self._read_body(reader, writer, conn, keep=refusal is None)
+                if signed is not None and refusal is None and self.config.auth is not None:
+                    try:
+                        self.config.auth.check_body(signed, body)
+                    except ApiError as e:
+                        _note_refusal(client, request.method, path, e)
+                        refusal = e
             except http.ProtocolError as e:
-                log.info("%s: HTTP %d: %s", client, e.status, e.message)
+                _protocol_errors.note(client.rpartition(":")[0] or client,
+                                      f"HTTP {e.status}: {e.message}")
                 await self._send_error(writer, conn, ApiError(e.status, e.message))
                 return
             req = HttpRequest(request.method, request.target, path, query, request.headers,
                               body, client)
-            await self._handle(reader, writer, conn, req, handler, route_error)
+            await self._handle(reader, writer, conn, req, handler, refusal)
             if conn.must_close:
                 return
 
@@ -287,13 +392,15 @@ class HttpServer:
                 raise http.ProtocolError(408, "request headers took too long")
 
     async def _read_body(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         conn: http.ServerConnection) -> bytes:
+                         conn: http.ServerConnection, keep: bool = True) -> bytes:
+        """The request's body (within the body deadline); read and dropped unless `keep`."""
         deadline = time.monotonic() + self.config.body_timeout
         body = bytearray()
         while True:
             event = conn.next_event()
             if isinstance(event, http.Data):
-                body += event.data
+                if keep:
+                    body += event.data
             elif isinstance(event, http.EndOfMessage):
                 return bytes(body)
             else:
@@ -317,9 +424,9 @@ class HttpServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       conn: http.ServerConnection, req: HttpRequest, handler: Handler | None,
-                      route_error: ApiError | None) -> None:
+                      refusal: ApiError | None) -> None:
         started = time.monotonic()
-        respond = asyncio.ensure_future(self._respond(writer, conn, req, handler, route_error))
+        respond = asyncio.ensure_future(self._respond(writer, conn, req, handler, refusal))
         watch = asyncio.ensure_future(self._watch(reader, conn))
         try:
             await asyncio.wait({respond, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -341,15 +448,15 @@ class HttpServer:
                   time.monotonic() - started)
 
     async def _respond(self, writer: asyncio.StreamWriter, conn: http.ServerConnection,
-                       req: HttpRequest, handler: Handler | None, route_error: ApiError | None
+                       req: HttpRequest, handler: Handler | None, refusal: ApiError | None
                        ) -> int:
         try:
-            if route_error is not None:
-                raise route_error
+            if refusal is not None:
+                raise refusal
             assert handler is not None
             resp = await handler(req)
         except ApiError as e:
-            resp = Response.error(e)
+            resp = self.router.error_response(req.path, e)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -360,8 +467,9 @@ class HttpServer:
             return resp.status
         try:
             await self._write(writer, conn.start_stream(resp.status, resp.headers))
-            async for piece in resp.body:
-                await self._write(writer, conn.stream_data(piece))
+            if conn.stream_has_body:  # (not for HEAD: the head is the whole answer)
+                async for piece in resp.body:
+                    await self._write(writer, conn.stream_data(piece))
             await self._write(writer, conn.end_stream())
         except (asyncio.CancelledError, _Gone, ConnectionError):
             raise

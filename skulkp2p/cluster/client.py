@@ -60,12 +60,15 @@ def _error(req_id: JSONValue, type_: str, message: str) -> JSONObject:
     return {"id": req_id, **out} if req_id is not None else out
 
 
-def _post(addr: str, body: bytes, timeout: float) -> tuple[int, dict[str, str], bytes]:
+def _post(addr: str, body: bytes, timeout: float, api_key: str | None = None
+          ) -> tuple[int, dict[str, str], bytes]:
     host, port = split_addr(addr)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if api_key:  # the HTTP API's key, when its nodes ask for one
+        headers["Authorization"] = f"Bearer {api_key}"
     try:
-        conn.request("POST", "/v1/cluster/generate", body,
-                     {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/cluster/generate", body, headers)
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
@@ -73,14 +76,14 @@ def _post(addr: str, body: bytes, timeout: float) -> tuple[int, dict[str, str], 
 
 
 def ask(addr: str, obj: JSONValue, retry_s: float = DEFAULT_RETRY_S,
-        timeout: float = 600.0) -> JSONObject:
+        timeout: float = 600.0, api_key: str | None = None) -> JSONObject:
     """One request object -> one result object (retrying what the cluster says to retry)."""
     req_id = obj.get("id") if isinstance(obj, dict) else None
     body = orjson.dumps(obj)
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            status, headers, data = _post(addr, body, timeout)
+            status, headers, data = _post(addr, body, timeout, api_key)
         except OSError as e:
             status, headers, data = 0, {}, str(e).encode()
         if status == 200:
@@ -101,7 +104,8 @@ def ask(addr: str, obj: JSONValue, retry_s: float = DEFAULT_RETRY_S,
 
 
 def run_pipe_remote(peer: str, secret: str | None, model: str | None, stdin: IO[str],
-                    stdout: IO[str], retry_s: float = DEFAULT_RETRY_S) -> int:
+                    stdout: IO[str], retry_s: float = DEFAULT_RETRY_S,
+                    api_key: str | None = None) -> int:
     addr = http_address(peer, secret)
     for line in stdin:
         if not line.strip():
@@ -113,7 +117,7 @@ def run_pipe_remote(peer: str, secret: str | None, model: str | None, stdin: IO[
         else:
             if isinstance(obj, dict) and model and "model" not in obj:
                 obj["model"] = model
-            result = ask(addr, obj, retry_s)
+            result = ask(addr, obj, retry_s, api_key=api_key)
         stdout.write(orjson.dumps(result).decode() + "\n")
         stdout.flush()
     return 0

@@ -17,6 +17,7 @@ from skulkp2p.cluster.durable import state_path
 from skulkp2p.cluster.timers import Timers, timers_from_env
 
 DEFAULT_PORT = 52416
+DEFAULT_DISCOVERY_WAIT_S = 3.0
 ENV_SECRET = "SKULKP2P_SECRET"
 
 
@@ -98,6 +99,13 @@ class NodeConfig:
     # The name was not given: it is HOSTNAME:PORT of the port actually bound, so that two
     # nodes on one machine (--port 0, or a busy default port) never share a name or a state file.
     name_from_port: bool = False
+    # LAN discovery over mDNS (cluster/discovery.py): on unless --no-discovery, and running only
+    # with a secret and a control listener off loopback; on these interfaces (default: chosen
+    # from the control address); a node without --peer looks this long for others before it
+    # founds a cluster of its own.
+    discovery: bool = False
+    discovery_interfaces: list[str] = field(default_factory=list)
+    discovery_wait: float = DEFAULT_DISCOVERY_WAIT_S
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,7 +120,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise", metavar="HOST:PORT",
                    help="address other nodes reach this one at (default --host:--port)")
     g.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                   help="a node of the cluster to join through (repeatable)")
+                   help="a node of the cluster to join through (repeatable); on one LAN the "
+                        "nodes find each other without it (discovery)")
     g.add_argument("--secret", help=f"shared cluster secret (or {ENV_SECRET}; prefer the "
                                     "variable: flags show up in ps)")
     g.add_argument("--priority", type=int, default=0,
@@ -122,6 +131,18 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cluster-state", action="store_true",
                    help="keep the term, vote and placement plan in memory only (a throwaway "
                         "node: a restart forgets them); default: saved in the data dir")
+    g.add_argument("--no-discovery", action="store_true",
+                   help="do not advertise this node or look for others on the LAN over mDNS "
+                        "(discovery runs only with a secret and a --host other than loopback)")
+    g.add_argument("--discovery-interface", action="append", default=[], metavar="NAME",
+                   help="a network interface to discover nodes on (default: the one holding "
+                        "--host, or for 0.0.0.0 every LAN interface but container "
+                        "bridges, VPN links and loopback)")
+    g.add_argument("--discovery-wait", type=float, default=DEFAULT_DISCOVERY_WAIT_S,
+                   metavar="SECONDS",
+                   help="without --peer, how long to look for the cluster's nodes on the LAN "
+                        "before founding a cluster of its own (default "
+                        f"{DEFAULT_DISCOVERY_WAIT_S:g})")
     g.add_argument("--timers", metavar="SPEC",
                    help="control-plane timers, e.g. probe=0.5,suspect=2,election=1.5 "
                         "(or SKULKP2P_TIMERS)")
@@ -141,6 +162,13 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
                      ("SKULKP2P_MAX_DATA_FRAME", "max_data_frame")):
         if os.environ.get(env):
             caps[key] = parse_size(os.environ[env])
+    interfaces, no_discovery = list(args.discovery_interface), args.no_discovery
+    if no_discovery and interfaces:
+        raise ClusterConfigError("--no-discovery and --discovery-interface contradict each "
+                                 "other: give one of them")
+    wait = args.discovery_wait
+    if not 0 <= wait <= 600:
+        raise ClusterConfigError(f"--discovery-wait {wait:g}: give 0 to 600 seconds")
     state_file = None
     if not getattr(args, "no_cluster_state", False):
         from skulkp2p.models.store import default_data_dir
@@ -154,4 +182,5 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         advertise=parse_addr(args.advertise) if args.advertise else None,
         peers=[parse_addr(p) for p in args.peer], secret=secret, priority=args.priority,
         memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
-        timers=timers)
+        timers=timers, discovery=not no_discovery, discovery_interfaces=interfaces,
+        discovery_wait=wait)

@@ -5,6 +5,19 @@ view of voters in step with membership, and, on the leader, keeps placements up 
 attaches them to its heartbeats. It does no I/O and reads no clock: node.py (asyncio TCP) and
 the tests' simulated network both drive it the same way, with ``tick(now)`` and
 ``on_message(msg, now)``, each returning ``[(addr, msg), ...]`` to send.
+
+Restarts converge because of three rules:
+
+- A node takes a term only with a quorum of the voters it knows, and the voters it knew are
+  saved with its term and vote: only a node that knows no other voter (a first start, or one
+  whose every other member left gracefully) founds a cluster and leads it at once; any other
+  wins a real election, for a term above every term it saved.
+- Plans are ordered by (term, version) within one leader's history: a follower ignores only an
+  older version from the very leader whose plan it holds, and takes the plan of any other
+  leader of its term whatever its version (a plan restored from disk, or of another history).
+- A request pinned to named nodes (a place request's ``nodes``) whose members are not all
+  alive is placed automatically while they are away, with a note in its placement, and moves
+  back once they are all alive. (A name the cluster never knew stays an error.)
 """
 
 from __future__ import annotations
@@ -37,7 +50,8 @@ COMMITTED = "committed"  # a plan holding it is held by a majority: any future l
 
 # What a plan was made from (offers, eligible nodes, requests, term): unchanged, no re-plan.
 _PlanInputs: TypeAlias = tuple[tuple[tuple[str, int, str], ...], tuple[str, ...],
-                               tuple[tuple[str, ModelSpec, tuple[str, ...], tuple[str, ...]], ...],
+                               tuple[tuple[str, ModelSpec, tuple[str, ...], tuple[str, ...],
+                                           tuple[str, ...]], ...],
                                int]
 
 
@@ -73,7 +87,13 @@ class ClusterCore:
         self._placements: dict[str, Placement] = {}
         self._errors: dict[str, Message] = {}
         self._plan_inputs: _PlanInputs | None = None
+        # Bumped whenever the requests, placements or errors this node holds are replaced: with
+        # the member list's version and the term, what _plan's inputs depend on.
+        self._held_gen = 0
+        self._plan_checked: tuple[int, int, int] | None = None
+        self._view_of: tuple[int, bool] | None = None  # (member list version, joined) synced
         self._plan_term = -1
+        self._plan_leader: str | None = None  # the leader that made the plan this node holds
         self.placement_version = 0
         # model -> (its explicit request, the plan (term, version) that first held it)
         self._held_since: dict[str, tuple[Request, tuple[int, int]]] = {}
@@ -84,11 +104,12 @@ class ClusterCore:
         # must still be adopted in full (see _adopt_payload).
         self._partial_plan = False
         if restored is not None:
-            self._restore(restored)
+            self._restore(restored, now)
         self._sync_view()
-        if not self.membership.seeds:
-            # A founder (no seeds) has nobody to wait for: lead at once, so a single node
-            # serves without an election timeout's delay.
+        if not self.membership.seeds and self.membership.voters() == [name]:
+            # A founder (no seeds, no other voter known: not even from before a restart) has
+            # nobody to wait for: lead at once, so a single node serves without an election
+            # timeout's delay. A node that knew others waits for a quorum of them.
             self.election.stand_at(now)
 
     # ---------------------------------------------------------------- queries
@@ -204,23 +225,26 @@ class ClusterCore:
         return DurableState(self.name, el.term, el.voted_for, self._plan_term,
                             self.placement_version, self._committed_of_held(), tuple(requests),
                             tuple(p.to_dict() for _, p in sorted(self._placements.items())),
-                            tuple(e for _, e in sorted(self._errors.items())))
+                            tuple(e for _, e in sorted(self._errors.items())),
+                            self._plan_leader, self.membership.roster())
 
     def durable_key(self) -> DurableKey:
         """Cheap stand-in for ``durable_state().key()``: compared after every step, the full
         state is built and written only when this changes."""
         el = self.election
         return (el.term, el.voted_for, self._plan_term, self.placement_version,
-                self._committed_of_held())
+                self._committed_of_held(), self._plan_leader, self.membership.roster())
 
-    def _restore(self, st: DurableState) -> None:
-        """Take back the term, the vote and the plan saved before a restart. Only the plan's
-        place requests (what POST /v1/cluster/place acknowledged) and their placements come
-        back: models asked for by a member's --model are asked for again by the members as they
-        rejoin, so a node restarted with another --model does not bring its old one back."""
+    def _restore(self, st: DurableState, now: float) -> None:
+        """Take back the term, the vote, the members and the plan saved before a restart. Only
+        the plan's place requests (what POST /v1/cluster/place acknowledged) and their
+        placements come back: models asked for by a member's --model are asked for again by the
+        members as they rejoin, so a node restarted with another --model does not bring its old
+        one back."""
         el = self.election
         el.term = max(0, st.term)
         el.voted_for = st.voted_for
+        self.membership.restore(st.members, now)
         explicit: dict[str, Request] = {}
         for d in st.requests:
             spec_d = d.get("spec")
@@ -239,11 +263,13 @@ class ClusterCore:
                 continue
             if p.model in explicit:
                 placements[p.model] = p
+        self._held_gen += 1
         self._explicit = explicit
         self._placements = placements
         self._errors = {model: dict(e) for e in st.errors
                         if isinstance(model := e.get("model"), str) and model in explicit}
         self._plan_term = st.plan_term
+        self._plan_leader = st.plan_leader
         self.placement_version = max(0, st.plan_version)
         if st.committed is not None:
             self._commit_seen = (st.plan_term, st.committed)
@@ -300,10 +326,10 @@ class ClusterCore:
                     and self.membership.bootstrapped):
                 self.election.observe_term(term, now)
         elif kind in ELECTION_TYPES:
-            if not self.membership.bootstrapped and kind == "lead":
+            if kind == "lead" and not self.membership.seed_answered:
                 # A leader's heartbeat: we belong to an established cluster even if our seeds
-                # are gone (a node restarted with a dead seed).
-                self.membership.bootstrapped = True
+                # are gone (a node restarted with a dead seed), and it knows where we are.
+                self.membership.bootstrapped = self.membership.seed_answered = True
                 self._sync_view()
             out = self.election.on_message(msg, now)
         elif kind == "place":
@@ -328,6 +354,7 @@ class ClusterCore:
             if spec.id in self._placements and self.check_request(spec, nodes) is not None:
                 return []  # it would not fit: keep the placement that works
             self._explicit[spec.id] = Request(spec, tuple(nodes))
+            self._held_gen += 1
             self._errors.pop(spec.id, None)
             self._plan_inputs = None  # re-plan now
             self._after(now)
@@ -348,6 +375,9 @@ class ClusterCore:
 
     def _sync_view(self) -> None:
         ms = self.membership
+        if self._view_of == (ms.version, ms.bootstrapped):
+            return
+        self._view_of = (ms.version, ms.bootstrapped)
         voters = {n: ms.members[n].addr for n in ms.voters()}
         prios = {n: as_int(m.facts.get("priority") or 0) for n, m in ms.members.items()}
         self.election.set_view(voters, ms.names(ALIVE), prios, joined=ms.bootstrapped)
@@ -393,11 +423,13 @@ class ClusterCore:
                 reqs.setdefault(model, Request(p.spec, p.ring if p.explicit else ()))
         reqs.update(self._explicit)
         for model, r in list(reqs.items()):
-            # A named ring that lost a member (dead or gone) is re-placed like any other model:
-            # its requests must keep being served.
+            # A named ring with a member away (suspect, dead, left, or known only from before
+            # a restart) is placed automatically meanwhile: its requests must keep being
+            # served. It is pinned again once they are all alive. A name the cluster never
+            # knew stays an error ("not alive members").
             if r.nodes and any((held := self.membership.get(n)) is not None and
-                               held.state in (DEAD, LEFT) for n in r.nodes):
-                reqs[model] = Request(r.spec, (), r.only)
+                               held.state != ALIVE for n in r.nodes):
+                reqs[model] = Request(r.spec, (), r.only, pinned=r.nodes)
         return reqs
 
     def _after(self, now: float) -> None:
@@ -426,11 +458,14 @@ class ClusterCore:
 
     def _adopt_payload(self, payload: Mapping[str, WireValue]) -> None:
         version = payload.get("version")
-        if (self._plan_term == self.term and isinstance(version, int)
+        if (self._plan_term == self.term and self._plan_leader == self.leader
+                and isinstance(version, int)
                 and (version < self.placement_version
                      or (version == self.placement_version and not self._partial_plan))):
-            # Same term, not newer: a repeat, or an older heartbeat of this leader arriving late
-            # (held while this node was paused); adopting it would undo newer placements.
+            # This leader's plan, not newer: a repeat, or an older heartbeat of this leader
+            # arriving late (held while this node was paused); adopting it would undo newer
+            # placements. A plan of this term made by anyone else (restored from disk without
+            # its maker, or another history of the term) gives way whatever its version.
             return
         placements: dict[str, Placement] = {}
         for d in as_list(payload.get("placements")):
@@ -455,9 +490,11 @@ class ClusterCore:
             except (ValueError, TypeError, KeyError):
                 continue
         self._explicit = explicit  # a future leader keeps honouring them
+        self._held_gen += 1
         self._partial_plan = False
         self.placement_version = as_int(payload.get("version") or 0)
         self._plan_term = self.term
+        self._plan_leader = self.leader
         self._note_held()
 
     def check_request(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> PlacementError | None:
@@ -483,10 +520,15 @@ class ClusterCore:
                 if not any((m := ms.get(n)) is None or m.state in (DEAD, LEFT) for n in p.ring)}
 
     def _plan(self, now: float) -> None:
+        checked = (self.membership.version, self.term, self._held_gen)
+        if checked == self._plan_checked and self._plan_inputs is not None:
+            return  # nothing it is made from changed
+        self._plan_checked = checked
         offers, eligible = self._offers()
         reqs = self._requests()
         inputs = (tuple(sorted((o.name, o.memory, o.dtype) for o in offers)), tuple(eligible),
-                  tuple(sorted((k, r.spec, r.nodes, r.only) for k, r in reqs.items())),
+                  tuple(sorted((k, r.spec, r.nodes, r.only, r.pinned)
+                               for k, r in reqs.items())),
                   self.term)
         if inputs == self._plan_inputs:
             return
@@ -512,7 +554,10 @@ class ClusterCore:
                 or requests != self.election.payload.get("requests")):
             self.placement_version += 1
         self._partial_plan = False
+        if placements != self._placements or errors != self._errors:
+            self._held_gen += 1
         self._placements, self._errors, self._plan_term = placements, errors, self.term
+        self._plan_leader = self.name
         self.election.payload = {
             "version": self.placement_version,
             "placements": [p.to_dict() for _, p in sorted(placements.items())],

@@ -4,9 +4,11 @@ Raft keeps ``currentTerm``, ``votedFor`` and its log on stable storage and write
 answers anyone; without that a node restarted in a power cut comes back with no plan (its vote
 can then elect a leader that lacks an acknowledged placement) and with no memory of its vote (it
 can vote twice in one term). ``DurableState`` is the same for this control plane: the term, the
-vote in it, and the plan (its (term, version), the newest version known committed, and the
-place requests with their placements). ``ClusterCore`` fills and restores it; the node writes it
-with ``save_state`` before it sends anything that depends on it.
+vote in it, the plan (its (term, version), the leader that made it, the newest version known
+committed, and the place requests with their placements), and the members this node knew
+(Raft's configuration): a restarted node counts its quorum over them, so one that knew others
+never founds a cluster of its own again. ``ClusterCore`` fills and restores it; the node writes
+it with ``save_state`` before it sends anything that depends on it.
 
 The file is JSON (an operator can read it), written atomically: a temporary file in the same
 directory, fsync, ``os.replace``, fsync of the directory; a reader sees the old file or the new
@@ -35,8 +37,21 @@ log = logging.getLogger("skulkp2p.cluster")
 FORMAT = 1
 STATE_DIR = "cluster"  # under the node's data dir
 
-# (term, voted for, plan term, plan version, committed): what DurableState.key compares
-DurableKey: TypeAlias = tuple[int, str | None, int, int, int | None]
+
+@dataclass(frozen=True)
+class KnownMember:
+    """Another member this node knew: a voter (it counts towards the quorum until it leaves),
+    or one that left gracefully."""
+
+    name: str
+    addr: str
+    left: bool = False
+
+
+# (term, voted for, plan term, plan version, committed, plan leader, members): what
+# DurableState.key compares
+DurableKey: TypeAlias = tuple[int, str | None, int, int, int | None, str | None,
+                              tuple[KnownMember, ...]]
 
 
 @dataclass(frozen=True)
@@ -51,11 +66,14 @@ class DurableState:
     requests: tuple[Message, ...] = ()
     placements: tuple[Message, ...] = ()
     errors: tuple[Message, ...] = ()
+    plan_leader: str | None = None  # the leader that made the plan (None: not known)
+    members: tuple[KnownMember, ...] = ()  # the other members, sorted by name
     cluster: str = field(default="", compare=False)  # set by save_state
 
     def key(self) -> DurableKey:
         """What changes when the state does (cheap to compare on every tick)."""
-        return (self.term, self.voted_for, self.plan_term, self.plan_version, self.committed)
+        return (self.term, self.voted_for, self.plan_term, self.plan_version, self.committed,
+                self.plan_leader, self.members)
 
 
 def cluster_id(key: bytes) -> str:
@@ -112,9 +130,11 @@ def lock_state(path: Path, node: str) -> int | None:
 def to_json(state: DurableState, cluster: str) -> bytes:
     doc = {"format": FORMAT, "cluster": cluster, "node": state.node, "term": state.term,
            "voted_for": state.voted_for,
+           "members": [{"name": m.name, "addr": m.addr, "left": m.left} for m in state.members],
            "plan": {"term": state.plan_term, "version": state.plan_version,
-                    "committed": state.committed, "requests": list(state.requests),
-                    "placements": list(state.placements), "errors": list(state.errors)}}
+                    "leader": state.plan_leader, "committed": state.committed,
+                    "requests": list(state.requests), "placements": list(state.placements),
+                    "errors": list(state.errors)}}
     return json.dumps(doc, indent=1, sort_keys=True).encode()
 
 
@@ -149,6 +169,16 @@ def from_json(data: bytes) -> DurableState:
     if not isinstance(node, str) or not isinstance(cluster, str):
         raise StateFileError("no node or cluster")
     committed = plan.get("committed")
+    leader = plan.get("leader")
+    if leader is not None and not isinstance(leader, str):
+        raise StateFileError("plan leader is not a name")
+    members: list[KnownMember] = []
+    # (a file written before the member list was saved has none: the node knew nobody)
+    for m in _dicts(doc.get("members", []), "members"):
+        name, addr = m.get("name"), m.get("addr")
+        if not isinstance(name, str) or not name or not isinstance(addr, str):
+            raise StateFileError("a member without a name or address")
+        members.append(KnownMember(name, addr, m.get("left") is True))
     return DurableState(
         node=node, term=_int(doc.get("term"), "term"), voted_for=voted,
         plan_term=_int(plan.get("term"), "plan term"),
@@ -156,7 +186,8 @@ def from_json(data: bytes) -> DurableState:
         committed=None if committed is None else _int(committed, "committed"),
         requests=_dicts(plan.get("requests"), "requests"),
         placements=_dicts(plan.get("placements"), "placements"),
-        errors=_dicts(plan.get("errors"), "errors"), cluster=cluster)
+        errors=_dicts(plan.get("errors"), "errors"), plan_leader=leader,
+        members=tuple(sorted(members, key=lambda m: m.name)), cluster=cluster)
 
 
 def save_state(path: Path, state: DurableState, cluster: str) -> None:

@@ -14,6 +14,10 @@ send. Delivery is best effort: the protocol tolerates loss, so the I/O layer may
   sync with a random *dead* member lets partitions heal and restarted nodes come back.
 - Facts: each member's entry carries the facts it announces (memory, engines, models, HTTP
   address); a node bumps its incarnation when its facts change.
+- Restarts: the members a node knew are saved (``roster``) and restored (``restore``) at
+  incarnation -1, so whatever a live member says about itself wins; those that did not leave
+  come back *suspect* (they keep what they hold and count towards the quorum; one that stays
+  away is declared dead as usual), and a node that knew any is part of a cluster already.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict, TypeGuard
 
+from skulkp2p.cluster.durable import KnownMember
 from skulkp2p.cluster.timers import Timers
 from skulkp2p.wire import Message, WireValue, as_list
 
@@ -105,6 +110,10 @@ class Membership:
         # established cluster's election traffic, see core.py): until then it neither stands
         # nor votes, so nodes that only know each other cannot crown a cluster of their own.
         self.bootstrapped = not self.seeds
+        # Whether a seed answered (or there is none). A node restored with members it knew is
+        # bootstrapped at once, but their saved addresses may be stale (a node restarted on
+        # another port): it keeps knocking on its seeds too until one answers.
+        self.seed_answered = not self.seeds
         self.events: list[tuple[str, str | None, str]] = []  # (name, old state, new state)
         self._rumours: dict[str, int] = {}  # member name -> transmissions left
         self._probe: _Probe | None = None
@@ -113,6 +122,10 @@ class Membership:
         self._next_sync = now
         self._seq = 0
         self._relays: dict[int, _Relay] = {}
+        self._roster: tuple[KnownMember, ...] | None = None  # cache of roster()
+        # Bumped whenever a member's entry changes (state, address, facts) or a member is
+        # added: what depends only on the member list need not be recomputed while it stays.
+        self.version = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -136,6 +149,32 @@ class Membership:
         events, self.events = self.events, []
         return events
 
+    def roster(self) -> tuple[KnownMember, ...]:
+        """The other members, sorted by name: what a restart must remember of them."""
+        if self._roster is None:
+            self._roster = tuple(KnownMember(m.name, m.addr, m.state == LEFT)
+                                 for _, m in sorted(self.members.items()) if m is not self.me)
+        return self._roster
+
+    def restore(self, known: Iterable[KnownMember], now: float) -> None:
+        """Take back the members saved before a restart, at incarnation -1 (anything a live
+        member says about itself wins): the ones that left stay left; the others are suspect, so
+        they count towards the quorum and keep what they hold while they come back, and are
+        declared dead if they do not. A node that knew any other voter has joined a cluster:
+        it may vote and stand (with a quorum of them) without a seed answering first."""
+        for k in known:
+            if k.name == self.name or k.name in self.members:
+                continue
+            state = LEFT if k.left else SUSPECT
+            m = Member(k.name, k.addr, -1, state, {}, "", now)
+            if state == SUSPECT:
+                m.suspect_deadline = now + self.timers.suspect_timeout
+                self.bootstrapped = True
+            self.members[k.name] = m
+            self.events.append((k.name, None, state))
+        self._roster = None
+        self.version += 1
+
     # ---------------------------------------------------------------- local changes
 
     def update_facts(self, facts: Mapping[str, WireValue]) -> None:
@@ -144,15 +183,29 @@ class Membership:
             return
         self.me.facts = dict(facts)
         self.me.inc += 1
+        self.version += 1
         self._rumour(self.me.name)
 
     def leave(self, now: float) -> list[Out]:
         """Graceful exit: tell everyone we left, so we stop counting towards quorum."""
         self.me.inc += 1
         self.me.state = LEFT
+        self.version += 1
         msg: Message = {"t": "sync", "members": [self.me.entry()], "reply": False}
         return [(m.addr, self._stamp(dict(msg))) for m in self.members.values()
                 if m is not self.me and m.state != LEFT]
+
+    def add_seed(self, addr: str) -> list[Out]:
+        """A node found after the start (LAN discovery): a seed from now on, as a --peer, and
+        sent our member list at once unless it is a live member already, so that a node still
+        joining, or a founder and a cluster that find each other, merge."""
+        if addr == self.me.addr or self.me.state == LEFT:
+            return []
+        if addr not in self.seeds:
+            self.seeds.append(addr)
+        if any(m.addr == addr and m.state in (ALIVE, SUSPECT) for m in self.members.values()):
+            return []
+        return [(addr, {**self._sync_msg(reply=True), "seed": addr})]
 
     # ---------------------------------------------------------------- driving
 
@@ -197,7 +250,7 @@ class Membership:
 
         if now >= self._next_sync:
             # Until a seed answers, knock more often: seeds often start a moment later.
-            self._next_sync = now + (t.sync_interval if self.bootstrapped
+            self._next_sync = now + (t.sync_interval if self.seed_answered
                                      else min(t.sync_interval, t.probe_interval))
             out.extend(self._syncs())
         return out
@@ -214,6 +267,7 @@ class Membership:
             return out
         if reply_to in self.seeds or msg.get("seed") in self.seeds:
             self.bootstrapped = True
+            self.seed_answered = True
         me = msg.get("me")
         if _valid_entry(me):
             self._apply(me, now)
@@ -276,7 +330,8 @@ class Membership:
             out.append((self.rng.choice(alive).addr, self._sync_msg(reply=True)))
         if dead:  # how a healed partition or a restarted node finds its way back
             out.append((self.rng.choice(dead).addr, self._sync_msg(reply=True)))
-        elif not alive:  # everyone we knew is gone: try the seeds again
+        if not self.seed_answered or not (alive or dead):
+            # restored with members that may have moved, or everyone we knew is gone
             out.extend(self._seed_syncs())
         return out
 
@@ -324,10 +379,12 @@ class Membership:
     def _set(self, m: Member, inc: int, state: str, now: float) -> None:
         old = m.state
         m.inc = inc
+        self.version += 1
         if state != old:
             m.state = state
             m.since = now
             self.events.append((m.name, old, state))
+            self._roster = None
         m.suspect_deadline = now + self.timers.suspect_timeout if state == SUSPECT else None
         self._rumour(m.name)
 
@@ -349,6 +406,8 @@ class Membership:
             m = Member(name, e["a"], inc, state, dict(e.get("f") or {}), str(e.get("x", "")),
                        now)
             self.members[name] = m
+            self._roster = None
+            self.version += 1
             self.events.append((name, None, state))
             if state == SUSPECT:
                 m.suspect_deadline = now + self.timers.suspect_timeout
@@ -356,7 +415,9 @@ class Membership:
             return
         if (inc, _RANK[state]) <= (m.inc, _RANK[m.state]):
             return
-        m.addr = e["a"]
+        if m.addr != e["a"]:
+            m.addr = e["a"]
+            self._roster = None
         if "f" in e:
             m.facts = dict(e["f"])
         if "x" in e:

@@ -4,8 +4,10 @@ Every control message is a one-way datagram carried over a persistent TCP connec
 destination (cluster/peer_link.py: opened on demand, re-opened after failures with a short
 back-off); replies travel on the replier's own connection to the sender's advertised address. The
 protocol tolerates loss, so a full queue, a failed connect or a slow peer simply drops frames.
-Bad bytes on an inbound connection (wrong secret, oversize, undecodable) close that connection
-and are counted in ``metrics``; nothing a peer sends can stop the node.
+Every inbound connection proves the secret first (cluster/handshake.py: the handshake, its
+deadline, the caps and the slots kept for members); bad bytes on an inbound connection (wrong
+secret, oversize, undecodable, replayed) close that connection and are counted in ``metrics``;
+nothing a peer sends can stop the node.
 
 One exception to one-way: a ``status`` request is answered on the connection it came on (tests,
 ``pipe --peer`` and operators use it: cluster/status_client.py). The flags and addresses are
@@ -43,6 +45,7 @@ from skulkp2p.cluster.config import (
     split_addr,
 )
 from skulkp2p.cluster.core import ClusterCore
+from skulkp2p.cluster.discovery import Discovery, start_discovery
 from skulkp2p.cluster.durable import (
     DurableKey,
     StateInUse,
@@ -54,6 +57,7 @@ from skulkp2p.cluster.durable import (
 )
 from skulkp2p.cluster.election import ELECTION_TYPES
 from skulkp2p.cluster.facts import model_spec, offered_memory
+from skulkp2p.cluster.handshake import Gate, Link
 from skulkp2p.cluster.membership import Out
 from skulkp2p.cluster.peer_link import PeerLink
 from skulkp2p.cluster.placement import ModelSpec, Placement
@@ -62,8 +66,9 @@ from skulkp2p.wire import Message, WireValue, as_int, as_list
 log = logging.getLogger("skulkp2p.cluster")
 
 TICK_S = 0.05
-IDLE_TIMEOUT_S = 120.0  # an inbound connection silent this long is closed (senders reconnect)
-MAX_INBOUND = 256
+# An authenticated inbound connection that brings no whole frame for this long is closed (its
+# sender reconnects); bytes of a frame do not restart the clock, whole frames do.
+IDLE_TIMEOUT_S = 120.0
 
 # (leader, term, plan version, placements): a change is logged and handed to on_change
 _View: TypeAlias = tuple[str | None, int, int, tuple[tuple[str, Placement], ...]]
@@ -87,7 +92,7 @@ class ClusterNode:
         self._peers: dict[str, PeerLink] = {}
         self._server: asyncio.base_events.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
-        self._inbound: set[asyncio.StreamWriter] = set()
+        self.gate = Gate("cluster", self.metrics, log)  # the listener's connections
         self._last_view: _View | None = None
         self._leader_seen: tuple[str, int] | None = None  # metrics["leader_changes"]
         self._clock0 = time.monotonic()
@@ -96,6 +101,7 @@ class ClusterNode:
         self._saved_key: DurableKey | None = None
         self._save_error: str | None = None
         self._state_lock: int | None = None  # durable.lock_state's descriptor
+        self.discovery: Discovery | None = None  # LAN discovery (cluster/discovery.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -136,6 +142,17 @@ class ClusterNode:
             self.addr = parse_addr(f"{_primary_ip()}:{port}")
         else:
             self.addr = parse_addr(f"{cfg.host}:{port}")
+        seeds = list(cfg.peers)
+        self.discovery = await start_discovery(cfg, self.addr, self._discovered, self.metrics)
+        if self.discovery is not None:
+            self.addr = self.discovery.addr  # a wildcard bind: an address on the LAN it found
+            if not seeds:  # a founder only if nobody of this cluster answers in time
+                seeds = await self.discovery.first_peers(cfg.discovery_wait)
+                if seeds:
+                    log.info("cluster: joining through %s, found on the LAN", ", ".join(seeds))
+                else:
+                    log.info("cluster: no node of this cluster found on the LAN within %g s: "
+                             "founding one", cfg.discovery_wait)
         # Outbound connections leave from our own address, so peers (and the tests' fault
         # proxy) see which node a connection comes from.
         self.bind_source = cfg.host if cfg.host not in ("0.0.0.0", "::", "", "localhost") \
@@ -144,10 +161,14 @@ class ClusterNode:
         if cfg.state_file is not None:
             restored = load_state(cfg.state_file, cfg.name, self._cluster_id)
             if restored is not None:
-                log.info("cluster: restored term %d and plan %d.%d (%d place requests) from %s",
-                         restored.term, restored.plan_term, restored.plan_version,
-                         len(restored.requests), cfg.state_file)
-        core = self.core = ClusterCore(cfg.name, self.addr, facts=self.facts, seeds=cfg.peers,
+                voters = [m.name for m in restored.members if not m.left]
+                log.info("cluster: restored term %d, plan %d.%d (%d place requests) and %d "
+                         "other member%s from %s%s", restored.term, restored.plan_term,
+                         restored.plan_version, len(restored.requests), len(restored.members),
+                         "" if len(restored.members) == 1 else "s", cfg.state_file,
+                         f": it leads only with votes from a majority of {len(voters) + 1} "
+                         f"({', '.join(voters)} and itself)" if voters else "")
+        core = self.core = ClusterCore(cfg.name, self.addr, facts=self.facts, seeds=seeds,
                                        priority=cfg.priority, timers=cfg.timers,
                                        rng=random.Random(), now=self._now(), restored=restored)
         self._saved_key = core.durable_key() if restored is not None else None
@@ -169,10 +190,11 @@ class ClusterNode:
             while any(p.queue for p in self._peers.values()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.05)
+        if self.discovery is not None:
+            await self.discovery.close()  # its goodbye: the others drop it from their lists
         if self._server is not None:
             self._server.close()
-        for w in list(self._inbound):
-            w.transport.abort()
+        self.gate.close()
         for p in self._peers.values():
             p.cancel()
         self._peers.clear()
@@ -197,6 +219,7 @@ class ClusterNode:
         st: Message = self.core.status() if self.core else {"node": self.config.name}
         st["addr"] = self.addr
         st["state_file"] = str(self.config.state_file) if self.config.state_file else None
+        st["discovered"] = self.discovery.view() if self.discovery is not None else []
         metrics: Message = dict(self.metrics)
         st["metrics"] = metrics
         return st
@@ -248,6 +271,8 @@ class ClusterNode:
                 for model, p in sorted(core.placements().items()):
                     log.info("cluster: placement of %s: ring %s, layers %s (term %d)", model,
                              " -> ".join(p.ring), p.layers, p.term)
+                    if p.note:  # pinned to nodes that are away: placed elsewhere meanwhile
+                        log.warning("cluster: %s", p.note)
                 for _model, e in sorted(core.placement_errors().items()):
                     log.warning("cluster: %s", e["error"])
             self._last_view = view
@@ -292,48 +317,38 @@ class ClusterNode:
             if addr == self.addr:
                 continue
             try:
-                frame = wire.encode_frame(msg, self.key, self.config.max_control_frame)
+                body = wire.pack_body(msg, self.config.max_control_frame)
             except wire.WireError as e:
                 log.warning("cluster: not sending %s to %s: %s", msg.get("t"), addr, e)
                 continue
             peer = self._peers.get(addr)
             if peer is None:
-                peer = self._peers[addr] = PeerLink(addr, self.metrics, self.bind_source)
-            peer.send(frame)
+                peer = self._peers[addr] = PeerLink(addr, self.metrics, self.bind_source,
+                                                    self.key, self.config.max_control_frame)
+            peer.send(body)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._inbound) >= MAX_INBOUND:
-            self.metrics["inbound_refused"] += 1
-            writer.transport.abort()
+        link = await self.gate.admit(reader, writer, self.key, self.config.max_control_frame,
+                                      self.config.max_data_frame)
+        if link is None:
             return
-        self._inbound.add(writer)
-        decoder = wire.FrameDecoder(self.key, self.config.max_control_frame)
-        peer = writer.get_extra_info("peername")
         try:
-            while True:
-                data = await asyncio.wait_for(reader.read(1 << 16), IDLE_TIMEOUT_S)
-                if not data:
-                    err = decoder.eof_error()
-                    if err is not None:
-                        raise err
-                    break
-                for msg in decoder.feed(data):
+            while msgs := await link.frames(idle_s=IDLE_TIMEOUT_S):
+                for msg in msgs:
                     self.metrics["frames_in"] += 1
-                    self._dispatch(msg, writer)
+                    self._dispatch(msg, link)
         except wire.WireError as e:
-            self.metrics["wire_errors"] += 1
-            self.metrics[f"wire_error_{e.reason}"] += 1
-            log.warning("cluster: closing connection from %s: %s", _peer_str(peer), e)
+            self.gate.failed(link.host, e)
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
-            self._inbound.discard(writer)
-            writer.transport.abort()
+            self.gate.release(link)
 
-    def _dispatch(self, msg: Message, writer: asyncio.StreamWriter) -> None:
+    def _dispatch(self, msg: Message, link: Link) -> None:
+        if self.core is None and msg["t"] != "status":
+            return  # still looking for peers on the LAN (start): dropped, as if lost
         if msg["t"] == "status":
-            reply: Message = {"t": "status-reply", "status": self.status()}
-            writer.write(wire.encode_frame(reply, self.key, self.config.max_data_frame))
+            link.send({"t": "status-reply", "status": self.status()})
             return
         try:
             self._send(self._saved(self.started_core.on_message(msg, self._now())))
@@ -342,9 +357,11 @@ class ClusterNode:
             self.metrics["bad_messages"] += 1
             log.exception("cluster: failed to handle %s from %s", msg.get("t"), msg.get("from"))
 
-
-def _peer_str(peer: object) -> str:
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+    def _discovered(self, addr: str) -> None:
+        """A node of this cluster found on the LAN after the start: joined through as a
+        --peer seed (before the start, ``first_peers`` hands them to the core)."""
+        if self.core is not None:
+            self._send(self.core.membership.add_seed(addr))
 
 
 def _primary_ip() -> str:

@@ -1,7 +1,8 @@
 """The control plane's outbound side: frames for one destination, written in order over one
-persistent TCP connection (opened on demand, re-opened after failures with a short back-off). The
-protocol tolerates loss, so a full queue, a failed connect or a slow peer simply drops frames
-(counted in the node's metrics)."""
+persistent TCP connection (opened on demand with the handshake of cluster/handshake.py, re-opened
+after failures with a short back-off). Bodies are queued packed and signed as they are written,
+with the connection's key and sequence number. The protocol tolerates loss, so a full queue, a
+failed connect or a slow peer simply drops frames (counted in the node's metrics)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import collections
 import logging
 import time
 
-from skulkp2p.cluster.config import split_addr
+from skulkp2p import wire
+from skulkp2p.cluster.handshake import Link, connect
 
 log = logging.getLogger("skulkp2p.cluster")
 
@@ -22,23 +24,27 @@ MAX_QUEUE = 512  # frames waiting for one peer; more are dropped (the protocol t
 class PeerLink:
     """Frames for one destination, written in order over one connection."""
 
-    def __init__(self, addr: str, metrics: collections.Counter[str], bind_source: str | None):
+    def __init__(self, addr: str, metrics: collections.Counter[str], bind_source: str | None,
+                 key: bytes, max_frame: int = wire.CONTROL_MAX_FRAME):
         self.addr = addr
         self.metrics = metrics  # the node's: frames out and dropped, connects
         # Connections leave from the node's own address (see ClusterNode.start).
         self.bind_source = bind_source
-        self.queue: collections.deque[bytes] = collections.deque()
+        self.key = key
+        self.max_frame = max_frame
+        self.queue: collections.deque[bytes] = collections.deque()  # bodies (wire.pack_body)
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.link: Link | None = None
         self.failures = 0
         self.backoff_until = 0.0
 
-    def send(self, frame: bytes) -> None:
+    def send(self, body: bytes) -> None:
+        """Queue a frame's body (wire.pack_body)."""
         if time.monotonic() < self.backoff_until or len(self.queue) >= MAX_QUEUE:
             self.metrics["frames_dropped"] += 1
             return
-        self.queue.append(frame)
+        self.queue.append(body)
         self.wake.set()
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
@@ -50,35 +56,33 @@ class PeerLink:
             if not self.queue:
                 continue
             try:
-                writer = self.writer if self.writer is not None else await self._connect()
+                link = self.link if self.link is not None else await self._connect()
                 while self.queue:
-                    writer.write(self.queue.popleft())
+                    # Signed in the order written: the tag covers the sequence number.
+                    link.writer.write(link.encoder.sign(self.queue.popleft()))
                     self.metrics["frames_out"] += 1
-                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+                await asyncio.wait_for(link.writer.drain(), WRITE_TIMEOUT_S)
                 self.failures = 0
-            except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, wire.WireError) as e:
                 self._fail(e)
 
-    async def _connect(self) -> asyncio.StreamWriter:
-        host, port = split_addr(self.addr)
-        bind = self.bind_source
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, local_addr=(bind, 0) if bind else None),
-            CONNECT_TIMEOUT_S)
-        self.writer = writer
+    async def _connect(self) -> Link:
+        link = await connect(self.addr, self.key, max_out=self.max_frame, bind=self.bind_source,
+                             connect_timeout=CONNECT_TIMEOUT_S)
+        self.link = link
         self.metrics["connects"] += 1
-        asyncio.get_running_loop().create_task(self._watch(reader, writer))
-        return writer
+        asyncio.get_running_loop().create_task(self._watch(link))
+        return link
 
-    async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _watch(self, link: Link) -> None:
         """Nothing comes back on this connection; EOF means the peer closed it (it restarted,
         or found our bytes wrong): drop it now rather than lose the next frame to it."""
         try:
-            while await reader.read(1 << 12):
+            while await link.reader.read(1 << 12):
                 pass
         except OSError:
             pass
-        if self.writer is writer:
+        if self.link is link:
             self.close()
 
     def _fail(self, e: BaseException) -> None:
@@ -91,9 +95,9 @@ class PeerLink:
         log.debug("send to %s failed (%s): %s", self.addr, type(e).__name__, e)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.transport.abort()
-            self.writer = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def cancel(self) -> None:
         self.close()

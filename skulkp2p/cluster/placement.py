@@ -30,6 +30,11 @@ that fits (at most one member per KV head), and its first member runs the decode
 
 Several models are placed one after another (previous placements first, then new ones by id);
 each takes its share of memory before the next is placed.
+
+A request pinned to named nodes some of which are away (``Request.pinned``, the owner decides
+what away means) is placed automatically meanwhile, as a pipeline ring if a tensor-parallel
+group does not fit the nodes there are, and its placement carries a ``note`` that says so; once
+they are all back the owner pins it again and it moves back.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class ModelSpec:
     # KV tokens the engine allocates up front, when not the context length: a llama-server
     # child with N parallel slots holds N slots' contexts (-c is N x the slot context).
     kv_tokens: int = 0
+    engine_reason: str = ""  # why this engine (a model with both forms: the asking node's choice)
 
     def kv_bytes_per_layer(self) -> int:
         """bf16 K and V of one layer for the whole context (every slot's, when served)."""
@@ -93,7 +99,8 @@ class ModelSpec:
                 **({"engine": self.engine} if self.engine else {}),
                 **({"parallel": self.parallel} if self.parallel else {}),
                 **({"tail_start": self.tail_start} if self.tail_start else {}),
-                **({"kv_tokens": self.kv_tokens} if self.kv_tokens else {})}
+                **({"kv_tokens": self.kv_tokens} if self.kv_tokens else {}),
+                **({"engine_reason": self.engine_reason} if self.engine_reason else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, WireValue]) -> ModelSpec:
@@ -114,7 +121,11 @@ class ModelSpec:
         parallel = d.get("parallel", "")
         if not isinstance(parallel, str) or parallel not in ("", *PARALLEL):
             raise ValueError(f"bad model spec parallel {parallel!r}")
-        spec = cls(model_id, **numbers, source=source, engine=engine, parallel=parallel)
+        reason = d.get("engine_reason", "")
+        if not isinstance(reason, str):
+            raise ValueError(f"bad model spec engine_reason {reason!r}")
+        spec = cls(model_id, **numbers, source=source, engine=engine, parallel=parallel,
+                   engine_reason=reason)
         if spec.layers <= 0 or spec.size_bytes <= 0:
             raise ValueError(f"model spec {spec.id}: layers and size_bytes must be positive")
         if spec.kv_tokens < 0:
@@ -169,6 +180,10 @@ class Placement:
     # is): a tensor group formed for it is told apart from one formed for an earlier
     # placement on the same nodes.
     serial: int = 0
+    # A request pinned to nodes some of which are away, placed elsewhere meanwhile: those
+    # nodes, and a line that says so.
+    pinned: tuple[str, ...] = ()
+    note: str = ""
 
     @property
     def entry(self) -> str:
@@ -181,6 +196,9 @@ class Placement:
                       "needs": list(self.needs), "term": self.term,
                       "explicit": self.explicit, "parallel": self.parallel,
                       "serial": self.serial}
+        if self.pinned:
+            d["pinned"] = list(self.pinned)
+            d["note"] = self.note
         if self.spec is not None:
             d["spec"] = self.spec.to_dict()
         return d
@@ -196,7 +214,8 @@ class Placement:
                    tuple(as_int(x) for x in _items(d.get("needs", []))), spec,
                    bool(d.get("explicit")), as_int(d.get("term", 0)),
                    "tensor" if d.get("parallel") == "tensor" else "pipeline",
-                   as_int(d.get("serial", 0)))
+                   as_int(d.get("serial", 0)),
+                   tuple(str(n) for n in _items(d.get("pinned", []))), str(d.get("note", "")))
 
 
 def _items(value: WireValue) -> list[WireValue]:
@@ -211,6 +230,16 @@ class Request:
     spec: ModelSpec
     nodes: tuple[str, ...] = ()  # an explicit ring, in order; empty: choose
     only: tuple[str, ...] = ()  # choose among these nodes only (a model on their disks alone)
+    # The ring it is pinned to while some of those nodes are away (``nodes`` is then empty):
+    # placed automatically meanwhile, with a note saying so.
+    pinned: tuple[str, ...] = ()
+
+    def specs(self) -> list[ModelSpec]:
+        """What it may be placed as: its spec; while its pinned nodes are away, a
+        tensor-parallel spec also as a pipeline ring (a node left alone still serves it)."""
+        if self.pinned and self.spec.tensor:
+            return [self.spec, dataclasses.replace(self.spec, parallel="pipeline")]
+        return [self.spec]
 
 
 def split_layers(layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -437,7 +466,7 @@ def plan(requests: Sequence[Request], nodes: Sequence[NodeOffer],
     by_id = {r.spec.id: r for r in requests}
     for model in sorted(by_id):
         old, req = previous.get(model), by_id[model]
-        if (old is not None and all(n in offers for n in old.ring) and old.spec == req.spec
+        if (old is not None and all(n in offers for n in old.ring) and old.spec in req.specs()
                 and (not req.nodes or tuple(req.nodes) == old.ring)
                 and (not req.only or set(old.ring) <= set(req.only))):
             out[model] = old
@@ -448,12 +477,40 @@ def plan(requests: Sequence[Request], nodes: Sequence[NodeOffer],
             continue
         req = by_id[model]
         candidates = [offers[n] for n in sorted(allowed) if not req.only or n in req.only]
-        try:
-            got = place_model(req.spec, candidates, free, ring=req.nodes, overhead=overhead)
-        except PlacementError as e:
-            out[model] = e
-            continue
-        out[model] = got
-        for n, need in zip(got.ring, got.needs, strict=True):
-            free[n] -= need
+        first: PlacementError | None = None
+        for spec in req.specs():
+            try:
+                got = place_model(spec, candidates, free, ring=req.nodes, overhead=overhead)
+            except PlacementError as e:
+                first = first or e
+                continue
+            out[model] = got
+            for n, need in zip(got.ring, got.needs, strict=True):
+                free[n] -= need
+            break
+        else:
+            assert first is not None
+            out[model] = first
+    for model, req in by_id.items():
+        got_p = out[model]
+        if req.pinned and isinstance(got_p, Placement):
+            out[model] = _noted(got_p, req, offers, allowed)
     return out
+
+
+def _noted(p: Placement, req: Request, offers: Iterable[str], alive: set[str]) -> Placement:
+    """A placement of a request pinned to nodes some of which are away: it says so, naming
+    the ones that are gone (else the ones not alive), so a passing suspicion of another
+    member does not change it."""
+    if p.ring == req.pinned:  # still where it was pinned (a member suspect, not dead yet)
+        return dataclasses.replace(p, pinned=(), note="")
+    away = ([n for n in req.pinned if n not in offers]
+            or [n for n in req.pinned if n not in alive])
+    were = "is" if len(away) == 1 else "are"
+    how = (" as a pipeline ring (a tensor-parallel group does not fit the nodes alive)"
+           if req.spec.tensor and p.parallel != "tensor" else "")
+    note = (f"model {req.spec.id} is pinned to {', '.join(req.pinned)}, but "
+            f"{', '.join(away) or 'not all of them'} {were} not alive: placed automatically "
+            f"on {', '.join(p.ring)}{how} until {'it is' if len(away) == 1 else 'they are'} "
+            "back")
+    return dataclasses.replace(p, pinned=req.pinned, note=note)

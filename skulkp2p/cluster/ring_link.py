@@ -2,7 +2,10 @@
 
 Each node runs one `RingData`: a listener for ring frames (signed like control frames, with the
 64 MiB data-frame cap), the stages it runs for models placed on multi-node rings, and the replies
-awaited by the RingForwards it runs as a last stage. A frame for a stage is computed on that
+awaited by the RingForwards it runs as a last stage. Connections to it prove the secret first, as
+on the control plane (cluster/handshake.py: nothing past the small auth frame is read before,
+with its deadline, caps and slots); an authenticated connection may stay idle between frames,
+but a frame begun must be whole within FRAME_TIMEOUT_S. A frame for a stage is computed on that
 model's own thread (MLX work never blocks the event loop) and passed to the next stage's data
 address; a frame for a request this node awaits is handed to the waiting RingForward.
 
@@ -25,12 +28,16 @@ import time
 from collections.abc import Callable
 
 from skulkp2p import wire
-from skulkp2p.cluster.config import split_addr
+from skulkp2p.cluster.handshake import HELLO_TIMEOUT_S, Gate, Link, connect
 from skulkp2p.cluster.peer_link import CONNECT_TIMEOUT_S, WRITE_TIMEOUT_S
 from skulkp2p.engine.parallel.ring.traversal import RingError, StageWorker
 from skulkp2p.wire import Message
 
 log = logging.getLogger("skulkp2p.ring")
+
+# A data frame begun must be whole this soon (64 MiB at about 1 MB/s); a traversal waiting on
+# it has given up long before (SKULKP2P_RING_TIMEOUT).
+FRAME_TIMEOUT_S = 60.0
 
 
 def ring_timeout() -> float:
@@ -48,11 +55,14 @@ class RingData:
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._waiting: dict[str, queue.Queue[Message]] = {}
         self._lock = threading.Lock()
-        self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._links: dict[str, Link] = {}  # outbound, by address
+        self._connecting: dict[str, asyncio.Lock] = {}
         self._server: asyncio.base_events.Server | None = None
         self._held: dict[str, collections.deque[Message]] = {}  # for a stage not loaded yet
         self.dropped = 0
-        self.metrics: collections.Counter[str] = collections.Counter()  # frames rejected
+        # frames and connections refused (wire_error_*, inbound_refused, ...)
+        self.metrics: collections.Counter[str] = collections.Counter()
+        self.gate = Gate("ring", self.metrics, log)
         self.bytes_out = 0
 
     async def start(self, host: str, bind_source: str | None = None, port: int = 0) -> str:
@@ -66,8 +76,9 @@ class RingData:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for w in self._writers.values():
-            w.transport.abort()
+        self.gate.close()
+        for link in self._links.values():
+            link.close()
         for ex in self._executors.values():
             ex.shutdown(wait=False, cancel_futures=True)
 
@@ -98,21 +109,19 @@ class RingData:
     # ---------------------------------------------------------------- I/O
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        decoder = wire.FrameDecoder(self.key, self.max_frame)
+        link = await self.gate.admit(reader, writer, self.key, self.max_frame)
+        if link is None:
+            return
         try:
-            while True:
-                data = await reader.read(1 << 20)
-                if not data:
-                    break
-                for msg in decoder.feed(data):
+            while msgs := await link.frames(frame_s=FRAME_TIMEOUT_S, read_size=1 << 20):
+                for msg in msgs:
                     self._dispatch(msg)
         except wire.WireError as e:
-            log.warning("ring: closing a data connection: %s", e)
-            self.metrics[f"wire_error_{e.reason}"] += 1
-        except (OSError, asyncio.IncompleteReadError):
+            self.gate.failed(link.host, e)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:
-            writer.transport.abort()
+            self.gate.release(link)
 
     def _dispatch(self, msg: Message) -> None:
         request, model = msg.get("request"), msg.get("model")
@@ -146,27 +155,49 @@ class RingData:
         self._executors[model].submit(compute).add_done_callback(failed)
 
     def send_threadsafe(self, addr: str, msg: Message) -> concurrent.futures.Future[None]:
-        frame = wire.encode_frame(msg, self.key, self.max_frame)
+        body = wire.pack_body(msg, self.max_frame)  # here, off the event loop; signed there
         if self.loop is None:
             raise RuntimeError("the ring's data plane is not started")
-        return asyncio.run_coroutine_threadsafe(self._send(addr, frame), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._send(addr, body), self.loop)
 
-    async def _send(self, addr: str, frame: bytes) -> None:
-        writer = self._writers.get(addr)
+    async def _link(self, addr: str) -> Link:
+        link = self._links.get(addr)
+        if link is not None and not link.writer.is_closing():
+            return link
+        # One connection per address, whoever asks first: frames keep their order on it.
+        async with self._connecting.setdefault(addr, asyncio.Lock()):
+            link = self._links.get(addr)
+            if link is None or link.writer.is_closing():
+                link = await connect(addr, self.key, max_out=self.max_frame,
+                                     bind=self.bind_source, connect_timeout=CONNECT_TIMEOUT_S)
+                self._links[addr] = link
+                asyncio.get_running_loop().create_task(self._watch(addr, link))
+        return link
+
+    async def _watch(self, addr: str, link: Link) -> None:
+        """Nothing comes back on a data connection: EOF means the other end closed it (it
+        restarted, or refused our bytes); forget it so the next frame opens a new one."""
         try:
-            if writer is None or writer.is_closing():
-                host, port = split_addr(addr)
-                bind = self.bind_source
-                _, opened = await asyncio.wait_for(asyncio.open_connection(
-                    host, port, local_addr=(bind, 0) if bind else None), CONNECT_TIMEOUT_S)
-                self._writers[addr] = writer = opened
-            writer.write(frame)
+            while await link.reader.read(1 << 12):
+                pass
+        except OSError:
+            pass
+        if self._links.get(addr) is link:
+            del self._links[addr]
+        link.close()
+
+    async def _send(self, addr: str, body: bytes) -> None:
+        link: Link | None = None
+        try:
+            link = await self._link(addr)
+            frame = link.encoder.sign(body)  # in the order written: the tag covers its number
+            link.writer.write(frame)
             self.bytes_out += len(frame)
-            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+            await asyncio.wait_for(link.writer.drain(), WRITE_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
-            if self._writers.get(addr) is writer and writer is not None:
-                writer.transport.abort()
-                self._writers.pop(addr, None)
+            if link is not None and self._links.get(addr) is link:
+                link.close()
+                self._links.pop(addr, None)
             raise RingError(f"cannot send to ring member at {addr}: {e}") from e
 
 
@@ -190,7 +221,7 @@ class TcpRingLink:
         try:
             self.data.send_threadsafe(self.first_addr, {**msg, "model": self.model,
                                                         "last": self.data.addr}).result(
-                CONNECT_TIMEOUT_S + WRITE_TIMEOUT_S + 1)
+                CONNECT_TIMEOUT_S + HELLO_TIMEOUT_S + WRITE_TIMEOUT_S + 1)
         except (RingError, concurrent.futures.TimeoutError) as e:
             raise RingError(f"ring of {self.model}: the first stage is unreachable: {e}") from e
         deadline = time.monotonic() + self.timeout

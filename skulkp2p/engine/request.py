@@ -77,6 +77,25 @@ class ToolChoice:
     name: str | None = None
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """The shape the output must take: free text, any JSON object, or JSON valid against
+    `schema` (a JSON Schema; `name` and `strict` as the caller gave them). Anything but text
+    constrains decoding: every token is drawn from the tokens the grammar allows
+    (engine/decode/grammar.py)."""
+    type: str = "text"  # one of RESPONSE_FORMATS
+    schema: JSONObject | None = None
+    name: str | None = None
+    strict: bool | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+
 @dataclass(frozen=True)
 class Message:
     """One turn of a chat, as the chat template renders it: its role (one of ROLES) and text,
@@ -102,8 +121,19 @@ class GenerationRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat = field(default_factory=ResponseFormat)
 
     @property
     def uses_tools(self) -> bool:
         """Tools are offered to the model and its calls are parsed."""
         return bool(self.tools) and self.tool_choice.mode != "none"
+
+    @property
+    def text_length(self) -> int:
+        """Characters of the text the prompt is made from (the raw prompt, or every message's
+        content and its calls' arguments): an engine bounds the prompt's tokens with it before
+        tokenising anything."""
+        if self.messages is None:
+            return len(self.prompt or "")
+        return sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                   for m in self.messages)

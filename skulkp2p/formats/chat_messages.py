@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.request import ROLES, Message, RequestError, Tool, ToolChoice
 from skulkp2p.engine.results import ToolCall
+from skulkp2p.formats.body_fields import check_depth, parse_json_text
 from skulkp2p.formats.tool_specs import check_tool_list, make_tool, tool_entries
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -38,15 +39,14 @@ def content_text(content: object, where: str) -> str:
 
 
 def arguments_text(value: object, where: str, key: str) -> str:
-    """A call's arguments as JSON text of an object (given as that text, or as the object)."""
+    """A call's arguments as JSON text of an object (given as that text, or as the object),
+    bounded as every JSON a request holds (body_fields.parse_json_text, check_depth)."""
     if isinstance(value, dict):
+        check_depth(value, where, key)
         return json.dumps(value, ensure_ascii=False)
     if not isinstance(value, str):
         raise RequestError(f"'{where}' must be a JSON object as a string", key)
-    try:
-        parsed = json.loads(value) if value.strip() else {}
-    except ValueError:
-        raise RequestError(f"'{where}' is not valid JSON", key) from None
+    parsed = parse_json_text(value, where, key) if value.strip() else {}
     if not isinstance(parsed, dict):
         raise RequestError(f"'{where}' must be a JSON object", key)
     return value if value.strip() else "{}"

@@ -3,7 +3,7 @@ result written as a chat.completion or streamed as chat.completion.chunk objects
 
 The body takes the pipe's fields (pipe_format.py: messages, sampling, stop, speculation, tools,
 tool_choice, parallel_tool_calls) and OpenAI's own options. An option we cannot honour (n > 1,
-logprobs, a JSON response format, penalties other than repetition_penalty, the deprecated
+logprobs, penalties other than repetition_penalty, the deprecated
 `functions`) is refused naming it, never silently dropped; options that change nothing for us at
 their harmless values (n=1, user, ...) pass.
 
@@ -69,8 +69,6 @@ CHAT_OPTIONS: Options = {
     "logprobs": (lambda v: v in (None, False), "logprobs are not supported yet"),
     "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0),
                      "logprobs are not supported yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "only response_format {\"type\": \"text\"} is supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "reasoning_effort": (_none, "reasoning_effort is not supported"),
     "verbosity": (_none, "verbosity is not supported"),

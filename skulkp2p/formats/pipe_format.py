@@ -12,26 +12,34 @@ from __future__ import annotations
 from skulkp2p.engine.json_types import JSONObject, JSONValue
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import GenerationResult, Usage
-from skulkp2p.formats.body_fields import max_tokens, sampling, speculation, stop_strings
+from skulkp2p.formats.body_fields import (
+    check_fields,
+    max_tokens,
+    sampling,
+    speculation,
+    stop_strings,
+)
 from skulkp2p.formats.chat_messages import (
     parse_messages,
     parse_tool_choice,
     parse_tools,
     tool_call_json,
 )
+from skulkp2p.formats.response_format import parse_response_format, without_tools
 from skulkp2p.formats.result_extras import speculation_json, timing_json
 from skulkp2p.formats.tool_specs import with_tools
 
 COMMON_FIELDS = {"id", "model", "messages", "prompt", "max_tokens", "max_completion_tokens",
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "repetition_penalty", "speculation", "tools", "tool_choice",
-                 "parallel_tool_calls"}
+                 "parallel_tool_calls", "response_format"}
 
 
 def parse_request(obj: object, extra_fields: frozenset[str] = frozenset()) -> GenerationRequest:
     """The request an object asks for. Unknown fields are refused by name, never ignored."""
     if not isinstance(obj, dict):
         raise RequestError("a request must be a JSON object")
+    check_fields(obj)
     unknown = set(obj) - COMMON_FIELDS - extra_fields
     if unknown:
         names = ", ".join(sorted(unknown))
@@ -57,6 +65,7 @@ def parse_request(obj: object, extra_fields: frozenset[str] = frozenset()) -> Ge
         id=obj.get("id"), model=model, messages=messages, prompt=prompt, max_tokens=limit,
         sampling=sampling(obj), stop=stop_strings(obj.get("stop")),
         speculation=speculation(obj.get("speculation")),
+        response_format=parse_response_format(obj.get("response_format")),
     )
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -65,7 +74,8 @@ def parse_request(obj: object, extra_fields: frozenset[str] = frozenset()) -> Ge
     choice = parse_tool_choice(obj.get("tool_choice"))
     if not tools and choice.mode in ("auto", "none") and parallel is None:
         return req
-    return with_tools(req, tools, choice, parallel is not False)
+    return without_tools(with_tools(req, tools, choice, parallel is not False),
+                         "response_format")
 
 
 def request_id(obj: object) -> JSONValue:

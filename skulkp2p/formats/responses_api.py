@@ -39,6 +39,7 @@ from skulkp2p.formats.body_fields import (
 )
 from skulkp2p.formats.chat_messages import check_chat, parse_tool_choice
 from skulkp2p.formats.openai_chat import CheckModel
+from skulkp2p.formats.response_format import format_json, parse_text_format, without_tools
 from skulkp2p.formats.result_extras import extras
 from skulkp2p.formats.tool_specs import check_tool_list, make_tool, tool_entries, with_tools
 
@@ -61,8 +62,6 @@ OPTIONS: Options = {
     "service_tier": (lambda v: v in (None, "auto", "default"),
                      "only service_tier 'auto' or 'default' is supported"),
     "truncation": (lambda v: v in (None, "disabled"), "only truncation 'disabled' is supported"),
-    "text": (lambda v: v is None or v == {} or v == {"format": {"type": "text"}},
-             "only text output ({\"format\": {\"type\": \"text\"}}) is supported"),
     "reasoning": (lambda v: v is None or v == {} or v == {"effort": None},
                   "reasoning options are not supported"),
     "include": (lambda v: v is None or v == [], "'include' is not supported"),
@@ -80,7 +79,7 @@ OPTIONS: Options = {
 }
 
 KNOWN = {*PASSED, *OPTIONS, "input", "instructions", "max_output_tokens", "tools",
-         "tool_choice", "previous_response_id"}
+         "tool_choice", "previous_response_id", "text"}
 
 # The request's fields as the Responses API names them, for the errors raised under the pipe's
 # names (a token limit's) and the engine's (a prompt too long names "messages").
@@ -206,12 +205,14 @@ def response_request(body: object, check_model: CheckModel, stored: StoredConver
     req = GenerationRequest(
         model=model if isinstance(model, str) else None, messages=messages,
         max_tokens=max_tokens(fields, "max_output_tokens", name="max_tokens"),
-        sampling=sampling(fields), speculation=speculation(fields.get("speculation")))
+        sampling=sampling(fields), speculation=speculation(fields.get("speculation")),
+        response_format=parse_text_format(fields.get("text")))
     tools = parse_tools(fields.get("tools"))
     choice = parse_tool_choice(fields.get("tool_choice"))
     parallel = fields.get("parallel_tool_calls")
     if tools or choice.mode != "auto" or parallel is not None:
-        req = with_tools(req, tools, choice, parallel is not False)
+        req = without_tools(with_tools(req, tools, choice, parallel is not False),
+                            "text.format")
     return ResponsesRequest(req, fields, conversation, bool(fields.get("stream")),
                             fields.get("store") is not False)
 
@@ -279,7 +280,7 @@ class ResponseShape:
             "parallel_tool_calls": req.parallel_tool_calls,
             "tool_choice": body.get("tool_choice", "auto"),
             "tools": list(tools) if isinstance(tools, list) else [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": format_json(req.response_format)},
             "truncation": "disabled",
             "store": parsed.store,
             "metadata": body.get("metadata") or {},

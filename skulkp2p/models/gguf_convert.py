@@ -91,6 +91,7 @@ def convert_gguf(
     gguf_path: Path,
     out_dir: Path,
     progress: Callable[[int, int], None] | None = None,
+    source_id: str | None = None,
 ) -> dict[str, Any]:
     """Convert ``gguf_path`` (llama or qwen2 architecture) into an mlx-lm model folder ``out_dir``.
 
@@ -99,6 +100,7 @@ def convert_gguf(
     ``progress(done, total)`` is called once per tensor. An existing ``out_dir`` is replaced, and
     only once the new folder is complete. Returns a summary: model_type, layers, hidden_size,
     kv_heads, context_length, parameters, bytes (size of model.safetensors), sha256 (of it).
+    ``source_id``: the model name the GGUF came by (a repository id), recorded as source.id.
     """
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
@@ -110,7 +112,7 @@ def convert_gguf(
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        summary = _convert_into(gguf_path, tmp, progress)
+        summary = _convert_into(gguf_path, tmp, progress, source_id)
         _fsync_tree(tmp)
         _install(tmp, out_dir)
     except BaseException:
@@ -120,7 +122,8 @@ def convert_gguf(
 
 
 def _convert_into(
-    gguf_path: Path, tmp: Path, progress: Callable[[int, int], None] | None
+    gguf_path: Path, tmp: Path, progress: Callable[[int, int], None] | None,
+    source_id: str | None = None,
 ) -> dict[str, Any]:
     reader = gguf.GGUFReader(gguf_path)
     meta = _Meta(reader)
@@ -165,6 +168,7 @@ def _convert_into(
             "bytes": gguf_path.stat().st_size,
             "name": meta.get("general.name"),
             "file_type": meta.get("general.file_type"),
+            **({"id": source_id} if source_id else {}),
         },
         "files": files,
         "model": summary,

@@ -3,6 +3,7 @@ disk, the dtype it runs them in, and the model it asks to have placed (its --mod
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -13,13 +14,24 @@ from skulkp2p.wire import Message
 
 if TYPE_CHECKING:
     from skulkp2p.models.store import ModelStore
+    from skulkp2p.node.engines import EngineChoice
 
 
-def own_want(store: ModelStore, model: str, node_name: str) -> Message:
+def own_want(store: ModelStore, model: str, node_name: str,
+             choice: EngineChoice | None = None) -> Message:
     """What this node asks the cluster to place: its --model. A model from a local folder or
-    file can only be placed on nodes that have it (those that ask for it)."""
-    resolved = store.resolve(model)
-    want = model_spec(store, model).to_dict()
+    file can only be placed on nodes that have it (those that ask for it). `choice`: the form
+    this node chose (node/engines.py, choose_engine): its GGUF form keeps the model's id (what
+    clients ask for) with the GGUF card's engine, size and slots, so placement counts the memory
+    llama-server takes."""
+    resolved = store.resolve(model, fetch=True)
+    spec = model_spec(store, model)
+    if choice is not None:
+        if choice.load != model:
+            form = model_spec(store, choice.load)
+            spec = dataclasses.replace(form, id=spec.id)
+        spec = dataclasses.replace(spec, engine_reason=choice.reason)
+    want = spec.to_dict()
     if resolved.card is None or resolved.card.source.kind == "local":
         want["only"] = [node_name]
     return want

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from skulkp2p.api.server import ServerConfig
     from skulkp2p.cluster.config import NodeConfig
     from skulkp2p.models.store import ModelStore
+    from skulkp2p.node.engines import EngineChoice
 
 log = logging.getLogger("skulkp2p.node")
 
@@ -43,6 +44,7 @@ class JoinSettings:
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # per model (and ring stage); 0: off
     draft_memory_tokens: int | None = None  # MLX engine's draft memory (0 = off, None = card's)
     max_batch: int | None = None  # requests a model generates at once (None: card's, else default)
+    engine: EngineChoice | None = None  # --engine's choice between the model's forms
 
 
 def run_join(store: ModelStore, settings: JoinSettings, cluster: NodeConfig) -> int:
@@ -85,7 +87,8 @@ def run_join(store: ModelStore, settings: JoinSettings, cluster: NodeConfig) -> 
                 on_ready=on_ready, prefix_cache_mb=settings.prefix_cache_mb,
                 max_batch=settings.max_batch))
             return await serve_cluster(cluster, serving,
-                                       own_want(store, settings.model, cluster.name),
+                                       own_want(store, settings.model, cluster.name,
+                                                settings.engine),
                                        settings.http_host, settings.http_port, stop,
                                        http_config=settings.http_config,
                                        facts=node_facts(store), on_listening=on_listening)

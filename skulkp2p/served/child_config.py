@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from skulkp2p.models.cards import SERVED_DEFAULT_CONTEXT, SERVED_DEFAULT_SLOTS, Card
+from skulkp2p.models.repo_ids import parse_repo_ref
 from skulkp2p.served.child import ServedError
 
 FORCE_NO_SPEC = "SKULKP2P_LLAMA_SERVER_FORCE_NO_SPEC"
@@ -68,12 +69,14 @@ def server_args(store: Any, card: Card, model: Path, *, no_spec: bool | None = N
             args += ["--spec-draft-n-max", str(p["served_spec_n_max"])]
         if p.get("served_spec_draft"):
             draft = p["served_spec_draft"]
+            draft_path = Path(draft).expanduser()
+            if not draft_path.is_absolute() and card.file is not None:
+                draft_path = card.file.parent / draft_path
             if draft in store.cards:
                 draft_path = resolve_gguf(store, store.cards[draft])
-            else:
-                draft_path = Path(draft).expanduser()
-                if not draft_path.is_absolute() and card.file is not None:
-                    draft_path = card.file.parent / draft_path
+            elif not draft_path.exists() and parse_repo_ref(draft) is not None:
+                # a GGUF repository: owner/repo[@revision][:QUANT|:file.gguf]
+                draft_path = resolve_gguf(store, store.resolve(draft, fetch=True).card)
             args += ["--model-draft", str(draft_path)]
     args += [str(a) for a in p.get("served_args", [])]
     return args

@@ -49,6 +49,11 @@ log = logging.getLogger("skulkp2p.served")
 
 CHILD_TIMEOUT_S = 600  # no byte from the child for this long: it is lost
 
+# The most characters a token spells, for a prompt's bound before the child tokenises it (its
+# vocabulary is the child's): the longest tokens of the vocabularies served here spell 128
+# (Qwen's), doubled as the MLX engine doubles its own (engine/runner/generate.py).
+MAX_CHARS_PER_TOKEN = 256
+
 
 class ServedModel:
     runs_on_loop = True  # the proxy only waits on sockets: the worker relays it on the loop
@@ -81,10 +86,19 @@ class ServedModel:
 
     def prompt_length(self, req: GenerationRequest) -> int:
         # Counting needs the child's template and tokenizer (two more round trips); the real
-        # count arrives in the final usage. Over-long prompts are refused by the child (400).
+        # count arrives in the final usage. Over-long prompts are refused by the child (400),
+        # and one too long by its characters alone here, before the child tokenises it.
         # (A forced tool call needs the template's format: learnt here, off the loop.)
+        self._check_size(req)
         self._opening(req)
         return 0
+
+    def _check_size(self, req: GenerationRequest) -> None:
+        limit = (self.context_length - 1) * MAX_CHARS_PER_TOKEN
+        if req.text_length > limit:
+            raise RequestError(f"prompt is {req.text_length} characters; model {self.id} takes "
+                               f"at most {self.context_length - 1} tokens, which spell at most "
+                               f"{limit}", "messages" if req.messages is not None else "prompt")
 
     def generate(self, req: GenerationRequest) -> Generation:
         return Generation(lambda interrupt: self.stream(req, interrupt))
@@ -92,6 +106,7 @@ class ServedModel:
     def stream(self, req: GenerationRequest, interrupt: Callable[[], None] | None = None
                ) -> Generator[Chunk, None, GenerationResult]:
         """The blocking proxy (http.client): chunks as the child sends them, then the result."""
+        self._check_size(req)
         self.prepare()
         body = self._body(req)
         chat = req.messages is not None
@@ -281,6 +296,10 @@ def child_body(req: GenerationRequest, default_max_tokens: int, opening: str = "
         body["seed"] = s.seed
     if req.stop:
         body["stop"] = list(req.stop)
+    fmt = req.response_format
+    if fmt.constrained:  # llama-server compiles the schema into its own grammar
+        body["json_schema"] = {"type": "object"} if fmt.type == "json_object" else \
+            (fmt.schema or {})
     messages = None if req.messages is None else [message_json(m) for m in req.messages]
     if messages is not None:
         body["messages"] = messages

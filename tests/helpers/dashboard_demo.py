@@ -94,6 +94,7 @@ def main() -> int:
         for i in range(args.nodes):
             name, port, http_port = f"n{i}", free_port(), free_port()
             cmd = [sys.executable, "-m", "skulkp2p", "join", "--model", args.model,
+                   "--engine", "mlx",
                    "--name", name, "--port", str(port), "--http-port", str(http_port),
                    # a demo starts fresh: no place requests restored from an earlier demo's run
                    "--no-cluster-state"]

@@ -58,6 +58,8 @@ class H11Client:
         hdrs = [("Host", "127.0.0.1"), *(headers or [])]
         if body is not None:
             hdrs.append(("Content-Length", str(len(body))))
+            if not any(k.lower() == "content-type" for k, _ in hdrs):
+                hdrs.append(("Content-Type", "application/json"))  # as real clients send it
         data = self.conn.send(h11.Request(method=method, target=path, headers=hdrs))
         if body:
             data += self.conn.send(h11.Data(data=body))
@@ -161,14 +163,17 @@ def parse_responses(raw: bytes) -> list[Reply]:
     return out
 
 
-def call(addr: str, method: str, path: str, body=None, timeout: float = 60):
-    """One request to HOST:PORT on a fresh connection: (status, lower-cased headers, the body
-    parsed as JSON, or the raw bytes when it is not JSON)."""
+def call(addr: str, method: str, path: str, body=None, timeout: float = 60,
+         headers: dict[str, str] | None = None):
+    """One request to HOST:PORT on a fresh connection (with `headers` besides the JSON
+    Content-Type): (status, lower-cased headers, the body parsed as JSON, or the raw bytes when
+    it is not JSON)."""
     host, port = addr.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
         data = json.dumps(body).encode() if body is not None else None
-        conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
+        sent = {"Content-Type": "application/json"} if data else {}
+        conn.request(method, path, data, {**sent, **(headers or {})})
         resp = conn.getresponse()
         raw = resp.read()
         try:

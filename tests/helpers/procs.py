@@ -85,13 +85,15 @@ class JoinNode:
     the process started when ``http_port`` is given)."""
 
     def __init__(self, model: str, tmp: Path, *extra: str, ready_timeout: float = 120,
-                 wait_ready: bool = True, http_port: int | None = None):
+                 wait_ready: bool = True, http_port: int | None = None,
+                 log_level: str = "info", env: dict[str, str] | None = None):
         self.log = tmp / f"join-{os.getpid()}-{next(_join_logs)}.log"
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "skulkp2p", "join", "--model", model,
-                 "--http-port", str(http_port or 0), *extra],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+                [sys.executable, "-m", "skulkp2p", "--log-level", log_level, "join", "--model",
+                 model, "--http-port", str(http_port or 0), *extra],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                env={**os.environ, **env} if env else None)
         self.health_while_loading: list[tuple[int, dict]] = []
         if http_port:
             self.port = http_port

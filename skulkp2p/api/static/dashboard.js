@@ -1,5 +1,7 @@
 // skulkp2p dashboard: polls this node's JSON routes and draws the cluster, its placements and
-// every model's requests. Plain JavaScript, no libraries; it talks to this node only.
+// every model's requests. Plain JavaScript, no libraries; it talks to this node only. On a node
+// with API keys the data routes answer 401 without one: the page then asks for the key once,
+// keeps it for this tab (sessionStorage) and sends it as a Bearer token on every fetch.
 "use strict";
 
 const POLL_MS = 1000;
@@ -48,8 +50,57 @@ function ago(seconds) {
   return `${Math.floor(s / 3600)} h ago`;
 }
 
+// ---- the API key ---------------------------------------------------------------------------
+
+const KEY_STORE = "skulkp2p-api-key";
+const auth = { prompts: 0, asking: false, refused: false };
+
+function apiKey() {
+  try { return sessionStorage.getItem(KEY_STORE) || ""; } catch (e) { return ""; }
+}
+
+function withKey(headers, key) {
+  return key ? { ...headers, Authorization: `Bearer ${key}` } : headers;
+}
+
+// A 401 to a fetch that sent `sent` (the stored key, or ""): show the key form, once.
+function askForKey(sent) {
+  if (sent) {
+    auth.refused = true;
+    if (apiKey() === sent) {
+      try { sessionStorage.removeItem(KEY_STORE); } catch (e) { /* storage off */ }
+    }
+  }
+  const form = document.getElementById("key-form");
+  document.getElementById("key-note").textContent = auth.refused
+    ? "This node refused that API key; enter another." : "This node asks for an API key.";
+  if (!auth.asking) {
+    auth.asking = true;
+    auth.prompts++;
+    form.dataset.prompts = String(auth.prompts);
+    form.hidden = false;
+    document.getElementById("key-input").focus();
+  }
+}
+
+function useKey(ev) {
+  ev.preventDefault();
+  const input = document.getElementById("key-input");
+  const key = input.value.trim();
+  if (!key) return;
+  try { sessionStorage.setItem(KEY_STORE, key); } catch (e) { /* storage off */ }
+  input.value = "";
+  auth.asking = false;
+  auth.refused = false;
+  document.getElementById("key-form").hidden = true;
+  poll();
+}
+
 async function getJSON(path) {
-  const r = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
+  const key = apiKey();
+  const r = await fetch(path, { headers: withKey({ Accept: "application/json" }, key),
+    cache: "no-store" });
+  if (r.status === 401) askForKey(key);
   let body = null;
   try { body = await r.json(); } catch (e) { body = null; }
   return { ok: r.ok, status: r.status, body };
@@ -139,8 +190,12 @@ function renderPlacements(cluster) {
       const kind = tensor(p) ? `tensor group of ${p.ring.length}`
         : p.ring.length > 1 ? `ring of ${p.ring.length}` : "one node";
       const needs = Array.isArray(p.needs) ? p.needs.reduce((x, y) => x + y, 0) : p.needs;
+      // which engine serves it, and why (its /v1/models entry)
+      const m = state.models.find((x) => x.id === p.model);
+      const eng = m && m.engine ? ` · ${m.engine === "llama_server" ? "llama-server" : "MLX"}` : "";
       return el("div", { class: "placement", "data-placement": p.model },
-        el("div", {}, el("b", { text: p.model }), el("div", { class: "muted", text: kind })),
+        el("div", {}, el("b", { text: p.model }),
+          el("div", { class: "muted", text: kind + eng, title: (m && m.engine_reason) || "" })),
         el("div", { class: "ring" }, spans),
         el("div", {},
           "served by ", el("b", { "data-served-by": entry(p), text: entry(p) }),
@@ -437,8 +492,11 @@ async function sendTry(ev) {
   out.textContent = "";
   info.textContent = "waiting for the first token…";
   try {
+    const key = apiKey();
     const r = await fetch("/v1/chat/completions", { method: "POST", body: JSON.stringify(body),
-      headers: { "Content-Type": "application/json", Accept: "text/event-stream" } });
+      headers: withKey({ "Content-Type": "application/json", Accept: "text/event-stream" },
+        key) });
+    if (r.status === 401) askForKey(key);
     if (!r.ok) {
       let msg = `HTTP ${r.status}`;
       try { msg += `: ${(await r.json()).error.message}`; } catch (e) { /* not JSON */ }
@@ -497,6 +555,12 @@ async function poll() {
   try {
     const [cl, st] = await Promise.all([getJSON("/v1/cluster"),
       getJSON("/v1/stats?scope=cluster")]);
+    if (cl.status === 401 || st.status === 401) {
+      const u = document.getElementById("updated");
+      u.dataset.ok = "false";
+      u.textContent = "waiting for an API key";
+      return;
+    }
     state.cluster = cl.ok ? cl.body : null;
     state.stats = st.ok ? st.body : null;
     if (state.polls % 5 === 1 || !state.models.length) {
@@ -520,5 +584,6 @@ async function poll() {
 }
 
 document.getElementById("try-form").addEventListener("submit", sendTry);
+document.getElementById("key-form").addEventListener("submit", useKey);
 poll();
 setInterval(poll, POLL_MS);

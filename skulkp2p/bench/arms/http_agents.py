@@ -57,6 +57,7 @@ def start_node(name: str, mode: str, model: str, data_dir: str | None, extra: li
     port = free_port()
     env = dict(os.environ)
     env.pop(FORCE_NO_SPEC, None)
+    env.pop("SKULKP2P_API_KEY", None)  # the bench's own agent on loopback: no key to send
     env.update(env_extra)
     root = str(Path(skulkp2p.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -204,6 +204,7 @@ def _start_agent(arm: str, card_id: str, data_dir: str | None, tmp: Path) -> Age
     port = free_port()
     env = dict(os.environ)
     env.pop(FORCE_NO_SPEC, None)
+    env.pop("SKULKP2P_API_KEY", None)  # the bench's own agent on loopback: no key to send
     if arm == PLAIN:
         env[FORCE_NO_SPEC] = "1"
     env.setdefault(CACHE_RAM_ENV, "0")

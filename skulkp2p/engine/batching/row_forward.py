@@ -237,6 +237,8 @@ class RowForward(Forward):
                     return sched.steps != seen or not sched.active
                 sched.cond.wait_for(stepped)
                 self.prefill_waits += 1
+                if self.interrupt is not None:  # (cancelled while the rows stepped)
+                    self.interrupt()
             n += 1
             piece = tokens[start:start + sched.prefill_chunk]
             ran, h = sched.prefill(self, piece)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from skulkp2p.engine.decode.drafter_seam import Drafter
+    from skulkp2p.engine.decode.grammar import Grammar
     from skulkp2p.engine.model.forward import Forward
 
 
@@ -125,6 +126,8 @@ def decode(
     cached: int = 0,
     history: list[int] | None = None,
     on_prefill: Callable[[], None] | None = None,
+    interrupt: Callable[[], None] | None = None,
+    grammar: Grammar | None = None,
 ) -> Generator[int, None, None]:
     """Yield generated tokens one at a time. The caller stops consuming at EOS or a stop string.
 
@@ -134,15 +137,31 @@ def decode(
     hold all of it but its last token (the pending one). (Pipelined plain greedy holds one step
     more while it runs and takes it back on close: the caller closes before it keeps them.)
     `on_prefill` is called once the prompt is prefilled and the drafter has
-    begun, before the first round (the caches then hold prompt[:-1])."""
+    begun, before the first round (the caches then hold prompt[:-1]). `interrupt` (the
+    request's cancel check, which raises) is called once the prefill ended and once the drafter
+    has begun: the forward checks it between prefill chunks itself, so a request cancelled
+    during its prefill runs at most the chunk in flight, never the drafter's pass over the
+    prompt nor a first round.
+
+    `grammar` (a structured output, grammar.py): every row's choice, the pending token's and
+    each draft position's, is made from that row's logits masked to what the grammar allows
+    after the tokens accepted before it, so greedy output is constrained plain decoding's token
+    for token and sampled output is its distribution (the accept rule compares the masked,
+    renormalised p). Drafts are cut at the first token the grammar refuses, before the verify;
+    the tokens it forces are drafted first (`Grammar.forced`). Such rounds run one by one
+    (no pipelined stretches, no trees)."""
     if not prompt:
         raise ValueError("empty prompt")
     if not 0 <= cached < len(prompt):
         raise ValueError(f"cached must be in [0, {len(prompt)}), got {cached}")
     stats = stats if stats is not None else DecodeStats()
     forward.prefill(prompt[cached:-1])
+    if interrupt is not None:
+        interrupt()
     if drafter is not None:
         drafter.begin(prompt, forward)
+        if interrupt is not None:
+            interrupt()
     if on_prefill is not None:
         on_prefill()
     pending = prompt[-1]
@@ -156,7 +175,8 @@ def decode(
     # Trees where the drafter proposes them and the forward verifies them (attention-only
     # families): greedy requests keep the target's choices, sampled ones the multi-draft
     # rejection rule (tree_accept.py).
-    trees = drafter is not None and drafter.capabilities.trees and forward.trees
+    trees = (drafter is not None and drafter.capabilities.trees and forward.trees
+             and grammar is None)
     produced = 0
     # Rounds with nothing to verify run pipelined (_pipelined): plain greedy from its first
     # token, and with a drafter the stretches where it expects to offer nothing for a while (its
@@ -166,6 +186,12 @@ def decode(
     offered: Proposal | None = None
     while produced < max_tokens:
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
+        if grammar is not None:
+            yield from _constrained_round(forward, drafter, pending, history, k, params, rng,
+                                          stats, grammar)
+            produced = len(history) - len(prompt)
+            pending = history[-1]
+            continue
         if offered is None:
             offered = _propose(drafter, history, k, trees)
         draft, q, tree = offered
@@ -219,6 +245,71 @@ def decode(
         for token in emitted:
             produced += 1
             yield token
+
+
+def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
+                      history: list[int], k: int, params: SamplingParams,
+                      rng: np.random.Generator, stats: DecodeStats, grammar: Grammar
+                      ) -> Generator[int, None, None]:
+    """One verify round under a grammar; the emitted tokens join `history` and are yielded.
+
+    The draft is the tokens the grammar forces, then the drafter's proposal after them, cut at
+    the first token the grammar refuses. Row i's logits are masked by the grammar after the
+    tokens kept before it (the matcher consumes exactly the emitted tokens, so it never holds a
+    rejected draft). A refused token drawn from a draft distribution q is still decided at its
+    row by the accept rule (p of it is 0: rejected, the token drawn from norm(max(0, p - q))),
+    so cutting it leaves the output p-distributed; a deterministic draft's row is plain
+    sampling's own draw (verify_one)."""
+    import mlx.core as mx
+
+    forced = grammar.forced()[:k] if k > 0 else []
+    inner: list[int] = []
+    inner_q: Sequence[np.ndarray | None] | None = None
+    if drafter is not None and k - len(forced) > 0 and (not forced or grammar.chain_drafts):
+        inner, inner_q = drafter.propose(history + forced, k - len(forced))
+    draft = forced + list(inner)
+    q: list[np.ndarray | None] | None = None
+    if inner_q is not None:
+        none: list[np.ndarray | None] = [None] * len(forced)
+        q = none + list(inner_q)
+    cut = grammar.valid_prefix(draft)
+    refused: tuple[int, np.ndarray] | None = None
+    if cut < len(draft):
+        if q is not None and q[cut] is not None:
+            q_cut = q[cut]
+            assert q_cut is not None
+            refused = (draft[cut], q_cut)
+        draft = draft[:cut]
+        q = q[:cut] if q is not None else None
+    logits = forward([pending, *draft])
+    emitted: list[int] = []
+    accepted = 0
+    for i in range(len(draft) + 1):
+        row = process_logits(logits[i:i + 1], history + emitted, params)
+        allowed = grammar.mask()
+        width = row.shape[-1]
+        if allowed.shape[0] < width:
+            allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
+        row = mx.where(mx.array(allowed[:width])[None, :], row,
+                       mx.array(-np.inf, dtype=row.dtype))
+        ok = False
+        if i < len(draft):
+            token, ok = verify_one(row, draft[i], q[i] if q else None, params, rng)
+        elif refused is not None and not params.greedy:
+            token, _ = verify_one(row, refused[0], refused[1], params, rng)
+        else:
+            token = choose(row, params, rng)
+        grammar.accept(token)
+        emitted.append(token)
+        if not ok:
+            break
+        accepted += 1
+    forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
+    stats.record(len(draft), accepted)
+    if drafter is not None:
+        drafter.observe(len(draft), accepted, emitted, forward)
+    history.extend(emitted)
+    yield from emitted
 
 
 def _tree_round(forward: Forward, pending: int, tree: DraftTree, params: SamplingParams,

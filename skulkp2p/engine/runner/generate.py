@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
+import threading
 import time
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING
@@ -12,6 +15,7 @@ import mlx.nn as nn
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.cache.prefix_cache import PrefixCache
 from skulkp2p.engine.decode.drafter_seam import Drafter
+from skulkp2p.engine.decode.grammar import Grammar, compile_format, tokenizer_bridge
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import make_rng
 from skulkp2p.engine.decode.text import TextAssembler
@@ -45,7 +49,65 @@ if TYPE_CHECKING:
 log = logging.getLogger("skulkp2p.engine")
 
 
+# A token's text is at most its tokenizer's longest token (counted in the vocabulary's own
+# spelling: a byte-level token's text has a character per byte, never fewer than it decodes to),
+# and this margin covers normalisers that fold characters together (NFKC composes some pairs
+# into one). A prompt made of more characters than the context's tokens times that cannot fit:
+# it is refused before it is tokenised.
+CHARS_PER_TOKEN_MARGIN = 2
+
+# Prompts of more characters than the context has tokens times this (about what a token of
+# prose spells) are likely too long: they are tokenised one at a time, so that concurrent ones
+# do not each hold their tokenisation's memory at once.
+LIKELY_CHARS_PER_TOKEN = 4
+
+_tokenising_long = threading.Lock()
+
+
+def max_token_chars(loaded: LoadedModel) -> int:
+    """The most characters one token of the model's tokenizer spells (once per model)."""
+    cached = loaded.runtime.get("_max_token_chars")
+    if cached is None:
+        vocab = loaded.tokenizer.get_vocab()
+        cached = loaded.runtime["_max_token_chars"] = max((len(t) for t in vocab), default=1)
+    return int(cached)
+
+
+def too_long(loaded: LoadedModel, req: GenerationRequest, tokens: int) -> RequestError:
+    """The error of a prompt of `tokens` tokens that leaves no room in the model's context."""
+    return RequestError(f"prompt is {tokens} tokens; model {loaded.id} takes at most "
+                        f"{loaded.context_length - 1}",
+                        "messages" if req.messages is not None else "prompt")
+
+
 def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
+    """The prompt's token ids (a chat rendered by its template), once checked against the
+    model's context: first its characters, without tokenising (a prompt that cannot fit is
+    refused at the cost of counting them), then its tokens. RequestError for a prompt too
+    long; the memory a refused prompt's tokens took goes back to the system."""
+    chars = req.text_length
+    limit = (loaded.context_length - 1) * max_token_chars(loaded) * CHARS_PER_TOKEN_MARGIN
+    if chars > limit:
+        raise RequestError(f"prompt is {chars} characters; model {loaded.id} takes at most "
+                           f"{loaded.context_length - 1} tokens, which spell at most {limit}",
+                           "messages" if req.messages is not None else "prompt")
+    if chars <= loaded.context_length * LIKELY_CHARS_PER_TOKEN:
+        return _checked(loaded, req)
+    with _tokenising_long:
+        return _checked(loaded, req)
+
+
+def _checked(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
+    ids = _tokenise(loaded, req)
+    n = len(ids)
+    if n >= loaded.context_length:
+        ids.clear()
+        release_freed_memory()
+        raise too_long(loaded, req, n)
+    return ids
+
+
+def _tokenise(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
     tok = loaded.tokenizer  # mlx-lm's TokenizerWrapper
     if req.messages is not None:
         if not tok.has_chat_template:
@@ -64,6 +126,37 @@ def prompt_tokens(loaded: LoadedModel, req: GenerationRequest) -> list[int]:
     bos = tok.bos_token
     add_special = bos is None or not req.prompt.startswith(bos)
     return list(tok.encode(req.prompt, add_special_tokens=add_special))
+
+
+def _heap_release() -> Callable[[], object] | None:
+    """The C library's call that hands freed heap memory back to the system, where it has
+    one (glibc: malloc_trim; macOS: malloc_zone_pressure_relief)."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    if sys.platform == "darwin":
+        relief = getattr(libc, "malloc_zone_pressure_relief", None)
+        if relief is None:
+            return None
+        relief.argtypes = [ctypes.c_void_p, ctypes.c_size_t]  # (every zone, as much as it can)
+        return lambda: relief(None, 0)
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return None
+    trim.argtypes = [ctypes.c_size_t]  # (keep no slack at the top of the heap)
+    return lambda: trim(0)
+
+
+_release = _heap_release()
+
+
+def release_freed_memory() -> None:
+    """Give the memory a refused prompt's tokenisation freed back to the system now. The C
+    library keeps what a thread freed in that thread's arena, and the runner threads live as
+    long as the model: without this each refused long prompt would stay in the node's RSS."""
+    if _release is not None:
+        _release()
 
 
 # A head's prior acceptance is measured on held-out text (its card says so): it weighs as much as
@@ -297,6 +390,24 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest) -> DraftModelDra
         target_vocab=vocab_size(loaded.model))
 
 
+def constraint(loaded: LoadedModel, req: GenerationRequest, drafter: Drafter | None
+               ) -> Grammar | None:
+    """The request's grammar matcher (a structured output), or None for free text. The
+    tokenizer's bridge to llguidance is built once per model."""
+    if not req.response_format.constrained:
+        return None
+    grammar = compile_format(req.response_format)
+    bridge = loaded.runtime.get("_grammar_tokenizer")
+    if bridge is None:
+        tok = loaded.tokenizer
+        hf = getattr(tok, "_tokenizer", tok)  # (mlx-lm's TokenizerWrapper holds the HF one)
+        bridge = loaded.runtime["_grammar_tokenizer"] = tokenizer_bridge(
+            hf, vocab_size(loaded.model), sorted(tok.eos_token_ids))
+    matcher = Grammar(bridge, grammar, vocab_size(loaded.model))
+    matcher.chain_drafts = _mtp_in(drafter) is None
+    return matcher
+
+
 def _mtp_in(drafter: Drafter | None) -> MtpDrafter | None:
     """The MTP head drafter inside a (gated, combined) drafter, or None."""
     from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
@@ -373,11 +484,13 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     t0 = time.perf_counter()
     prompt = list(prompt) if prompt is not None else prompt_tokens(loaded, req)
     if len(prompt) >= loaded.context_length:
-        raise RequestError(f"prompt is {len(prompt)} tokens; model {loaded.id} takes at most "
-                           f"{loaded.context_length - 1}", "messages" if req.messages else "prompt")
+        raise too_long(loaded, req, len(prompt))
+    if interrupt is not None:  # (cancelled before it started: nothing runs)
+        interrupt()
     default_max = int(loaded.runtime.get("max_tokens", 256))
     max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
     drafter, depth, hidden = _choose_drafter(loaded, req, prompt, memory)
+    grammar = constraint(loaded, req, drafter)
     rng = make_rng(req.sampling.seed)
     stats = DecodeStats()
     eos = set(loaded.tokenizer.eos_token_ids)
@@ -403,7 +516,8 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     t_first = None
     steps = decode(forward, prompt, req.sampling, max_tokens, rng, drafter, depth, stats,
                    cached=cached, history=history,
-                   on_prefill=None if prefix is None else lambda: prefix.after_prefill(prompt))
+                   on_prefill=None if prefix is None else lambda: prefix.after_prefill(prompt),
+                   interrupt=interrupt, grammar=grammar)
     try:
         for token in steps:
             if interrupt is not None:

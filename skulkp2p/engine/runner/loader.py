@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.stage import StageSpan
+from skulkp2p.models.repo_ids import parse_repo_ref
 from skulkp2p.models.store import ModelStore
 from skulkp2p.progress import ProgressBar
 
@@ -29,7 +29,7 @@ def serving_dtype() -> str:
 
 def open_model(store: ModelStore, spec: str, dtype: str | None = None,
                span: StageSpan | None = None, head_only: bool = False) -> LoadedModel:
-    resolved = store.resolve(spec)
+    resolved = store.resolve(spec, fetch=True)  # a card id, a path or a repository id
     path = store.pull(spec, progress=lambda label: ProgressBar(label, sys.stderr))
     card = resolved.card
     dtype = dtype or serving_dtype()
@@ -88,36 +88,36 @@ def open_assistant(store: ModelStore, speculation: dict, card_file: Path | None,
 
 
 def resolve_assistant(store: ModelStore, value: str, card_file: Path | None = None) -> Path:
-    """The local folder a card's `speculation.assistant_model` names: "hf:owner/repo" (the
-    hub's copy, e.g. hf:mlx-community/gemma-4-E4B-it-assistant-bf16; the local cache only
-    under HF_HUB_OFFLINE), a card id (pulled by the store), or a folder (relative to the card
-    file, or absolute)."""
-    if value.startswith("hf:"):
-        repo = value[3:]
-        if not _HF_REPO.fullmatch(repo):
-            raise ValueError(f"card field speculation.assistant_model {value!r}: not an "
-                             "'hf:owner/repo' Hugging Face repo id")
-        import huggingface_hub
-        try:
-            return Path(huggingface_hub.snapshot_download(
-                repo, allow_patterns=["*.json", "*.safetensors"], local_files_only=_hf_offline()))
-        except Exception as e:  # the hub's errors vary by version; the message says what
-            raise FileNotFoundError(f"card field speculation.assistant_model {value!r}: cannot "
-                                    f"fetch it{' (HF_HUB_OFFLINE is set)' * _hf_offline()}: "
-                                    f"{type(e).__name__}: {e}") from e
-    if value in store.cards:
+    """The local folder a card's `speculation.assistant_model` names: a card id (pulled by the
+    store), a folder (relative to the card file, or absolute), or a Hugging Face repository id,
+    "owner/repo[@revision]" or "hf:owner/repo" (the hub's copy, e.g.
+    mlx-community/gemma-4-E4B-it-assistant-bf16; the local cache only under HF_HUB_OFFLINE)."""
+    ref = parse_repo_ref(value)
+    if value.startswith("hf:") and (ref is None or ref.selector):
+        raise ValueError(f"card field speculation.assistant_model {value!r}: not an "
+                         "'hf:owner/repo' Hugging Face repo id")
+    if value in store.cards and not value.startswith("hf:"):
         return store.pull(value, progress=lambda label: ProgressBar(label, sys.stderr))
     path = Path(value).expanduser()
     if not path.is_absolute() and card_file is not None:
         path = Path(card_file).parent / path
-    if not (path / "config.json").is_file():
+    if not value.startswith("hf:") and (path / "config.json").is_file():
+        return path
+    if ref is None or ref.selector:
         raise FileNotFoundError(f"card field speculation.assistant_model {value!r}: no card of "
                                 f"that id and no folder with a config.json at {path}")
-    return path
+    import huggingface_hub
+    try:
+        return Path(huggingface_hub.snapshot_download(
+            ref.repo, revision=ref.revision, allow_patterns=["*.json", "*.safetensors"],
+            local_files_only=_hf_offline()))
+    except Exception as e:  # the hub's errors vary by version; the message says what
+        raise FileNotFoundError(f"card field speculation.assistant_model {value!r}: cannot "
+                                f"fetch it{' (HF_HUB_OFFLINE is set)' * _hf_offline()}: "
+                                f"{type(e).__name__}: {' '.join(str(e).split())}") from e
 
 
 SIDECAR_FILE = "mtp.safetensors"
-_HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_sidecar(value: str, card_file: Path | None = None) -> Path:
@@ -125,11 +125,12 @@ def resolve_sidecar(value: str, card_file: Path | None = None) -> Path:
 
     * a path, absolute or relative to the card file (a file in the project, e.g.
       "sidecars/smollm2-135m/mtp.safetensors"); a folder stands for its mtp.safetensors;
-    * "hf:owner/repo" (or a bare "owner/repo" that is no local path): the repo's
-      mtp.safetensors from the Hugging Face hub, from the local cache only when offline.
+    * "hf:owner/repo" (or a bare "owner/repo" that is no local path), either with
+      "@revision": the repo's mtp.safetensors from the Hugging Face hub, from the local cache
+      only when offline.
     """
-    repo = value[3:] if value.startswith("hf:") else None
-    if repo is None:
+    ref = parse_repo_ref(value) if value.startswith("hf:") else None
+    if not value.startswith("hf:"):
         path = Path(value).expanduser()
         if not path.is_absolute() and card_file is not None:
             path = Path(card_file).parent / path
@@ -137,12 +138,12 @@ def resolve_sidecar(value: str, card_file: Path | None = None) -> Path:
             path = path / SIDECAR_FILE
         if path.is_file():
             return path
-        if not _HF_REPO.fullmatch(value) or value.endswith(".safetensors"):
+        ref = None if value.endswith(".safetensors") else parse_repo_ref(value)
+        if ref is None or ref.selector:
             raise FileNotFoundError(f"MTP sidecar {value!r}: no file {path}")
-        repo = value
-    if not _HF_REPO.fullmatch(repo):
+    if ref is None or ref.selector:
         raise ValueError(f"MTP sidecar {value!r}: not an 'owner/repo' Hugging Face repo id")
-    return _hf_sidecar(repo)
+    return _hf_sidecar(ref.repo, ref.revision)
 
 
 def _hf_offline() -> bool:
@@ -151,18 +152,18 @@ def _hf_offline() -> bool:
     return bool(hf_constants.HF_HUB_OFFLINE) or env in ("1", "true", "yes", "on")
 
 
-def _hf_sidecar(repo: str) -> Path:
+def _hf_sidecar(repo: str, revision: str | None = None) -> Path:
     import huggingface_hub
     if _hf_offline():
         # Offline: the local cache or a clear error, never a network attempt.
-        cached = huggingface_hub.try_to_load_from_cache(repo, SIDECAR_FILE)
+        cached = huggingface_hub.try_to_load_from_cache(repo, SIDECAR_FILE, revision=revision)
         if isinstance(cached, str):
             return Path(cached)
         raise FileNotFoundError(
             f"MTP sidecar hf:{repo}: {SIDECAR_FILE} is not in the local Hugging Face cache and "
             "HF_HUB_OFFLINE is set; fetch it once online or name a local file in the card")
     try:
-        return Path(huggingface_hub.hf_hub_download(repo, SIDECAR_FILE))
+        return Path(huggingface_hub.hf_hub_download(repo, SIDECAR_FILE, revision=revision))
     except Exception as e:  # the hub's errors vary by version; the message says what happened
         raise FileNotFoundError(f"MTP sidecar hf:{repo}: cannot fetch {SIDECAR_FILE}: "
                                 f"{type(e).__name__}: {e}") from e

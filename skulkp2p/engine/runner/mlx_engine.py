@@ -13,9 +13,9 @@ from skulkp2p.engine.drafting.suffix import SuffixMemory
 from skulkp2p.engine.model.forward import Forward
 from skulkp2p.engine.model.loaded import LoadedModel
 from skulkp2p.engine.protocol import EngineInfo, Generation, VerifyCosts
-from skulkp2p.engine.request import GenerationRequest, RequestError
+from skulkp2p.engine.request import GenerationRequest
 from skulkp2p.engine.results import Chunk, GenerationResult
-from skulkp2p.engine.runner.generate import prompt_tokens, stream
+from skulkp2p.engine.runner.generate import max_token_chars, prompt_tokens, stream
 
 # Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
 # drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).
@@ -86,6 +86,7 @@ class MlxEngine:
                 "memory_tokens", DEFAULT_MEMORY_TOKENS))
         # Both live as long as the model is loaded; one worker thread runs its requests in turn.
         self.memory = SuffixMemory(memory_tokens)
+        max_token_chars(loaded)  # (read from the vocabulary now, not by the first request)
         # The prompts prompt_length rendered, by request, until its generation takes them: the
         # worker asks for the length, then generates, and the chat template renders once.
         self._rendered: dict[int, tuple[GenerationRequest, list[int]]] = {}
@@ -116,13 +117,11 @@ class MlxEngine:
 
     def prompt_length(self, req: GenerationRequest) -> int:
         """Tokenise up front so the client learns the prompt size, and an over-long prompt is
-        refused before a stream commits to a 200; the generation of `req` reuses the tokens."""
+        refused before a stream commits to a 200 (one too long by its characters alone before
+        it is tokenised: generate.prompt_tokens); the generation of `req` reuses the tokens,
+        for its stream and for the draft memory."""
         prompt = prompt_tokens(self.loaded, req)
         n = len(prompt)
-        if n >= self.context_length:
-            raise RequestError(f"prompt is {n} tokens; model {self.id} takes at most "
-                               f"{self.context_length - 1}", "messages" if req.messages
-                               else "prompt")
         with self._rendered_lock:
             self._rendered[id(req)] = (req, prompt)  # holds req: its id is not reused
             while len(self._rendered) > 4 * self.max_concurrent:  # lengths never generated

@@ -21,14 +21,26 @@ connection (the rank reads EOF and exits); a rank killed makes rank 0's next col
 its closed ring socket; a frozen peer is found by the waiting member (engine/parallel/tensor/group.py) and the
 group's processes are killed by pid. The connection is set up over the group itself: each other
 rank listens on an ephemeral port of its own host-file address and the ports are all-summed.
+
+**Who may connect.** The listener takes rank 0's connection only, whoever connects first: rank 0
+draws a random token that the same all-sum hands to every rank, and sends it first on each
+connection (:func:`accept_proven`). A connection that does not show all of it within
+PROOF_TIMEOUT_S of its accept (one deadline, however its bytes trickle) is closed, at most
+MAX_PENDING wait at once (a new one past that closes the oldest), nothing but the token is ever
+read before, and the listener closes once rank 0 is in.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import logging
+import secrets
+import selectors
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -39,8 +51,14 @@ if TYPE_CHECKING:  # mlx loads lazily: the node's control plane imports this mod
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
 DIGEST_CHUNKS = 8  # the digest's first 8 x 16 bits (int32 cells; the others add zeros)
 ACCEPT_TIMEOUT_S = 60.0
+TOKEN_WORDS = 8  # rank 0's proof on the command link: 8 random int32 cells of the all-sum
+PROOF_TIMEOUT_S = 5.0  # from accept to the whole token
+MAX_PENDING = 16  # connections waiting to show the token at once
 SAMPLES, SAMPLE_BYTES = 64, 1 << 16  # 4 MiB of each weights file in the digest
 HEADER = struct.Struct("<4i")
+
+
+log = logging.getLogger("skulkp2p.tensor")
 
 
 class AgreementError(RuntimeError):
@@ -120,6 +138,77 @@ def hosts_of(hostfile: Path) -> list[str]:
     return [entry[0].rsplit(":", 1)[0] for entry in json.loads(Path(hostfile).read_text())]
 
 
+def accept_proven(server: socket.socket, token: bytes, timeout: float,
+                  proof_s: float = PROOF_TIMEOUT_S, max_pending: int = MAX_PENDING
+                  ) -> tuple[socket.socket, int]:
+    """(the first connection to ``server`` that sends ``token``, how many others were closed).
+    Each connection must send the whole token within ``proof_s`` of its accept; only then is it
+    compared (in constant time, so no prefix tells a guesser it is on the right track). Raises
+    TimeoutError when none did within ``timeout``. Blocking; the token is read and nothing
+    else."""
+    deadline = time.monotonic() + timeout
+    pending: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first
+    refused = 0
+    server.setblocking(False)
+    with selectors.DefaultSelector() as sel:
+        sel.register(server, selectors.EVENT_READ)
+
+        def drop(c: socket.socket) -> None:
+            nonlocal refused
+            sel.unregister(c)
+            pending.pop(c, None)
+            c.close()
+            refused += 1
+
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"no connection showed rank 0's token within "
+                                       f"{timeout:g} s")
+                for c, (until, _) in list(pending.items()):
+                    if now >= until:
+                        drop(c)
+                wake = min([deadline, *(until for until, _ in pending.values())])
+                for sk, _ in sel.select(max(0.0, wake - now)):
+                    if sk.fileobj is server:
+                        try:
+                            c, _ = server.accept()
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        if len(pending) >= max_pending:
+                            drop(next(iter(pending)))
+                        c.setblocking(False)
+                        pending[c] = (time.monotonic() + proof_s, bytearray())
+                        sel.register(c, selectors.EVENT_READ)
+                        continue
+                    c = cast(socket.socket, sk.fileobj)
+                    if c not in pending:
+                        continue
+                    buf = pending[c][1]
+                    try:
+                        data = c.recv(len(token) - len(buf))
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        data = b""
+                    buf += data
+                    if not data or (len(buf) == len(token)
+                                    and not hmac.compare_digest(bytes(buf), token)):
+                        drop(c)
+                    elif len(buf) == len(token):
+                        sel.unregister(c)
+                        del pending[c]
+                        for other in list(pending):
+                            drop(other)
+                        c.setblocking(True)
+                        return c, refused
+        finally:
+            for c in list(pending):
+                sel.unregister(c)
+                c.close()
+
+
 class CommandLink:
     """Rank 0's connections to the other ranks, or another rank's connection from rank 0:
     each command's header (4 int32) goes over it instead of an all-sum, so that a rank waiting
@@ -150,13 +239,17 @@ class CommandLink:
             host, want = ((hosts[rank], 0) if addrs is None
                           else (addrs[rank].rsplit(":", 1)[0], int(addrs[rank].rsplit(":", 1)[1])))
             server = socket.create_server((host, want))
-            server.settimeout(ACCEPT_TIMEOUT_S)
             port = server.getsockname()[1]
-        ports = mx.zeros((size,), dtype=mx.int32)
-        ports[rank] = port
+        # The ports, and rank 0's token (rank 0 draws it; every other cell of it is 0 here).
+        cells = mx.zeros((size + TOKEN_WORDS,), dtype=mx.int32)
+        cells[rank] = port
+        if rank == 0:
+            cells[size:] = mx.array([secrets.randbits(31) for _ in range(TOKEN_WORDS)],
+                                    dtype=mx.int32)
         # (tolist is typed for any depth: a 1-d array's is a list of numbers)
-        summed = mx.distributed.all_sum(ports, group=group)
+        summed = mx.distributed.all_sum(cells, group=group)
         got = [int(p) for p in cast("list[int]", summed.tolist())]
+        token = struct.pack(f"<{TOKEN_WORDS}i", *got[size:])
         dial = [(hosts[r], got[r]) for r in range(size)] if addrs is None else [
             (a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in addrs]
         conns: list[socket.socket] = []
@@ -165,9 +258,13 @@ class CommandLink:
                 for r in range(1, size):
                     c = socket.create_connection(dial[r], timeout=ACCEPT_TIMEOUT_S)
                     conns.append(c)
+                    c.sendall(token)
             else:
                 assert server is not None
-                c, _ = server.accept()
+                c, refused = accept_proven(server, token, ACCEPT_TIMEOUT_S)
+                if refused:
+                    log.warning("tensor rank %d: the command link refused %d connection(s) "
+                                "that did not show rank 0's token", rank, refused)
                 conns.append(c)
         finally:
             if server is not None:
