@@ -11,6 +11,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -58,8 +59,25 @@ async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _sockets_on(ips: list[str]) -> int:
+    """This process's open TCP sockets with an end on one of ``ips`` (the test's own loopback
+    block: other tests' sockets in this process do not count)."""
+    def hex_ip(ip: str) -> str:
+        return "".join(f"{int(b):02X}" for b in reversed(ip.split(".")))
+    mine = {hex_ip(ip) for ip in ips}
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                ours.add(link[8:-1])
+    count = 0
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        ends = {cols[1].split(":")[0], cols[2].split(":")[0]}
+        if cols[9] in ours and ends & mine:
+            count += 1
+    return count
 
 
 def _node(name: str, host: str, *extra: str) -> ClusterNode:
@@ -128,7 +146,7 @@ def test_caps_refuse_and_evict_strangers_while_a_member_joins_and_rejoins():
     async def main() -> None:
         a = _node("a", a_ip)
         await a.start()
-        fds0 = _fds()
+        socks0 = _sockets_on(ips)  # a's own listeners
         a.gate.per_address, a.gate.max_strangers, a.gate.handshake_s = 3, 6, 30
         conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         stop = asyncio.Event()
@@ -176,7 +194,7 @@ def test_caps_refuse_and_evict_strangers_while_a_member_joins_and_rejoins():
             await b.close()
             b = None
             await _until(lambda: a.gate.pending == 0 and a.gate.members == 0
-                         and _fds() <= fds0, 30, "every connection closed")
+                         and _sockets_on(ips) <= socks0, 30, "every connection closed")
         finally:
             stop.set()
             for t in tasks:
