@@ -236,11 +236,7 @@ def decode(
                 if not ok:
                     break
                 accepted += 1
-        forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
-        stats.record(len(draft), accepted)
-        if drafter is not None:
-            drafter.observe(len(draft), accepted, emitted, forward)
-        history.extend(emitted)
+        _end_round(forward, drafter, stats, len(draft), accepted, emitted, history)
         pending = emitted[-1]
         for token in emitted:
             produced += 1
@@ -304,12 +300,19 @@ def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
         if not ok:
             break
         accepted += 1
-    forward.rollback(keep=1 + accepted, dropped=len(draft) - accepted)
-    stats.record(len(draft), accepted)
-    if drafter is not None:
-        drafter.observe(len(draft), accepted, emitted, forward)
-    history.extend(emitted)
+    _end_round(forward, drafter, stats, len(draft), accepted, emitted, history)
     yield from emitted
+
+
+def _end_round(forward: Forward, drafter: Drafter | None, stats: DecodeStats, drafted: int,
+               accepted: int, emitted: list[int], history: list[int]) -> None:
+    """What every chain round ends with: the caches cut to the kept tokens, the counts, the
+    drafter told, the emitted tokens in the history."""
+    forward.rollback(keep=1 + accepted, dropped=drafted - accepted)
+    stats.record(drafted, accepted)
+    if drafter is not None:
+        drafter.observe(drafted, accepted, emitted, forward)
+    history.extend(emitted)
 
 
 def _tree_round(forward: Forward, pending: int, tree: DraftTree, params: SamplingParams,
