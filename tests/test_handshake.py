@@ -193,8 +193,12 @@ def test_caps_refuse_and_evict_strangers_while_a_member_joins_and_rejoins():
             await asyncio.gather(*tasks)
             await b.close()
             b = None
-            await _until(lambda: a.gate.pending == 0 and a.gate.members == 0
-                         and _sockets_on(ips) <= socks0, 30, "every connection closed")
+            try:
+                await _until(lambda: a.gate.pending == 0 and a.gate.members == 0
+                             and _sockets_on(ips) <= socks0, 30, "every connection closed")
+            except AssertionError as e:  # say which part stayed open
+                raise AssertionError(f"{e}: pending {a.gate.pending}, members {a.gate.members}, "
+                                     f"sockets {_sockets_on(ips)} (at start {socks0})") from None
         finally:
             stop.set()
             for t in tasks:
