@@ -210,7 +210,8 @@ def cmd_join(args) -> int:
                                  idle_timeout=args.http_idle_timeout,
                                  allowed_hosts=allowed_hosts,
                                  auth=AuthPolicy(ApiKeys(keys), open_reads=args.open_reads)),
-        prefix_cache_mb=args.prefix_cache_mb, engine=choice)
+        prefix_cache_mb=args.prefix_cache_mb, engine=choice,
+        prefix_cache_disk_gb=args.prefix_cache_disk_gb)
     try:
         return run_join(store, settings, cluster)
     except JoinError as e:
@@ -297,12 +298,14 @@ def cmd_pipe(args) -> int:
     _engine_choice(store, model, args.engine, say=False)  # one it cannot run fails here
     from functools import partial
 
-    from skulkp2p.node.engines import open_engine
+    from skulkp2p.node.engines import open_engine, prefix_disk_settings
 
     return run_pipe(store, model, sys.stdin, sys.stdout,
                     partial(open_engine, prefix_cache_mb=args.prefix_cache_mb,
                             draft_memory_tokens=args.draft_memory_tokens,
-                            max_batch=args.max_batch, engine=args.engine))
+                            max_batch=args.max_batch, engine=args.engine,
+                            prefix_disk=prefix_disk_settings(store.data_dir,
+                                                             args.prefix_cache_disk_gb)))
 
 
 def cmd_models(args) -> int:
@@ -412,13 +415,33 @@ def _seconds(value: str) -> float:
     return seconds
 
 
-def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
-    from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB  # no mlx
+def add_prefix_cache_argument(p: argparse.ArgumentParser, disk: bool = False) -> None:
+    from skulkp2p.engine.protocol import (  # no mlx
+        DEFAULT_PREFIX_CACHE_DISK_GB,
+        DEFAULT_PREFIX_CACHE_MB,
+    )
 
     p.add_argument("--prefix-cache-mb", type=_megabytes, default=DEFAULT_PREFIX_CACHE_MB,
                    metavar="MB", help="memory per model for the prefix cache: a request reuses "
-                   "the caches of the longest prompt prefix an earlier one left (in memory, "
-                   f"never on disk; default {DEFAULT_PREFIX_CACHE_MB}; 0 turns it off)")
+                   "the caches of the longest prompt prefix an earlier one left (default "
+                   f"{DEFAULT_PREFIX_CACHE_MB}; 0 turns it off, on disk too)")
+    if disk:
+        p.add_argument("--prefix-cache-disk-gb", type=_gigabytes,
+                       default=DEFAULT_PREFIX_CACHE_DISK_GB, metavar="GB",
+                       help="disk per model for the prefix cache's entries, under the data dir's "
+                       "prefix-cache/: written behind as they are made, found again after a "
+                       "restart, least recently used out first (default "
+                       f"{DEFAULT_PREFIX_CACHE_DISK_GB:g}; 0 turns it off)")
+
+
+def _gigabytes(value: str) -> float:
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not 0 <= gb < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GB, 0 or more, got {value!r}")
+    return gb
 
 
 def package_version() -> str:
@@ -483,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open (default 30)")
     j.add_argument("--sse-keepalive", type=float, default=10.0,
                    help="seconds of silence in a stream before a keep-alive comment (default 10)")
-    add_prefix_cache_argument(j)
+    add_prefix_cache_argument(j, disk=True)
     _draft_memory_argument(j)
     _max_batch_argument(j)
     _engine_argument(j)
@@ -509,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --peer: how long a line the cluster answers 503 (loading, being "
                          "placed again, its ring or tensor group broken) is retried before it "
                          f"gets an error result (default {DEFAULT_RETRY_S:.0f}; 0: never)")
-    add_prefix_cache_argument(pp)
+    add_prefix_cache_argument(pp, disk=True)
     _draft_memory_argument(pp)
     _max_batch_argument(pp)
     _engine_argument(pp)

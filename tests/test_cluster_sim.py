@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -372,7 +373,11 @@ def test_a_leader_elected_again_never_publishes_its_old_placements():
 # the command that replays it (SKULKP2P_SIM_SEED=...).
 
 QUICK_SEEDS = range(30)
-FULL_SEEDS = range(1000, 3000)
+# 500 seeds in the full tier (SKULKP2P_SIM_SEEDS=N runs N, for a longer hunt). Measured: seeds
+# 0-2999 all pass, and with an earlier fault emulated 18 of 100 seeds failed. A fault that
+# breaks 1 seed in 100 fails 500 of them 99.3% of the time (1 - 0.99**500), one of that earlier
+# kind certainly; 2,000 seeds cost 4x the time for the rarer faults only.
+FULL_SEEDS = range(1000, 1000 + int(os.environ.get("SKULKP2P_SIM_SEEDS", "500")))
 
 
 @pytest.mark.parametrize("seed", QUICK_SEEDS)
@@ -392,7 +397,7 @@ def test_chaos_replay():
 
 
 @pytest.mark.slow
-def test_chaos_thousands_of_seeds():
+def test_chaos_many_seeds():
     failures: list[str] = []
     t0 = time.monotonic()
     for seed in FULL_SEEDS:

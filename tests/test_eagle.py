@@ -240,7 +240,6 @@ def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
 # --- the shipped head for the default model -----------------------------------------------------
 
 
-@pytest.mark.slow
 class _Confidences(MtpDrafter):
     """The drafter, keeping the head's probability of every first draft token it offered, and
     of its guess at every round (offered or not)."""
@@ -312,6 +311,7 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
     assert threshold(lm, {"drafter": "mtp", "depth": 2}) == 0.0
 
 
+@pytest.mark.slow
 def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
     from skulkp2p.formats.pipe_format import parse_request
     from skulkp2p.models.cards import load_card
@@ -332,10 +332,11 @@ def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
         if r.token in lm.tokenizer.eos_token_ids:
             break
         ref.append(r.token)
-    plain = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
-                                        "speculation": "off"}))["tokens"]
-    assert plain == ref and len(ref) > 10
-    for spec in ({"drafter": "mtp", "depth": 1}, {"drafter": "mtp", "depth": 3}, "auto"):
+    # Compared with mlx-lm's tokens, so with plain decoding's (test_fast_path.py and
+    # test_trees.py check ours equal mlx-lm's on SmolLM2 float32).
+    assert len(ref) > 10
+    # auto drafts with the head at the card's depth (1) beside lookup; explicit, at depth 3.
+    for spec in ({"drafter": "mtp", "depth": 3}, "auto"):
         out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
                                           "speculation": spec}))
         assert out["tokens"] == ref, spec

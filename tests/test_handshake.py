@@ -62,8 +62,22 @@ async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
 def _sockets_on(ips: list[str]) -> int:
     """This process's open TCP sockets with an end on one of ``ips`` (the test's own loopback
     block: other tests' sockets in this process do not count)."""
+    return len(_socket_ends(ips))
+
+
+TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
+              "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
+              "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
+
+
+def _socket_ends(ips: list[str]) -> list[str]:
+    """``local -> remote STATE`` of each socket :func:`_sockets_on` counts."""
     def hex_ip(ip: str) -> str:
         return "".join(f"{int(b):02X}" for b in reversed(ip.split(".")))
+
+    def end(col: str) -> str:
+        ip, port = col.split(":")
+        return ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
     mine = {hex_ip(ip) for ip in ips}
     ours = set()
     for fd in os.listdir("/proc/self/fd"):
@@ -71,13 +85,13 @@ def _sockets_on(ips: list[str]) -> int:
             link = os.readlink(f"/proc/self/fd/{fd}")
             if link.startswith("socket:["):
                 ours.add(link[8:-1])
-    count = 0
+    found = []
     for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
         cols = line.split()
         ends = {cols[1].split(":")[0], cols[2].split(":")[0]}
         if cols[9] in ours and ends & mine:
-            count += 1
-    return count
+            found.append(f"{end(cols[1])} -> {end(cols[2])} {TCP_STATES.get(cols[3], cols[3])}")
+    return found
 
 
 def _node(name: str, host: str, *extra: str) -> ClusterNode:
@@ -148,17 +162,20 @@ def test_caps_refuse_and_evict_strangers_while_a_member_joins_and_rejoins():
         await a.start()
         socks0 = _sockets_on(ips)  # a's own listeners
         a.gate.per_address, a.gate.max_strangers, a.gate.handshake_s = 3, 6, 30
-        conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        stop = asyncio.Event()
 
         async def stranger(ip: str) -> None:
-            """One stranger's connection, opened again 0.1 s after each close."""
-            while not stop.is_set():
+            """One stranger's connection, opened again 0.1 s after each close, until the task
+            is cancelled. It closes its own end too, whenever it is done with a connection:
+            the listener's close leaves our end open (CLOSE_WAIT) until we close it, and a
+            connection opened while the test stops the strangers must not outlive them."""
+            while True:
                 with contextlib.suppress(OSError):
-                    conn = await _open(a.addr, ip)
-                    conns.append(conn)
-                    with contextlib.suppress(OSError, TimeoutError):
-                        await _closed_within(conn[0], 60)
+                    reader, writer = await _open(a.addr, ip)
+                    try:
+                        with contextlib.suppress(OSError, TimeoutError):
+                            await _closed_within(reader, 60)
+                    finally:
+                        writer.transport.abort()
                 await asyncio.sleep(0.1)
 
         b: ClusterNode | None = None
@@ -187,10 +204,10 @@ def test_caps_refuse_and_evict_strangers_while_a_member_joins_and_rejoins():
                          "b to reconnect")
             await _until(both_alive, 30, "b alive again")
             # The strangers and the member go: every descriptor they held here is closed.
-            stop.set()
-            for _, w in conns:
-                w.transport.abort()
-            await asyncio.gather(*tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            b_peers = b._peers
             await b.close()
             b = None
             try:
@@ -198,13 +215,14 @@ def test_caps_refuse_and_evict_strangers_while_a_member_joins_and_rejoins():
                              and _sockets_on(ips) <= socks0, 30, "every connection closed")
             except AssertionError as e:  # say which part stayed open
                 raise AssertionError(f"{e}: pending {a.gate.pending}, members {a.gate.members}, "
-                                     f"sockets {_sockets_on(ips)} (at start {socks0})") from None
+                                     f"sockets {_socket_ends(ips)} (at start {socks0}; a is "
+                                     f"{a.addr}, b {b_ip}, a's peers {list(a._peers)}, "
+                                     f"b's {list(b_peers)})") from None
+            assert not b_peers, "b opened a link after it closed"
         finally:
-            stop.set()
             for t in tasks:
                 t.cancel()
-            for _, w in conns:
-                w.transport.abort()
+            await asyncio.gather(*tasks, return_exceptions=True)
             if b is not None:
                 await b.close()
             await a.close()

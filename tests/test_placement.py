@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from skulkp2p.cluster.placement import (
+    AUTO_REPLICAS,
     ModelSpec,
     NodeOffer,
+    Placement,
     PlacementError,
     Request,
     member_need,
+    parse_replicas,
     place_model,
     plan,
     split_layers,
@@ -170,3 +174,71 @@ def test_served_card_needs_kv_for_every_parallel_slot():
     assert ModelSpec.from_card(load_card(PACKAGE_CARDS_DIR / "smollm2-135m.toml")).kv_tokens == 0
     with pytest.raises(ValueError, match="kv_tokens"):
         ModelSpec.from_dict({**SPEC.to_dict(), "kv_tokens": -1})
+
+
+# ---------------------------------------------------------------- replicas
+
+def _rings(p):
+    return [r.ring for r in p.copies()]
+
+
+def test_replicas_are_whole_copies_on_other_nodes_and_deterministic():
+    two = dataclasses.replace(SPEC, replicas=2)
+    offers = nodes(a=400, b=420, c=410)
+    got = plan([Request(two)], offers)["m"]
+    assert _rings(got) == [("b",), ("c",)]  # most free memory first, then the next
+    assert got.replicas[0].layers == ((0, 30),) and got.replicas[0].spec is None
+    assert got.entries == ("b", "c") and got.replica_for("c").ring == ("c",)
+    assert plan([Request(two)], list(reversed(offers)))["m"] == got
+    # The wire form comes back whole (replicas included)
+    assert Placement.from_dict(got.to_dict()) == got
+    # More than fit: as many as there is room for, not an error
+    four = dataclasses.replace(SPEC, replicas=4)
+    assert len(plan([Request(four)], offers)["m"].copies()) == 3
+    # A replica too large for one node is a ring of several, apart from the first
+    big = plan([Request(two)], nodes(a=400, b=200, c=200))["m"]
+    assert _rings(big) == [("a",), ("b", "c")]
+
+
+def test_replicas_stay_put_and_a_lost_one_is_replaced_alone():
+    two = dataclasses.replace(SPEC, replicas=2)
+    offers = nodes(a=400, b=420, c=410)
+    first = plan([Request(two)], offers)
+    # a new, larger node changes nothing
+    assert plan([Request(two)], offers + nodes(d=900), previous=first)["m"] == first["m"]
+    # the first replica's node is gone: the other stays (now first), one is placed anew
+    lost = plan([Request(two)], nodes(a=400, c=410), previous=first)["m"]
+    assert _rings(lost) == [("c",), ("a",)]
+    assert lost.copies()[0].layers == first["m"].replicas[0].layers
+    # asking for fewer keeps the first ones
+    one = plan([Request(SPEC)], offers, previous=first)["m"]
+    assert _rings(one) == [("b",)]
+    # asking for more adds without moving the others
+    three = plan([Request(dataclasses.replace(SPEC, replicas=3))], offers, previous=first)["m"]
+    assert _rings(three) == [("b",), ("c",), ("a",)]
+
+
+def test_auto_replicas_go_to_every_asking_node_that_fits():
+    auto = dataclasses.replace(SPEC, replicas=AUTO_REPLICAS)
+    offers = nodes(a=400, b=420, c=410, d=100)
+    got = plan([Request(auto, askers=("a", "c", "d"))], offers)["m"]
+    # first where placement puts it (b), then each asker that fits it alone (d does not)
+    assert _rings(got) == [("b",), ("a",), ("c",)]
+
+
+def test_first_replicas_of_every_model_before_extra_ones():
+    two = dataclasses.replace(SPEC, replicas=2)
+    other = dataclasses.replace(SPEC, id="n")
+    got = plan([Request(two), Request(other)], nodes(a=400, b=400))
+    assert _rings(got["m"]) == [("a",)] and _rings(got["n"]) == [("b",)]
+
+
+def test_replicas_parse_from_cards_and_requests():
+    assert parse_replicas(3) == 3 and parse_replicas("auto") == AUTO_REPLICAS
+    for bad in (0, -1, True, "2", 65):
+        with pytest.raises(ValueError, match="replicas"):
+            parse_replicas(bad)
+    spec = dataclasses.replace(SPEC, replicas=AUTO_REPLICAS)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="replicas"):
+        ModelSpec.from_dict({**SPEC.to_dict(), "replicas": 99})

@@ -9,7 +9,9 @@ import dataclasses
 import http.client
 import json
 import os
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -558,3 +560,58 @@ def test_a_prompt_too_long_by_its_characters_never_reaches_the_child(served):
         assert e.value.param == "messages"
         assert f"prompt is {limit + 1} characters" in e.value.message
     assert _run(served, QA, max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+# A real small process in place of llama-server for the supervisor's own failures: it answers
+# /health on the --host/--port the supervisor appends, as llama-server does once loaded.
+HEALTH_SERVER = """
+import http.server, sys
+host, port = sys.argv[sys.argv.index("--host") + 1], int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer((host, port), Health).serve_forever()
+"""
+
+
+def test_a_supervisor_failure_at_start_ends_start_with_its_reason(tmp_path):
+    """The child's log folder is gone before the first launch: an OSError in the supervisor
+    thread, not a ServedError. start() raises it at once, not after its ready timeout."""
+    child = ServedChild("gone-logs", Path(sys.executable), ["-c", HEALTH_SERVER],
+                        ready_timeout_s=60, log_dir=tmp_path / "missing")
+    t0 = time.monotonic()
+    with pytest.raises(ServedError, match=r"supervisor failed \(FileNotFoundError"):
+        child.start()
+    assert time.monotonic() - t0 < 30  # the ready timeout (60 s) would be a hang
+    assert child.state == "stopped" and child.proc is None
+
+
+@pytest.mark.process
+def test_a_supervisor_failure_after_ready_ends_wait_ready_with_its_reason(tmp_path):
+    """A ready child crashes and its restart fails outside the expected ServedErrors (the log
+    folder went away): wait_ready raises that reason instead of waiting for a restart that
+    will never come, and no child is left running."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    child = ServedChild("health", Path(sys.executable), ["-c", HEALTH_SERVER],
+                        ready_timeout_s=60, log_dir=logs)
+    child.start()
+    try:
+        pid = child.pid
+        assert pid is not None
+        shutil.rmtree(logs)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while child.state == "ready" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(ServedError, match=r"supervisor failed \(FileNotFoundError"):
+            child.wait_ready(60)
+        assert child.state == "failed" and _gone(pid)
+        child._thread.join(5)
+        assert not child._thread.is_alive()
+    finally:
+        child.stop()

@@ -161,12 +161,12 @@ def test_bad_response_format_fields(fmt, param):
     assert e.value.param == param
 
 
-def test_tools_with_a_format_are_refused():
+def test_tools_with_a_format_are_taken():
+    # (calls fit the tool grammar, an answer the format: tests/test_structured_tools.py)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(RequestError) as e:
-        parse_request({"messages": [{"role": "user", "content": "x"}], "tools": [tool],
-                       "response_format": {"type": "json_object"}})
-    assert e.value.param == "response_format"
+    req = parse_request({"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                         "response_format": {"type": "json_object"}})
+    assert req.uses_tools and req.response_format.constrained
 
 
 # --- the matcher -------------------------------------------------------------------------------
@@ -387,22 +387,45 @@ ASK = {
 }
 
 
+@pytest.fixture(scope="module")
+def smol_plain(smol):
+    """``smol_plain(name)``: plain greedy decoding of ASK[name] under its schema (96 tokens),
+    run once per module: the reference of several tests here."""
+    done: dict[str, object] = {}
+
+    def plain(name: str):
+        if name not in done:
+            schema, question = ASK[name]
+            done[name] = _run(smol, schema, Speculation(mode="off"),
+                              messages=(Message("user", question),), max_tokens=96)
+        return done[name]
+    return plain
+
+
+# Every drafter on one schema, auto (lookup and the EAGLE head together) on the others: each
+# drafter on each schema runs on the tiny models (test_tiny_greedy_and_seeded_spec_equal_plain).
+SMOL_DRAFTERS = {"person": DRAFTERS, "flags": DRAFTERS[2:], "nested": DRAFTERS[2:]}
+
+
 @pytest.mark.parametrize("name", list(ASK))
-def test_smollm2_greedy_spec_equals_plain(smol, name):
+def test_smollm2_greedy_spec_equals_plain(smol, smol_plain, name):
     schema, question = ASK[name]
     msgs = (Message("user", question),)
-    plain = _run(smol, schema, Speculation(mode="off"), messages=msgs, max_tokens=96)
+    plain = smol_plain(name)
     assert plain.finish_reason == "stop", plain.text
     valid(plain.text, schema)
-    for spec in DRAFTERS:
+    for spec in SMOL_DRAFTERS[name]:
         got = _run(smol, schema, spec, messages=msgs, max_tokens=96)
         assert got.text == plain.text and got.tokens == plain.tokens, (spec, got.text)
         assert got.speculation is not None and got.speculation.accepted > 0
 
 
 def test_smollm2_seeded_sampled_valid_and_coupled(smol):
+    """One seed on SmolLM2 (two ran here before: 4 of this file's 96-token generations); the
+    tiny models' test_tiny_greedy_and_seeded_spec_equal_plain runs two sampled settings with
+    every drafter on every schema."""
     msgs = (Message("user", ASK["person"][1]),)
-    for seed in (1, 2):
+    for seed in (1,):
         sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
         plain = _run(smol, PERSON, Speculation(mode="off"), sampling, messages=msgs,
                      max_tokens=96)
@@ -437,7 +460,7 @@ def oai(served):
                          timeout=120)
 
 
-def test_openai_chat_json_schema(oai, smol):
+def test_openai_chat_json_schema(oai, smol_plain):
     schema, question = ASK["person"]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
                                                   "strict": True}}
@@ -447,9 +470,7 @@ def test_openai_chat_json_schema(oai, smol):
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     valid(text, schema)
-    direct = _run(smol, schema, Speculation(mode="off"), messages=(Message("user", question),),
-                  max_tokens=96)
-    assert text == direct.text
+    assert text == smol_plain("person").text
     chunks = list(oai.chat.completions.create(model="smol", messages=msgs, max_tokens=96,
                                               temperature=0, response_format=fmt,
                                               stream=True))
@@ -466,7 +487,7 @@ def test_openai_chat_json_schema(oai, smol):
         assert obj.choices[0].finish_reason == "length" and content.startswith("{")
 
 
-def test_openai_concurrent_rows_each_hold_their_schema(oai, smol):
+def test_openai_concurrent_rows_each_hold_their_schema(oai, smol_plain):
     """Two constrained requests decode as rows of one batch, each with its own matcher, and
     each gives what it gives alone."""
     out: dict[str, str] = {}
@@ -486,10 +507,7 @@ def test_openai_concurrent_rows_each_hold_their_schema(oai, smol):
     assert set(out) == {"person", "nested"}
     for name, text in out.items():
         valid(text, ASK[name][0])
-        schema, question = ASK[name]
-        alone = _run(smol, schema, Speculation(mode="off"),
-                     messages=(Message("user", question),), max_tokens=96)
-        assert text == alone.text, name
+        assert text == smol_plain(name).text, name  # what it gives alone
 
 
 def test_openai_responses_text_format(oai):
@@ -539,3 +557,60 @@ def test_openai_bad_schema_is_a_400(oai):
         oai.responses.create(model="smol", input="hi", text={"format": {
             "type": "json_schema", "name": "x", "schema": {"type": "intger"}}})
     assert e.value.status_code == 400
+
+
+# --- the constrained round's shortcuts ---------------------------------------------------------
+
+def _masked_argmax_decode(lm, schema: dict, n: int = 60) -> list[int]:
+    """Constrained greedy decoding one token a forward, every row fully masked: the reference
+    the loop's shortcuts (a row's own greedy token where the grammar allows it, the mask built
+    only where it does not; forced tokens drafted past the drafter's depth) must keep."""
+    import mlx.core as mx
+
+    from skulkp2p.engine.decode.sampling import greedy_token
+    g = _grammar(lm, schema)
+    fwd = LocalForward(lm.model, 64)
+    prompt = list(lm.tokenizer.encode("hello"))
+    eos = set(lm.tokenizer.eos_token_ids)
+    fwd.prefill(prompt[:-1])
+    pending, out = prompt[-1], []
+    while len(out) < n:
+        row = fwd([pending])[0:1]
+        allowed = g.mask()
+        allowed = np.concatenate([allowed, np.zeros(row.shape[-1] - allowed.shape[0], bool)])
+        token = greedy_token(mx.where(mx.array(allowed)[None, :], row,
+                                      mx.array(-np.inf, dtype=row.dtype)))
+        g.accept(token)
+        if token in eos:
+            break
+        out.append(token)
+        pending = token
+    return out
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "flags", "nested"])
+def test_greedy_shortcuts_equal_fully_masked_decoding(tiny, schema):
+    want = _masked_argmax_decode(tiny, schema)
+    for drafter, depth in ((None, 0), (RefusedDrafter(vocab_size_of(tiny), False), 2)):
+        got, stats, _ = _decode(tiny, schema, SamplingParams(), drafter, depth)
+        assert got == want, (drafter, tiny.tokenizer.decode(got), tiny.tokenizer.decode(want))
+    # depth 2, yet whole runs of forced tokens (a key and its punctuation) go in one draft
+    assert len(stats.drafted_at) > 2
+
+
+def test_forced_after_looks_ahead_without_consuming(tiny):
+    g = _grammar(tiny, PERSON)
+    first = g.forced()
+    ids = first + list(tiny.tokenizer.encode('"Al"', add_special_tokens=False))
+    assert g.valid_prefix(ids) == len(ids)
+    after = g.forced_after(ids)
+    assert tiny.tokenizer.decode(after).startswith(', "age": ')
+    assert g.accepted == 0 and g.forced() == first  # nothing consumed
+    assert g.forced_after([*ids, *after]) == []  # the age is the model's to choose
+    bad = list(tiny.tokenizer.encode("nope", add_special_tokens=False))
+    assert g.forced_after(bad) == []
+
+
+def vocab_size_of(lm) -> int:
+    from skulkp2p.engine.drafting.draft_model import vocab_size
+    return vocab_size(lm.model)

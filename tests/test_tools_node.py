@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers.models import test_data_dir
 from tests.helpers.procs import JoinNode as Node
+from tests.helpers.tool_models import TOOL_TEMPLATE
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -22,26 +23,6 @@ WEATHER = {"type": "function", "function": {
         "city": {"type": "string", "description": "The city name"}}, "required": ["city"]}}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 PARIS = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-# A Hermes-style template for the tiny model (the markers mlx-lm infers json_tools from).
-TOOL_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\nYou may call these functions:\\n' }}"
-    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
-    "{{- 'Reply with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' and message.tool_calls %}"
-    "{{- '<|im_start|>assistant\\n' + message.content }}"
-    "{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
-    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response>"
-    "<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 @pytest.fixture(scope="module")

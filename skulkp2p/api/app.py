@@ -50,6 +50,9 @@ class Remote:
     http_addr: str
     alive: Callable[[], str | None]  # None while that node is fine, else why it is not
     node_auth: NodeAuth | None = None  # signs the forwarded request (the cluster secret's)
+    # Called once when the relay is over, with whether the node was lost on the way (the
+    # resolver counts what it sent each replica, and avoids one that just failed).
+    on_end: Callable[[bool], None] | None = None
 
 
 class ModelResolver(Protocol):
@@ -69,7 +72,7 @@ def routed(handler: Handler, resolver: ModelResolver, error_shape: ErrorShape | 
             req, where = resolver.resolve(req)
             if isinstance(where, Remote):
                 return await forward(req, where.http_addr, where.node, where.alive,
-                                     node_auth=where.node_auth)
+                                     node_auth=where.node_auth, on_end=where.on_end)
         except ApiError as e:
             if error_shape is None:
                 raise

@@ -90,11 +90,44 @@ def _error_event(path: str, message: str) -> bytes:
 
 async def forward(req: HttpRequest, http_addr: str, node_name: str,
                   alive: Callable[[], str | None], body: bytes | None = None,
-                  connect_timeout: float = 3.0, node_auth: NodeAuth | None = None
+                  connect_timeout: float = 3.0, node_auth: NodeAuth | None = None,
+                  on_end: Callable[[bool], None] | None = None
                   ) -> Response | StreamingResponse:
     """Send ``req`` (with ``body`` instead of its own, if given) to ``http_addr`` and relay
     the answer. ``alive()`` returns None while the serving node is fine, else why not.
-    ``node_auth`` signs it (a node without a cluster secret sends it unsigned)."""
+    ``node_auth`` signs it (a node without a cluster secret sends it unsigned). ``on_end`` is
+    called once when the relay is over, with whether the serving node was lost on the way."""
+    ended = _Once(on_end)
+    try:
+        got = await _forward(req, http_addr, node_name, alive, body, connect_timeout,
+                             node_auth, ended)
+    except ApiError as e:
+        ended(e.code in ("node_lost", "node_unreachable"))
+        raise
+    except BaseException:
+        ended(False)
+        raise
+    if not isinstance(got, StreamingResponse):
+        ended(False)
+    return got
+
+
+class _Once:
+    """``on_end`` called at most once."""
+
+    def __init__(self, on_end: Callable[[bool], None] | None):
+        self.on_end = on_end
+
+    def __call__(self, lost: bool) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end(lost)
+
+
+async def _forward(req: HttpRequest, http_addr: str, node_name: str,
+                   alive: Callable[[], str | None], body: bytes | None,
+                   connect_timeout: float, node_auth: NodeAuth | None, ended: _Once
+                   ) -> Response | StreamingResponse:
     body = req.body if body is None else body
     host, port = _split(http_addr)
     lost = f"node {node_name} ({http_addr}), which serves this model"
@@ -124,7 +157,7 @@ async def forward(req: HttpRequest, http_addr: str, node_name: str,
         te = dict(headers).get("transfer-encoding", "").lower()
         if "chunked" in te:
             handed_over = True
-            return StreamingResponse(status, _relay_chunks(up, req.path, lost), passed,
+            return StreamingResponse(status, _relay_chunks(up, req.path, lost, ended), passed,
                                      on_close=up.close)
         length = dict(headers).get("content-length")
         data = await up.read(int(length), exact=True) if length else await _read_to_eof(up)
@@ -180,7 +213,9 @@ async def _read_to_eof(up: _Upstream) -> bytes:
     return bytes(out)
 
 
-async def _relay_chunks(up: _Upstream, path: str, lost: str) -> AsyncIterator[bytes]:
+async def _relay_chunks(up: _Upstream, path: str, lost: str, ended: _Once
+                        ) -> AsyncIterator[bytes]:
+    gone = False
     try:
         while True:
             size_line = await up.readline()
@@ -193,9 +228,12 @@ async def _relay_chunks(up: _Upstream, path: str, lost: str) -> AsyncIterator[by
             data = await up.read(size + 2, exact=True)
             yield data[:-2]
     except UpstreamGone as e:
+        gone = True
+        ended(True)
         yield _error_event(path, f"{lost} was lost mid-request: {e}. The cluster places the "
                                  "model again; retry the request")
     finally:
+        ended(gone)
         with contextlib.suppress(Exception):
             up.close()
 

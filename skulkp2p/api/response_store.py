@@ -4,8 +4,9 @@ store per process), bounded in count and in bytes, the least recently used going
 An entry keeps the whole conversation a later request continues: the chat messages the response
 was generated from (its own input after its predecessors', without `instructions`, which
 OpenAI does not carry over) and the assistant message it produced. A request that names a
-response goes to the node serving its model (the cluster forwards it there), which is the node
-that generated and stored it; a response stored on a node that since stopped serving that model
+response goes to the node serving its model (the cluster forwards it there; of several
+replicas, the one that stored it, which gossips the ids it stored), which is the node that
+generated and stored it; a response stored on a node that since stopped serving that model
 is gone (404), as is one pushed out by the bounds.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -41,11 +43,14 @@ class ResponseStore:
         self.bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._lock = threading.Lock()  # the loop only, today; cheap insurance
+        # Told (model, response id) of each response stored: a cluster node routes the
+        # requests that continue it to this node's replica of the model.
+        self.on_put: Callable[[str, str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, messages: tuple[Message, ...]) -> bool:
+    def put(self, response_id: str, messages: tuple[Message, ...], model: str = "") -> bool:
         """Store a response's conversation; False when it alone exceeds the byte bound (its
         size: as OpenAI chat's messages in JSON)."""
         size = len(orjson.dumps([message_json(m) for m in messages]))
@@ -60,6 +65,8 @@ class ResponseStore:
             while len(self._entries) > self.max_count or self.bytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self.bytes -= evicted.size
+        if self.on_put is not None and model:
+            self.on_put(model, response_id)
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:

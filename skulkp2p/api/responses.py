@@ -45,9 +45,9 @@ def parse_response_request(node: ModelEndpoint, body: object, store: ResponseSto
 
 
 def _store(store: ResponseStore, shape: ResponseShape, parsed: ResponsesRequest,
-           result: GenerationResult) -> None:
+           result: GenerationResult, model: str) -> None:
     if parsed.store:
-        store.put(shape.id, stored_conversation(parsed, result))
+        store.put(shape.id, stored_conversation(parsed, result), model)
 
 
 async def responses(node: ModelEndpoint, http_req: HttpRequest,
@@ -57,7 +57,7 @@ async def responses(node: ModelEndpoint, http_req: HttpRequest,
     shape = ResponseShape(parsed, node.model_id)
     if not parsed.stream:
         _, result = await node.run_to_end(parsed.req, RENAME)
-        _store(store, shape, parsed, result)
+        _store(store, shape, parsed, result, node.model_id)
         return Response.json(200, shape.whole(result))
     job, first = await node.open_stream(parsed.req, RENAME)
     stream = ResponseStream(shape)
@@ -72,7 +72,7 @@ async def responses(node: ModelEndpoint, http_req: HttpRequest,
             if isinstance(event, Produced):
                 out = stream.produced(event.chunk)
             elif isinstance(event, Finished):
-                _store(store, shape, parsed, event.result)
+                _store(store, shape, parsed, event.result, node.model_id)
                 out = stream.finished(event.result)
             elif isinstance(event, Failed):
                 err = engine_error(event.error, RENAME)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from skulkp2p.bench.arms.agent import DEFAULT_AGENT_MAX_TOKENS
 from skulkp2p.bench.arms.mlx_arms import (
+    FREE_PLAIN,
     ONE_NODE_PLAIN,
     ONE_NODE_SPEC,
     PLAIN,
@@ -46,6 +47,7 @@ from skulkp2p.bench.arms.mlx_arms import (
     select_arms,
 )
 from skulkp2p.bench.bench_error import BenchError
+from skulkp2p.bench.cases import bench_cases, valid_against
 from skulkp2p.bench.options import DEFAULT_MAX_TOKENS
 from skulkp2p.bench.records import cell_results, summary, summary_table
 from skulkp2p.bench.report import (
@@ -60,7 +62,7 @@ from skulkp2p.bench.report import (
 )
 from skulkp2p.bench.workloads import (
     ECHO_CODE,
-    SESSIONS,
+    STRUCTURED,
     WARMUP_MESSAGES,
     WARMUP_TOKENS,
     WORKLOADS,
@@ -77,9 +79,11 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     """The whole command after the CLI has arranged the BLAS; returns the exit status."""
     from skulkp2p.bench.arms.served_arm import dispatch
 
-    if args.max_tokens is None:
-        args.max_tokens = DEFAULT_AGENT_MAX_TOKENS if getattr(args, "agent", False) \
-            else DEFAULT_MAX_TOKENS
+    if getattr(args, "restart_ttft", False):
+        from skulkp2p.bench.arms.disk_cache import run_restart_bench
+
+        return run_restart_bench(args, store)
+    resolve_workload_options(args)
     if getattr(args, "agent", False) and (args.plot or args.widths):
         raise BenchError("--agent has its own tables: run --plot and --widths without it")
     if getattr(args, "turns", None) and not getattr(args, "agent", False):
@@ -91,6 +95,12 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             or getattr(args, "nodes", 1) > 1 or getattr(args, "engine", "mlx") != "mlx"):
         raise BenchError("--temperature runs the workloads on one node (no --agent, "
                          "--concurrency, --nodes or --engine served)")
+    if getattr(args, "replicas", None) is not None:
+        if not getattr(args, "concurrency", None):
+            raise BenchError("--replicas needs --concurrency N")
+        from skulkp2p.bench.arms.replicas import run_replicas_bench
+
+        return run_replicas_bench(args, store)
     node_cpus = None
     if getattr(args, "cores_per_node", None) is not None:
         from skulkp2p.bench.cores import node_cores, pin_this_process
@@ -122,6 +132,13 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
     nodes = getattr(args, "nodes", 1)
     # mlx-lm's peers need the whole model in one piece: not on a ring.
     arms, skipped = select_arms(args.arms, not args.no_peers and nodes == 1, args.draft_model)
+    if getattr(args, "structured", False):
+        # mlx-lm's generate has no grammar: its arms would not decode the same task
+        for arm in [a for a in arms if a.kind in ("mlx_lm", "mlx_lm_draft")]:
+            arms.remove(arm)
+            skipped.append({"arm": arm.name, "reason": "no structured outputs (bench "
+                                                       "--structured)"})
+        arms.insert(1, FREE_PLAIN)
     for sk in skipped if nodes > 1 and not args.no_peers else ():
         sk["reason"] = "mlx-lm needs the whole model in one process, not a ring"
     args.peer = None
@@ -138,6 +155,10 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
                 arms += [Arm(name, "llama") for name in LLAMA_ARMS]
             except BenchError as e:
                 skipped.append({"arm": "llama_*", "reason": str(e)})
+    if getattr(args, "ignore_eos", False):
+        for arm in [a for a in arms if a.kind in ("mlx_lm", "mlx_lm_draft", "llama")]:
+            arms.remove(arm)
+            skipped.append({"arm": arm.name, "reason": "engine arms only (bench --ignore-eos)"})
     if getattr(args, "temperature", 0.0) > 0.0:
         # mlx-lm's and llama-server's arms are greedy here: they would not be comparable
         for arm in [a for a in arms if a.kind in ("mlx_lm", "mlx_lm_draft", "llama")]:
@@ -169,6 +190,47 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
         return _run_loaded(args, store, engine, load_before, arms, skipped, loaded, ring)
     finally:
         ring.close()
+
+
+def resolve_workload_options(args: argparse.Namespace) -> None:
+    """--max-tokens (a length or several), --workloads, --structured and --first-seen settled
+    before anything loads: `args.lengths` the lengths, `args.max_tokens` the first (what the
+    other modes read), `args.workloads` the names. BenchError for a combination that cannot
+    run."""
+    structured = getattr(args, "structured", False)
+    lengths = args.max_tokens
+    if isinstance(lengths, int):
+        lengths = [lengths]
+    workloads_mode = not (getattr(args, "agent", False) or getattr(args, "concurrency", None)
+                          or getattr(args, "engine", "mlx") != "mlx")
+    if lengths is None:
+        lengths = [DEFAULT_AGENT_MAX_TOKENS if getattr(args, "agent", False)
+                   else DEFAULT_MAX_TOKENS]
+    if len(lengths) > 1 and (not workloads_mode or getattr(args, "nodes", 1) > 1):
+        raise BenchError("several --max-tokens lengths run the workloads on one node (no "
+                         "--agent, --concurrency, --nodes or --engine served)")
+    args.lengths, args.max_tokens = list(lengths), lengths[0]
+    if (structured or getattr(args, "first_seen", False)) and (
+            not workloads_mode or getattr(args, "nodes", 1) > 1):
+        raise BenchError("--structured and --first-seen run the workloads on one node (no "
+                         "--agent, --concurrency, --nodes or --engine served)")
+    if getattr(args, "ignore_eos", False) and (structured or not workloads_mode
+                                               or getattr(args, "nodes", 1) > 1):
+        raise BenchError("--ignore-eos runs the text workloads on one node (no --structured, "
+                         "--agent, --concurrency, --nodes or --engine served)")
+    if getattr(args, "first_seen", False) and getattr(args, "draft_memory_tokens", None):
+        raise BenchError("--first-seen turns the draft memory off: no --draft-memory-tokens")
+    if getattr(args, "workloads", None) is None:
+        args.workloads = list(STRUCTURED) if structured else list(WORKLOADS)
+    wrong = [w for w in args.workloads if (w in STRUCTURED) != structured]
+    if wrong:
+        raise BenchError(f"workload {wrong[0]!r} is " + (
+            "not in the structured set (--structured: " + ", ".join(STRUCTURED) + ")"
+            if structured else "in the structured set: add --structured"))
+    if structured:
+        from skulkp2p.bench.cases import require_jsonschema
+
+        require_jsonschema()
 
 
 def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, Any],
@@ -213,15 +275,18 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         return blas_threads.pinned(peer_threads if arm.kind in ("mlx_lm", "mlx_lm_draft")
                                    else node_threads)
 
-    # Warm-up: each arm once on a short prompt (kernels, allocator); also finds arms that
-    # cannot run on this model at all.
+    first_seen = getattr(args, "first_seen", False)
+    cases = bench_cases(args.workloads, getattr(args, "lengths", [args.max_tokens]), first_seen)
+    # Warm-up: each arm once on a short prompt (kernels, allocator; the structured set's
+    # grammar too); also finds arms that cannot run on this model at all.
     for arm in list(arms):
         if arm.kind == "llama":
             continue  # a fresh server per measured request: nothing to warm
         try:
             with arm_threads(arm):
                 execute(arm, model_of(arm), draft, WARMUP_MESSAGES,
-                        min(WARMUP_TOKENS, args.max_tokens), args.draft_tokens)
+                        min(WARMUP_TOKENS, args.max_tokens), args.draft_tokens,
+                        schema=cases[0].schema)
         except SkipArm as e:
             log.warning("arm %s skipped: %s", arm.name, e)
             skipped.append({"arm": arm.name, "reason": str(e)})
@@ -231,22 +296,30 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     if ring is not None:
         ring.take_run(None)  # the warm-up's traversals do not count
 
-    workloads = list(args.workloads)
-    cells = {(wl, a.name): Cell() for wl in workloads for a in arms}
+    workloads = [c.label for c in cases]
+    cells = {(c.label, a.name): Cell() for c in cases for a in arms}
+    memory_tokens = 0 if first_seen else getattr(args, "draft_memory_tokens", None)
     temperature = getattr(args, "temperature", 0.0)
     sampled = temperature > 0.0
     settings = {
         "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
+        "lengths": {c.label: c.max_tokens for c in cases},
+        "structured": getattr(args, "structured", False),
+        "schemas": {c.label: c.schema for c in cases if c.schema is not None} or None,
+        "first_seen": first_seen,
+        "ignore_eos": getattr(args, "ignore_eos", False),
         "warmup": f"each arm once, {min(WARMUP_TOKENS, args.max_tokens)} tokens",
         "order": "interleaved: run r of every workload and arm before run r+1",
         "greedy": not sampled, "chat_template": True,
         "sampling": {"temperature": temperature, "seeds": f"{args.seed} + run index, the same "
                      "for every arm; acceptance summed over all runs"} if sampled else None,
         "workloads": workloads, "arms": [a.name for a in arms],
-        "sessions": {wl: len(SESSIONS[wl]) for wl in workloads if wl in SESSIONS},
+        "sessions": {c.label: len(c.setup) for c in cases if c.setup},
         "fresh": "a fresh engine (empty draft memory) or llama-server per measured request; "
-                 "a session's earlier requests go to it first, unmeasured",
-        "draft_memory_tokens": getattr(args, "draft_memory_tokens", None),
+                 + ("first seen: no earlier requests, the draft memory off, no prefix cache"
+                    if first_seen else "a session's earlier requests go to it first, "
+                                       "unmeasured"),
+        "draft_memory_tokens": memory_tokens,
         "llama_server": str(args.peer[0]) if getattr(args, "peer", None) else None,
         "llama_gguf": str(args.peer[1]) if getattr(args, "peer", None) else None,
         "draft_model": args.draft_model, "draft_tokens": args.draft_tokens,
@@ -255,7 +328,7 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         "width_costs_used": _str_keys(getattr(loaded, "width_costs", None)),
         "one_node_width_costs_used": None if single is None else _str_keys(
             getattr(single, "width_costs", None)),
-        "prompt_tokens": {wl: prompt_len(loaded, wl) for wl in workloads},
+        "prompt_tokens": {c.label: prompt_len(loaded, c.messages) for c in cases},
         "cores_per_node": cores_per_node,
         "bench_cores": None if cores_per_node is None else allowed_cores(os.getpid()),
     }
@@ -285,7 +358,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         # workload (or the warm-up) is not always the one favoured, so no arm holds one place.
         shift = r % len(arms) if arms else 0
         order = [*arms[shift:], *arms[:shift]]
-        for wl in workloads:
+        for case in cases:
+            wl = case.label
             for arm in order:
                 cell = cells[(wl, arm.name)]
                 if cell.skip:
@@ -294,16 +368,18 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                     ring.mark_run()  # (a tensor group's rank times count from here)
                 try:
                     with arm_threads(arm):
-                        run = execute(arm, model_of(arm), draft, WORKLOADS[wl],
-                                      args.max_tokens, args.draft_tokens, SESSIONS.get(wl, ()),
-                                      getattr(args, "draft_memory_tokens", None),
-                                      getattr(args, "peer", None),
-                                      Sampling(temperature, args.seed + r) if sampled else None)
+                        run = execute(arm, model_of(arm), draft, case.messages,
+                                      case.max_tokens, args.draft_tokens, case.setup,
+                                      memory_tokens, getattr(args, "peer", None),
+                                      Sampling(temperature, args.seed + r) if sampled else None,
+                                      case.schema, getattr(args, "ignore_eos", False))
                 except SkipArm as e:
                     cell.skip = str(e)
                     continue
                 if ring is not None and not arm.one_node:
                     run.ring = ring.take_run(run.ttft_s + run.decode_s)
+                if case.schema is not None:
+                    run.valid = valid_against(run.text, case.schema)
                 cell.runs.append(run)
                 log.info("run %d/%d %-10s %-14s %s tok/s, ttft %.2fs%s", r + 1, args.runs, wl,
                          arm.name, fmt(run.tok_s, ".2f"), run.ttft_s,

@@ -15,7 +15,7 @@ from skulkp2p.bench.arms.mlx_arms import (
     Arm,
     parse_arm,
 )
-from skulkp2p.bench.workloads import AGENT_TURNS, WORKLOADS
+from skulkp2p.bench.workloads import AGENT_TURNS, STRUCTURED, WORKLOADS
 
 DEFAULT_MAX_TOKENS = 200
 DEFAULT_RUNS = 3
@@ -30,11 +30,29 @@ def _arm_list(value: str) -> list[Arm]:
 
 def _workload_list(value: str) -> list[str]:
     names = [w.strip() for w in value.split(",") if w.strip()]
-    bad = [w for w in names if w not in WORKLOADS]
+    bad = [w for w in names if w not in WORKLOADS and w not in STRUCTURED]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown workload {bad[0] if bad else value!r} (known: {', '.join(WORKLOADS)})")
+            f"unknown workload {bad[0] if bad else value!r} (known: {', '.join(WORKLOADS)}; "
+            f"with --structured: {', '.join(STRUCTURED)})")
     return list(dict.fromkeys(names))
+
+
+MAX_LENGTHS = 4  # --max-tokens lengths in one run
+
+
+def _lengths(value: str) -> list[int]:
+    """--max-tokens N or a comma list of lengths (200,1000), each a row of its own."""
+    parts = [p.strip() for p in value.split(",")]
+    if not parts or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"expected N or a comma list like 200,1000, "
+                                         f"got {value!r}")
+    lengths = [_positive(p) for p in parts]
+    if len(set(lengths)) != len(lengths):
+        raise argparse.ArgumentTypeError(f"a length is given twice: {value!r}")
+    if len(lengths) > MAX_LENGTHS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LENGTHS} lengths, got {value!r}")
+    return lengths
 
 
 def _positive(value: str) -> int:
@@ -84,9 +102,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "llama_server), plain vs its speculation, through our proxy vs direct")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default: what this node would serve with (float32 on OpenBLAS)")
-    p.add_argument("--max-tokens", type=_positive, default=None,
+    p.add_argument("--max-tokens", type=_lengths, default=None, metavar="N[,N...]",
                    help=f"generated tokens per run (default {DEFAULT_MAX_TOKENS}; with --agent "
-                        f"per turn, default {DEFAULT_AGENT_MAX_TOKENS})")
+                        f"per turn, default {DEFAULT_AGENT_MAX_TOKENS}); the workloads' bench "
+                        f"takes a comma list of up to {MAX_LENGTHS} lengths (200,1000): each "
+                        "workload runs at each, as rows WORKLOAD@N, and the summary says how "
+                        "much of the shortest length's gain the longer ones keep")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sample every engine request at this temperature (default 0: greedy, "
                         "outputs checked identical to plain); run r of every arm uses the "
@@ -99,8 +120,22 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,
                    help=f"measured runs per arm and workload; the median counts "
                         f"(default {DEFAULT_RUNS})")
-    p.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
-                   help=f"comma list of {', '.join(WORKLOADS)} (default all)")
+    p.add_argument("--workloads", type=_workload_list, default=None,
+                   help=f"comma list of {', '.join(WORKLOADS)} (default all); with "
+                        f"--structured of {', '.join(STRUCTURED)} (default all)")
+    p.add_argument("--structured", action="store_true",
+                   help="the structured set instead of the text workloads: each constrained to "
+                        "its JSON Schema (plain and spec), beside unconstrained plain "
+                        "(free_plain) and llama-server with the same json_schema; every output "
+                        "is validated against the schema (needs jsonschema)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="engine arms generate --max-tokens tokens whatever EOS says (fixed "
+                        "lengths, as llama.cpp's benches; plain and spec stay checked "
+                        "identical); the peer arms are skipped; not with --structured")
+    p.add_argument("--first-seen", action="store_true",
+                   help="gains from earlier requests never count: the draft memory off, no "
+                        "session's earlier requests, the prefix cache off (as always for the "
+                        "workloads' arms)")
     p.add_argument("--arms", type=_arm_list, default=[],
                    help="extra arms beside plain, spec and the peers: comma list of "
                         "DRAFTER:DEPTH (lookup:4, mtp:1, draft:3) and the ablations "
@@ -161,6 +196,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "~1,000-token file read, edits, tool results) and a shared-prefix pair; "
                         "per-turn time to first token and decode tok/s with the prefix cache "
                         "on and off, plain and spec")
+    p.add_argument("--restart-ttft", action="store_true",
+                   help="instead of the workloads: the time to first token of the agent "
+                        "conversation's last turn (of --turns) in a process just started, with "
+                        "the prefix cache's entries on disk from the process before and "
+                        "without; outputs must be identical (bench/arms/disk_cache.py)")
     p.add_argument("--turns", type=_turns, default=None, metavar="N",
                    help=f"with --agent: only the conversation's first N turns (default all "
                         f"{len(AGENT_TURNS)}), for a shorter run")
@@ -169,6 +209,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "(each a different workload) against an agent with --max-batch N and "
                         "one with --max-batch 1, started here; aggregate and per-request tok/s, "
                         "TTFT p50/p99, plain and spec")
+    p.add_argument("--replicas", type=_positive, default=None, metavar="R",
+                   help="with --concurrency: R agents of one cluster (with --cores-per-node K, "
+                        "K cores each), the model placed on one replica and on R, alternately; "
+                        "aggregate tok/s of each side by side (bench/arms/replicas.py)")
     p.add_argument("--url", metavar="http://HOST:PORT",
                    help="with --concurrency: measure this running node instead of starting "
                         "agents (no FIFO baseline)")

@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from skulkp2p.bench.arms.mlx_arms import (
+    FREE_PLAIN,
     ONE_NODE_PLAIN,
     ONE_NODE_SPEC,
     PLAIN,
@@ -77,6 +78,8 @@ def cell_results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads:
             if arm.kind == "llama":  # against the peer's own plain, by text
                 identical = all(x.text == llama_runs[0].text for x in cell.runs) \
                     if llama_runs else None
+            if not arm.constrained:  # another request (no schema): nothing to compare
+                identical = None
             if identical is False:
                 mismatched.append(f"{arm.name}/{wl}")
             results.append({
@@ -94,6 +97,9 @@ def cell_results(cells: dict[tuple[str, str], Cell], arms: list[Arm], workloads:
                 "tokens_generated": len(first.tokens),
                 "identical_to_plain": identical,
             })
+            checked = [x.valid for x in cell.runs if x.valid is not None]
+            if checked:  # the structured set: the share of runs valid against the schema
+                results[-1]["valid_rate"] = round(sum(checked) / len(checked), 4)
             if arm is ONE_NODE_PLAIN and reference is not None:
                 # One node sums in another order than a group: recorded, not required.
                 results[-1]["identical_to_group_plain"] = first.tokens == reference
@@ -136,7 +142,36 @@ def summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     else spec > best[0],
                     "exact": all(r["identical_to_plain"] is not False for r in doc["results"]
                                  if r["workload"] == wl and not r["peer"])})
+        if doc["settings"].get("structured"):
+            free = by.get((wl, FREE_PLAIN.name), {}).get("tok_s")
+            rates = [r["valid_rate"] for r in doc["results"] if r["workload"] == wl
+                     and r["arm"] != FREE_PLAIN.name and not r["peer"] and "valid_rate" in r]
+            peers = [r["valid_rate"] for r in doc["results"] if r["workload"] == wl
+                     and r["peer"] and "valid_rate" in r]
+            out[-1].update(plain_x_free_plain=round(plain / free, 3) if plain and free else None,
+                           all_valid=bool(rates) and min(rates) == 1.0,
+                           llama_valid_rate=min(peers) if peers else None,
+                           free_plain_valid_rate=by.get((wl, FREE_PLAIN.name), {}).get(
+                               "valid_rate"))
+    _gain_kept(out, doc["settings"].get("lengths") or {})
     return out
+
+
+def _gain_kept(rows: list[dict[str, Any]], lengths: dict[str, int]) -> None:
+    """Several --max-tokens lengths: each longer row's share of the shortest length's gain,
+    (spec x plain - 1) / (shortest's spec x plain - 1), where the shortest gained at all."""
+    by = {r["workload"]: r for r in rows}
+    for r in rows:
+        base, _, n = r["workload"].rpartition("@")
+        if not base or not n.isdigit():
+            continue
+        same = sorted((lengths[k], k) for k in lengths if k.rpartition("@")[0] == base)
+        shortest = by.get(same[0][1]) if same else None
+        if shortest is None or shortest is r:
+            continue
+        gain, short_gain = r["spec_x_plain"], shortest["spec_x_plain"]
+        r["gain_kept"] = round((gain - 1) / (short_gain - 1), 3) \
+            if gain is not None and short_gain is not None and short_gain > 1 else None
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -150,13 +185,36 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
                          f"{'—' if aim is None else ('yes' if aim else 'no')} | "
                          f"{'yes' if r['exact'] else 'NO'} |")
         return "\n".join(lines) + "\n"
+    if any("all_valid" in r for r in rows):
+        return _structured_table(rows)
+    kept = any("gain_kept" in r for r in rows)
     lines = ["", "| workload | spec × plain | plain × mlx_lm | llama best n-gram × its plain "
-             "| ahead | ours exact |", "|---|---:|---:|---|---|---|"]
+             "| ahead | ours exact |" + (" gain kept |" if kept else ""),
+             "|---|---:|---:|---|---|---|" + ("---:|" if kept else "")]
     for r in rows:
         best = "—" if r["llama_best_ngram"] is None else \
             f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
         ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
         lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
                      f"{fmt(r['plain_x_mlx_lm'], '.2f')} | {best} | {ahead} | "
+                     f"{'yes' if r['exact'] else 'NO'} |"
+                     + (f" {fmt(r.get('gain_kept'), '.0%')} |" if kept else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _structured_table(rows: list[dict[str, Any]]) -> str:
+    """bench --structured: the gain under the grammar, what the masks cost, validity."""
+    lines = ["", "| workload | spec × plain | plain × free_plain | llama best n-gram × its "
+             "plain | ahead | ours all valid | llama valid (worst arm) | free_plain valid "
+             "| ours exact |", "|---|---:|---:|---|---|---|---:|---:|---|"]
+    for r in rows:
+        best = "—" if r["llama_best_ngram"] is None else \
+            f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
+        ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
+        lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
+                     f"{fmt(r.get('plain_x_free_plain'), '.2f')} | {best} | {ahead} | "
+                     f"{'yes' if r['all_valid'] else 'NO'} | "
+                     f"{fmt(r.get('llama_valid_rate'), '.0%')} | "
+                     f"{fmt(r.get('free_plain_valid_rate'), '.0%')} | "
                      f"{'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines) + "\n"

@@ -293,3 +293,118 @@ def shared_prefix_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": AGENT_SYSTEM},
             {"role": "user", "content": f"File inventory.py:\n```python\n{AGENT_FILE}```\n\n"
                                         f"{question}"}]
+
+# --------------------------------------------------------------------------------------------
+# The structured set (`bench --structured`): each workload's messages and the JSON Schema every
+# engine arm but `free_plain` (and llama-server, as its `json_schema`) is constrained to. Strings
+# and arrays are bounded, so a valid output ends well inside the bench's 200 tokens.
+
+EXTRACT_TEXT = (
+    "Harbor Bikes was founded in 2011 in Rotterdam by Mila Jansen, who is still its CEO. The "
+    "company employs 240 people and sells three products: the City Cruiser, the Cargo Hauler "
+    "and the Folding Commuter. Its revenue in 2023 was 38.5 million euros, and it ships to 14 "
+    "countries. Harbor Bikes is privately held.")
+
+EXTRACT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "company": {"type": "string", "maxLength": 40},
+        "founded": {"type": "integer", "minimum": 1800, "maximum": 2030},
+        "city": {"type": "string", "maxLength": 40},
+        "ceo": {"type": "string", "maxLength": 40},
+        "employees": {"type": "integer", "minimum": 0},
+        "products": {"type": "array", "items": {"type": "string", "maxLength": 40},
+                     "maxItems": 5},
+        "revenue_million_eur": {"type": "number"},
+        "countries": {"type": "integer", "minimum": 0},
+        "public": {"type": "boolean"},
+    },
+    "required": ["company", "founded", "city", "ceo", "employees", "products",
+                 "revenue_million_eur", "countries", "public"],
+    "additionalProperties": False,
+}
+
+TOOL_SCHEMA = {  # the arguments of a function `book_flight`, as a tool call carries them
+    "type": "object",
+    "properties": {
+        "origin": {"type": "string", "maxLength": 30},
+        "destination": {"type": "string", "maxLength": 30},
+        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+        "cabin": {"enum": ["economy", "premium_economy", "business", "first"]},
+        "return_date": {"type": ["string", "null"], "maxLength": 10},
+        "flexible": {"type": "boolean"},
+    },
+    "required": ["origin", "destination", "date", "passengers", "cabin", "return_date",
+                 "flexible"],
+    "additionalProperties": False,
+}
+
+ORDERS_CSV = """\
+id,customer,item,quantity,paid
+A-101,Ada Park,desk lamp,2,yes
+A-102,Ben Ortiz,office chair,1,no
+A-103,Chen Wu,monitor stand,3,yes
+A-104,Dina Roy,desk lamp,1,yes
+"""
+
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {"orders": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "string", "maxLength": 8},
+                       "customer": {"type": "string", "maxLength": 20},
+                       "item": {"type": "string", "maxLength": 20},
+                       "quantity": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "paid": {"type": "boolean"}},
+        "required": ["id", "customer", "item", "quantity", "paid"],
+        "additionalProperties": False}}},
+    "required": ["orders"],
+    "additionalProperties": False,
+}
+
+FORM_SCHEMA = {  # a support ticket's triage form: nearly every field an enum
+    "type": "object",
+    "properties": {
+        "category": {"enum": ["billing", "shipping", "returns", "technical", "account", "other"]},
+        "priority": {"enum": ["low", "normal", "high", "urgent"]},
+        "sentiment": {"enum": ["angry", "unhappy", "neutral", "happy"]},
+        "product": {"enum": ["city_cruiser", "cargo_hauler", "folding_commuter", "accessory"]},
+        "channel": {"enum": ["email", "phone", "chat", "social"]},
+        "language": {"enum": ["en", "nl", "de", "fr"]},
+        "needs_human": {"type": "boolean"},
+        "refund_requested": {"type": "boolean"},
+        "tags": {"type": "array", "maxItems": 3, "items": {
+            "enum": ["late_delivery", "damaged", "wrong_item", "payment", "warranty"]}},
+    },
+    "required": ["category", "priority", "sentiment", "product", "channel", "language",
+                 "needs_human", "refund_requested", "tags"],
+    "additionalProperties": False,
+}
+
+STRUCTURED: dict[str, tuple[list[dict[str, str]], dict]] = {
+    # Facts from a given text into an object: most values are copied from the prompt.
+    "extract": ([{"role": "user", "content": (
+        "Extract the facts about the company in this text as a JSON object with the fields "
+        "company, founded, city, ceo, employees, products, revenue_million_eur, countries and "
+        f"public.\n\nText: {EXTRACT_TEXT}")}], EXTRACT_SCHEMA),
+    # A JSON tool call: the arguments of a function, from a user's request.
+    "tool-call": ([
+        {"role": "system", "content": (
+            "You call the function book_flight(origin, destination, date, passengers, cabin, "
+            "return_date, flexible) by replying with its arguments as one JSON object. Dates "
+            "are YYYY-MM-DD; return_date is null for a one-way trip.")},
+        {"role": "user", "content": (
+            "Book a one-way business class flight from Amsterdam to Lisbon on 2025-03-14 for "
+            "two passengers. The date is not flexible.")}], TOOL_SCHEMA),
+    # A list of objects: every row of a small table (four rows: about 150 tokens of JSON).
+    "list": ([{"role": "user", "content": (
+        "Convert every row of this CSV table into a JSON object with a list `orders` "
+        "(paid is a boolean).\n\n" + ORDERS_CSV)}], LIST_SCHEMA),
+    # An enum-heavy form: a support ticket's triage.
+    "form": ([{"role": "user", "content": (
+        "Triage this support email into the JSON form (category, priority, sentiment, product, "
+        "channel, language, needs_human, refund_requested, tags).\n\nEmail: My Cargo Hauler "
+        "arrived two weeks late and the rear rack is bent. This is the second time! I want my "
+        "money back or a new rack sent today. - Sent from my phone")}], FORM_SCHEMA),
+}

@@ -51,12 +51,19 @@ COMMITTED = "committed"  # a plan holding it is held by a majority: any future l
 # What a plan was made from (offers, eligible nodes, requests, term): unchanged, no re-plan.
 _PlanInputs: TypeAlias = tuple[tuple[tuple[str, int, str], ...], tuple[str, ...],
                                tuple[tuple[str, ModelSpec, tuple[str, ...], tuple[str, ...],
-                                           tuple[str, ...]], ...],
+                                           tuple[str, ...], tuple[str, ...]], ...],
                                int]
 
 
 def _error_dict(e: PlacementError) -> Message:
     return {"model": e.model, "error": str(e), "needs": e.needs, "available": e.available}
+
+
+def _key_counts(value: WireValue) -> Message:
+    """model -> how many keys, of a member's gossiped recent prompt keys."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): len(v) for k, v in value.items() if isinstance(v, list)}
 
 
 def _names(value: WireValue) -> tuple[str, ...]:
@@ -196,6 +203,10 @@ class ClusterCore:
                 "priority": f.get("priority", 0), "self": m is self.membership.me,
                 # ring stages held here: {model: {"layers": [a, b], "param_bytes": n}}
                 "stages": f.get("stages", {}), "ring": f.get("ring"),
+                # routing among replicas: requests queued and running per model, and how
+                # many recent prompt keys it gossips per model
+                "load": f.get("load", {}),
+                "affinity": _key_counts(f.get("affinity")),
             })
         return {
             "node": self.name, "leader": self.leader, "term": self.term,
@@ -398,6 +409,7 @@ class ClusterCore:
     def _requests(self) -> dict[str, Request]:
         reqs: dict[str, Request] = {}
         only: dict[str, set[str] | None] = {}  # None: any node may hold it
+        askers: dict[str, list[str]] = {}  # model -> the nodes whose --model it is
         for name in sorted(self.membership.members):
             m = self.membership.members[name]
             if m.state == LEFT:
@@ -410,6 +422,7 @@ class ClusterCore:
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue
                 reqs.setdefault(spec.id, Request(spec))
+                askers.setdefault(spec.id, []).append(name)
                 # A model from a local folder (no card) lives on the disks that named it.
                 local = w.get("only")
                 if spec.id not in only or only[spec.id] is not None:
@@ -430,6 +443,9 @@ class ClusterCore:
             if r.nodes and any((held := self.membership.get(n)) is not None and
                                held.state != ALIVE for n in r.nodes):
                 reqs[model] = Request(r.spec, (), r.only, pinned=r.nodes)
+        for model, names in askers.items():
+            if model in reqs:
+                reqs[model] = dataclasses.replace(reqs[model], askers=tuple(names))
         return reqs
 
     def _after(self, now: float) -> None:
@@ -500,7 +516,8 @@ class ClusterCore:
     def check_request(self, spec: ModelSpec, nodes: Sequence[str] = ()) -> PlacementError | None:
         """Why a placement request would fail on the current state (None: it would not)."""
         reqs = self._requests()
-        reqs[spec.id] = Request(spec, tuple(nodes))
+        asked = reqs.get(spec.id)
+        reqs[spec.id] = Request(spec, tuple(nodes), askers=asked.askers if asked else ())
         offers, eligible = self._offers()
         previous = {k: p for k, p in self._live_placements().items() if k != spec.id}
         got = plan(list(reqs.values()), offers, previous, eligible).get(spec.id)
@@ -516,8 +533,12 @@ class ClusterCore:
 
     def _live_placements(self) -> dict[str, Placement]:
         ms = self.membership
-        return {k: p for k, p in self._placements.items()
-                if not any((m := ms.get(n)) is None or m.state in (DEAD, LEFT) for n in p.ring)}
+        live: dict[str, Placement] = {}
+        for k, p in self._placements.items():
+            kept = p.surviving(lambda n: (m := ms.get(n)) is None or m.state in (DEAD, LEFT))
+            if kept is not None:
+                live[k] = kept
+        return live
 
     def _plan(self, now: float) -> None:
         checked = (self.membership.version, self.term, self._held_gen)
@@ -527,7 +548,7 @@ class ClusterCore:
         offers, eligible = self._offers()
         reqs = self._requests()
         inputs = (tuple(sorted((o.name, o.memory, o.dtype) for o in offers)), tuple(eligible),
-                  tuple(sorted((k, r.spec, r.nodes, r.only, r.pinned)
+                  tuple(sorted((k, r.spec, r.nodes, r.only, r.pinned, r.askers)
                                for k, r in reqs.items())),
                   self.term)
         if inputs == self._plan_inputs:
@@ -544,6 +565,10 @@ class ClusterCore:
                 if got.term == 0 or model not in previous:
                     got = dataclasses.replace(got, term=self.term,
                                               serial=self.placement_version + 1)
+                if any(r.term == 0 for r in got.replicas):  # replicas placed just now
+                    got = dataclasses.replace(got, replicas=tuple(
+                        dataclasses.replace(r, term=self.term, serial=self.placement_version + 1)
+                        if r.term == 0 else r for r in got.replicas))
                 placements[model] = got
         requests: list[WireValue] = [{"spec": r.spec.to_dict(), "nodes": list(r.nodes)}
                                      for _, r in sorted(self._explicit.items())]

@@ -90,6 +90,7 @@ class ClusterNode:
         self.addr = ""
         self.bind_source: str | None = None
         self._peers: dict[str, PeerLink] = {}
+        self._closed = False  # close() ran: nothing is sent any more
         self._server: asyncio.base_events.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.gate = Gate("cluster", self.metrics, log)  # the listener's connections
@@ -195,6 +196,9 @@ class ClusterNode:
         if self._server is not None:
             self._server.close()
         self.gate.close()
+        # A frame read before the gate closed its connection may still be dispatched: its
+        # answer must not open a new PeerLink that nothing would ever close.
+        self._closed = True
         for p in self._peers.values():
             p.cancel()
         self._peers.clear()
@@ -313,6 +317,8 @@ class ClusterNode:
         return outs
 
     def _send(self, outs: list[Out]) -> None:
+        if self._closed:
+            return
         for addr, msg in outs:
             if addr == self.addr:
                 continue

@@ -31,6 +31,14 @@ that fits (at most one member per KV head), and its first member runs the decode
 Several models are placed one after another (previous placements first, then new ones by id);
 each takes its share of memory before the next is placed.
 
+Replicas (``ModelSpec.replicas``, from the card's ``placement.replicas`` or the place request):
+a model may be served by several independent rings or groups, each a whole copy placed as
+above on nodes no other replica of it uses. Every model's first replica is placed before any
+model's extra ones (one model's copies never crowd out another model); ``AUTO_REPLICAS`` asks for
+one more replica on every node that asked for the model (its ``--model``) and fits it alone. A
+replica stays where it is while its nodes live; one whose node is lost is placed again (or
+dropped while nothing fits), the others untouched. Fewer replicas than asked is not an error.
+
 A request pinned to named nodes some of which are away (``Request.pinned``, the owner decides
 what away means) is placed automatically meanwhile, as a pipeline ring if a tensor-parallel
 group does not fit the nodes there are, and its placement carries a ``note`` that says so; once
@@ -42,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,6 +63,8 @@ OVERHEAD = 1.3
 DTYPE_SCALE = {"bfloat16": 1.0, "float16": 1.0, "float32": 2.0}  # vs bf16 card sizes
 MAX_COMBINATIONS = 4096  # beyond this many rings of one size, only the largest nodes are tried
 PARALLEL = ("auto", "pipeline", "tensor")
+AUTO_REPLICAS = -1  # ModelSpec.replicas: one on every node that asked for the model and fits it
+MAX_REPLICAS = 64
 
 
 class PlacementError(Exception):
@@ -86,6 +96,7 @@ class ModelSpec:
     # child with N parallel slots holds N slots' contexts (-c is N x the slot context).
     kv_tokens: int = 0
     engine_reason: str = ""  # why this engine (a model with both forms: the asking node's choice)
+    replicas: int = 0  # independent copies wanted (0 or 1: one; AUTO_REPLICAS: see the module)
 
     def kv_bytes_per_layer(self) -> int:
         """bf16 K and V of one layer for the whole context (every slot's, when served)."""
@@ -100,12 +111,13 @@ class ModelSpec:
                 **({"parallel": self.parallel} if self.parallel else {}),
                 **({"tail_start": self.tail_start} if self.tail_start else {}),
                 **({"kv_tokens": self.kv_tokens} if self.kv_tokens else {}),
-                **({"engine_reason": self.engine_reason} if self.engine_reason else {})}
+                **({"engine_reason": self.engine_reason} if self.engine_reason else {}),
+                **({"replicas": self.replicas} if self.replicas else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, WireValue]) -> ModelSpec:
         ints = ("layers", "size_bytes", "context_length", "hidden_size", "kv_heads", "head_dim",
-                "tail_start", "kv_tokens")
+                "tail_start", "kv_tokens", "replicas")
         model_id = d.get("id")
         given = {k: d[k] for k in ints if k in d}
         numbers = {k: v for k, v in given.items()
@@ -132,6 +144,9 @@ class ModelSpec:
             raise ValueError(f"model spec {spec.id}: kv_tokens must not be negative")
         if not 0 <= spec.tail_start < spec.layers:
             raise ValueError(f"model spec {spec.id}: tail_start must be in [0, layers)")
+        if not (spec.replicas == AUTO_REPLICAS or 0 <= spec.replicas <= MAX_REPLICAS):
+            raise ValueError(f"model spec {spec.id}: replicas must be in [0, {MAX_REPLICAS}] "
+                             "or auto")
         return spec
 
     @classmethod
@@ -142,11 +157,35 @@ class ModelSpec:
                    parallel=_card_parallel(card),
                    tail_start=int(getattr(card, "tail_start", 0)),
                    kv_tokens=(card.served_slots() * card.served_slot_context
-                              if engine == "llama_server" else 0))
+                              if engine == "llama_server" else 0),
+                   replicas=_card_replicas(card))
 
     @property
     def tensor(self) -> bool:
         return self.parallel == "tensor"
+
+
+    @property
+    def one_copy(self) -> ModelSpec:
+        """The spec without its replica count: what each replica is placed as."""
+        return dataclasses.replace(self, replicas=0) if self.replicas else self
+
+
+def parse_replicas(value: object) -> int:
+    """A replica count as a card or a place request gives it: a number from 1 to MAX_REPLICAS
+    or "auto" (AUTO_REPLICAS). Raises ValueError saying what is allowed."""
+    if value == "auto":
+        return AUTO_REPLICAS
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_REPLICAS:
+        return value
+    raise ValueError(f"'replicas' must be a number from 1 to {MAX_REPLICAS} or \"auto\", "
+                     f"got {value!r}")
+
+
+def _card_replicas(card: Card) -> int:
+    value = (getattr(card, "placement", None) or {}).get("replicas")
+    count = 0 if value is None else parse_replicas(value)
+    return 0 if count == 1 else count  # one copy is the default, spelled one way
 
 
 def _card_parallel(card: Card) -> str:
@@ -184,11 +223,48 @@ class Placement:
     # nodes, and a line that says so.
     pinned: tuple[str, ...] = ()
     note: str = ""
+    # The model's other replicas: whole copies on other nodes, each a placement of its own
+    # (no spec, no replicas of their own). This one is the first.
+    replicas: tuple[Placement, ...] = ()
 
     @property
     def entry(self) -> str:
         """The member that runs the decode loop and serves the model's requests."""
         return self.ring[0] if self.parallel == "tensor" else self.ring[-1]
+
+    def copies(self) -> tuple[Placement, ...]:
+        """Every replica, this first (without its list of the others)."""
+        if not self.replicas:
+            return (self,)
+        return (dataclasses.replace(self, replicas=()), *self.replicas)
+
+    def replica_for(self, node: str) -> Placement | None:
+        """The replica ``node`` is a member of (a node holds at most one), else None."""
+        return next((r for r in self.copies() if node in r.ring), None)
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The member that runs the decode loop of each replica."""
+        return tuple(r.entry for r in self.copies())
+
+    @property
+    def holders(self) -> tuple[str, ...]:
+        """Every node holding some of the model, in any replica."""
+        return tuple(n for r in self.copies() for n in r.ring)
+
+    def surviving(self, lost: Callable[[str], bool]) -> Placement | None:
+        """The replicas none of whose members is ``lost``, the first of them first; None when
+        every replica lost a member."""
+        copies = self.copies()
+        kept = [r for r in copies if not any(lost(n) for n in r.ring)]
+        if not kept:
+            return None
+        if kept[0] is copies[0]:
+            return dataclasses.replace(self, replicas=tuple(kept[1:]))
+        # the first replica is lost: the next one stands in its place (a ring named by the
+        # request was the first, so this one was placed automatically)
+        return dataclasses.replace(kept[0], spec=self.spec, pinned=self.pinned, note=self.note,
+                                   explicit=False, replicas=tuple(kept[1:]))
 
     def to_dict(self) -> Message:
         d: Message = {"model": self.model, "ring": list(self.ring),
@@ -201,6 +277,8 @@ class Placement:
             d["note"] = self.note
         if self.spec is not None:
             d["spec"] = self.spec.to_dict()
+        if self.replicas:
+            d["replicas"] = [r.to_dict() for r in self.replicas]
         return d
 
     @classmethod
@@ -215,7 +293,9 @@ class Placement:
                    bool(d.get("explicit")), as_int(d.get("term", 0)),
                    "tensor" if d.get("parallel") == "tensor" else "pipeline",
                    as_int(d.get("serial", 0)),
-                   tuple(str(n) for n in _items(d.get("pinned", []))), str(d.get("note", "")))
+                   tuple(str(n) for n in _items(d.get("pinned", []))), str(d.get("note", "")),
+                   tuple(dataclasses.replace(cls.from_dict(r), spec=None, replicas=())
+                         for r in _items(d.get("replicas", [])) if isinstance(r, dict)))
 
 
 def _items(value: WireValue) -> list[WireValue]:
@@ -233,6 +313,8 @@ class Request:
     # The ring it is pinned to while some of those nodes are away (``nodes`` is then empty):
     # placed automatically meanwhile, with a note saying so.
     pinned: tuple[str, ...] = ()
+    # The nodes that asked for the model (their --model): where AUTO_REPLICAS puts copies.
+    askers: tuple[str, ...] = ()
 
     def specs(self) -> list[ModelSpec]:
         """What it may be placed as: its spec; while its pinned nodes are away, a
@@ -466,12 +548,18 @@ def plan(requests: Sequence[Request], nodes: Sequence[NodeOffer],
     by_id = {r.spec.id: r for r in requests}
     for model in sorted(by_id):
         old, req = previous.get(model), by_id[model]
-        if (old is not None and all(n in offers for n in old.ring) and old.spec in req.specs()
-                and (not req.nodes or tuple(req.nodes) == old.ring)
-                and (not req.only or set(old.ring) <= set(req.only))):
-            out[model] = old
-            for n, need in zip(old.ring, old.needs, strict=False):
-                free[n] -= need
+        kept = old.surviving(lambda n: n not in offers) if old is not None else None
+        if kept is None or kept.spec is None:
+            continue
+        same = [s for s in req.specs() if s.one_copy == kept.spec.one_copy]
+        if (same and (not req.nodes or tuple(req.nodes) == kept.ring)
+                and (not req.only or set(kept.holders) <= set(req.only))):
+            extra = kept.replicas[:max(0, _wanted(req.spec) - 1)]
+            kept = dataclasses.replace(kept, spec=same[0], replicas=extra)
+            out[model] = kept
+            for copy in kept.copies():
+                for n, need in zip(copy.ring, copy.needs, strict=False):
+                    free[n] -= need
     for model in sorted(by_id):
         if model in out:
             continue
@@ -491,11 +579,55 @@ def plan(requests: Sequence[Request], nodes: Sequence[NodeOffer],
         else:
             assert first is not None
             out[model] = first
+    for model in sorted(by_id):  # every model's first replica is in: now the extra ones
+        got_p, req = out[model], by_id[model]
+        if isinstance(got_p, Placement):
+            out[model] = _add_replicas(got_p, req, offers, allowed, free, overhead)
     for model, req in by_id.items():
         got_p = out[model]
         if req.pinned and isinstance(got_p, Placement):
             out[model] = _noted(got_p, req, offers, allowed)
     return out
+
+
+def _wanted(spec: ModelSpec) -> int:
+    """How many replicas a spec asks for (AUTO_REPLICAS: as many as there may be)."""
+    return MAX_REPLICAS if spec.replicas == AUTO_REPLICAS else max(1, spec.replicas)
+
+
+def _add_replicas(p: Placement, req: Request, offers: Mapping[str, NodeOffer],
+                  allowed: set[str], free: dict[str, int], overhead: float) -> Placement:
+    """``p`` with replicas added, on nodes no replica of it uses, until it has as many as
+    asked (AUTO_REPLICAS: one alone on each asking node that fits it) or nothing more fits."""
+    spec = p.spec if p.spec is not None else req.spec
+    copy_spec = spec.one_copy  # a tensor group placed as a ring meanwhile: copies as rings
+    if spec.tensor and p.parallel != "tensor":
+        copy_spec = dataclasses.replace(copy_spec, parallel="pipeline")
+    wanted = _wanted(spec)
+    extra = list(p.replicas)
+    used = set(p.holders)
+    auto = spec.replicas == AUTO_REPLICAS
+    places = ([(n,) for n in req.askers] if auto else [()] * (wanted - 1 - len(extra)))
+    for ring in places:
+        if len(extra) + 1 >= wanted:
+            break
+        if any(n in used or n not in allowed for n in ring):
+            continue
+        candidates = [offers[n] for n in sorted(allowed - used)
+                      if not req.only or n in req.only]
+        if not candidates:
+            break
+        try:
+            got = place_model(copy_spec, candidates, free, ring=ring, overhead=overhead)
+        except PlacementError:
+            if auto:
+                continue
+            break
+        extra.append(dataclasses.replace(got, spec=None, explicit=False))
+        used |= set(got.ring)
+        for n, need in zip(got.ring, got.needs, strict=True):
+            free[n] -= need
+    return dataclasses.replace(p, replicas=tuple(extra)) if extra != list(p.replicas) else p
 
 
 def _noted(p: Placement, req: Request, offers: Iterable[str], alive: set[str]) -> Placement:

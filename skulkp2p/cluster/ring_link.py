@@ -38,6 +38,7 @@ log = logging.getLogger("skulkp2p.ring")
 # A data frame begun must be whole this soon (64 MiB at about 1 MB/s); a traversal waiting on
 # it has given up long before (SKULKP2P_RING_TIMEOUT).
 FRAME_TIMEOUT_S = 60.0
+DRAFT_MEMORY = "draft_memory"  # the type of a frame carrying a replica's finished sequences
 
 
 def ring_timeout() -> float:
@@ -64,6 +65,9 @@ class RingData:
         self.metrics: collections.Counter[str] = collections.Counter()
         self.gate = Gate("ring", self.metrics, log)
         self.bytes_out = 0
+        # Frames of type DRAFT_MEMORY (a replica's finished prompts and outputs for the model's
+        # other replicas) go here: (model, token sequences), on the event loop.
+        self.on_draft_memory: Callable[[str, list[list[int]]], None] | None = None
 
     async def start(self, host: str, bind_source: str | None = None, port: int = 0) -> str:
         self.loop = asyncio.get_running_loop()
@@ -124,6 +128,9 @@ class RingData:
             self.gate.release(link)
 
     def _dispatch(self, msg: Message) -> None:
+        if msg.get("t") == DRAFT_MEMORY:
+            self._draft_memory(msg)
+            return
         request, model = msg.get("request"), msg.get("model")
         with self._lock:
             waiting = self._waiting.get(request) if isinstance(request, str) else None
@@ -153,6 +160,14 @@ class RingData:
                 log.error("ring: %s: stage failed on a frame: %r", model, f.exception())
 
         self._executors[model].submit(compute).add_done_callback(failed)
+
+    def _draft_memory(self, msg: Message) -> None:
+        model, seqs = msg.get("model"), msg.get("sequences")
+        if self.on_draft_memory is None or not isinstance(model, str) or not isinstance(
+                seqs, list):
+            return
+        sequences = [[t for t in s if isinstance(t, int)] for s in seqs if isinstance(s, list)]
+        self.on_draft_memory(model, sequences)
 
     def send_threadsafe(self, addr: str, msg: Message) -> concurrent.futures.Future[None]:
         body = wire.pack_body(msg, self.max_frame)  # here, off the event loop; signed there

@@ -11,13 +11,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import Chunk, GenerationResult
 
-__all__ = ["Cancelled", "Chunk", "Engine", "EngineFailed", "EngineInfo", "EngineUnavailable",
+__all__ = ["Cancelled", "Chunk", "DraftMemoryShare", "Engine", "EngineFailed", "EngineInfo",
+           "EngineUnavailable",
            "Generation", "GenerationResult", "RequestError", "RingError", "TensorError",
            "VerifyCosts"]
 
@@ -25,6 +27,20 @@ __all__ = ["Cancelled", "Chunk", "Engine", "EngineFailed", "EngineInfo", "Engine
 # The MLX engine's prefix cache per model, in MB (`--prefix-cache-mb`; 0 turns it off). Here,
 # without mlx, so that the CLI and the factory can name it before mlx loads.
 DEFAULT_PREFIX_CACHE_MB = 512
+
+# The prefix cache's entries on disk per model, in GB (`--prefix-cache-disk-gb`; 0 turns it
+# off): a few long conversations of a large model (a 4,000-token entry of an 8B model in
+# bfloat16 is about 0.5 GB).
+DEFAULT_PREFIX_CACHE_DISK_GB = 4.0
+
+
+@dataclass(frozen=True)
+class PrefixDiskSettings:
+    """Where the MLX engine keeps its prefix cache's entries on disk: under `directory` (the
+    node's data dir's prefix-cache/), a folder per model and fingerprint of its weights, at most
+    `max_bytes` each."""
+    directory: Path
+    max_bytes: int
 
 
 class Cancelled(Exception):
@@ -102,6 +118,28 @@ class EngineInfo:
     context_length: int
     detail: JSONObject = field(default_factory=dict)  # layers held, child pid, ...
     verify_costs: VerifyCosts | None = None  # measured where it runs (a tensor group's)
+    # Its draft memory, shared with the model's other replicas (None: it has none, or it is
+    # turned off).
+    draft_memory: DraftMemoryShare | None = None
+
+
+class DraftMemoryShare(Protocol):
+    """An engine's draft memory as the model's replicas share it: what this one finished (its
+    requests' prompts and outputs, as tokens) goes to the others, and what they finished comes
+    in. Both are called from any thread; what comes in is taken into the memory by the engine
+    itself, at its next request."""
+
+    def take_finished(self) -> list[list[int]]:
+        """The sequences finished here since the last call (bounded: the oldest dropped)."""
+        ...
+
+    def offer(self, sequences: list[list[int]]) -> None:
+        """Sequences another replica finished (bounded: the oldest dropped)."""
+        ...
+
+    def stats(self) -> JSONObject:
+        """What it holds and what it received ({"sequences", "tokens", "received"})."""
+        ...
 
 
 class Generation:

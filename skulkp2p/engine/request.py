@@ -122,6 +122,12 @@ class GenerationRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
     response_format: ResponseFormat = field(default_factory=ResponseFormat)
+    # False: nothing of this request is written to disk (the prefix cache keeps its entries in
+    # memory only); the request field `disk_cache`.
+    disk_cache: bool = True
+    # True: EOS does not end the output, max_tokens does (the bench's fixed lengths, as
+    # llama.cpp's benches run; no front end sets it).
+    ignore_eos: bool = False
 
     @property
     def uses_tools(self) -> bool:

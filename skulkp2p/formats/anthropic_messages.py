@@ -2,7 +2,8 @@
 written as a message or streamed as Anthropic's events.
 
 The body maps onto the request: `system` becomes the first chat message, `stop_sequences` the
-stop strings, `tools` with `input_schema` the request's tools, an assistant's `tool_use` blocks
+stop strings, `tools` with `input_schema` the request's tools (`strict` holds a call's input
+to its schema), `output_config.format` (structured outputs) the response format, an assistant's `tool_use` blocks
 its tool calls and a user's `tool_result` blocks tool results; the chat then goes through the
 checks every API's does (chat_messages.check_chat). A reply with tool calls has stop_reason
 "tool_use". Streaming follows Anthropic's event sequence: message_start, then per content block
@@ -24,6 +25,7 @@ from skulkp2p.formats.body_fields import (
     FormatError,
     Options,
     check_body,
+    disk_cache,
     max_tokens,
     sampling,
     speculation,
@@ -31,12 +33,13 @@ from skulkp2p.formats.body_fields import (
 )
 from skulkp2p.formats.chat_messages import check_chat
 from skulkp2p.formats.openai_chat import CheckModel
+from skulkp2p.formats.response_format import parse_output_config
 from skulkp2p.formats.result_extras import extras
 from skulkp2p.formats.tool_specs import check_tool_list, make_tool, tool_entries, with_tools
 
 # Fields read as the pipe's fields of the same name.
 PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-          "repetition_penalty", "speculation")
+          "repetition_penalty", "speculation", "disk_cache")
 
 OPTIONS: Options = {
     "stream": (lambda v: v is None or isinstance(v, bool), "'stream' must be a boolean"),
@@ -50,7 +53,8 @@ OPTIONS: Options = {
     "context_management": (lambda v: v is None, "context management is not supported"),
 }
 
-KNOWN = {*PASSED, *OPTIONS, "messages", "system", "stop_sequences", "tools", "tool_choice"}
+KNOWN = {*PASSED, *OPTIONS, "messages", "system", "stop_sequences", "tools", "tool_choice",
+         "output_config", "output_format"}
 
 # The request's fields as Anthropic names them, for the errors an engine raises later.
 RENAME = {"stop": "stop_sequences"}
@@ -166,12 +170,13 @@ def _tools(value: object) -> tuple[Tool, ...]:
             raise RequestError(f"'{where}.type': only custom tools (with input_schema) are "
                                f"supported, got {t.get('type')!r}", f"{where}.type")
         unknown = sorted(set(t) - {"type", "name", "description", "input_schema",
-                                   "cache_control"})
+                                   "cache_control", "strict"})
         if unknown:
             raise RequestError(f"'{where}' has unsupported fields: {', '.join(unknown)}",
                                f"{where}.{unknown[0]}")
         tools.append(make_tool(t.get("name"), t.get("description"), t.get("input_schema"),
-                               None, where, params_key="input_schema", params_required=True))
+                               t.get("strict"), where, params_key="input_schema",
+                               params_required=True))
     return check_tool_list(tools)
 
 
@@ -224,7 +229,10 @@ def messages_request(body: object, check_model: CheckModel) -> AnthropicRequest:
         model=model if isinstance(model, str) else None,
         messages=check_chat(chat, "messages"), max_tokens=max_tokens(fields),
         sampling=sampling(fields), stop=stop_strings(fields.get("stop_sequences")),
-        speculation=speculation(fields.get("speculation")))
+        speculation=speculation(fields.get("speculation")),
+        disk_cache=disk_cache(fields.get("disk_cache")),
+        response_format=parse_output_config(fields.get("output_config"),
+                                            fields.get("output_format")))
     if fields.get("tools") is not None or fields.get("tool_choice") is not None:
         choice, parallel = _tool_choice(fields.get("tool_choice"))
         tools = _tools(fields["tools"]) if fields.get("tools") is not None else ()

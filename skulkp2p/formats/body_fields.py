@@ -232,3 +232,13 @@ def speculation(value: object) -> Speculation:
     raise RequestError("'speculation' must be \"auto\", \"off\" or "
                        "{\"drafter\": \"mtp\"|\"lookup\"|\"draft\"|\"assistant\", \"depth\": k}",
                        "speculation")
+
+
+def disk_cache(value: object) -> bool:
+    """`disk_cache`: false keeps everything of the request off the node's disk (its prefix
+    cache entries stay in memory); true or absent lets them be written."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise RequestError("'disk_cache' must be a boolean", "disk_cache")
+    return value

@@ -14,6 +14,7 @@ from skulkp2p.engine.request import GenerationRequest, RequestError
 from skulkp2p.engine.results import GenerationResult, Usage
 from skulkp2p.formats.body_fields import (
     check_fields,
+    disk_cache,
     max_tokens,
     sampling,
     speculation,
@@ -25,14 +26,14 @@ from skulkp2p.formats.chat_messages import (
     parse_tools,
     tool_call_json,
 )
-from skulkp2p.formats.response_format import parse_response_format, without_tools
+from skulkp2p.formats.response_format import parse_response_format
 from skulkp2p.formats.result_extras import speculation_json, timing_json
 from skulkp2p.formats.tool_specs import with_tools
 
 COMMON_FIELDS = {"id", "model", "messages", "prompt", "max_tokens", "max_completion_tokens",
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "repetition_penalty", "speculation", "tools", "tool_choice",
-                 "parallel_tool_calls", "response_format"}
+                 "parallel_tool_calls", "response_format", "disk_cache"}
 
 
 def parse_request(obj: object, extra_fields: frozenset[str] = frozenset()) -> GenerationRequest:
@@ -66,6 +67,7 @@ def parse_request(obj: object, extra_fields: frozenset[str] = frozenset()) -> Ge
         sampling=sampling(obj), stop=stop_strings(obj.get("stop")),
         speculation=speculation(obj.get("speculation")),
         response_format=parse_response_format(obj.get("response_format")),
+        disk_cache=disk_cache(obj.get("disk_cache")),
     )
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -74,8 +76,7 @@ def parse_request(obj: object, extra_fields: frozenset[str] = frozenset()) -> Ge
     choice = parse_tool_choice(obj.get("tool_choice"))
     if not tools and choice.mode in ("auto", "none") and parallel is None:
         return req
-    return without_tools(with_tools(req, tools, choice, parallel is not False),
-                         "response_format")
+    return with_tools(req, tools, choice, parallel is not False)
 
 
 def request_id(obj: object) -> JSONValue:

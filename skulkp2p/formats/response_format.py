@@ -1,6 +1,7 @@
 """Structured outputs as the front ends spell them, read into the engine's `ResponseFormat`.
 
-OpenAI chat and the pipe: `response_format` {"type": "text" | "json_object"} or {"type":
+Anthropic Messages: `output_config.format` {"type": "json_schema", "schema"} (or the
+structured-outputs beta's top-level `output_format`). OpenAI chat and the pipe: `response_format` {"type": "text" | "json_object"} or {"type":
 "json_schema", "json_schema": {"name", "schema", "strict", "description"}}. The Responses API:
 `text.format`, the same types with the json_schema's fields beside "type". A schema is checked
 for shape first (tool_specs.check_schema: a 400 naming the exact field), then compiled by
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from skulkp2p.engine.decode.grammar import compile_format
 from skulkp2p.engine.json_types import JSONObject, JSONValue
-from skulkp2p.engine.request import TOOL_NAME, GenerationRequest, RequestError, ResponseFormat
+from skulkp2p.engine.request import TOOL_NAME, RequestError, ResponseFormat
 from skulkp2p.formats.tool_specs import check_schema
 
 SCHEMA_FIELDS = {"name", "schema", "strict", "description"}
@@ -69,6 +70,47 @@ def parse_text_format(value: object, where: str = "text") -> ResponseFormat:
     return _schema_format({k: v for k, v in fmt.items() if k != "type"}, where)
 
 
+def parse_output_config(config: object, legacy: object = None) -> ResponseFormat:
+    """Anthropic's structured outputs: `output_config` {"format": {"type": "json_schema",
+    "schema": {...}}} as the `anthropic` SDK sends it (its `output_format=` type, and the
+    structured-outputs beta, both arrive here), or the beta's earlier top-level
+    `output_format` (the same object)."""
+    fmt: object = None
+    where = "output_format"
+    if config is not None:
+        if not isinstance(config, dict):
+            raise RequestError("'output_config' must be an object", "output_config")
+        unknown = sorted(set(config) - {"format", "effort"})
+        if unknown:
+            raise RequestError(f"unsupported field 'output_config.{unknown[0]}'",
+                               f"output_config.{unknown[0]}")
+        if config.get("effort") is not None:
+            raise RequestError("'output_config.effort' is not supported", "output_config.effort")
+        if config.get("format") is not None and legacy is not None:
+            raise RequestError("give 'output_config.format' or 'output_format', not both",
+                               "output_format")
+        fmt, where = config.get("format"), "output_config.format"
+    if fmt is None:
+        fmt = legacy
+    if fmt is None:
+        return ResponseFormat()
+    if not isinstance(fmt, dict):
+        raise RequestError(f"'{where}' must be an object", where)
+    if fmt.get("type") != "json_schema":
+        raise RequestError(f"'{where}.type' must be \"json_schema\"", f"{where}.type")
+    unknown = sorted(set(fmt) - {"type", "schema"})
+    if unknown:
+        raise RequestError(f"unsupported field '{where}.{unknown[0]}'", f"{where}.{unknown[0]}")
+    if "schema" not in fmt:
+        raise RequestError(f"'{where}.schema' is required", f"{where}.schema")
+    schema = fmt["schema"]
+    check_schema(schema, f"{where}.schema")
+    if not isinstance(schema, dict):
+        schema = {} if schema is True else {"not": {}}
+    return _checked(ResponseFormat(type="json_schema", schema=schema, name="output"),
+                    f"{where}.schema")
+
+
 def _schema_format(spec: dict[str, JSONValue], where: str) -> ResponseFormat:
     unknown = set(spec) - SCHEMA_FIELDS
     if unknown:
@@ -105,12 +147,3 @@ def format_json(fmt: ResponseFormat) -> JSONObject:
     out: JSONObject = {"type": "json_schema", "name": fmt.name, "schema": fmt.schema,
                        "strict": fmt.strict}
     return out
-
-
-def without_tools(req: GenerationRequest, where: str) -> GenerationRequest:
-    """`req`, refused when it both offers tools and asks for a structured output: the grammar
-    would hold the reply to the format and leave the model no way to call them."""
-    if req.uses_tools and req.response_format.constrained:
-        raise RequestError(f"'{where}' other than text cannot be combined with tools yet",
-                           where)
-    return req

@@ -33,19 +33,20 @@ from skulkp2p.formats.body_fields import (
     FormatError,
     Options,
     check_body,
+    disk_cache,
     max_tokens,
     sampling,
     speculation,
 )
 from skulkp2p.formats.chat_messages import check_chat, parse_tool_choice
 from skulkp2p.formats.openai_chat import CheckModel
-from skulkp2p.formats.response_format import format_json, parse_text_format, without_tools
+from skulkp2p.formats.response_format import format_json, parse_text_format
 from skulkp2p.formats.result_extras import extras
 from skulkp2p.formats.tool_specs import check_tool_list, make_tool, tool_entries, with_tools
 
 # Read as the pipe's fields of the same name.
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-          "speculation")
+          "speculation", "disk_cache")
 
 
 def _string(v: object) -> bool:
@@ -206,13 +207,13 @@ def response_request(body: object, check_model: CheckModel, stored: StoredConver
         model=model if isinstance(model, str) else None, messages=messages,
         max_tokens=max_tokens(fields, "max_output_tokens", name="max_tokens"),
         sampling=sampling(fields), speculation=speculation(fields.get("speculation")),
-        response_format=parse_text_format(fields.get("text")))
+        response_format=parse_text_format(fields.get("text")),
+        disk_cache=disk_cache(fields.get("disk_cache")))
     tools = parse_tools(fields.get("tools"))
     choice = parse_tool_choice(fields.get("tool_choice"))
     parallel = fields.get("parallel_tool_calls")
     if tools or choice.mode != "auto" or parallel is not None:
-        req = without_tools(with_tools(req, tools, choice, parallel is not False),
-                            "text.format")
+        req = with_tools(req, tools, choice, parallel is not False)
     return ResponsesRequest(req, fields, conversation, bool(fields.get("stream")),
                             fields.get("store") is not False)
 

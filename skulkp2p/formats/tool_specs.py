@@ -11,8 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
+from skulkp2p.engine.decode.grammar import compile_format
 from skulkp2p.engine.json_types import JSONObject
-from skulkp2p.engine.request import TOOL_NAME, GenerationRequest, RequestError, Tool, ToolChoice
+from skulkp2p.engine.request import (
+    TOOL_NAME,
+    GenerationRequest,
+    RequestError,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+)
 from skulkp2p.formats.body_fields import Body
 
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -99,6 +107,11 @@ def make_tool(name: object, description: object, parameters: object, strict: obj
         schema = parameters
     if strict is not None and not isinstance(strict, bool):
         raise RequestError(f"'{where}.strict' must be a boolean", f"{where}.strict")
+    if strict and schema is not None:
+        # A strict tool's calls are held to its schema (engine/decode/tool_grammar.py): one
+        # the grammar cannot compile is refused here, naming the keyword's path.
+        compile_format(ResponseFormat(type="json_schema", schema=schema),
+                       f"{where}.{params_key}")
     return Tool(name, description, schema, strict)
 
 

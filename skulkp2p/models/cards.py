@@ -218,8 +218,12 @@ PLACEMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
     # its last cache-owning full-attention and sliding-window layers (the KV-shared layers read
     # them within a call; the assistant drafter reads their caches).
     "last_stage_from": int,
+    # independent copies of the model, each on nodes of its own (cluster/placement.py):
+    # a number, or "auto" (one on every node that asks for the model and fits it)
+    "replicas": (int, str),
 }
 PARALLEL = ("auto", "pipeline", "tensor")
+MAX_REPLICAS = 64
 
 
 def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
@@ -238,6 +242,10 @@ def _parse_placement(table: dict[str, Any], file: Path) -> dict[str, Any]:
                         f"{', '.join(PARALLEL)}, got {parallel!r}")
     if parallel == "tensor" and engine != "mlx":
         raise CardError(f"{file}: field 'placement.parallel' \"tensor\" needs the mlx engine")
+    replicas = table.get("replicas", 1)
+    if replicas != "auto" and not (isinstance(replicas, int) and 1 <= replicas <= MAX_REPLICAS):
+        raise CardError(f"{file}: field 'placement.replicas' must be a number from 1 to "
+                        f"{MAX_REPLICAS} or \"auto\", got {replicas!r}")
     if "gguf_card" in table and engine != "mlx":
         raise CardError(f"{file}: field 'placement.gguf_card' names the GGUF form of an mlx "
                         "card; a llama_server card is that form itself")

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
+from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, PrefixDiskSettings
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model.loaded import LoadedModel
@@ -32,6 +33,7 @@ log = logging.getLogger("skulkp2p.node")
 
 ENGINE_CHOICES = ("auto", "mlx", "llama-server")  # `join --engine`, `pipe --engine`
 MAX_BATCH_LIMIT = 256  # a bound on `--max-batch`: past it a typo, not a setting
+PREFIX_CACHE_DIR = "prefix-cache"  # under the node's data dir: the prefix cache's entries on disk
 
 
 class MaxBatchError(ValueError):
@@ -111,7 +113,8 @@ def uses_llama_server(store: ModelStore, spec: str) -> bool:
 
 def open_engine(store: ModelStore, spec: str, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
                 draft_memory_tokens: int | None = None, max_batch: int | None = None,
-                engine: str | None = None) -> Engine:
+                engine: str | None = None,
+                prefix_disk: PrefixDiskSettings | None = None) -> Engine:
     """Load `spec` (a card id, a local path or a Hugging Face repository id) on the engine its
     card names. Blocking: call it off the event loop (importing mlx-lm alone takes seconds).
     `prefix_cache_mb`: the MLX engine's prefix cache for the model (0: off); llama-server keeps
@@ -119,7 +122,8 @@ def open_engine(store: ModelStore, spec: str, prefix_cache_mb: float = DEFAULT_P
     requests (0 = off; None: the card's, else the default). `max_batch`: requests generated at once (None: the card's
     `[runtime] max_batch`, else the engine's default). `engine`: choose between the model's
     forms (ENGINE_CHOICES, see choose_engine); None: the form `spec` names (what placement
-    gave)."""
+    gave). `prefix_disk`: where the MLX engine keeps its prefix cache's entries on disk too
+    (None: memory only)."""
     check_max_batch(max_batch)
     if engine is not None:
         choice = choose_engine(store, spec, engine)
@@ -132,15 +136,26 @@ def open_engine(store: ModelStore, spec: str, prefix_cache_mb: float = DEFAULT_P
     from skulkp2p.engine.runner.loader import open_model
 
     return mlx_engine(open_model(store, spec), prefix_cache_mb,
-                      memory_tokens=draft_memory_tokens, max_batch=max_batch)
+                      memory_tokens=draft_memory_tokens, max_batch=max_batch,
+                      prefix_disk=prefix_disk)
 
 
 _ENGINE_NAMES = {"mlx": "MLX", "llama_server": "llama-server"}
 
 
 def mlx_engine(loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, *,
-               memory_tokens: int | None = None, max_batch: int | None = None) -> Engine:
+               memory_tokens: int | None = None, max_batch: int | None = None,
+               prefix_disk: PrefixDiskSettings | None = None) -> Engine:
     """An MlxEngine over `loaded` (a whole model, or a ring's last stage)."""
     from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
-    return MlxEngine(loaded, prefix_cache_mb, memory_tokens=memory_tokens, max_batch=max_batch)
+    return MlxEngine(loaded, prefix_cache_mb, memory_tokens=memory_tokens, max_batch=max_batch,
+                     prefix_disk=prefix_disk)
+
+
+def prefix_disk_settings(data_dir: Path, gb: float) -> PrefixDiskSettings | None:
+    """The prefix cache's entries on disk under the node's data dir (`--prefix-cache-disk-gb`,
+    0: off)."""
+    if gb <= 0:
+        return None
+    return PrefixDiskSettings(Path(data_dir) / PREFIX_CACHE_DIR, int(gb * 1e9))

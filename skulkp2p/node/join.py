@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine
-from skulkp2p.node.engines import open_engine
+from skulkp2p.node.engines import open_engine, prefix_disk_settings
 
 if TYPE_CHECKING:
     from skulkp2p.api.server import ServerConfig
@@ -45,6 +45,7 @@ class JoinSettings:
     draft_memory_tokens: int | None = None  # MLX engine's draft memory (0 = off, None = card's)
     max_batch: int | None = None  # requests a model generates at once (None: card's, else default)
     engine: EngineChoice | None = None  # --engine's choice between the model's forms
+    prefix_cache_disk_gb: float = 0.0  # the prefix cache's entries on disk, per model; 0: off
 
 
 def run_join(store: ModelStore, settings: JoinSettings, cluster: NodeConfig) -> int:
@@ -63,7 +64,9 @@ def run_join(store: ModelStore, settings: JoinSettings, cluster: NodeConfig) -> 
         # (its own --model when placed here, or another node's).
         return open_engine(store, spec, prefix_cache_mb=settings.prefix_cache_mb,
                            draft_memory_tokens=settings.draft_memory_tokens,
-                           max_batch=settings.max_batch)
+                           max_batch=settings.max_batch,
+                           prefix_disk=prefix_disk_settings(store.data_dir,
+                                                            settings.prefix_cache_disk_gb))
 
     def on_ready(engine: Engine) -> None:
         info = engine.info()

@@ -16,7 +16,7 @@ from skulkp2p.api.server import HttpRequest, Response
 from skulkp2p.cluster.core import ABSENT, COMMITTED, ClusterCore
 from skulkp2p.cluster.facts import model_spec
 from skulkp2p.cluster.node import ClusterNode
-from skulkp2p.cluster.placement import PARALLEL, ModelSpec
+from skulkp2p.cluster.placement import PARALLEL, ModelSpec, parse_replicas
 
 if TYPE_CHECKING:
     from skulkp2p.models.store import ModelStore
@@ -47,8 +47,9 @@ class PlaceRoute:
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(body, dict) or not isinstance(model, str):
             raise ApiError(400, "send {\"model\": ID, \"nodes\": [NAME, ...]?, \"parallel\": "
-                                "\"auto\"|\"pipeline\"|\"tensor\"?}", param="model")
-        extra = set(body) - {"model", "nodes", "parallel"}
+                                "\"auto\"|\"pipeline\"|\"tensor\"?, \"replicas\": N|\"auto\"?}",
+                           param="model")
+        extra = set(body) - {"model", "nodes", "parallel", "replicas"}
         if extra:
             raise ApiError(400, f"unknown field {sorted(extra)[0]!r}", param=sorted(extra)[0])
         given = body.get("nodes") or []
@@ -59,6 +60,12 @@ class PlaceRoute:
         if parallel is not None and (not isinstance(parallel, str) or parallel not in PARALLEL):
             raise ApiError(400, f"'parallel' must be one of {', '.join(PARALLEL)}",
                            param="parallel")
+        replicas: int | None = None
+        if body.get("replicas") is not None:
+            try:
+                replicas = parse_replicas(body["replicas"])
+            except ValueError as e:
+                raise ApiError(400, str(e), param="replicas") from None
         core = self.core
         known = core.placements().get(model)
         if known is not None and known.spec is not None:
@@ -73,6 +80,8 @@ class PlaceRoute:
                 nodes = [self.name]  # a local folder: this node's disk
         if parallel is not None:
             spec = dataclasses.replace(spec, parallel="" if parallel == "auto" else parallel)
+        if replicas is not None:
+            spec = dataclasses.replace(spec, replicas=0 if replicas == 1 else replicas)
         if core.leader is None:
             raise unavailable("the cluster has no leader right now; retry shortly",
                                "no_leader")
@@ -141,7 +150,8 @@ class PlaceRoute:
         core = self.core
         p = core.placements().get(spec.id)
         if p is not None and (not nodes or list(p.ring) == nodes) and (
-                p.parallel == "tensor") == spec.tensor:
+                p.parallel == "tensor") == spec.tensor and p.spec is not None and (
+                p.spec.replicas == spec.replicas):
             d = p.to_dict()
             d.pop("spec", None)
             return Response.json(200, {"placement": d, "term": core.term,

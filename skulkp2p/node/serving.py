@@ -7,6 +7,8 @@ The API routes of skulkp2p.api (OpenAI, Anthropic) run unchanged; this module is
   (started when the placement arrives, node/stages.py; 503 + Retry-After while it loads);
 - placed on another node: forwarded to that node's HTTP address, the answer streamed back
   (see api/relay.py: a dead or frozen node ends the request with a clear error, never a hang);
+- placed as several replicas: the one node/replica_route.py chooses (where the prompt's prefix
+  was served before, else the least loaded); a replica whose relay just broke is avoided;
 - no leader (an election, or a partition's minority side) or no placement yet: 503 with
   Retry-After, which the openai client retries; a model that fits nowhere: 503 naming the
   memory it needs and what the cluster has.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +42,7 @@ from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.pipe_route import pipe_generate
 from skulkp2p.api.relay import is_forwarded
+from skulkp2p.api.response_store import node_store
 from skulkp2p.api.server import HttpRequest, HttpServer, Response, Router, ServerConfig
 from skulkp2p.cluster.config import NodeConfig, parse_addr, split_addr
 from skulkp2p.cluster.core import ClusterCore
@@ -49,9 +53,20 @@ from skulkp2p.engine.json_types import JSONValue
 from skulkp2p.formats.body_fields import FormatError, check_fields
 from skulkp2p.node.place_route import PlaceRoute
 from skulkp2p.node.place_route import unavailable as _unavailable
+from skulkp2p.node.replica_route import (
+    AffinityRecord,
+    ReplicaView,
+    affinity_chain,
+    choose_replica,
+    response_key,
+)
 from skulkp2p.node.stages import LocalPlacements, member_check
 
+log = logging.getLogger("skulkp2p.node")
+
 NOT_FITTING_RETRY_AFTER = "10"  # only new nodes can make room
+LOST_HOLD_S = 10.0  # a replica whose relay broke gets no requests for this long (or till dead)
+LOAD_GOSSIP_S = 0.25  # how often this node's load and recent keys go into its facts
 
 
 class ClusterServing:
@@ -67,6 +82,16 @@ class ClusterServing:
         # Signs and checks the HTTP requests between this cluster's nodes (set by
         # serve_cluster from the cluster secret; None without one).
         self.node_auth: NodeAuth | None = None
+        # Routing among replicas: the keys of what this node's replicas served (gossiped),
+        # the requests this node relayed to each node and not yet done, the nodes whose relay
+        # broke (when), and the round for ties.
+        self.affinity = AffinityRecord()
+        # the keys this node relayed to each replica itself (node -> model -> keys): a
+        # conversation through this node stays put before the replica's gossip arrives
+        self.sent: dict[str, AffinityRecord] = {}
+        self.relayed: dict[str, int] = {}
+        self.lost_at: dict[str, float] = {}
+        self._turn = 0
 
     @property
     def node(self) -> ClusterNode | None:
@@ -147,8 +172,9 @@ class ClusterServing:
                              f"{placed}); ask for it with POST /v1/cluster/place",
                         param="model", code="model_not_found")
 
-    def _target(self, model: str) -> tuple[str, str | None]:
-        """Where ``model`` is served: ("local", None) or (node name, its HTTP address)."""
+    def _target(self, model: str, chain: list[str] | None = None) -> tuple[str, str | None]:
+        """Where ``model`` is served: ("local", None) or (node name, its HTTP address); of
+        several replicas, the one `choose_replica` picks for a request keyed by ``chain``."""
         core = self._core()
         if core.leader is None:
             voters = len(core.membership.voters())
@@ -166,7 +192,8 @@ class ClusterServing:
                 raise _unavailable(f"model {model} is being placed; retry shortly",
                                    "model_not_placed")
             raise self._not_placed(model)
-        entry = p.entry  # a ring's last stage, a tensor group's first member: the loop runs there
+        # a ring's last stage, a tensor group's first member: the loop runs there
+        entry = p.entry if len(p.replicas) == 0 else self._replica(model, p, chain or [])
         if entry == self.name:
             return "local", None
         m = core.membership.get(entry)
@@ -176,6 +203,71 @@ class ClusterServing:
             raise _unavailable(f"node {entry}, which serves model {model}, is {state}; the "
                                "cluster will place it again", "node_lost")
         return entry, str(http)
+
+    def _replica(self, model: str, p: Placement, chain: list[str]) -> str:
+        """The entry of the replica to serve a request of ``model`` keyed by ``chain``: among
+        the live ones (not lost by a relay in the last LOST_HOLD_S, alive before suspect),
+        `choose_replica` on their gossiped load and keys (this node's own read live, and
+        what this node relayed counted at once)."""
+        core = self._core()
+        now = time.monotonic()
+        up: list[str] = []
+        doubtful: list[str] = []
+        for entry in p.entries:
+            m = core.membership.get(entry)
+            if m is None or m.state not in (ALIVE, SUSPECT) or not m.facts.get("http"):
+                continue
+            recent = now - self.lost_at.get(entry, -LOST_HOLD_S) < LOST_HOLD_S
+            (doubtful if recent or m.state == SUSPECT else up).append(entry)
+        pool = up or doubtful
+        if not pool:
+            return p.entry  # none alive: _target names the first replica's node as lost
+        views = []
+        for entry in pool:
+            if entry == self.name:
+                worker = self.local.workers.get(model)
+                load = worker.waiting + len(worker.running) if worker is not None else 0
+                keys = self.affinity.keys(model)
+            else:
+                m = core.membership.get(entry)
+                facts = m.facts if m is not None else {}
+                loads = facts.get("load")
+                told = loads.get(model) if isinstance(loads, dict) else None
+                load = max(told if isinstance(told, int) else 0, self.relayed.get(entry, 0))
+                held = facts.get("affinity")
+                listed = held.get(model) if isinstance(held, dict) else None
+                keys = frozenset(str(k) for k in listed) if isinstance(listed, list) \
+                    else frozenset()
+                sent = self.sent.get(entry)
+                if sent is not None:
+                    keys |= sent.keys(model)
+            views.append(ReplicaView(entry, load, keys))
+        self._turn += 1
+        return choose_replica(chain, views, self._turn).node
+
+    def _relay_end(self, node: str, model: str, chain: list[str]) -> Callable[[bool], None]:
+        """Count a request relayed to ``node`` until it ends, and remember its keys there."""
+        self.relayed[node] = self.relayed.get(node, 0) + 1
+        self.sent.setdefault(node, AffinityRecord()).record(model, chain)
+
+        def ended(lost: bool) -> None:
+            self.relayed[node] = max(0, self.relayed.get(node, 0) - 1)
+            if lost:
+                self.lost_at[node] = time.monotonic()
+                self.sent.pop(node, None)  # its caches are gone with it
+        return ended
+
+    def record_response(self, model: str, response_id: str) -> None:
+        """A response stored here: a request continuing it is routed here."""
+        self.affinity.record(model, [response_key(model, response_id)])
+
+    def load_facts(self) -> tuple[dict[str, wire.WireValue], dict[str, wire.WireValue]]:
+        """What this node gossips for routing among replicas: model -> requests queued and
+        running here, and model -> the recent keys of what it served."""
+        load: dict[str, wire.WireValue] = {
+            model: w.waiting + len(w.running) for model, w in sorted(self.local.workers.items())}
+        keys: dict[str, wire.WireValue] = {m: list(k) for m, k in self.affinity.gossip().items()}
+        return load, keys
 
     def resolve(self, req: HttpRequest) -> tuple[HttpRequest, ModelEndpoint | Remote]:
         """The API's ModelResolver: this node's endpoint for the model, or the node to forward
@@ -192,20 +284,27 @@ class ClusterServing:
             except FormatError as e:
                 raise ApiError.from_request_error(e) from None
             req = req.with_json({**body, "model": model})
+        core = self.node.core if self.node is not None else None  # (a forwarded request
+        placed = core.placements().get(model) if core is not None else None  # needs none)
+        replicated = placed is not None and len(placed.replicas) > 0
+        chain = affinity_chain(model, req.path, body) if replicated else []
         if is_forwarded(req):
             api = self.local.apis.get(model)
             if api is None:  # the placement moved while the request travelled
                 raise _unavailable(f"model {model} is not served by node {self.name} "
                                    "(its placement changed); retry", "model_moved")
+            self.affinity.record(model, chain)
             return req, api
-        where, http = self._target(model)
+        where, http = self._target(model, chain)
         if where == "local":
             api = self.local.apis.get(model)
             if api is None:
                 raise _unavailable(f"model {model} is loading", "model_loading")
+            self.affinity.record(model, chain)
             return req, api
         assert http is not None
-        return req, Remote(where, http, member_check(self._node(), where), self.node_auth)
+        return req, Remote(where, http, member_check(self._node(), where), self.node_auth,
+                           self._relay_end(where, model, chain) if replicated else None)
 
     # ---------------------------------------------------------------- plain routes
 
@@ -233,7 +332,9 @@ class ClusterServing:
             entry = {"id": model, "object": "model", "owned_by": "skulkp2p",
                      "created": int(time.time()), "ring": list(p.ring),
                      "parallel": p.parallel or "pipeline",
-                     "ready": worker.state == "ready" if worker else None}
+                     "ready": worker.state == "ready" if worker else None,
+                     "replicas": [{"ring": list(r.ring), "entry": r.entry}
+                                  for r in p.copies()]}
             if p.spec is not None:  # which engine serves it, and why where a node chose
                 entry["engine"] = p.spec.engine or "mlx"
                 if p.spec.engine_reason:
@@ -241,6 +342,10 @@ class ClusterServing:
             costs = self._verify_costs(model, p)
             if costs is not None:
                 entry["verify_costs"] = costs
+            engine = worker.engine if worker is not None else None
+            memory = engine.info().draft_memory if engine is not None else None
+            if memory is not None and p.replicas:  # what this replica's draft memory holds
+                entry["draft_memory"] = memory.stats()
             data.append(entry)
         return Response.json(200, {"object": "list", "data": data})
 
@@ -265,8 +370,26 @@ class ClusterServing:
         st = self._node().status()
         for m in wire.as_list(st["members"]):
             if isinstance(m, dict):
-                m.pop("self", None)
+                if m.pop("self", None):  # its own recent keys as they are now, not as gossiped
+                    m["affinity"] = {k: len(v) for k, v in self.affinity.gossip().items()}
         return Response.json(200, st)
+
+
+async def _gossip_load(serving: ClusterServing, node: ClusterNode) -> None:
+    """Put this node's load and recent keys into its facts whenever they change, at most every
+    LOAD_GOSSIP_S (the other nodes route among replicas on them), and offer what its replicas
+    finished to the others' draft memory."""
+    sent: tuple[object, object] | None = None
+    while True:
+        try:
+            serving.local.share_draft_memory()
+        except Exception:  # a bug here must not stop the load gossip
+            log.exception("draft memory: sharing failed")
+        load, keys = serving.load_facts()
+        if (load, keys) != sent:
+            node.update_facts(load=load, affinity=keys)
+            sent = (load, keys)
+        await asyncio.sleep(LOAD_GOSSIP_S)
 
 
 async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: wire.Message,
@@ -309,11 +432,14 @@ async def serve_cluster(config: NodeConfig, serving: ClusterServing, want: wire.
             # advertised name, or an address translated on the way).
             server.allow_host_names(http_fact_host)
         stopper = asyncio.ensure_future(stop.wait())
+        gossip = asyncio.ensure_future(_gossip_load(serving, node))
+        node_store().on_put = serving.record_response
         try:
             waiting: set[asyncio.Future[Any]] = {stopper, own_failed}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
+            gossip.cancel()
     finally:
         await server.close()
         await node.close(leave=True)

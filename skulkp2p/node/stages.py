@@ -10,6 +10,7 @@ GET /v1/cluster shows. The HTTP side (node/serving.py) reads `workers` and `apis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -21,12 +22,12 @@ from skulkp2p.api.endpoint import ModelEndpoint
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
 from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import ModelSpec, Placement
-from skulkp2p.cluster.ring_link import RingData, TcpRingLink
+from skulkp2p.cluster.ring_link import DRAFT_MEMORY, RingData, TcpRingLink
 from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, VerifyCosts
 from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
-from skulkp2p.wire import Message, WireValue
+from skulkp2p.wire import PROTOCOL_VERSION, Message, WireValue
 
 if TYPE_CHECKING:
     from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
@@ -43,6 +44,8 @@ log = logging.getLogger("skulkp2p.node")
 
 # A tensor group's live width table is re-reported (/v1/cluster) at most this often.
 LIVE_REPORT_S = 1.0
+# A finished sequence offered to the model's other replicas: at most its last this many tokens.
+SHARE_TOKENS = 8192
 
 # What this node holds of a model: (ring, layers), and for a tensor group also (term, serial)
 _Role: TypeAlias = (tuple[tuple[str, ...], tuple[tuple[int, int], ...]]
@@ -73,6 +76,7 @@ class LocalPlacements:
         self._told: set[tuple[str, tuple[str, ...]]] = set()
         self._roles: dict[str, _Role] = {}  # model -> what is held here
         self.ring = RingData(b"")  # the data plane; its key is set in serve_cluster
+        self.ring.on_draft_memory = self._took_draft_memory
         self.instance = uuid.uuid4().hex  # this process's incarnation, on ring frames
         self.load_stage = load_stage or (lambda spec, span: _open_stage(store, spec, span))
         self._stage_reports: dict[str, Message] = {}  # set on a worker thread
@@ -97,7 +101,8 @@ class LocalPlacements:
     def on_cluster_change(self, node: ClusterNode) -> None:
         """Placements changed: start a worker for every model placed on this node alone, and a
         stage for every ring this node is a member of (the last stage runs the decode loop)."""
-        for model, p in sorted(node.placements().items()):
+        for model, placed in sorted(node.placements().items()):
+            p = self._copy_here(placed) or placed  # this node's replica of it, if any
             sig: _Role = ((p.ring, p.layers, p.term, p.serial) if p.parallel == "tensor"
                           else (p.ring, p.layers))
             if model in self._roles and self._roles[model] != sig:
@@ -122,6 +127,50 @@ class LocalPlacements:
                 if model == self.own_id and len(p.ring) == 1:
                     log.info("cluster: model %s is served by node %s; requests here are "
                              "forwarded to it", model, p.ring[0])
+
+    def share_draft_memory(self) -> int:
+        """Offer what this node's replicas finished (prompts and outputs, in their engines'
+        draft memory) to each other replica of their models, over the data plane; how many
+        sequences went out. An engine without a draft memory (turned off) shares nothing."""
+        node = self.node
+        if node is None or node.core is None:
+            return 0
+        placements = node.placements()
+        sent = 0
+        for model, worker in list(self.workers.items()):
+            engine = worker.engine
+            port = engine.info().draft_memory if engine is not None else None
+            if port is None:
+                continue
+            seqs = port.take_finished()  # drained whether or not there is anyone to tell
+            p = placements.get(model)
+            if not seqs or p is None or not p.replicas:
+                continue
+            msg: Message = {"t": DRAFT_MEMORY, "v": PROTOCOL_VERSION, "model": model,
+                            "sequences": [list(s[-SHARE_TOKENS:]) for s in seqs]}
+            for entry in p.entries:
+                addr = self._ring_addr(entry) if entry != self.name else None
+                if addr:
+                    self.ring.send_threadsafe(addr, msg).add_done_callback(_unsent)
+                    sent += len(seqs)
+        return sent
+
+    def _took_draft_memory(self, model: str, sequences: list[list[int]]) -> None:
+        worker = self.workers.get(model)
+        engine = worker.engine if worker is not None else None
+        port = engine.info().draft_memory if engine is not None else None
+        if port is not None:
+            port.offer(sequences)
+
+    def _copy_here(self, p: Placement) -> Placement | None:
+        """The replica of ``p`` this node is a member of (with the model's spec), else None."""
+        held = p.replica_for(self.name)
+        return dataclasses.replace(held, spec=p.spec) if held is not None else None
+
+    def _held(self, model: str) -> Placement | None:
+        """This node's replica of ``model`` as the cluster places it now (None: none)."""
+        p = self._cluster.started_core.placements().get(model)
+        return self._copy_here(p) if p is not None else None
 
     def _retire(self, model: str) -> None:
         self._roles.pop(model, None)
@@ -320,7 +369,7 @@ class LocalPlacements:
 
         def make(req: GenerationRequest, hidden: str | None,
                  interrupt: Callable[[], None] | None) -> TensorForward:
-            p = node.started_core.placements().get(model)
+            p = self._held(model)
             if p is None or p.ring != ring:
                 raise TensorError(f"model {model} was re-placed; retry")
             proc, gen = role.proc, role.gen
@@ -336,7 +385,7 @@ class LocalPlacements:
                     why = check()
                     if why:
                         return f"node {name} {why}"
-                now = node.started_core.placements().get(model)
+                now = self._held(model)
                 if now is None or now.ring != ring:
                     return f"model {model} was re-placed; retry"
                 if role.gen != gen or role.proc is not proc:
@@ -383,7 +432,7 @@ class LocalPlacements:
                 why = check()
                 if why:
                     return f"node {name} {why}"
-            now = node.started_core.placements().get(model)
+            now = self._held(model)
             if now is None or now.ring != ring:
                 gone = [n for n in ring if now is None or n not in now.ring]
                 without = f" without node {', '.join(gone)}" if gone and now else ""
@@ -392,7 +441,7 @@ class LocalPlacements:
 
         def make(req: GenerationRequest, hidden: str | None,
                  interrupt: Callable[[], None] | None) -> RingForward:
-            p = node.started_core.placements().get(model)
+            p = self._held(model)
             if p is None or p.ring != ring:
                 raise RingError(f"model {model} was re-placed; retry")
             first = self._ring_addr(ring[0])
@@ -442,6 +491,14 @@ class LocalPlacements:
         results = await asyncio.gather(*(loop.run_in_executor(None, w.stop, timeout)
                                          for w in self.workers.values()))
         return all(results)
+
+
+def _unsent(f: object) -> None:
+    """A draft-memory frame that could not go out: the other replica drafts without it."""
+    import concurrent.futures
+
+    if isinstance(f, concurrent.futures.Future) and not f.cancelled() and f.exception():
+        log.debug("draft memory: not shared: %r", f.exception())
 
 
 def member_check(node: ClusterNode, name: str) -> Callable[[], str | None]:

@@ -10,6 +10,8 @@ Failures, kept apart on purpose:
   model without MTP layers, ...). No retry; the reason is read from its stderr and reported.
 - the child dies after it was ready: restarted, unless that is the third crash within a minute,
   in which case the breaker trips and the model is reported unavailable, not retried forever.
+- the supervisor itself fails (an error that is not the child's, such as its log folder gone):
+  the child is killed and the model failed with that reason, never left "starting".
 """
 
 from __future__ import annotations
@@ -120,11 +122,16 @@ class ServedChild:
         deadline = time.monotonic() + timeout
         with self._cond:
             while self.state not in ("ready", "failed", "stopped"):
+                if self._supervisor_gone():
+                    # _supervise ends with a final state; this is the guard for a way out
+                    # that does not (nothing else would ever wake this wait)
+                    raise ServedError(f"llama-server for {self.name}: its supervisor ended "
+                                      f"while the child was {self.state}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ServedError(f"llama-server for {self.name} is not ready after "
                                       f"{timeout:.0f} s")
-                self._cond.wait(left)
+                self._cond.wait(min(left, 1.0))
             if self.state == "failed":
                 assert self.error is not None
                 raise self.error
@@ -153,7 +160,22 @@ class ServedChild:
                 self.error = error
             self._cond.notify_all()
 
+    def _supervisor_gone(self) -> bool:
+        return self._thread.ident is not None and not self._thread.is_alive()
+
     def _supervise(self) -> None:
+        """The supervisor thread. Whatever ends it, it ends in a final state (failed or
+        stopped) with the child killed, so wait_ready never waits on a thread that is gone."""
+        try:
+            self._supervise_children()
+        except BaseException as e:  # a bug or an OS error outside the expected ServedErrors
+            self._kill()
+            self._set("failed", ServedError(
+                f"llama-server for {self.name}: its supervisor failed "
+                f"({type(e).__name__}: {e}); not restarting it"))
+            log.exception("llama-server for %s: supervisor failed", self.name)
+
+    def _supervise_children(self) -> None:
         first = True
         while not self._stopping:
             try:

@@ -297,6 +297,9 @@ def child_body(req: GenerationRequest, default_max_tokens: int, opening: str = "
     if req.stop:
         body["stop"] = list(req.stop)
     fmt = req.response_format
+    if fmt.constrained and req.uses_tools:  # (its schema grammar would leave no way to call)
+        raise RequestError("a response format other than text cannot be combined with tools "
+                           "on a model served by llama-server", "response_format")
     if fmt.constrained:  # llama-server compiles the schema into its own grammar
         body["json_schema"] = {"type": "object"} if fmt.type == "json_object" else \
             (fmt.schema or {})

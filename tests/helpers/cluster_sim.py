@@ -316,11 +316,11 @@ class SimNet:
 MEMORY = {"memory": 4_000_000_000}
 
 
-def small_spec(model: str, parallel: str = "") -> ModelSpec:
+def small_spec(model: str, parallel: str = "", replicas: int = 0) -> ModelSpec:
     """A model of 10 MB and 8 layers: fits any one node of MEMORY (two KV heads: a tensor group
-    of two when ``parallel="tensor"``)."""
+    of two when ``parallel="tensor"``), on ``replicas`` copies."""
     return ModelSpec(model, layers=8, size_bytes=10_000_000, context_length=512, hidden_size=64,
-                     kv_heads=2 if parallel else 1, parallel=parallel)
+                     kv_heads=2 if parallel else 1, parallel=parallel, replicas=replicas)
 
 
 def holders(net: SimNet, s: ModelSpec, nodes=()) -> list[str]:
@@ -511,9 +511,10 @@ def chaos(seed: int, fault_s: tuple[float, float] = (4.0, 10.0)) -> ChaosReport:
         down = [i for i in range(n) if nodes[i].addr in net.crashed]
         if rng.random() < 0.5 and net.responsive():  # a place request, through any node
             kind = rng.choice(("auto", "auto", "pinned", "tensor"))
-            m = f"m{next(models)}"
-            if kind == "auto":
-                inv.ask(small_spec(m))
+            index = next(models)
+            m = f"m{index}"
+            if kind == "auto":  # every third on two replicas (no draw: the same seeds' runs)
+                inv.ask(small_spec(m, replicas=2 if index % 3 == 0 else 0))
             elif kind == "pinned":
                 inv.ask(small_spec(m), tuple(rng.sample(names, rng.choice((1, 2)))))
             else:
@@ -595,10 +596,15 @@ def chaos(seed: int, fault_s: tuple[float, float] = (4.0, 10.0)) -> ChaosReport:
         if set(placed) != leader.requested():
             return False
         for model, p in placed.items():
-            if not set(p.ring) <= present or any(c.placements().get(model) != p for c in live):
+            if not set(p.holders) <= present or any(c.placements().get(model) != p for c in live):
                 return False
+            if len(set(p.holders)) != len(p.holders):
+                raise SimFailure(f"seed {seed}: replicas of {model} share a node: {p.holders}")
+            want = max(1, p.spec.replicas) if p.spec is not None else 1
+            if len(p.copies()) != min(want, len(present)):
+                return False  # each replica placed while there are nodes for it
             if any(leader.membership.get(r) is None or leader.membership.get(r).state != ALIVE
-                   for r in p.ring):
+                   for r in p.holders):
                 return False
             a = inv.asked.get(model)
             if a is not None and a.nodes and set(a.nodes) <= present and p.ring != a.nodes:

@@ -122,6 +122,16 @@ function renderHead(cluster, stats) {
 function tensor(p) { return p.parallel === "tensor"; }
 function entry(p) { return tensor(p) ? p.ring[0] : p.ring[p.ring.length - 1]; }
 
+// A model placed as several replicas: each replica drawn as a placement of its own.
+function copies(placements) {
+  return placements.flatMap((p) => {
+    const extra = p.replicas || [];
+    if (!extra.length) return [p];
+    const of = extra.length + 1;
+    return [{ ...p, replica: 1, of }, ...extra.map((r, i) => ({ ...r, model: p.model, replica: i + 2, of }))];
+  });
+}
+
 function holdings(member, placements) {
   const tags = [];
   for (const p of placements) {
@@ -148,7 +158,7 @@ function renderCluster(cluster) {
     return;
   }
   note.hidden = true;
-  const placements = cluster.placements || [];
+  const placements = copies(cluster.placements || []);
   const rows = (cluster.members || []).map((m) => el("tr", { "data-member": m.name },
     el("td", {},
       m.name === cluster.leader ? el("span", { class: "leader-mark", title: "leader" }, "★ ") : null,
@@ -168,7 +178,7 @@ function renderPlacements(cluster) {
   const box = document.getElementById("placements");
   const errs = document.getElementById("placement-errors");
   if (!cluster) { replace(box, el("p", { class: "muted", text: "–" })); replace(errs); return; }
-  const placements = cluster.placements || [];
+  const placements = copies(cluster.placements || []);
   if (!placements.length) {
     replace(box, el("p", { class: "empty", text: "No model is placed yet." }));
   } else {
@@ -187,8 +197,9 @@ function renderPlacements(cluster) {
         span.style.flexBasis = `${(100 * width) / total}%`;
         return span;
       });
-      const kind = tensor(p) ? `tensor group of ${p.ring.length}`
-        : p.ring.length > 1 ? `ring of ${p.ring.length}` : "one node";
+      const kind = (tensor(p) ? `tensor group of ${p.ring.length}`
+        : p.ring.length > 1 ? `ring of ${p.ring.length}` : "one node")
+        + (p.replica ? ` · replica ${p.replica} of ${p.of}` : "");
       const needs = Array.isArray(p.needs) ? p.needs.reduce((x, y) => x + y, 0) : p.needs;
       // which engine serves it, and why (its /v1/models entry)
       const m = state.models.find((x) => x.id === p.model);

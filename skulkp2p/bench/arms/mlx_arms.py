@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from skulkp2p.bench.bench_error import BenchError
 from skulkp2p.bench.report import round_or_none
-from skulkp2p.bench.workloads import WORKLOADS
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model.loaded import LoadedModel
@@ -48,6 +47,8 @@ class Arm:
     one_node: bool = False
     trees: bool = False  # engine arms: token trees on (card's speculation.lookup.trees)
     edits: bool = True  # engine arms: the suffix drafter's copy cursor etc. (lookup.edits)
+    # The structured set: the request carries its case's schema (free_plain does not).
+    constrained: bool = True
 
     @property
     def peer(self) -> bool:
@@ -56,6 +57,9 @@ class Arm:
 
 PLAIN = Arm("plain", "engine", "off")
 SPEC = Arm("spec", "engine", "auto")
+# bench --structured: plain decoding of the same prompt without the schema, the reference of
+# what the grammar's masks cost.
+FREE_PLAIN = Arm("free_plain", "engine", "off", constrained=False)
 ONE_NODE_PLAIN = Arm("one_node_plain", "engine", "off", one_node=True)
 ONE_NODE_SPEC = Arm("one_node_spec", "engine", "auto", one_node=True)
 # The ablation of the model-free drafter, in "auto" mode beside the MTP head: the older n-gram
@@ -136,6 +140,7 @@ class Run:
     tree_rounds: int | None = None  # rounds verified as a token tree (engine arms)
     # The gates' switches (engine arms): {"drafter", "event", "at_token", "reason"}, in order.
     gate_events: list[dict[str, Any]] | None = None
+    valid: bool | None = None  # the structured set: the text is valid against the schema
 
     @property
     def tok_s(self) -> float | None:
@@ -153,6 +158,8 @@ class Run:
             out["tree_rounds"] = self.tree_rounds
         if self.gate_events:
             out["gate_events"] = self.gate_events
+        if self.valid is not None:
+            out["valid"] = self.valid
         if self.ring is not None:
             out["ring"] = self.ring
         return out
@@ -171,21 +178,31 @@ class Sampling:
 
 
 def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation: Any,
-                   sampling: Sampling | None = None):
-    """A chat request as a client of the engine would send it: greedy, or sampled."""
+                   sampling: Sampling | None = None, schema: dict | None = None,
+                   ignore_eos: bool = False):
+    """A chat request as a client of the engine would send it: greedy, or sampled; with
+    `schema`, its output constrained to that JSON Schema (response_format json_schema);
+    `ignore_eos`: it runs to max_tokens (bench --ignore-eos; no front end's field)."""
+    import dataclasses
+
     from skulkp2p.formats.pipe_format import parse_request
 
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "speculation": speculation}
+    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                            "speculation": speculation}
     if sampling is not None:
         body.update(temperature=sampling.temperature, seed=sampling.seed)
-    return parse_request(body)
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": schema}}
+    req = parse_request(body)
+    return dataclasses.replace(req, ignore_eos=True) if ignore_eos else req
 
 
 def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: int,
                speculation: Any, engine: Any = None,
                setup: Sequence[list[dict[str, str]]] = (),
-               sampling: Sampling | None = None) -> Run:
+               sampling: Sampling | None = None, schema: dict | None = None,
+               ignore_eos: bool = False) -> Run:
     """One measured request on `engine` (default: a fresh MlxEngine, so an empty draft
     memory), after the session's earlier requests `setup`, unmeasured. Engines here run without
     the prefix cache: every run is a cold prefill (`--agent` measures the cache). `sampling`:
@@ -197,11 +214,11 @@ def run_engine(loaded: LoadedModel, messages: list[dict[str, str]], max_tokens: 
     for earlier in setup:
         try:
             for _ in engine.generate(engine_request(earlier, max_tokens, speculation,
-                                                    sampling)):
+                                                    sampling, schema)):
                 pass
         except RequestError as e:
             raise SkipArm(e.message) from None
-    req = engine_request(messages, max_tokens, speculation, sampling)
+    req = engine_request(messages, max_tokens, speculation, sampling, schema, ignore_eos)
     generation = engine.generate(req)
     t_first = t_last = None
     t0 = time.perf_counter()
@@ -303,11 +320,16 @@ class Cell:
 def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, max_tokens: int,
             draft_tokens: int, setup: Sequence[list[dict[str, str]]] = (),
             memory_tokens: int | None = None, peer: Any = None,
-            sampling: Sampling | None = None) -> Run:
+            sampling: Sampling | None = None, schema: dict | None = None,
+            ignore_eos: bool = False) -> Run:
     """One generation of `arm` on `messages`, after the session's earlier requests `setup` on
     the same fresh engine (or server). `memory_tokens`: the engine's draft memory bound (None:
     the card's or the default); `peer`: (llama-server binary, GGUF) for llama arms;
-    `sampling`: engine arms sample (the peers are greedy only: the bench drops them)."""
+    `sampling`: engine arms sample (the peers are greedy only: the bench drops them);
+    `schema`: the output is constrained to it (engine arms but an unconstrained one, and
+    llama-server as its json_schema); `ignore_eos`: engine arms run to max_tokens."""
+    if not arm.constrained:
+        schema = None
     if arm.kind == "engine":
         from skulkp2p.engine.runner.mlx_engine import MlxEngine
 
@@ -325,13 +347,13 @@ def execute(arm: Arm, loaded: LoadedModel, draft: LoadedModel | None, messages, 
             engine = MlxEngine(loaded, prefix_cache_mb=0,
                                memory_tokens=memory_tokens if arm.memory else 0)
             return run_engine(loaded, messages, max_tokens, arm.speculation, engine, setup,
-                              sampling)
+                              sampling, schema, ignore_eos)
         finally:
             loaded.speculation = saved
     if arm.kind == "llama":
         from skulkp2p.bench.arms.peers import run_llama
 
-        gen = run_llama(*peer, arm.name, list(setup), messages, max_tokens)
+        gen = run_llama(*peer, arm.name, list(setup), messages, max_tokens, schema)
         # Token ids are not streamed: placeholders of the right count (tok/s); text compares.
         return Run(tokens=list(range(gen.tokens)), ttft_s=gen.ttft_s, decode_s=gen.decode_s,
                    drafted=gen.drafted, accepted=gen.accepted, text=gen.text)
@@ -363,9 +385,9 @@ def open_draft(store: ModelStore, spec: str, loaded: LoadedModel) -> LoadedModel
     return draft
 
 
-def prompt_len(loaded: LoadedModel, workload: str) -> int:
-    """The workload's prompt length in tokens, chat template applied."""
+def prompt_len(loaded: LoadedModel, messages: list[dict[str, str]]) -> int:
+    """A workload's prompt length in tokens, chat template applied."""
     from skulkp2p.engine.runner.generate import prompt_tokens
 
-    return len(prompt_tokens(loaded, engine_request(WORKLOADS[workload], 1, "off")))
+    return len(prompt_tokens(loaded, engine_request(messages, 1, "off")))
 

@@ -59,9 +59,10 @@ def peer_gguf(store: Any, model_id: str) -> Path:
 
 
 def run_llama(binary: Path, gguf: Path, arm: str, setup: list[list[dict[str, str]]],
-              messages: list[dict[str, str]], max_tokens: int):
+              messages: list[dict[str, str]], max_tokens: int, schema: dict | None = None):
     """One measured greedy request on a fresh llama-server (after the session's earlier
-    requests, unmeasured): the streamed Generation (text, token count, timing, drafts)."""
+    requests, unmeasured): the streamed Generation (text, token count, timing, drafts).
+    `schema`: the requests carry it as llama-server's `json_schema` (the structured set)."""
     from skulkp2p.bench.arms.served_arm import direct_body, stream_chat
     from skulkp2p.served.child import ServedChild, ServedError
 
@@ -76,8 +77,9 @@ def run_llama(binary: Path, gguf: Path, arm: str, setup: list[list[dict[str, str
     try:
         child.start()
         for earlier in setup:
-            stream_chat(child.port, direct_body(earlier, max_tokens), f"{arm} (session)")
-        gen = stream_chat(child.port, direct_body(messages, max_tokens), arm)
+            stream_chat(child.port, direct_body(earlier, max_tokens, schema),
+                        f"{arm} (session)")
+        gen = stream_chat(child.port, direct_body(messages, max_tokens, schema), arm)
     except ServedError as e:
         raise BenchError(f"{arm}: {e}") from None
     finally:

@@ -171,9 +171,15 @@ def proxy_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any
             "stream_options": {"include_usage": True}}
 
 
-def direct_body(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """What our proxy sends the child for proxy_body(...)."""
-    return child_body(parse_request(_request_json(messages, max_tokens)), max_tokens)
+def direct_body(messages: list[dict[str, str]], max_tokens: int,
+                schema: dict | None = None) -> dict[str, Any]:
+    """What our proxy sends the child for proxy_body(...); with `schema`, for that request
+    constrained to it (the child's `json_schema`)."""
+    body = _request_json(messages, max_tokens)
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": schema}}
+    return child_body(parse_request(body), max_tokens)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The prefix cache: a request reuses the caches an earlier request on this node left for the
-longest prefix of its prompt, and prefills only the rest. In memory only, never on disk.
+longest prefix of its prompt, and prefills only the rest. In memory, and optionally behind it on
+disk (disk_store.py: a lookup that an entry on disk serves better loads it into memory).
 
 One per model: the MlxEngine owns one for its model (or for the layers it holds, on a ring's last
 stage), and every other ring stage's StageWorker owns one for its own layers. Each is used by one
@@ -53,6 +54,7 @@ from mlx_lm.models.cache import KVCache, PromptTrie
 
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.cache.caches import CacheEntry
+from skulkp2p.engine.cache.disk_store import DiskEntry, PrefixDiskStore, StoredEntry
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB
 
 __all__ = ["DEFAULT_PREFIX_CACHE_MB", "MB", "PrefixCache", "PrefixHit"]
@@ -78,6 +80,22 @@ class _Entry:
     @property
     def length(self) -> int:
         return len(self.key) - 1
+
+    @property
+    def has_hidden(self) -> bool:
+        return self.mtp_hidden is not None
+
+
+class _Planned(Protocol):
+    """What plans a hit on an entry, in memory (_Entry) or on disk (DiskEntry)."""
+    @property
+    def length(self) -> int: ...
+    @property
+    def trimmable(self) -> bool: ...
+    @property
+    def mtp_rows(self) -> int: ...
+    @property
+    def has_hidden(self) -> bool: ...
 
 
 @dataclass
@@ -157,7 +175,8 @@ def _arrays(objs: Sequence[CacheEntry | None]) -> list[mx.array]:
 class PrefixCache:
     """Entries of one model's caches by token prefix, LRU, bounded in bytes."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, disk: PrefixDiskStore | None = None):
+        """`disk`: the entries on disk behind this cache (None: memory only)."""
         if max_bytes <= 0:
             raise ValueError("a prefix cache needs a positive size (0 turns it off: no cache)")
         self.max_bytes = int(max_bytes)
@@ -168,13 +187,23 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
+        self.disk = disk
+        self.disk_hits = 0  # lookups served by an entry loaded from disk
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self._lru), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+        out = {"entries": len(self._lru), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+               "hits": self.hits, "misses": self.misses, "reused_tokens": self.reused_tokens}
+        if self.disk is not None:
+            out.update(self.disk.stats(), disk_hits=self.disk_hits)
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued for the disk (for up to `timeout` s) and stop its writer."""
+        if self.disk is not None:
+            self.disk.close(timeout)
 
     def clear(self) -> None:
         for key in list(self._lru):
@@ -189,11 +218,18 @@ class PrefixCache:
         drafts with the MTP head, whose rows must cover the positions restored too. `want`:
         exactly this many positions or nothing (a ring stage following the last stage)."""
         found = self._best(list(tokens), mtp, want)
+        from_disk = False
+        if self.disk is not None and want is None and self._load_better(
+                list(tokens), mtp, found[1] if found is not None else 0):
+            found, from_disk = self._best(list(tokens), mtp, want), True
         if found is None:
             self.misses += 1
             return None
         entry, length, use_hidden = found
         self._lru.move_to_end(entry.key)
+        if self.disk is not None:
+            self.disk.touch(entry.key)
+        self.disk_hits += from_disk
         hit = PrefixHit(length, [_detach(c, length) for c in entry.caches])
         # (an entry without the head's rows never gives an MTP request positions: _mtp_plan)
         if use_hidden:
@@ -225,25 +261,50 @@ class PrefixCache:
             entry = self._lru.get(tuple(key))
             if entry is None:
                 continue
-            if common is None:  # the entry's key is a prefix of the prompt
-                length = entry.length
-            elif entry.trimmable:  # the prompt leaves the key at `common`
-                length = common - 1
-            else:
-                continue
-            use_hidden = False
-            if mtp:
-                length, use_hidden = self._mtp_plan(entry, length, len(tokens))
-            if want is not None:
-                if length < want or (length > want and not entry.trimmable):
-                    continue
-                length = want
-            if length > 0 and (best is None or length > best[1]):
-                best = (entry, length, use_hidden)
+            plan = self._plan(entry, common, mtp, len(tokens), want)
+            if plan is not None and (best is None or plan[0] > best[1]):
+                best = (entry, *plan)
         return best
 
+    def _plan(self, entry: _Planned, common: int | None, mtp: bool, n_tokens: int,
+              want: int | None) -> tuple[int, bool] | None:
+        """(positions to restore, whether the head recomputes its last row) from `entry`, whose
+        key is a prefix of the prompt (`common` None) or leaves it at `common`; None: none."""
+        if common is None:  # the entry's key is a prefix of the prompt
+            length = entry.length
+        elif entry.trimmable:  # the prompt leaves the key at `common`
+            length = common - 1
+        else:
+            return None
+        use_hidden = False
+        if mtp:
+            length, use_hidden = self._mtp_plan(entry, length, n_tokens)
+        if want is not None:
+            if length < want or (length > want and not entry.trimmable):
+                return None
+            length = want
+        return (length, use_hidden) if length > 0 else None
+
+    def _load_better(self, tokens: list[int], mtp: bool, have: int) -> bool:
+        """Load into memory the entry on disk that restores the most positions of `tokens`,
+        if it restores more than `have` (what memory gives). False when none does or none of
+        those loads (a file refused is removed by the store: a miss, never wrong caches)."""
+        assert self.disk is not None
+        if len(tokens) < 2:
+            return False
+        plans: list[tuple[int, DiskEntry]] = []
+        for entry, common in self.disk.candidates(tokens):
+            plan = self._plan(entry, common, mtp, len(tokens), None)
+            if plan is not None and plan[0] > have:
+                plans.append((plan[0], entry))
+        for _, entry in sorted(plans, key=lambda p: -p[0]):
+            stored = self.disk.load(entry)
+            if stored is not None and stored.key == entry.key and self._insert(stored):
+                return True
+        return False
+
     @staticmethod
-    def _mtp_plan(entry: _Entry, length: int, n_tokens: int) -> tuple[int, bool]:
+    def _mtp_plan(entry: _Planned, length: int, n_tokens: int) -> tuple[int, bool]:
         """How many positions an MTP request can restore from `entry` (`length` for the trunk
         alone), and whether the head recomputes its last restored row from the stored hidden
         row. Its first draft comes from a row computed by this request: the recomputed one, or
@@ -253,7 +314,7 @@ class PrefixCache:
             if not entry.trimmable:
                 return 0, False
             length = rows
-        if length == rows and entry.mtp_hidden is not None:
+        if length == rows and entry.has_hidden:
             return length, True
         if length <= n_tokens - 2:
             return length, False
@@ -269,15 +330,17 @@ class PrefixCache:
     def store(self, key: list[int], stage_caches: Sequence[CacheEntry],
               mtp: KVCache | None = None, mtp_hidden: mx.array | None = None, *,
               trim: bool = True,
-              elsewhere_bytes: int = 0) -> bool:
+              elsewhere_bytes: int = 0, persist: bool = True) -> bool:
         """Keep `stage_caches` (and the MTP head's cache, with the trunk's hidden row paired in
         its last row) as the state after every token of `key` but the last. They are detached
         here, so the caller may go on using its caches. `trim=False`: serve the entry at its
         own length only, even if these caches could trim (the last stage of a ring whose other
         stages hold recurrent state). `elsewhere_bytes`: what the entry holds in other processes
         (a tensor group's ranks keep the caches, this cache only the index: the largest rank's
-        slice), counted against the bound so that the index evicts as the ranks do. False when
-        nothing was stored (caches not at that length, or too big for the cache)."""
+        slice), counted against the bound so that the index evicts as the ranks do. `persist`:
+        the entry goes to disk too, when this cache has a disk store (False: its request said
+        no). False when nothing was stored (caches not at that length, or too big for the
+        cache)."""
         held = tuple(int(t) for t in key)
         length = len(held) - 1
         if length < 1:
@@ -308,16 +371,37 @@ class PrefixCache:
             return False
         entry = _Entry(held, detached, mtp, mtp_rows, mtp_hidden,
                        trim and caches.exactly_trimmable(stage_caches), nbytes)
-        if held in self._lru:
-            self._remove(held)
-        self._trie.add(_NS, list(held), entry)
-        self._lru[held] = entry
-        self.nbytes += nbytes
+        self._add(entry)
+        if persist and self.disk is not None:
+            try:  # (a copy of its arrays, queued: the writer thread writes it)
+                self.disk.put(StoredEntry(held, list(detached), mtp, mtp_rows, mtp_hidden,
+                                          entry.trimmable))
+            except Exception:  # the entry is kept in memory whatever the disk does
+                log.exception("prefix cache: queueing an entry for the disk failed")
+        return True
+
+    def _insert(self, stored: StoredEntry) -> bool:
+        """Keep an entry loaded from disk (not written again)."""
+        mtp = cast(KVCache | None, stored.mtp)
+        nbytes = sum(_held_bytes(c) for c in stored.caches) + (
+            _held_bytes(mtp) if mtp is not None else 0) + (
+            stored.mtp_hidden.nbytes if stored.mtp_hidden is not None else 0)
+        if nbytes > self.max_bytes or len(stored.key) < 2:
+            return False
+        self._add(_Entry(stored.key, stored.caches, mtp, stored.mtp_rows, stored.mtp_hidden,
+                         stored.trimmable, nbytes))
+        return True
+
+    def _add(self, entry: _Entry) -> None:
+        if entry.key in self._lru:
+            self._remove(entry.key)
+        self._trie.add(_NS, list(entry.key), entry)
+        self._lru[entry.key] = entry
+        self.nbytes += entry.nbytes
         if entry.trimmable:
             self._drop_covered(entry)
         while self.nbytes > self.max_bytes:
             self._remove(next(iter(self._lru)))
-        return True
 
     def _drop_covered(self, entry: _Entry) -> None:
         """Entries under prefixes of a trimmable entry's key are served by it (trimmed), unless

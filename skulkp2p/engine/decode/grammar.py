@@ -127,9 +127,14 @@ class Grammar:
         # (an MTP head) would draft for the wrong position, so it drafts when nothing is forced.
         self.chain_drafts = True
 
-    def mask(self) -> np.ndarray:
-        """Booleans [n_vocab]: the tokens allowed next (EOS only where the grammar accepts)."""
-        fill_next_token_bitmask(self.matcher, self._bits)
+    def mask(self) -> np.ndarray | None:
+        """Booleans [n_vocab]: the tokens allowed next (EOS only where the grammar accepts);
+        None where the grammar leaves the next token free (a tool-call grammar before a call
+        starts, tool_grammar.py): the row is used as it is."""
+        return self.mask_of(self.matcher)
+
+    def mask_of(self, matcher: llguidance.LLMatcher) -> np.ndarray:
+        fill_next_token_bitmask(matcher, self._bits)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.n_vocab]
         allowed = bits.astype(bool)
         if not allowed.any():  # (a matcher in error: end the output rather than choose blind)
@@ -151,6 +156,15 @@ class Grammar:
         """Tokens the grammar forces next whatever the model says (a key, punctuation):
         llguidance's fast-forward tokens, drafted at no cost (nothing consumed)."""
         return [t for t in self.matcher.compute_ff_tokens() if t < self.n_vocab]
+
+    def forced_after(self, tokens: list[int]) -> list[int]:
+        """The tokens the grammar would force after `tokens` (allowed ones: the loop cut its
+        draft with `valid_prefix` first), looked ahead on a copy of the matcher (nothing
+        consumed); [] where it refuses them. A draft like any other: each is verified."""
+        ahead = self.matcher.deep_copy()
+        if not ahead.consume_tokens(tokens):
+            return []
+        return [t for t in ahead.compute_ff_tokens() if t < self.n_vocab]
 
     def rollback(self, n: int) -> None:
         """Take back the last n accepted tokens."""

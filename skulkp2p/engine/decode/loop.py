@@ -188,7 +188,7 @@ def decode(
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
         if grammar is not None:
             yield from _constrained_round(forward, drafter, pending, history, k, params, rng,
-                                          stats, grammar)
+                                          stats, grammar, max_tokens - produced - 1)
             produced = len(history) - len(prompt)
             pending = history[-1]
             continue
@@ -243,31 +243,42 @@ def decode(
             yield token
 
 
+# The most forced tokens one constrained round drafts: a verify this wide still costs less than
+# the one-token forwards it replaces (each forced token is kept).
+MAX_FORCED = 32
+
+
 def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
                       history: list[int], k: int, params: SamplingParams,
-                      rng: np.random.Generator, stats: DecodeStats, grammar: Grammar
-                      ) -> Generator[int, None, None]:
+                      rng: np.random.Generator, stats: DecodeStats, grammar: Grammar,
+                      room: int = 0) -> Generator[int, None, None]:
     """One verify round under a grammar; the emitted tokens join `history` and are yielded.
 
-    The draft is the tokens the grammar forces, then the drafter's proposal after them, cut at
-    the first token the grammar refuses. Row i's logits are masked by the grammar after the
-    tokens kept before it (the matcher consumes exactly the emitted tokens, so it never holds a
-    rejected draft). A refused token drawn from a draft distribution q is still decided at its
+    With a drafter, the draft is the tokens the grammar forces (up to MAX_FORCED and the
+    `room` left before max_tokens, whatever the drafter's depth `k`: the mask leaves each of
+    them the only choice, so they are always kept), then the drafter's proposal of up to `k`
+    after them, then the tokens the grammar forces after that proposal (a lookup copies a
+    value, the grammar adds the next key), cut at the first token the grammar refuses. Row i's
+    logits are masked by the grammar after the tokens kept before it (the matcher consumes
+    exactly the emitted tokens, so it never holds a rejected draft). A refused token drawn from a draft distribution q is still decided at its
     row by the accept rule (p of it is 0: rejected, the token drawn from norm(max(0, p - q))),
     so cutting it leaves the output p-distributed; a deterministic draft's row is plain
     sampling's own draw (verify_one)."""
-    import mlx.core as mx
-
-    forced = grammar.forced()[:k] if k > 0 else []
+    room = min(max(room, k), MAX_FORCED)
+    forced = grammar.forced()[:room] if k > 0 else []
     inner: list[int] = []
     inner_q: Sequence[np.ndarray | None] | None = None
-    if drafter is not None and k - len(forced) > 0 and (not forced or grammar.chain_drafts):
-        inner, inner_q = drafter.propose(history + forced, k - len(forced))
-    draft = forced + list(inner)
+    if drafter is not None and min(k, room - len(forced)) > 0 \
+            and (not forced or grammar.chain_drafts):
+        inner, inner_q = drafter.propose(history + forced, min(k, room - len(forced)))
+    after: list[int] = []
+    if inner and len(forced) + len(inner) < room:
+        after = grammar.forced_after(forced + list(inner))[:room - len(forced) - len(inner)]
+    draft = forced + list(inner) + after
     q: list[np.ndarray | None] | None = None
     if inner_q is not None:
         none: list[np.ndarray | None] = [None] * len(forced)
-        q = none + list(inner_q)
+        q = none + list(inner_q) + [None] * len(after)
     cut = grammar.valid_prefix(draft)
     refused: tuple[int, np.ndarray] | None = None
     if cut < len(draft):
@@ -280,14 +291,27 @@ def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
     logits = forward([pending, *draft])
     emitted: list[int] = []
     accepted = 0
+    # Greedy with no logits processor: a row's token is its own greedy token where the grammar
+    # allows it (the argmax of the allowed tokens then, as the maximum is among them), else the
+    # masked row's. All rows' greedy tokens come from one evaluation, and the mask is built
+    # only for a row whose greedy token the grammar refuses: most rows of a JSON output.
+    fast = greedy_tokens(logits[:len(draft) + 1]) \
+        if params.greedy and params.repetition_penalty in (None, 1.0) else None
     for i in range(len(draft) + 1):
-        row = process_logits(logits[i:i + 1], history + emitted, params)
-        allowed = grammar.mask()
-        width = row.shape[-1]
-        if allowed.shape[0] < width:
-            allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
-        row = mx.where(mx.array(allowed[:width])[None, :], row,
-                       mx.array(-np.inf, dtype=row.dtype))
+        if fast is not None:
+            token = fast[i]
+            # (draft[:cut] was checked whole: a row that picks its draft token is allowed)
+            if not (i < len(draft) and token == draft[i]) \
+                    and grammar.valid_prefix([token]) != 1:
+                token = greedy_token(_masked(logits[i:i + 1], grammar))
+            ok = i < len(draft) and token == draft[i]
+            grammar.accept(token)
+            emitted.append(token)
+            if not ok:
+                break
+            accepted += 1
+            continue
+        row = _masked(process_logits(logits[i:i + 1], history + emitted, params), grammar)
         ok = False
         if i < len(draft):
             token, ok = verify_one(row, draft[i], q[i] if q else None, params, rng)
@@ -302,6 +326,20 @@ def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
         accepted += 1
     _end_round(forward, drafter, stats, len(draft), accepted, emitted, history)
     yield from emitted
+
+
+def _masked(row: mx.array, grammar: Grammar) -> mx.array:
+    """`row` [1, V] with the tokens the grammar refuses next at -inf (as it is where the
+    grammar leaves the row free: None, as before a tool call starts)."""
+    import mlx.core as mx
+
+    allowed = grammar.mask()
+    if allowed is None:
+        return row
+    width = row.shape[-1]
+    if allowed.shape[0] < width:
+        allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
+    return mx.where(mx.array(allowed[:width])[None, :], row, mx.array(-np.inf, dtype=row.dtype))
 
 
 def _end_round(forward: Forward, drafter: Drafter | None, stats: DecodeStats, drafted: int,

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 from skulkp2p.engine.json_types import JSONObject
 from skulkp2p.engine.request import GenerationRequest, Message, RequestError, Tool
 from skulkp2p.engine.results import Chunk, GenerationResult, ToolCall, ToolCallDelta
@@ -329,8 +331,11 @@ class ToolCallParser:
         if len(squeezed) < len(_OBJECT_HEAD):
             return "hold"
         k = _object_end(head)
-        if k is None:
+        if k is None and len(head) <= MAX_CALL_TEXT:
             return "hold"  # not closed yet
+        if k is None:  # too long to be a call: the text it is
+            self.bare_ok = False
+            return "no"
         calls = self._parse_object(head[:k])
         if calls is None:
             self.bare_ok = False
@@ -387,7 +392,10 @@ class ToolCallParser:
 
     def _parse(self, raw: str) -> list[tuple[str, str]] | None:
         """[(name, arguments as JSON text)], or None when the text is not a well-formed call to
-        an offered function. The model's text never raises out of here."""
+        an offered function, or is past the bounds (MAX_CALL_TEXT characters, MAX_CALL_DEPTH
+        levels). The model's text never raises out of here."""
+        if len(raw) > MAX_CALL_TEXT or _nesting(raw) > MAX_CALL_DEPTH:
+            return None
         try:
             parsed = self.fmt.parse(raw, self.tools)
         except Exception:  # noqa: BLE001 - the parsers raise what their libraries raise
@@ -395,10 +403,7 @@ class ToolCallParser:
         return self._calls(parsed)
 
     def _parse_object(self, raw: str) -> list[tuple[str, str]] | None:
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            return None
+        obj = bounded_json(raw)
         if not isinstance(obj, dict) or set(obj) - {"name", "arguments"}:
             return None
         return self._calls(obj)
@@ -414,10 +419,7 @@ class ToolCallParser:
                                               self.names):
                 return None
             if isinstance(arguments, str):
-                try:
-                    if not isinstance(json.loads(arguments), dict):
-                        return None
-                except ValueError:
+                if not isinstance(bounded_json(arguments), dict):
                     return None
                 text = arguments
             elif isinstance(arguments, dict):
@@ -430,15 +432,54 @@ class ToolCallParser:
 
 _DECODER = json.JSONDecoder()
 
+# The bounds of a call's text the model wrote, as a request's JSON texts are bounded
+# (formats/body_fields.py): past them the call comes back as the text it is.
+MAX_CALL_TEXT = 1 << 20  # characters
+MAX_CALL_DEPTH = 100  # levels of objects and arrays
+
+
+def _nesting(text: str) -> int:
+    """How deep the brackets of a JSON text nest, strings aside (no recursion, no parse)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def bounded_json(text: str) -> object:
+    """The value of a JSON text the model wrote, or None when it is not JSON or is past the
+    bounds (orjson parses without recursing)."""
+    if len(text) > MAX_CALL_TEXT or _nesting(text) > MAX_CALL_DEPTH:
+        return None
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+
 
 def _object_end(text: str) -> int | None:
-    """Where the JSON object at the start of `text` (after whitespace) ends, once it is whole."""
+    """Where the JSON object at the start of `text` (after whitespace) ends, once it is whole
+    (None past the bounds: never a call)."""
     stripped = text.lstrip()
-    if not stripped.startswith("{"):
+    if not stripped.startswith("{") or len(stripped) > MAX_CALL_TEXT:
         return None
     try:
         _, end = _DECODER.raw_decode(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):  # (the call's parse then bounds its depth)
         return None
     return len(text) - len(stripped) + end
 

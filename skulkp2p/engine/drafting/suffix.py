@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left, bisect_right
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +43,7 @@ from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
 from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.json_types import JSONObject
     from skulkp2p.engine.model.forward import Forward
 
 # The copy cursor (SuffixDrafter): below an own match of CURSOR_TRUST tokens, the occurrence of
@@ -192,12 +193,21 @@ class SuffixAutomaton:
         return t, matched + 1
 
 
+SHARED_SEQUENCES = 32  # finished sequences waiting to go to, or come from, other replicas
+
+
 class SuffixMemory:
     """Earlier requests' prompts and outputs on this node, for drafting: bounded in tokens,
-    least recently used out first. Text lives in this process's memory only."""
+    least recently used out first. Text lives in this process's memory only, and in the memory
+    of the model's other replicas: what this one adds waits in a bounded outbox for them
+    (`take_finished`), what they send waits in an inbox (`offer`) until the engine's next
+    request takes it in (`absorb`, on the thread that adds)."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max(0, int(max_tokens))
+        self._outbox: deque[tuple[int, ...]] = deque(maxlen=SHARED_SEQUENCES)
+        self._inbox: deque[tuple[int, ...]] = deque(maxlen=SHARED_SEQUENCES)
+        self.received = 0  # sequences other replicas offered
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # LRU order
         self._starts: list[int] = []  # start offset of each entry in the automaton's text
@@ -221,13 +231,45 @@ class SuffixMemory:
             self._entries.clear()
             self._rebuild()
 
-    def add(self, tokens: list[int]) -> None:
-        """Remember one request's prompt + output (a repeat only moves to most recent)."""
+    def take_finished(self) -> list[list[int]]:
+        """What this node added since the last call, for the model's other replicas."""
+        with self._lock:
+            out = [list(e) for e in self._outbox]
+            self._outbox.clear()
+        return out
+
+    def offer(self, sequences: list[list[int]]) -> None:
+        """Sequences another replica finished: taken in at this engine's next request."""
+        if not self.enabled:
+            return
+        with self._lock:
+            got = [tuple(s[-self.max_tokens:]) for s in sequences if s]
+            self._inbox.extend(got)
+            self.received += len(got)
+
+    def stats(self) -> JSONObject:
+        return {"sequences": len(self._entries), "tokens": self.tokens,
+                "received": self.received}
+
+    def absorb(self) -> int:
+        """Take in what other replicas offered (on the thread that adds); how many."""
+        with self._lock:
+            got = list(self._inbox)
+            self._inbox.clear()
+        for entry in got:
+            self.add(list(entry), shared=False)
+        return len(got)
+
+    def add(self, tokens: list[int], shared: bool = True) -> None:
+        """Remember one request's prompt + output (a repeat only moves to most recent);
+        ``shared``: also offer it to the model's other replicas."""
         if not self.enabled or not tokens:
             return
         entry = tuple(tokens[-self.max_tokens:])
         key = hash(entry)
         with self._lock:
+            if shared:
+                self._outbox.append(entry)
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return

@@ -19,7 +19,14 @@ from skulkp2p.engine.decode.grammar import Grammar, compile_format, tokenizer_br
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import make_rng
 from skulkp2p.engine.decode.text import TextAssembler
-from skulkp2p.engine.decode.tool_calls import ToolCallStream, chat_tools, tool_stream
+from skulkp2p.engine.decode.tool_calls import (
+    ToolCallStream,
+    chat_tools,
+    forced_opening,
+    model_tools,
+    tool_stream,
+)
+from skulkp2p.engine.decode.tool_grammar import CallFormat, tool_grammar
 from skulkp2p.engine.drafting.draft_model import DraftModelDrafter, vocab_size
 from skulkp2p.engine.drafting.gates import (
     DEFAULT_WIDTH_COSTS,
@@ -392,18 +399,36 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest) -> DraftModelDra
 
 def constraint(loaded: LoadedModel, req: GenerationRequest, drafter: Drafter | None
                ) -> Grammar | None:
-    """The request's grammar matcher (a structured output), or None for free text. The
-    tokenizer's bridge to llguidance is built once per model."""
-    if not req.response_format.constrained:
+    """The request's grammar matcher (a structured output, or tool calls held to the model's
+    call format), or None for free text. The tokenizer's bridge to llguidance is built once
+    per model."""
+    fmt = model_tools(loaded)[0] if req.uses_tools else None
+    calls = fmt if fmt is not None and fmt.json_object else None
+    if calls is None and req.uses_tools and req.response_format.constrained:
+        raise RequestError(f"model {loaded.id}: a response format with tools needs a tool "
+                           "format the call grammar knows (json_tools)", "response_format")
+    if calls is None and not req.response_format.constrained:
         return None
-    grammar = compile_format(req.response_format)
     bridge = loaded.runtime.get("_grammar_tokenizer")
     if bridge is None:
         tok = loaded.tokenizer
         hf = getattr(tok, "_tokenizer", tok)  # (mlx-lm's TokenizerWrapper holds the HF one)
-        bridge = loaded.runtime["_grammar_tokenizer"] = tokenizer_bridge(
-            hf, vocab_size(loaded.model), sorted(tok.eos_token_ids))
-    matcher = Grammar(bridge, grammar, vocab_size(loaded.model))
+        try:
+            bridge = loaded.runtime["_grammar_tokenizer"] = tokenizer_bridge(
+                hf, vocab_size(loaded.model), sorted(tok.eos_token_ids))
+        except RequestError:
+            if req.response_format.constrained:
+                raise
+            return None  # (no grammar for this tokenizer: calls are parsed as they come)
+    matcher: Grammar
+    if calls is not None:
+        # Tool calls held to their format (lazy: free until a call opens, tool_grammar.py).
+        matcher = tool_grammar(bridge, vocab_size(loaded.model),
+                               CallFormat(calls.start, calls.end), req.tools,
+                               req.tool_choice.mode, req.tool_choice.name,
+                               forced_opening(calls, req), req.response_format)
+    else:
+        matcher = Grammar(bridge, compile_format(req.response_format), vocab_size(loaded.model))
     matcher.chain_drafts = _mtp_in(drafter) is None
     return matcher
 
@@ -425,8 +450,9 @@ class _PrefixUse:
     prompt when they cannot trim back to it later, and at the end of the request."""
 
     def __init__(self, cache: PrefixCache, forward: Forward, mtp: MtpDrafter | None,
-                 caches_trim: bool):
+                 caches_trim: bool, persist: bool = True):
         self.cache = cache
+        self.persist = persist  # its entries may go to disk (the request did not say no)
         self.forward = forward
         # Whether every stage's caches trim (on a ring, other stages may hold recurrent state
         # even where this one holds none): else entries serve their own length only.
@@ -462,7 +488,7 @@ class _PrefixUse:
             return  # some rank could not keep its slice: no entry (a hit would miss there)
         self.cache.store(key, self.forward.cache, None if mtp is None else mtp.cache,
                          None if mtp is None else mtp.last_hidden_row, trim=self.trim,
-                         elsewhere_bytes=elsewhere)
+                         elsewhere_bytes=elsewhere, persist=self.persist)
         self.forward.share_store(key)  # a ring: the other stages keep theirs too
 
 
@@ -493,7 +519,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     grammar = constraint(loaded, req, drafter)
     rng = make_rng(req.sampling.seed)
     stats = DecodeStats()
-    eos = set(loaded.tokenizer.eos_token_ids)
+    eos = set() if req.ignore_eos else set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)
     forward: Forward
     if make_forward is not None:
@@ -505,7 +531,8 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
                                hidden=hidden, interrupt=interrupt)
     calls: ToolCallStream | None = tool_stream(loaded, req)  # None without tools
     prefix = None if prefix_cache is None else _PrefixUse(prefix_cache, forward,
-                                                             _mtp_in(drafter), loaded.caches_trim)
+                                                             _mtp_in(drafter), loaded.caches_trim,
+                                                             req.disk_cache)
     cached = prefix.restore(prompt) if prefix is not None else 0
     if cached:
         log.debug("prefix cache: %d of %d prompt tokens restored", cached, len(prompt))

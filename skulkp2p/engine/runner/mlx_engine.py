@@ -3,19 +3,25 @@ of a pipeline ring) that generates with the one speculative decode loop."""
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 from collections.abc import Callable, Generator
+from pathlib import Path
 
 from skulkp2p.engine.batching.scheduler import BatchScheduler, batchable
+from skulkp2p.engine.cache.disk_store import PrefixDiskStore, StoreInUse, weights_fingerprint
 from skulkp2p.engine.cache.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
 from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.drafting.suffix import SuffixMemory
 from skulkp2p.engine.model.forward import Forward
 from skulkp2p.engine.model.loaded import LoadedModel
-from skulkp2p.engine.protocol import EngineInfo, Generation, VerifyCosts
+from skulkp2p.engine.protocol import EngineInfo, Generation, PrefixDiskSettings, VerifyCosts
 from skulkp2p.engine.request import GenerationRequest
 from skulkp2p.engine.results import Chunk, GenerationResult
 from skulkp2p.engine.runner.generate import max_token_chars, prompt_tokens, stream
+
+log = logging.getLogger("skulkp2p.prefix")
 
 # Default bound of the draft memory (earlier requests' prompts and outputs, for the suffix
 # drafter), in tokens: about 660 bytes each in the automaton (docs/architecture.md).
@@ -44,14 +50,17 @@ class MlxEngine:
     runs_on_loop = False
 
     def __init__(self, loaded: LoadedModel, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 memory_tokens: int | None = None, max_batch: int | None = None):
+                 memory_tokens: int | None = None, max_batch: int | None = None,
+                 prefix_disk: PrefixDiskSettings | None = None):
         """`prefix_cache_mb`: the prefix cache's bound (0 = off). `memory_tokens`: bound of the
         draft memory of earlier requests (0 = off); None takes the card's
         `[speculation.lookup] memory_tokens`, else DEFAULT_MEMORY_TOKENS. `max_batch`: requests
         decoded together; None takes the card's `[runtime] max_batch`, else DEFAULT_MAX_BATCH.
         A ring's last stage batches its requests' rows through the ring (engine/parallel/ring/batch_rows.py);
         a tensor-parallel group and a model with recurrent or sliding-window layers serve one
-        request at a time whatever it says (engine/batching/scheduler.py: batchable)."""
+        request at a time whatever it says (engine/batching/scheduler.py: batchable).
+        `prefix_disk`: where the prefix cache's entries are also kept on disk (None: memory
+        only; a ring stage's or a tensor group's entries are always in memory only)."""
         if max_batch is None:
             max_batch = int(loaded.runtime.get("max_batch", DEFAULT_MAX_BATCH))
         if max_batch < 1:
@@ -79,8 +88,8 @@ class MlxEngine:
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB)) if prefix_cache_mb > 0 \
-            else None
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB), _disk_store(
+            loaded, prefix_disk)) if prefix_cache_mb > 0 else None
         if memory_tokens is None:
             memory_tokens = int(loaded.speculation.get("lookup", {}).get(
                 "memory_tokens", DEFAULT_MEMORY_TOKENS))
@@ -105,7 +114,8 @@ class MlxEngine:
             detail["prefix_cache"] = self.prefix_cache.stats()
         detail["max_batch"] = self.max_concurrent
         return EngineInfo(loaded.id, "mlx", loaded.dtype, loaded.context_length, detail,
-                          self._verify_costs())
+                          self._verify_costs(),
+                          draft_memory=self.memory if self.memory.enabled else None)
 
     def _verify_costs(self) -> VerifyCosts | None:
         """The table the depth controller prices drafts with now: a tensor group's live one
@@ -147,6 +157,8 @@ class MlxEngine:
                     ) -> Generator[Chunk, None, GenerationResult]:
         """The stream, and its prompt and output into the draft memory when it ends."""
         memory = self.memory if self.memory.enabled else None
+        if memory is not None:
+            memory.absorb()  # what the model's other replicas finished meanwhile
         prompt = self._prompt(req)  # once: the stream and the memory share it
         result = yield from stream(self.loaded, req, interrupt, self.prefix_cache, prompt,
                                    memory=memory, make_forward=make_forward)
@@ -187,4 +199,38 @@ class MlxEngine:
             sched.depart()
 
     def close(self) -> None:
-        """MLX frees the weights with the last reference; nothing runs in the background."""
+        """MLX frees the weights with the last reference; the prefix cache's disk writer
+        writes what is queued (for a few seconds at most) and stops."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
+
+
+def _disk_store(loaded: LoadedModel, settings: PrefixDiskSettings | None
+                ) -> PrefixDiskStore | None:
+    """The model's entries on disk: a folder per model id and fingerprint of its weights (and
+    of what computes its caches), or None (off, a ring stage or tensor group, or in use by
+    another process)."""
+    if settings is None or settings.max_bytes <= 0 or loaded.make_forward is not None:
+        return None
+    fingerprint = weights_fingerprint(loaded.path, [
+        loaded.id, loaded.dtype, f"mlx {_version('mlx')}", f"mlx-lm {_version('mlx-lm')}"])
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", loaded.id)[:80] or "_"
+    folder = Path(settings.directory) / f"{name}-{fingerprint[:16]}"
+    try:
+        return PrefixDiskStore(folder, settings.max_bytes, fingerprint)
+    except StoreInUse as e:
+        log.warning("prefix cache: %s; this one keeps its entries in memory only", e)
+    except OSError as e:
+        log.warning("prefix cache: cannot use %s (%s); entries in memory only", folder,
+                    e.strerror or e)
+    return None
+
+
+def _version(dist: str) -> str:
+    """A library's installed version (what computed the caches), or "unknown"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
