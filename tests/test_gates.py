@@ -14,6 +14,7 @@ from skulkp2p.engine.drafting.gates import (
     REPRICE_EVERY,
     DepthController,
     GatedDrafter,
+    LookupThenModel,
     repetition_score,
     step_cost,
     width_cost,
@@ -388,3 +389,27 @@ def test_an_inner_drafter_with_propose_alone_takes_the_gates_defaults():
     auto.observe(0, 0, [5], None)
     assert auto.prefetch_calls == 0  # (no early draft to start)
 
+
+
+class RowDrafter(InnerDrafter):
+    """Drafts as an MTP head does, from the last verified row: nothing past unseen tokens."""
+    name = "row"
+    capabilities = DrafterCapabilities(drafts_past_unseen=False)
+
+    def propose(self, history, k):
+        return [history[-1]] * k, None
+
+
+def test_past_tokens_a_grammar_forced_only_history_drafters_draft():
+    """After tokens no forward has run (a grammar forced them), lookup drafts as always, a
+    drafter of the last verified row drafts nothing, and auto (lookup then the model drafter)
+    drafts with lookup alone, counting the round as lookup's."""
+    history = [5, 6, 7, 8, 5, 6, 7]
+    lookup = GatedDrafter(PromptLookup(), F32, max_depth=4)
+    assert lookup.propose_past_unseen(history, 2) == lookup.propose(history, 2) == ([8, 5], None)
+    row = GatedDrafter(RowDrafter(), F32, max_depth=4)
+    assert row.propose(history, 2)[0] and row.propose_past_unseen(history, 2) == ([], None)
+    auto = LookupThenModel(GatedDrafter(PromptLookup(), F32, max_depth=4), row)
+    assert auto.propose_past_unseen(history, 2) == ([8, 5], None)
+    assert auto.propose_past_unseen([1, 2, 3], 2) == ([], None)  # no match: nothing
+    assert auto.propose([1, 2, 3], 2)[0] == [3, 3]  # (where the head would draft)

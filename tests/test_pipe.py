@@ -95,11 +95,13 @@ def test_pipe_prompt_too_long(tiny_models):
 @pytest.mark.process
 def test_pipe_prefix_cache_flag(tiny_models):
     """The second of two requests on one document reuses the first's caches (usage says how
-    many prompt tokens), decodes the same tokens as without the cache; 0 MB turns it off."""
+    many prompt tokens), decodes the same tokens as without the cache; 0 MB turns it off.
+    (The disk cache is off: an earlier run's entries on disk would serve the first request.)"""
     doc = "The survey counted birds along the river every spring. " * 20
     lines = [json.dumps({"id": i, "prompt": doc + q, "max_tokens": 8})
              for i, q in enumerate(("Where?", "Where?", "When?"))]
-    runs = {mb: pipe(tiny_models["llama"], lines, args=("--prefix-cache-mb", mb))
+    runs = {mb: pipe(tiny_models["llama"], lines,
+                     args=("--prefix-cache-mb", mb, "--prefix-cache-disk-gb", "0"))
             for mb in ("64", "0")}
     for proc, _ in runs.values():
         assert proc.returncode == 0, proc.stderr

@@ -15,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.grammar import Grammar, compile_format
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import make_rng
@@ -181,8 +182,7 @@ def tiny(tiny_model):
 
 def _grammar(lm, schema: dict) -> Grammar:
     from skulkp2p.engine.runner.generate import constraint
-    return constraint(lm, GenerationRequest(prompt="x", response_format=schema_format(schema)),
-                      None)
+    return constraint(lm, GenerationRequest(prompt="x", response_format=schema_format(schema)))
 
 
 def test_matcher_masks_forces_and_ends(tiny):
@@ -262,11 +262,10 @@ def test_length_inside_an_object(tiny):
         json.loads(r.text)
 
 
-class RefusedDrafter:
+class RefusedDrafter(Drafter):
     """A real drafter (the Drafter protocol) whose drafts the grammar refuses from the start:
     each draft is the token after the last one, drawn from a q peaked there."""
     name = "refused"
-    from skulkp2p.engine.decode.drafter_seam import NOTHING_MORE as capabilities
 
     def __init__(self, vocab: int, with_q: bool):
         self.vocab, self.with_q = vocab, with_q

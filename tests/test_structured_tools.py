@@ -59,7 +59,7 @@ def _grammar(lm, choice: ToolChoice = AUTO, fmt: ResponseFormat = TEXT) -> ToolC
     from skulkp2p.engine.runner.generate import constraint
 
     g = constraint(lm, GenerationRequest(messages=ASK, tools=TOOLS, tool_choice=choice,
-                                         response_format=fmt), None)
+                                         response_format=fmt))
     assert isinstance(g, ToolCallGrammar)
     return g
 
@@ -157,7 +157,7 @@ def test_auto_tools_output_is_unconstrained_until_a_call(lm):
     req = GenerationRequest(messages=ASK, tools=TOOLS, max_tokens=30)
     prompt = prompt_tokens(lm, req)
     runs = []
-    for grammar in (None, constraint(lm, req, None)):
+    for grammar in (None, constraint(lm, req)):
         fwd = LocalForward(lm.model, 512)
         runs.append(list(decode(fwd, prompt, SamplingParams(), 30, make_rng(None),
                                 grammar=grammar)))

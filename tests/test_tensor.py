@@ -186,6 +186,28 @@ def test_group_speculative_equals_plain(models, family, n, request):
             group.close()
 
 
+@pytest.mark.process
+def test_group_holds_a_schema_with_and_without_drafts(llama_group, models):
+    """Structured outputs on a tensor group: the loop on the member that runs it masks every
+    verified row, so the output fits the schema, and greedy with drafts (lookup, the MTP head)
+    is constrained plain decoding token for token, as on one node."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "color", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    plain = generate(llama_group.head, "off", max_tokens=48, response_format=fmt)
+    jsonschema.validate(json.loads(plain.text), schema)
+    for speculation in (ARMS["lookup"], {"drafter": "mtp", "depth": 2}):
+        got = generate(llama_group.head, speculation, max_tokens=48, response_format=fmt)
+        assert got.tokens == plain.tokens, speculation
+        assert got.speculation.drafted > 0, speculation  # (forced tokens at least)
+
+
 def test_vocabulary_split_head_gives_the_whole_heads_logits(models):
     """Every member's rows of the head, padded and stacked as an all-gather stacks them, put
     back together are the whole head's logits, for splits even and uneven."""

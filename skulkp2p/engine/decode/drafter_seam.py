@@ -40,6 +40,10 @@ class DrafterCapabilities:
     shared_in_batch: bool = False
     # Can start its next draft early (`prefetch`), when the caller knows it will be asked.
     prefetches: bool = False
+    # Drafts after tokens no forward has run yet (those a grammar forced, drafted before it):
+    # it reads the history only. An MTP head drafts from the last verified row's hidden state,
+    # so after unseen tokens it would draft for the wrong position.
+    drafts_past_unseen: bool = True
 
 
 NOTHING_MORE = DrafterCapabilities()
@@ -56,6 +60,14 @@ class Drafter(Protocol):
         """Up to k draft tokens following `history`, and the drafter's distributions q for each
         (None for a deterministic drafter, whose q is one-hot on its token)."""
         ...
+
+    def propose_past_unseen(self, history: list[int], k: int
+                            ) -> tuple[list[int], list[np.ndarray] | None]:
+        """`propose` where `history` ends in tokens no forward has run yet (a grammar forced
+        them): nothing from a drafter that cannot draft there (`drafts_past_unseen`)."""
+        if not self.capabilities.drafts_past_unseen:
+            return [], None
+        return self.propose(history, k)
 
     def begin(self, prompt: list[int], forward: Forward) -> None:
         """Called once after the prompt (all but its last token) is prefilled; a drafter that

@@ -122,10 +122,6 @@ class Grammar:
         self._bits = allocate_token_bitmask(1, n_vocab)
         self.eos = tokenizer.eos_token
         self.accepted = 0  # tokens consumed
-        # Whether the drafter's proposal may follow the forced tokens in one draft: a drafter
-        # that reads the history (lookup) may; one that drafts from the last verified row only
-        # (an MTP head) would draft for the wrong position, so it drafts when nothing is forced.
-        self.chain_drafts = True
 
     def mask(self) -> np.ndarray | None:
         """Booleans [n_vocab]: the tokens allowed next (EOS only where the grammar accepts);

@@ -268,9 +268,10 @@ def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
     forced = grammar.forced()[:room] if k > 0 else []
     inner: list[int] = []
     inner_q: Sequence[np.ndarray | None] | None = None
-    if drafter is not None and min(k, room - len(forced)) > 0 \
-            and (not forced or grammar.chain_drafts):
-        inner, inner_q = drafter.propose(history + forced, min(k, room - len(forced)))
+    if drafter is not None and min(k, room - len(forced)) > 0:
+        # (past forced tokens only a drafter that reads the history drafts: lookup, not a head)
+        propose = drafter.propose_past_unseen if forced else drafter.propose
+        inner, inner_q = propose(history + forced, min(k, room - len(forced)))
     after: list[int] = []
     if inner and len(forced) + len(inner) < room:
         after = grammar.forced_after(forced + list(inner))[:room - len(forced) - len(inner)]

@@ -363,6 +363,12 @@ class GatedDrafter(Drafter):
             return [], None
         return self.inner.propose(history, depth)
 
+    def propose_past_unseen(self, history: list[int], k: int
+                            ) -> tuple[list[int], list[np.ndarray] | None]:
+        if not self.inner.capabilities.drafts_past_unseen:
+            return [], None
+        return self.propose(history, k)
+
     def _choose_controller(self, history: list[int]) -> None:
         kind = self.inner.context(history)
         active = self._controllers.get(kind)
@@ -499,6 +505,17 @@ class LookupThenModel(Drafter):
         self._source = self.model
         drafts, q = self.model.propose(history, k)
         return self._continued(history, drafts, q, k)
+
+    def propose_past_unseen(self, history: list[int], k: int
+                            ) -> tuple[list[int], list[np.ndarray] | None]:
+        """After tokens a grammar forced: lookup (it reads the history), and the model
+        drafter only where it can draft there (a draft model; not an MTP head)."""
+        drafts, q = self.lookup.propose(history, k)
+        if drafts:
+            self._source = self.lookup
+            return drafts, q
+        self._source = self.model
+        return self.model.propose_past_unseen(history, k)
 
     def _continued(self, history: list[int], drafts: list[int], q: list[np.ndarray] | None,
                    k: int) -> tuple[list[int], list[np.ndarray] | None]:

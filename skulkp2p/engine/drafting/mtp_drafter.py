@@ -71,7 +71,7 @@ class MtpDrafter(InnerDrafter):
     # which the gate prices like one forward over the drafting rows (gates.py); it can start
     # its first draft early.
     capabilities = DrafterCapabilities(branches=True, resumes=True, shared_in_batch=True,
-                                       prefetches=True)
+                                       prefetches=True, drafts_past_unseen=False)
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048, context_bias: float = 0.0,

@@ -397,8 +397,7 @@ def _draft_drafter(loaded: LoadedModel, req: GenerationRequest) -> DraftModelDra
         target_vocab=vocab_size(loaded.model))
 
 
-def constraint(loaded: LoadedModel, req: GenerationRequest, drafter: Drafter | None
-               ) -> Grammar | None:
+def constraint(loaded: LoadedModel, req: GenerationRequest) -> Grammar | None:
     """The request's grammar matcher (a structured output, or tool calls held to the model's
     call format), or None for free text. The tokenizer's bridge to llguidance is built once
     per model."""
@@ -429,7 +428,6 @@ def constraint(loaded: LoadedModel, req: GenerationRequest, drafter: Drafter | N
                                forced_opening(calls, req), req.response_format)
     else:
         matcher = Grammar(bridge, compile_format(req.response_format), vocab_size(loaded.model))
-    matcher.chain_drafts = _mtp_in(drafter) is None
     return matcher
 
 
@@ -516,7 +514,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     default_max = int(loaded.runtime.get("max_tokens", 256))
     max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
     drafter, depth, hidden = _choose_drafter(loaded, req, prompt, memory)
-    grammar = constraint(loaded, req, drafter)
+    grammar = constraint(loaded, req)
     rng = make_rng(req.sampling.seed)
     stats = DecodeStats()
     eos = set() if req.ignore_eos else set(loaded.tokenizer.eos_token_ids)
