@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tests.helpers.procs import JoinNode as Node
-from tests.helpers.tool_models import FORECAST, conforms, tools_model
+from tests.helpers.tool_models import FORECAST, clients, conforms, tools_model
 
 pytestmark = pytest.mark.process
 
@@ -27,15 +27,6 @@ def node(tiny_models, tmp_path_factory):
     n = Node(str(d), tmp, "--data-dir", str(tmp))
     yield n
     assert n.stop() == 0, n.text()[-3000:]
-
-
-def clients(node):
-    import anthropic
-    import openai
-    return (openai.OpenAI(base_url=node.base + "/v1", api_key="none", max_retries=0,
-                          timeout=300),
-            anthropic.Anthropic(base_url=node.base, api_key="none", max_retries=0,
-                                timeout=300))
 
 
 def test_chat_required_and_named_calls_fit_the_schema(node):

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers.models import test_data_dir
 from tests.helpers.procs import JoinNode as Node
-from tests.helpers.tool_models import TOOL_TEMPLATE
+from tests.helpers.tool_models import TOOL_TEMPLATE, clients
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -41,15 +41,6 @@ def tiny_node(tiny_tools, tmp_path_factory):
     n = Node(str(tiny_tools), tmp, "--data-dir", str(tmp))
     yield n
     assert n.stop() == 0, n.text()[-3000:]
-
-
-def clients(node):
-    import anthropic
-    import openai
-    return (openai.OpenAI(base_url=node.base + "/v1", api_key="none", max_retries=0,
-                          timeout=300),
-            anthropic.Anthropic(base_url=node.base, api_key="none", max_retries=0,
-                                timeout=300))
 
 
 def calls(message) -> list[tuple[str, str]]:

@@ -49,3 +49,13 @@ def conforms(value: object, schema: dict) -> None:
     import jsonschema
 
     jsonschema.validate(value, schema)
+
+
+def clients(node):
+    """The real openai and anthropic clients on a test node (no retries, long timeouts)."""
+    import anthropic
+    import openai
+    return (openai.OpenAI(base_url=node.base + "/v1", api_key="none", max_retries=0,
+                          timeout=300),
+            anthropic.Anthropic(base_url=node.base, api_key="none", max_retries=0,
+                                timeout=300))

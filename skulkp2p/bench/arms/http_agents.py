@@ -167,6 +167,14 @@ def start_ring(mode: str, k: int, model: str, data_dir: str | None, extra: list[
     return agents
 
 
+def raise_if_exited(agents: list[Node]) -> None:
+    """BenchError naming the first agent whose process has exited, with its log's tail."""
+    for a in agents:
+        if a.proc is not None and a.proc.poll() is not None:
+            raise BenchError(f"agent {a.name} exited with status {a.proc.returncode}: "
+                             f"{a.log_tail()}")
+
+
 def place_ring(agents: list[Node], model: str, deadline: float) -> Node:
     """Place `model` on a ring of every agent; the last stage, once it serves (the clients'
     node)."""
@@ -174,10 +182,7 @@ def place_ring(agents: list[Node], model: str, deadline: float) -> Node:
     last = agents[-1]
     placed = False
     while time.monotonic() < deadline:
-        for a in agents:
-            if a.proc is not None and a.proc.poll() is not None:
-                raise BenchError(f"agent {a.name} exited with status {a.proc.returncode}: "
-                                 f"{a.log_tail()}")
+        raise_if_exited(agents)
         if not placed:  # 503 while the cluster has no leader or has not seen every member
             status, _ = http_json(agents[0], "POST", "/v1/cluster/place",
                                    {"model": model, "nodes": names})

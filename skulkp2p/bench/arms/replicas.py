@@ -31,6 +31,7 @@ from skulkp2p.bench.arms.http_agents import (
     Node,
     await_ready,
     http_json,
+    raise_if_exited,
     start_node,
     stop_node,
 )
@@ -78,10 +79,7 @@ def _place(agents: list[Node], model: str, replicas: int, deadline: float) -> li
     """Place ``model`` with ``replicas`` copies; the replicas' entry nodes once each serves."""
     placed = False
     while time.monotonic() < deadline:
-        for a in agents:
-            if a.proc is not None and a.proc.poll() is not None:
-                raise BenchError(f"agent {a.name} exited with status {a.proc.returncode}: "
-                                 f"{a.log_tail()}")
+        raise_if_exited(agents)
         if not placed:
             status, _ = http_json(agents[0], "POST", "/v1/cluster/place",
                                   {"model": model, "replicas": replicas})
