@@ -28,12 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-
-def free_port(host: str) -> int:
-    """A port that was free on `host` a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from skulkp2p.ports import free_port
 
 
 def loopback_ips_usable(ip: str = "127.0.0.42") -> bool:

@@ -41,13 +41,14 @@ MLX_ROOMS = set(ENGINE_ROOMS) - {"engine"} | {"training"}  # training fits heads
 SEAM = {"engine"}  # what the layers that only run engines may see of the engine
 # The layers above the engine: area -> areas it may import ("skulkp2p" is the package itself).
 AREAS: dict[str, set[str]] = {
-    "wire": set(), "progress": set(), "metrics": set(), "netfault": set(), "ratelog": set(),
+    "wire": set(), "progress": set(), "metrics": set(), "ports": set(), "ratelog": set(),
+    "netfault": {"ports"},
     "models": {"wire", "progress"},
     "state_metrics": SEAM | {"engine.cpu", "metrics"},
     "telemetry": SEAM | {"engine.cpu", "metrics", "state_metrics"},
     "formats": SEAM | {"engine.decode"},
     "runtime": SEAM | {"telemetry"},
-    "served": SEAM | {"engine.decode", "formats", "models", "progress"},
+    "served": SEAM | {"engine.decode", "formats", "models", "progress", "ports"},
     "cluster": {"wire", "models", "engine.parallel.ring", "ratelog"},  # ring: sans-I/O protocol
     "api": SEAM | {"formats", "runtime", "metrics", "telemetry", "state_metrics", "engine.cpu",
                    "ratelog"},

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from skulkp2p.cluster.config import split_addr
 from skulkp2p.cluster.membership import ALIVE, SUSPECT
+from skulkp2p.ports import free_port
 from skulkp2p.wire import Message, as_int
 
 if TYPE_CHECKING:
@@ -43,11 +43,6 @@ log = logging.getLogger("skulkp2p.node")
 
 POLL_S = 0.2
 
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TensorRole:

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
+from skulkp2p.ports import free_port
 from skulkp2p.served.binary import launch_env
 
 log = logging.getLogger("skulkp2p.served")
@@ -47,11 +47,6 @@ _LIVE: weakref.WeakSet[ServedChild] = weakref.WeakSet()
 class ServedError(RuntimeError):
     """The child cannot serve: failed to start (with its reason) or the breaker tripped."""
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

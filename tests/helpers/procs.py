@@ -9,7 +9,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 from skulkp2p.cluster.status_client import fetch_status
 from skulkp2p.netfault import FaultProxy, loopback_ips_usable  # noqa: F401  (re-exported)
+from skulkp2p.ports import free_port
 from tests.helpers import ROOT
 from tests.helpers.http_client import H11Client, call
 
@@ -29,13 +29,6 @@ SECRET = "test-cluster-secret"
 
 # ---------------------------------------------------------------- ports and pids
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on ``host`` a moment ago (another process may take it before we
-    bind it again: for agents, prefer ``--http-port 0`` and `listening_port`)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 _LISTENING = re.compile(rb"http: OpenAI/Anthropic API on http://[^\s]*:(\d+)/v1")
