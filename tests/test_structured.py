@@ -613,3 +613,67 @@ def test_forced_after_looks_ahead_without_consuming(tiny):
 def vocab_size_of(lm) -> int:
     from skulkp2p.engine.drafting.draft_model import vocab_size
     return vocab_size(lm.model)
+
+
+# --- values copied from the text -----------------------------------------------------------------
+
+def test_space_blind_lookup_copies_a_value_after_a_quote(tiny):
+    """Inside a JSON string a copied word follows the quote, not a space: its first token
+    differs from the text's (" Rot" there, "Rot" here), yet the rest is drafted from the text,
+    in the text's own tokens; a one-token key drafts at most MAX_DRAFT_ONE_KEY, a longer one
+    up to MAX_DRAFT."""
+    from skulkp2p.engine.decode.value_copy import MAX_DRAFT_ONE_KEY, SpaceBlindLookup
+
+    copier = SpaceBlindLookup(_grammar(tiny, PERSON).tokenizer)
+    tok = _grammar(tiny, PERSON).tokenizer
+    spaced, bare = next(iter(copier.classes.items()))
+    assert tok.decode_bytes([spaced]) == b" " + tok.decode_bytes([bare])
+    plain_ids = [t for t in range(300, 400) if t not in copier.classes
+                 and t not in copier.classes.values()][:12]
+    text, rest, quote = plain_ids[:2], plain_ids[2:10], plain_ids[10]
+    history = [*text, spaced, *rest, quote, bare]  # the text, then the copy's first token
+    got = copier.propose(history, 16)
+    assert got == rest[:MAX_DRAFT_ONE_KEY]
+    assert copier.propose(history + got[:2], 16) == rest[2:] + [quote, bare, *got[:2]]
+    assert copier.propose(history, 0) == [] and copier.propose([quote, text[0]], 4) == []
+
+
+def test_smollm2_copied_values_are_drafted_and_exact(smol):
+    """An extraction whose values are copied from the prompt: the copier drafts them (values
+    after a forced key), and greedy output is constrained plain decoding's token for token, with
+    each drafter. (Sampled: copies are deterministic drafts, decided by plain sampling's own draw
+    at each row: test_tiny_greedy_and_seeded_spec_equal_plain runs them seeded.)"""
+    from skulkp2p.engine.runner.generate import constraint, prompt_tokens
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "ceo": {"type": "string", "maxLength": 20},
+        "employees": {"type": "integer"}},
+        "required": ["city", "ceo", "employees"], "additionalProperties": False}
+    req = GenerationRequest(messages=(Message("user", (
+        "Extract city, ceo and employees as JSON. Text: The city is Rotterdam, the CEO is "
+        "Mila Jansen and the company employs 240 people.")),),
+        response_format=schema_format(schema))
+    prompt = prompt_tokens(smol, req)
+    eos = set(smol.tokenizer.eos_token_ids)
+
+    def decoded(params, drafter, depth):
+        stats = DecodeStats()
+        out = []
+        for t in decode(LocalForward(smol.model, 256), prompt, params, 40,
+                        make_rng(params.seed), drafter, depth, stats,
+                        grammar=constraint(smol, req)):
+            if t in eos:
+                break
+            out.append(t)
+        return out, stats
+
+    plain, _ = decoded(GREEDY, None, 0)
+    valid(smol.tokenizer.decode(plain), schema)
+    for drafter in (RefusedDrafter(vocab_size_of(smol), False), _lookup_of(smol)):
+        got, stats = decoded(GREEDY, drafter, 8)
+        assert got == plain, (drafter, smol.tokenizer.decode(got))
+        assert stats.copied > 0 and stats.accepted > 0
+
+
+def _lookup_of(lm):
+    from skulkp2p.engine.runner.generate import _lookup
+    return _lookup(lm, 2)

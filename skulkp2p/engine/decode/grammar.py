@@ -118,6 +118,7 @@ class Grammar:
         if self.matcher.is_error():
             raise RequestError(f"'response_format': {self.matcher.get_error()}",
                                "response_format")
+        self.tokenizer = tokenizer
         self.n_vocab = n_vocab
         self._bits = allocate_token_bitmask(1, n_vocab)
         self.eos = tokenizer.eos_token
@@ -128,6 +129,11 @@ class Grammar:
         None where the grammar leaves the next token free (a tool-call grammar before a call
         starts, tool_grammar.py): the row is used as it is."""
         return self.mask_of(self.matcher)
+
+    def constrained(self) -> bool:
+        """Whether the grammar holds the next token (a tool-call grammar before a call starts
+        does not: `mask()` is None there)."""
+        return True
 
     def mask_of(self, matcher: llguidance.LLMatcher) -> np.ndarray:
         fill_next_token_bitmask(matcher, self._bits)

@@ -27,6 +27,7 @@ from skulkp2p.engine.decode.sampling import (
     target_probs,
 )
 from skulkp2p.engine.decode.tree_accept import draw_child, walk_tree
+from skulkp2p.engine.decode.value_copy import SpaceBlindLookup
 from skulkp2p.engine.model.tree import DraftTree, greedy_walk
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class DecodeStats:
     pipelined: int = 0  # tokens emitted pipelined (step n+1 built during step n)
     taken_back: int = 0  # steps built ahead in a quiet stretch, taken back for a draft
     tree_rounds: int = 0  # rounds verified as a tree (more than one branch)
+    copied: int = 0  # tokens drafted as a value copied from the text (under a grammar)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -178,6 +180,10 @@ def decode(
     trees = (drafter is not None and drafter.capabilities.trees and forward.trees
              and grammar is None)
     produced = 0
+    # Under a grammar with a drafter, values copied from the text are drafted space-blind
+    # (value_copy.py): inside a JSON string a copied word follows a quote, not a space.
+    copier = SpaceBlindLookup(grammar.tokenizer) \
+        if grammar is not None and drafter is not None else None
     # Rounds with nothing to verify run pipelined (_pipelined): plain greedy from its first
     # token, and with a drafter the stretches where it expects to offer nothing for a while (its
     # gate is off: `quiet`). A step built ahead is taken back when a draft turns up, or when
@@ -188,7 +194,7 @@ def decode(
         k = min(depth, max_tokens - produced - 1) if drafter is not None else 0
         if grammar is not None:
             yield from _constrained_round(forward, drafter, pending, history, k, params, rng,
-                                          stats, grammar, max_tokens - produced - 1)
+                                          stats, grammar, max_tokens - produced - 1, copier)
             produced = len(history) - len(prompt)
             pending = history[-1]
             continue
@@ -251,14 +257,16 @@ MAX_FORCED = 32
 def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
                       history: list[int], k: int, params: SamplingParams,
                       rng: np.random.Generator, stats: DecodeStats, grammar: Grammar,
-                      room: int = 0) -> Generator[int, None, None]:
+                      room: int = 0, copier: SpaceBlindLookup | None = None
+                      ) -> Generator[int, None, None]:
     """One verify round under a grammar; the emitted tokens join `history` and are yielded.
 
     With a drafter, the draft is the tokens the grammar forces (up to MAX_FORCED and the
     `room` left before max_tokens, whatever the drafter's depth `k`: the mask leaves each of
-    them the only choice, so they are always kept), then the drafter's proposal of up to `k`
-    after them, then the tokens the grammar forces after that proposal (a lookup copies a
-    value, the grammar adds the next key), cut at the first token the grammar refuses. Row i's
+    them the only choice, so they are always kept), then a value copied from the text where
+    `copier` finds one (value_copy.py), else the drafter's proposal, of up to `k` after them,
+    then the tokens the grammar forces after that (the copied value's closing and the next
+    key), cut at the first token the grammar refuses. Row i's
     logits are masked by the grammar after the tokens kept before it (the matcher consumes
     exactly the emitted tokens, so it never holds a rejected draft). A refused token drawn from a draft distribution q is still decided at its
     row by the accept rule (p of it is 0: rejected, the token drawn from norm(max(0, p - q))),
@@ -268,10 +276,14 @@ def _constrained_round(forward: Forward, drafter: Drafter | None, pending: int,
     forced = grammar.forced()[:room] if k > 0 else []
     inner: list[int] = []
     inner_q: Sequence[np.ndarray | None] | None = None
-    if drafter is not None and min(k, room - len(forced)) > 0:
+    wanted = min(k, room - len(forced))
+    if copier is not None and wanted > 0 and grammar.constrained():
+        inner = copier.propose(history + forced, wanted)
+        stats.copied += len(inner)
+    if drafter is not None and wanted > 0 and not inner:
         # (past forced tokens only a drafter that reads the history drafts: lookup, not a head)
         propose = drafter.propose_past_unseen if forced else drafter.propose
-        inner, inner_q = propose(history + forced, min(k, room - len(forced)))
+        inner, inner_q = propose(history + forced, wanted)
     after: list[int] = []
     if inner and len(forced) + len(inner) < room:
         after = grammar.forced_after(forced + list(inner))[:room - len(forced) - len(inner)]

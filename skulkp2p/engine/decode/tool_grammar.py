@@ -136,6 +136,9 @@ class ToolCallGrammar(Grammar):
     def mask(self) -> np.ndarray | None:
         return None if self.active is None else self.mask_of(self.active)
 
+    def constrained(self) -> bool:
+        return self.active is not None
+
     def accept(self, token: int) -> None:
         self.history.append(token)
         self.accepted += 1
