@@ -31,20 +31,21 @@ from tests.helpers.loaded import smollm2_float32
 
 # (family, head): the checkpoint's own MTP head in each naming, and a trained-style EAGLE head.
 HEADS = [("llama", "qwen"), ("qwen3", "deepseek"), ("qwen3", "mimo"), ("llama", "eagle"),
-         ("qwen3", "eagle")]
+         ("qwen3", "eagle"), ("llama", "eagle3")]
 _heads: dict[tuple[str, str], object] = {}
 
 
 def _head_model(tiny_model, tmp_path_factory, family: str, style: str):
     key = (family, style)
     if key not in _heads:
-        if style == "eagle":
+        if style in ("eagle", "eagle3"):
             base = tiny_model(family)
             vocab = int(Trunk(load_model(base, "base").model).embed_tokens.weight.shape[0])
             ids = np.sort(np.random.default_rng(1).choice(vocab, 96, replace=False)
                           ).astype(np.int32)
             sidecar = make_eagle_sidecar(
-                base, tmp_path_factory.mktemp("head-batch") / "eagle.safetensors", ids)
+                base, tmp_path_factory.mktemp("head-batch") / "eagle.safetensors", ids,
+                kind=style)
             _heads[key] = load_model(base, family, dtype="float32", sidecar=sidecar)
         else:
             _heads[key] = loaded(tiny_model(family, mtp=True, mtp_style=style))

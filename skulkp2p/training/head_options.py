@@ -8,8 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-# Tensor prefix per kind of head: "eagle" (the default) or the first head's qwen naming.
-PREFIXES = {"eagle": "eagle.", "qwen": "mtp."}
+# Tensor prefix per kind of head: "eagle" (the default), "eagle3" (it reads a low, a middle and
+# a high layer of the trunk, fused) or the first head's qwen naming.
+PREFIXES = {"eagle": "eagle.", "eagle3": "eagle3.", "qwen": "mtp."}
 GEN_SHARE = 0.5  # of the time budget spent generating (the rest: init, training, evaluation)
 EVAL_SHARE = 0.15  # kept back for the held-out replay and writing
 PROBE_MODEL = "smollm2-135m"  # the model whose shipped head the probe and validation set chose
@@ -133,7 +134,13 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from this earlier trained head (sidecar file) instead of the "
                         "ridge-fitted initial head")
     p.add_argument("--kind", choices=tuple(PREFIXES), default="eagle",
-                   help="head to train: eagle (default) or the first head's qwen naming")
+                   help="head to train: eagle (default), eagle3 (reads three depths of the "
+                        "trunk, fused; trained on its own multi-step drafts, --ttt-steps) or "
+                        "the first head's qwen naming")
+    p.add_argument("--ttt-steps", type=int, default=0,
+                   help="draft steps unrolled in training, the head fed its own output "
+                        "(training-time test; each step's loss counted, the later ones at "
+                        "--depth2-weight); default: 3 for eagle3, else 2 with --depth2-weight")
     p.add_argument("--data", choices=("broad", "stdlib"), default="broad",
                    help="prompts: skulkp2p/training/sidecar_prompts.py (default), or texts from "
                         "the Python stdlib and /usr/share/doc (the first head's data)")
@@ -166,6 +173,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coverage", type=float, default=0.98,
                    help="share of training targets the draft vocabulary covers")
     p.add_argument("--vocab", type=int, default=0, help="fixed draft vocabulary size")
+    p.add_argument("--keep-vocab", action="store_true",
+                   help="with --init-from: keep that head's draft vocabulary (chosen from its "
+                        "own, larger, training data) instead of choosing one from this data")
     p.add_argument("--eval-tokens", type=int, default=6000, help="held-out tokens replayed")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the prompt order, the sampled answers and training")

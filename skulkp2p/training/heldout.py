@@ -15,6 +15,7 @@ from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 from skulkp2p.engine.model.forward import Forward
 from skulkp2p.engine.model.mtp_head import MtpHead
+from skulkp2p.engine.model.trunk import hidden_layers
 
 
 class ReplayForward(Forward):
@@ -23,8 +24,11 @@ class ReplayForward(Forward):
     engine would see on that text (at the drafter's position in it). What it does not override
     is Forward's default: chains only, no lazy steps, no batch."""
 
-    def __init__(self, tokens: np.ndarray, hidden: np.ndarray, top1: np.ndarray, vocab: int):
-        self.hidden = "after"
+    def __init__(self, tokens: np.ndarray, hidden: np.ndarray, top1: np.ndarray, vocab: int,
+                 kind: str = "after"):
+        """`hidden`: the stored rows of the trunk hidden `kind` (the head's conventions.hidden:
+        the shards' "hidden", or their "layers" for "layers:i,j,k")."""
+        self.hidden = kind
         self.tokens, self.h, self.top1, self.vocab = tokens, hidden, top1, vocab
         self.offset = 0
         self.last_hidden: mx.array | None = None
@@ -49,8 +53,12 @@ def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab
                        max_tokens: int | None = None, depths: tuple[int, ...] = (1, 2, 3),
                        context_bias: float = 0.0) -> dict[str, Any]:
     """Per-position acceptance at each of `depths` over the held-out generations (the drafter
-    with this `context_bias`, the card's mtp_context_bias)."""
+    with this `context_bias`, the card's mtp_context_bias): `per_position` counts position k
+    against every round that drafted it, `given_previous` against the rounds whose position
+    k-1 was accepted (depth 2 given depth 1)."""
     result: dict[str, Any] = {}
+    kind = head.conventions.hidden
+    rows = "layers" if hidden_layers(kind) is not None else "hidden"
     for depth in depths:
         stats = DecodeStats()
         emitted = 0
@@ -61,7 +69,8 @@ def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab
                 n_gen = min(end + 1, s["tokens"].shape[1]) - plen
                 if n_gen < 2:
                     continue
-                fwd = ReplayForward(s["tokens"][b], s["hidden"][b], s["top_ids"][b, :, 0], vocab)
+                fwd = ReplayForward(s["tokens"][b], s[rows][b], s["top_ids"][b, :, 0], vocab,
+                                    kind)
                 prompt = [int(t) for t in s["tokens"][b, :plen]]
                 out = list(decode(fwd, prompt, SamplingParams(), n_gen, make_rng(0),
                                   MtpDrafter(head, context_bias=context_bias), depth, stats))
@@ -75,8 +84,12 @@ def heldout_acceptance(head: MtpHead, shards: list[dict[str, np.ndarray]], vocab
                 break
         per = [round(a / d, 4) if d else 0.0 for a, d in zip(stats.accepted_at, stats.drafted_at,
                                                                strict=True)]
+        # position k's acceptance among the rounds whose position k-1 was accepted
+        given = [round(a / p, 4) if p else 0.0 for a, p in zip(
+            stats.accepted_at[1:], stats.accepted_at[:-1], strict=True)]
         result[f"depth{depth}"] = {
             "per_position": per,
+            "given_previous": given,
             "rounds": stats.rounds,
             "tokens_per_round": round(emitted / max(stats.rounds, 1), 4),
         }

@@ -16,33 +16,41 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.model.trunk import Trunk, run_recording
 
 TOP_K = 8  # teacher distribution kept per position
 
 
 def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
                    eos: set[int], deadline: float | None = None,
-                   temperature: float = 0.0) -> dict[str, np.ndarray]:
+                   temperature: float = 0.0, layers: tuple[int, ...] | None = None
+                   ) -> dict[str, np.ndarray]:
     """Continuations of equal-length prompts, batched, float32: greedy, or sampled at
     `temperature` (more varied text; the targets stay the trunk's top-k at every position,
     which is what the verifier decides by). Returns, per sample and position: tokens, the hidden
     state after the final norm, the trunk's top-k logits; `ends` is the first EOS position (or
     the length). Past `deadline` (time.monotonic) the answers are cut short: a batch takes
-    minutes on a busy CPU and must not overrun the budget."""
+    minutes on a busy CPU and must not overrun the budget. `layers`: also keep those layers'
+    outputs per position, concatenated ("layers", what an EAGLE-3-class head reads)."""
     trunk = Trunk(model)
     cache = make_prompt_cache(model)
     batch, plen = len(prompts), len(prompts[0])
     hidden, top_ids, top_vals, tokens = [], [], [], [mx.array(prompts, dtype=mx.int32)]
+    kept: list[np.ndarray] = []
 
     def step(x: mx.array) -> mx.array:
-        h = trunk.body(x, cache)
+        if layers:
+            h, deep = run_recording(trunk.body, layers, lambda: trunk.body(x, cache))
+        else:
+            h, deep = trunk.body(x, cache), None
         logits = trunk.head(h).astype(mx.float32)
         ids = mx.argpartition(-logits, TOP_K - 1, axis=-1)[..., :TOP_K]
         vals = mx.take_along_axis(logits, ids, -1)
         order = mx.argsort(-vals, axis=-1)  # top-1 first: it is the greedy token
         ids, vals = mx.take_along_axis(ids, order, -1), mx.take_along_axis(vals, order, -1)
-        mx.eval(h, ids, vals)
+        mx.eval(h, ids, vals, *([] if deep is None else [deep]))
+        if deep is not None:
+            kept.append(np.array(deep.astype(mx.float16)))
         hidden.append(np.array(h.astype(mx.float16)))
         top_ids.append(np.array(ids.astype(mx.int32)))
         top_vals.append(np.array(vals.astype(mx.float16)))
@@ -66,7 +74,9 @@ def generate_shard(model: nn.Module, prompts: list[list[int]], gen_tokens: int,
         hits = [j for j in range(plen, toks.shape[1]) if int(toks[b, j]) in eos]
         if hits:
             ends[b] = hits[0]
-    return {"tokens": toks, "hidden": np.concatenate(hidden, axis=1),
+    extra = {"layers": np.concatenate(kept, axis=1),
+             "layer_ids": np.array(layers, np.int32)} if layers else {}
+    return {**extra, "tokens": toks, "hidden": np.concatenate(hidden, axis=1),
             "top_ids": np.concatenate(top_ids, axis=1),
             "top_vals": np.concatenate(top_vals, axis=1),
             "prompt_len": np.array(plen, np.int32), "ends": ends,

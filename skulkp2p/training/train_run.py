@@ -3,7 +3,7 @@
 Usage::
 
     python -m skulkp2p head train --model ID|DIR --out DIR [--minutes 30] [--steps N] [--resume]
-        [--kind eagle|qwen] [--data broad|stdlib] [--init-from SIDECAR]
+        [--kind eagle|eagle3|qwen] [--data broad|stdlib] [--init-from SIDECAR]
 
 What it trains (the README's "MTP sidecars"; read by skulkp2p.engine.model.mtp_head.load_mtp_head): by
 default an EAGLE-style head (``--kind eagle``, tensors ``eagle.*``: fc with a bias, one decoder
@@ -65,16 +65,18 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from skulkp2p.engine.model.mtp_conventions import VOCAB_IDS
+from skulkp2p.engine.model.mtp_conventions import VOCAB_IDS, fused_layers
 from skulkp2p.engine.model.mtp_head import MtpHead, load_mtp_head
-from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.model.trunk import Trunk, layers_hidden
 from skulkp2p.progress import ProgressBar
 from skulkp2p.training.head_fit import Batches, make_loss, teacher_forced_accuracy
 from skulkp2p.training.head_init import (
     choose_vocab,
     head_tensors,
     initial_tensors,
+    kept_vocab,
     ridge_fc,
+    ridge_fuse,
     warm_start_tensors,
 )
 from skulkp2p.training.head_options import EVAL_SHARE, PREFIXES, HeadError, resolve_model
@@ -125,6 +127,9 @@ def train(args: argparse.Namespace) -> Path:
     vocab = int(Trunk(lm.model).embed_tokens.weight.shape[0])
     eps = float(config.get("rms_norm_eps", 1e-6))
     eos = set(int(e) for e in lm.tokenizer.eos_token_ids)
+    # An eagle3 head reads a low, a middle and a high layer: the shards keep their outputs.
+    fused = fused_layers(len(Trunk(lm.model).body.layers)) if args.kind == "eagle3" \
+        else None
 
     # 1. prompts and generations (held-out first: it is needed whatever the budget)
     if args.data == "broad":
@@ -188,7 +193,7 @@ def train(args: argparse.Namespace) -> Path:
         # A batch's samples do not depend on resuming (terse batches draw from seeds of their own).
         mx.random.seed(args.seed * 100_003 + i + (50_000 if kind == "train-terse" else 0))
         save_shard(path, generate_shard(lm.model, prompts, args.gen_tokens, eos, deadline,
-                                        temperature))
+                                        temperature, fused))
         spent = (time.monotonic() - t_start) / max(gen_deadline - t_start, 1e-9)
         bar(max(int(1000 * spent), int(1000 * (j + 1) / len(jobs))), 1000)
         _log(f"{kind} batch {i}: {len(prompts)} x {len(prompts[0])} prompt tokens, "
@@ -213,25 +218,33 @@ def train(args: argparse.Namespace) -> Path:
         coverage = state["coverage"]
     else:
         vocab_ids, coverage = choose_vocab(shards, args.coverage, vocab, eos, args.vocab)
+        if args.keep_vocab:
+            if not args.init_from:
+                raise HeadError("--keep-vocab goes with --init-from")
+            vocab_ids, coverage = kept_vocab(args.init_from, shards, vocab)
         head_file = work / "init.safetensors"
         if args.init_from:
             start = warm_start_tensors(model_path, lm.model, config, args.init_from, vocab_ids,
                                        args.kind)
         else:
             start = initial_tensors(lm.model, ridge_fc(lm.model, shards, eps), vocab_ids,
-                                    args.kind)
+                                    args.kind, ridge_fuse(shards, eps) if fused else None)
         mx.save_safetensors(str(head_file), start)
     head = load_mtp_head(model_path, lm.model, config, sidecar=head_file)
     head.set_dtype(mx.float32)
     batches = Batches(shards, vocab_ids, vocab, args.train_batch, args.seed + len(state),
-                      args.feature_noise)
-    acc0, second0 = teacher_forced_accuracy(head, batches, held)
+                      args.feature_noise, fused=fused is not None)
+    # Draft steps unrolled in training (training-time test): eagle3 3 by default, each later
+    # step's loss at --depth2-weight (0.5 unless given); eagle 2 with --depth2-weight.
+    ttt = args.ttt_steps or (3 if fused else 2)
+    later_weight = args.depth2_weight or (0.5 if fused else 0.0)
+    acc0, second0 = teacher_forced_accuracy(head, batches, held, steps=max(ttt, 2))[:2]
     _log(f"draft vocabulary {len(vocab_ids)} tokens ({coverage:.1%} of training targets); "
          f"held-out teacher-forced accuracy at start: depth-1 {acc0:.1%}, second step "
          f"{second0:.1%}")
 
     # 3. training
-    loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight, args.depth2_weight))
+    loss_and_grad = nn.value_and_grad(head, make_loss(args.feat_weight, later_weight, ttt))
     step = int(state.get("step", 0))
     train_deadline = t_start + budget * (1.0 - EVAL_SHARE)
     # Each run has its own time budget: a resumed run starts a new schedule from its step.
@@ -277,9 +290,9 @@ def train(args: argparse.Namespace) -> Path:
         steps_here += 1
         bar(step, max(total or args.steps or step, step))
         if step % 50 == 0:
-            acc, second = teacher_forced_accuracy(head, batches, held)
+            accs = teacher_forced_accuracy(head, batches, held, steps=max(ttt, 2))
             _log(f"step {step}: ce {np.mean(losses[-50:]):.3f}, held-out teacher-forced "
-                 f"depth-1 {acc:.1%}, second step {second:.1%}")
+                 f"per step " + ", ".join(f"{a:.1%}" for a in accs))
         if time.monotonic() - last_ckpt > CHECKPOINT_EVERY_S:
             _checkpoint(work, head, opt, step, total, start, coverage, runs + [this_run()])
             last_ckpt = time.monotonic()
@@ -288,11 +301,12 @@ def train(args: argparse.Namespace) -> Path:
     train_s = time.monotonic() - t_train
 
     # 4. held-out acceptance through the real drafter, and the sidecar
-    acc1, second1 = teacher_forced_accuracy(head, batches, held)
+    acc1, second1 = teacher_forced_accuracy(head, batches, held, steps=2)
     acceptance = heldout_acceptance(head, held, vocab, args.eval_tokens)
     baseline = pair_table_baseline(shards, held)
     _log("held-out acceptance per position: " + "; ".join(
-        f"depth {d}: {acceptance[f'depth{d}']['per_position']}" for d in (1, 2, 3)) +
+        f"depth {d}: {acceptance[f'depth{d}']['per_position']} (given the one before: "
+        f"{acceptance[f'depth{d}']['given_previous']})" for d in (1, 2, 3)) +
         f" (pair-table baseline {baseline:.1%})")
     tensors = head_tensors(head, mx.bfloat16)
     model_files = sorted(model_path.glob("*.safetensors"))
@@ -303,7 +317,8 @@ def train(args: argparse.Namespace) -> Path:
         "model_type": str(config.get("model_type")),
         "licence": "as the base model's",
         "conventions": {
-            "style": args.kind, "prefix": PREFIXES[args.kind], "hidden": "after",
+            "style": args.kind, "prefix": PREFIXES[args.kind],
+            "hidden": layers_hidden(fused) if fused else "after",
             "concat": "embed_first",
             "norm_offset": 0.0, "chain": "after", "zero_first_embed": False, "layers": 1,
             "dtype": "bfloat16", "vocab_ids": len(vocab_ids),
@@ -315,6 +330,8 @@ def train(args: argparse.Namespace) -> Path:
             "depth1_per_position": acceptance["depth1"]["per_position"],
             "depth2_per_position": acceptance["depth2"]["per_position"],
             "depth3_per_position": acceptance["depth3"]["per_position"],
+            "depth2_given_previous": acceptance["depth2"]["given_previous"],
+            "depth3_given_previous": acceptance["depth3"]["given_previous"],
             "depth3_tokens_per_round": acceptance["depth3"]["tokens_per_round"],
             "teacher_forced_depth1_start": round(acc0, 4),
             "teacher_forced_depth1_end": round(acc1, 4),
@@ -325,7 +342,9 @@ def train(args: argparse.Namespace) -> Path:
         "training": {
             "steps": step, "runs": runs + [this_run()],
             "batch_sequences": args.train_batch, "lr": args.lr,
-            "feat_weight": args.feat_weight, "depth2_weight": args.depth2_weight,
+            "feat_weight": args.feat_weight, "depth2_weight": later_weight,
+            "training_time_test_steps": ttt if later_weight > 0 else 1,
+            **({"fused_layers": list(fused)} if fused else {}),
             "feature_noise": args.feature_noise,
             "init_from": (f"{args.init_from.name} (sha256 {sha256_file(args.init_from)})"
                           if args.init_from else "ridge fit"),

@@ -39,7 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from skulkp2p.engine.model.mtp_head import MtpHead, load_mtp_head
-from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.model.trunk import Trunk, hidden_layers
 from skulkp2p.training.head_fit import two_step_features
 from skulkp2p.training.head_init import choose_vocab
 from skulkp2p.training.head_options import HeadError, resolve_model
@@ -100,7 +100,8 @@ def predictions(head: MtpHead, shards: list[dict[str, np.ndarray]]) -> list[Pred
         n = s["tokens"].shape[1]
         for b in range(s["tokens"].shape[0]):
             last = min(int(s["ends"][b]), n - 1)
-            hidden = mx.array(s["hidden"][b][None, :n - 1].astype(np.float32))
+            feature = "layers" if hidden_layers(head.conventions.hidden) else "hidden"
+            hidden = mx.array(s[feature][b][None, :n - 1].astype(np.float32))
             post, post2 = two_step_features(head, hidden, mx.array(s["tokens"][b][None, 1:n]))
             picked = []
             for rows in (post[0], post2[0]):
@@ -156,7 +157,9 @@ def time_costs(model: Any, head: MtpHead, calls: int, context: int = 256) -> dic
     """Median seconds of one trunk decode step and one head call (one verified row appended,
     its draft logits scored), interleaved so that the machine's load hits both alike."""
     trunk = Trunk(model)
-    hsize = int(trunk.embed_tokens.weight.shape[1])
+    # (the trunk rows the head reads: an eagle3 head's are several layers' side by side)
+    hsize = int(trunk.embed_tokens.weight.shape[1]) * len(
+        hidden_layers(head.conventions.hidden) or (0,))
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(100, 100 + context))]), cache=cache))
     hcache = head.make_cache()
@@ -223,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
                                      context_bias=bias)
             for d in args.depths:
                 row[f"depth{d}"] = acc[f"depth{d}"]["per_position"]
+                if d > 1:
+                    row[f"depth{d}_given_previous"] = acc[f"depth{d}"]["given_previous"]
             row.update(timing)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -13,14 +13,18 @@ from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.training import head_init
 
 
-def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int = 0) -> Path:
+def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int = 0,
+                       kind: str = "eagle") -> Path:
     """A random EAGLE-style head for the model at `base`: the training tool's starting tensors
-    (eagle naming) with noise on every float tensor, so no part is the identity or zero."""
+    (`kind`'s naming: eagle, or eagle3 with a random fusion of three layers) with noise on
+    every float tensor, so no part is the identity or zero."""
     lm = load_model(base, "base", dtype="float32")
     hidden = int(Trunk(lm.model).body.norm.weight.shape[0])
     rng = np.random.default_rng(seed)
     fc = (rng.standard_normal((hidden, 2 * hidden)) / np.sqrt(2 * hidden)).astype(np.float32)
-    tensors = head_init.initial_tensors(lm.model, fc, vocab_ids, "eagle")
+    fuse = (rng.standard_normal((hidden, 3 * hidden)) / np.sqrt(3 * hidden)).astype(np.float32) \
+        if kind == "eagle3" else None
+    tensors = head_init.initial_tensors(lm.model, fc, vocab_ids, kind, fuse)
     noisy = {}
     for k, v in tensors.items():
         if v.dtype == mx.int32:

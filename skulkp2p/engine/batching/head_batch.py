@@ -61,6 +61,11 @@ class DraftHead(Protocol):
         """Full-vocabulary logits of head states."""
         ...
 
+    def input_rows(self, hidden: mx.array) -> mx.array:
+        """Rows as `features` reads them: a head that fuses several trunk layers fuses the
+        trunk's rows here, so they stack beside chained (head) rows."""
+        ...
+
 
 class Barrier(Protocol):
     """What the head rows need of their batch (scheduler.BatchScheduler): its condition (the
@@ -204,7 +209,8 @@ class HeadRows:
         # over the buffer as it is, no gather of the callers' rows.
         widths = [len(calls[m].tokens) if m in calls else 0 for m in members]
         width = max(widths)
-        like = next(iter(calls.values())).hidden
+        given = {m: self.head.input_rows(c.hidden) for m, c in calls.items()}
+        like = next(iter(given.values()))
         hidden, tokens = [], []
         for m, w in zip(members, widths, strict=True):
             call = calls.get(m)
@@ -212,7 +218,7 @@ class HeadRows:
                 hidden.append(mx.zeros((width, like.shape[-1]), like.dtype))
                 tokens.append([0] * width)
                 continue
-            h = call.hidden
+            h = given[m]
             if w < width:  # pad with the row's last row
                 h = mx.concatenate([h, mx.repeat(h[-1:], width - w, axis=0)], axis=0)
             hidden.append(h)

@@ -26,7 +26,7 @@ from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.cpu.weight_first import verify_rows
 from skulkp2p.engine.model.stage import StageModel, StageSpan
 from skulkp2p.engine.model.tree import check_path, compact_kv, tree_capable
-from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.model.trunk import Trunk, check_hidden
 
 
 class Forward(Protocol):
@@ -99,16 +99,17 @@ class Forward(Protocol):
         whole, as where the other stages of a ring miss)."""
         return 0
 
-    def keep_in_group(self, key: list[int]) -> int | None:
+    def keep_in_group(self, key: list[int], disk: bool = True) -> int | None:
         """Before the prefix cache keeps the caches held here under `key`: have those held
-        elsewhere kept now (a tensor group's ranks keep their slices). The bytes kept
-        elsewhere (0: none held elsewhere), or None when some holder could not keep them (then
-        no entry: a hit would miss there)."""
+        elsewhere kept now (a tensor group's ranks keep their slices; on their disks too
+        unless `disk` is False). The bytes kept elsewhere (0: none held elsewhere), or None
+        when some holder could not keep them (then no entry: a hit would miss there)."""
         return 0
 
-    def share_store(self, key: list[int]) -> None:
+    def share_store(self, key: list[int], disk: bool = True) -> None:
         """After the prefix cache kept the caches here under `key`: have the other stages of a
-        ring keep theirs under it too (with the next frame or the end)."""
+        ring keep theirs under it too (with the next frame or the end); `disk`: on their disk
+        too (False: the request said no)."""
         return None
 
     def close(self) -> None:
@@ -208,8 +209,7 @@ class LocalForward(Forward):
 
     def __init__(self, model: nn.Module, prefill_step: int = 2048, hidden: str | None = None,
                  interrupt: Callable[[], None] | None = None):
-        if hidden not in (None, "after", "before"):
-            raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
+        check_hidden(hidden)
         self.model = model
         self.local = StageCache(whole_model_stage(model))
         self.hidden = hidden

@@ -16,7 +16,7 @@ from skulkp2p.engine.cpu import switch
 from skulkp2p.engine.json_types import JSONValue
 from skulkp2p.engine.model.arrays import leaves, materialize
 from skulkp2p.engine.model.stage import StageSpan, slice_model
-from skulkp2p.engine.model.trunk import Trunk
+from skulkp2p.engine.model.trunk import Trunk, hidden_layers
 from skulkp2p.engine.protocol import VerifyCosts
 
 log = logging.getLogger("skulkp2p.engine")
@@ -143,6 +143,13 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     finally:
         if template:
             drop_layers(model)
+    picked = hidden_layers(head.conventions.hidden) if head is not None else None
+    if picked is not None and (head_only or (span is not None and min(picked) < span.start)):
+        # A head that reads several depths of the trunk needs them all where it runs: a ring's
+        # last stage or a tensor group holds only some (or slices of each).
+        log.warning("%s: MTP head reads layers %s, not all held here: no head drafting",
+                    model_id, picked)
+        head = None
     if head is not None:
         log.info("%s: MTP head loaded (%s style, hidden %s the final norm, depth up to %d)",
                  model_id, head.conventions.style, head.conventions.hidden,

@@ -29,6 +29,13 @@ A fourth kind is no checkpoint's own but a drafting head trained for a model tha
   draft vocabulary over the trunk's lm_head, as the trainer writes it). It is trained so that
   its normed output is the trunk's next feature, and that output is what depth > 1 feeds back
   (chain "after").
+* eagle3 (EAGLE-3-class): the eagle layout under `eagle3.`, plus `eagle3.fuse_norm` (an RMSNorm
+  weight per depth, [3, H]) and `eagle3.fuse` (no bias, [H, 3H]): the trunk's feature is the
+  outputs of a low, a middle and a high layer (`fused_layers`: 2, L // 2, L - 1),
+  each normed, concatenated and fused to one row; the forward keeps those layers' outputs
+  (hidden "layers:i,j,k"). Depth > 1 feeds back the head's own normed output (chain "after"),
+  which skips the fusion; it is trained so (multi-step training-time test, `head train --kind
+  eagle3`).
 
 A sidecar may also hold `{prefix}vocab_ids` (int32 [K]): a reduced draft vocabulary
 (engine/model/mtp_head.py scores only those rows of the shared lm_head).
@@ -48,7 +55,7 @@ from pathlib import Path
 
 from skulkp2p.engine.json_types import JSONObject, JSONValue
 
-STYLES = ("qwen", "deepseek", "mimo", "eagle")
+STYLES = ("qwen", "deepseek", "mimo", "eagle", "eagle3")
 # Families whose raw checkpoints store RMSNorm weights zero-centred (x * (1 + w)).
 ZERO_CENTRED_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -59,6 +66,7 @@ _STYLE_DEFAULTS: dict[str, tuple[str, str, bool]] = {
     "deepseek": ("embed_first", "before", True),
     "mimo": ("hidden_first", "after", True),
     "eagle": ("embed_first", "after", False),
+    "eagle3": ("embed_first", "after", False),
 }
 
 # Per style, the head's own modules (relative to the style's tensor prefix); every other tensor
@@ -71,9 +79,11 @@ _PARTS: dict[str, dict[str, str]] = {
     "mimo": {"proj": "input_proj", "norm_embed": "token_layernorm",
              "norm_hidden": "hidden_layernorm", "final_norm": "final_layernorm"},
     "eagle": {"proj": "fc", "norm_embed": "enorm", "norm_hidden": "hnorm", "final_norm": "norm"},
+    "eagle3": {"proj": "fc", "norm_embed": "enorm", "norm_hidden": "hnorm", "final_norm": "norm",
+               "fuse": "fuse", "fuse_norm": "fuse_norm"},
 }
 # Styles whose decoder layer sits under `{prefix}layers.0.` (the others: under the prefix itself).
-_NESTED_LAYER = ("qwen", "eagle")
+_NESTED_LAYER = ("qwen", "eagle", "eagle3")
 # DeepSeek's MTP layer carries a copy of the shared embedding; the trunk's is used instead.
 _IGNORED = {"deepseek": ("embed_tokens.",)}
 # Optional int32 tensor (under the style's prefix) listing a reduced draft vocabulary.
@@ -83,8 +93,10 @@ VOCAB_IDS = "vocab_ids"
 @dataclass(frozen=True)
 class MtpConventions:
     """How to run one checkpoint's MTP head. Card fields override the detected values."""
-    style: str  # "qwen" | "deepseek" | "mimo" | "eagle"
-    hidden: str = "after"  # trunk hidden fed to the head: "after" | "before" the final norm
+    style: str  # "qwen" | "deepseek" | "mimo" | "eagle" | "eagle3"
+    # trunk hidden fed to the head: "after" | "before" the final norm, or "layers:i,j,k" (the
+    # outputs of those layers, concatenated: eagle3)
+    hidden: str = "after"
     concat: str = "embed_first"  # "embed_first" | "hidden_first"
     norm_offset: float = 0.0  # 1.0 when the checkpoint stores RMSNorm weights zero-centred
     max_depth: int = 4  # most drafts per round (chained head calls)
@@ -94,7 +106,10 @@ class MtpConventions:
     def __post_init__(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"mtp style must be one of {STYLES}, got {self.style!r}")
-        for name, value, allowed in (("hidden", self.hidden, ("after", "before")),
+        layers = self.hidden.startswith("layers:") and all(
+            i.isdigit() for i in self.hidden[len("layers:"):].split(","))
+        for name, value, allowed in (("hidden", "after" if layers else self.hidden,
+                                      ("after", "before", "layers:i,j,k")),
                                      ("concat", self.concat, ("embed_first", "hidden_first")),
                                      ("chain", self.chain, ("after", "before"))):
             if value not in allowed:
@@ -145,6 +160,8 @@ def _locate(names: list[str], config: JSONObject) -> tuple[str, str] | None:
             return "qwen", name[: -len("fc.weight")]
         if name.endswith("eagle.fc.weight"):
             return "eagle", name[: -len("fc.weight")]
+        if name.endswith("eagle3.fc.weight"):
+            return "eagle3", name[: -len("fc.weight")]
     deepseek = sorted(int(m.group(1)) for n in names
                       if (m := re.fullmatch(r"model\.layers\.(\d+)\.enorm\.weight", n)))
     if deepseek:
@@ -160,19 +177,39 @@ def _family(config: JSONObject) -> str:
     return str(config.get("model_type") or _text_config(config).get("model_type") or "")
 
 
+def fused_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers an eagle3 head reads: a low, a middle and a high one, 2, L // 2 and L - 1
+    (in range for tiny models). EAGLE-3 takes L - 3 as the high one; the last layer instead
+    makes the trunk's final feature (its output, normed) one of the head's inputs, so a head
+    can start as an eagle head that fuses only it (`head train --kind eagle3 --init-from`)."""
+    return (min(2, num_layers // 4), min(num_layers // 2, num_layers - 1), num_layers - 1)
+
+
+def _style_hidden(style: str, config: JSONObject) -> str:
+    """The trunk hidden a style reads: "after" its final norm, or for an eagle3 head the
+    outputs of its fused_layers ("layers:i,j,k")."""
+    if style != "eagle3":
+        return "after"
+    n = _num_layers(config)
+    if not n:
+        raise ValueError("an eagle3 head needs the model's num_hidden_layers")
+    return "layers:" + ",".join(str(i) for i in fused_layers(n))
+
+
 def _conventions(style: str, config: JSONObject,
                  overrides: JSONObject | None) -> MtpConventions:
     concat, chain, zero_first = _STYLE_DEFAULTS[style]
     family = _family(config)
     offset = 1.0 if any(family.startswith(f) for f in ZERO_CENTRED_FAMILIES) else 0.0
     conv = MtpConventions(style=style, concat=concat, norm_offset=offset, chain=chain,
-                          zero_first_embed=zero_first)
+                          zero_first_embed=zero_first, hidden=_style_hidden(style, config))
     o = overrides or {}
     if "mtp_style" in o and o["mtp_style"] != style:
         # A style named by the card re-derives the style's defaults; explicit fields still win.
         named = str(o["mtp_style"])
         concat, chain, zero_first = _STYLE_DEFAULTS[named]
         conv = replace(conv, style=named, concat=concat, chain=chain,
+                       hidden=_style_hidden(named, config),
                        zero_first_embed=zero_first)
     if o.get("mtp_hidden") is not None:
         conv = replace(conv, hidden=str(o["mtp_hidden"]))

@@ -57,13 +57,34 @@ class MtpOutput:
         return self.post_norm if which == "after" else self.pre_norm
 
 
+class DepthNorms(nn.Module):
+    """An RMSNorm per trunk depth over rows [..., n * H] (n layers' outputs side by side): each
+    depth's residual stream has its own scale (the high layers' is far larger)."""
+
+    def __init__(self, depths: int, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((depths, hidden_size))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        parts = x.reshape(*x.shape[:-1], *self.weight.shape)
+        normed = mx.fast.rms_norm(parts, None, self.eps) * self.weight.astype(parts.dtype)
+        return normed.reshape(x.shape)
+
+
 class MtpHead(nn.Module):
-    """The MTP head's own modules; embedding and (shared) lm_head stay the trunk's."""
+    """The MTP head's own modules; embedding and (shared) lm_head stay the trunk's. `depths`
+    > 0 (eagle3): the trunk's feature is that many layers' outputs side by side, normed per
+    depth and fused to one row (`fuse_norm`, `fuse`) before the usual input projection."""
 
     def __init__(self, trunk: Trunk, layer: nn.Module, hidden_size: int, eps: float,
                  conventions: MtpConventions, own_head_vocab: int | None = None,
-                 proj_bias: bool = False):
+                 proj_bias: bool = False, depths: int = 0):
         super().__init__()
+        if depths:
+            self.fuse_norm = DepthNorms(depths, hidden_size, eps)
+            self.fuse = nn.Linear(depths * hidden_size, hidden_size, bias=False)
+        self._fused_width = depths * hidden_size
         self.proj = nn.Linear(2 * hidden_size, hidden_size, bias=proj_bias)
         self.norm_embed = nn.RMSNorm(hidden_size, eps=eps)
         self.norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
@@ -118,6 +139,14 @@ class MtpHead(nn.Module):
         self._vocab_ids = ids
         self._vocab_size = vocab
 
+    def input_rows(self, hidden: mx.array) -> mx.array:
+        """The rows `features` reads as the trunk's feature: a fusing head's trunk rows (several
+        layers side by side, wider than H) fused to one row; anything else as it is (a chained
+        head state is already one row)."""
+        if self._fused_width and hidden.shape[-1] == self._fused_width:
+            return self.fuse(self.fuse_norm(hidden.astype(self.fuse_norm.weight.dtype)))
+        return hidden
+
     def features(self, hidden: mx.array, tokens: mx.array,
                  cache: KVCache | RowsKVCache | None = None,
                  first: bool = True, attn_mask: mx.array | str | None = None
@@ -133,7 +162,7 @@ class MtpHead(nn.Module):
             mask = (mx.arange(embed.shape[1]) > 0)[None, :, None]
             embed = mx.where(mask, embed, mx.zeros_like(embed))
         e = self.norm_embed(embed)
-        h = self.norm_hidden(hidden.astype(e.dtype))
+        h = self.norm_hidden(self.input_rows(hidden).astype(e.dtype))
         x = self.proj(mx.concatenate([e, h] if conv.concat == "embed_first" else [h, e], -1))
         pre = self.layer(x, create_attention_mask(x, cache) if attn_mask is None else attn_mask,
                          cache)
@@ -157,7 +186,8 @@ class MtpHead(nn.Module):
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: KVCache,
                  all_logits: bool = False) -> MtpOutput:
         """Run rows (hidden[i], tokens[i]) at positions cache.offset + i, appending them to
-        `cache`. `hidden` is [L, H] trunk (or chained head) states, `tokens` [L] the next tokens.
+        `cache`. `hidden` is [L, H] trunk (or chained head) states ([L, n H] for a fusing head's
+        trunk rows), `tokens` [L] the next tokens.
         Logits come for the last row only unless `all_logits` (the lm_head is the big matmul)."""
         pre, post = self.features(hidden[None], tokens[None], cache, first=cache.offset == 0)
         rows = post if all_logits else post[:, -1:]
@@ -319,8 +349,10 @@ def load_mtp_head(model_path: Path, model: nn.Module, config: JSONObject,
                 or config_number(_text_config(config).get("rms_norm_eps") or 1e-6, "rms_norm_eps"))
     own_head = weights.get("head.weight")  # DeepSeek's shared_head.head, when the file has it
     vocab = int(own_head.shape[0]) if own_head is not None else None
+    fuse = weights.get("fuse_norm.weight")
     head = MtpHead(trunk, _build_layer(trunk, layer_tensors), hidden_size, eps, conv, vocab,
-                   proj_bias="proj.bias" in weights)
+                   proj_bias="proj.bias" in weights,
+                   depths=int(fuse.shape[0]) if fuse is not None else 0)
     quant = _quantization(config)
     prequantized = any(k.endswith(".scales") for k in weights)
     if prequantized:

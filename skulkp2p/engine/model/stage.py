@@ -39,7 +39,7 @@ from skulkp2p.engine.model.tree import (
     tree_ropes,
     validate_parents,
 )
-from skulkp2p.engine.model.trunk import Trunk, _Identity
+from skulkp2p.engine.model.trunk import Trunk, _Identity, hidden_layers, run_recording
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -293,6 +293,12 @@ class StageModel:
                   per_layer_inputs: mx.array | None, packed: PackedRows | None
                   ) -> tuple[mx.array | None, mx.array | None]:
         body = self.trunk.body
+        picked = hidden_layers(hidden)
+        if picked is not None:
+            # An eagle3 head reads the outputs of a few layers (trunk.run_recording).
+            return run_recording(body, picked, lambda: self._run_rows(
+                inputs, cache, logits=logits, hidden=None, embeddings=embeddings,
+                per_layer_inputs=per_layer_inputs, packed=packed)[0], self.span.start)
         emb = embeddings
         extra = {} if per_layer_inputs is None else {"per_layer_inputs": per_layer_inputs}
         if hidden == "before" or (packed is not None and logits):

@@ -8,7 +8,8 @@ trunk's hidden state, after or before the final norm depending on the model; com
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,3 +59,68 @@ class Trunk:
         """The last layer's output, before the final norm (the norm is bypassed for this call)."""
         with swapped([self.body], "norm", lambda _: _Identity()):
             return self.body(inputs, cache)
+
+
+# A forward's `hidden` for heads that read several depths of the trunk (EAGLE-3-class heads,
+# style "eagle3"): "layers:2,15,29" keeps the outputs of those layers (the residual stream after
+# each), concatenated per row [w, 3H]. Recording them costs a concatenation: the layers run anyway.
+LAYERS_PREFIX = "layers:"
+_T = TypeVar("_T")
+
+
+def hidden_layers(kind: str | None) -> tuple[int, ...] | None:
+    """The layer indices a `hidden` of the form "layers:i,j,k" names, or None for any other."""
+    if not kind or not kind.startswith(LAYERS_PREFIX):
+        return None
+    try:
+        picked = tuple(int(i) for i in kind[len(LAYERS_PREFIX):].split(","))
+    except ValueError:
+        raise ValueError(f"hidden {kind!r} must name layers as 'layers:i,j,k'") from None
+    if not picked or min(picked) < 0:
+        raise ValueError(f"hidden {kind!r} must name layers as 'layers:i,j,k'")
+    return picked
+
+
+def layers_hidden(picked: Sequence[int]) -> str:
+    """The `hidden` that keeps the outputs of layers `picked` (hidden_layers' inverse)."""
+    return LAYERS_PREFIX + ",".join(str(int(i)) for i in picked)
+
+
+def check_hidden(kind: str | None) -> None:
+    """Refuse a forward's `hidden` that is none of None, "after", "before", "layers:i,j,k"."""
+    if kind in (None, "after", "before") or hidden_layers(kind) is not None:
+        return
+    raise ValueError(f"hidden must be 'after', 'before' or 'layers:i,j,k', got {kind!r}")
+
+
+class _Recording:
+    """Stands in for one decoder layer for one call: runs it and keeps its output."""
+
+    def __init__(self, layer: nn.Module, into: dict[int, mx.array], index: int):
+        self.layer, self.into, self.index = layer, into, index
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        out = self.layer(*args, **kwargs)
+        self.into[self.index] = out if isinstance(out, mx.array) else out[0]
+        return out
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.layer, name)
+
+
+def run_recording(body: nn.Module, picked: Sequence[int], run: Callable[[], _T],
+                  first: int = 0) -> tuple[_T, mx.array]:
+    """`run()` (a forward of `body`) with the outputs of layers `picked` kept: (its result, the
+    kept rows concatenated on the last axis, [..., len(picked) * H]). `first`: the global index
+    of body.layers[0] (a stage's slice); every picked layer must be in the slice."""
+    kept: dict[int, mx.array] = {}
+    layers = list(body.layers)
+    local = [i - first for i in picked]
+    if any(not 0 <= i < len(layers) for i in local):
+        raise ValueError(f"a head reading layers {tuple(picked)} needs them on this stage "
+                         f"(layers {first}-{first + len(layers) - 1})")
+    wrapped = [_Recording(layer, kept, i) if i in local else layer
+               for i, layer in enumerate(layers)]
+    with swapped([body], "layers", lambda _: wrapped):
+        out = run()
+    return out, mx.concatenate([kept[i] for i in local], axis=-1)
