@@ -157,3 +157,67 @@ def test_fixed_lengths_with_ignore_eos_stay_exact(tiny, tmp_path):
             assert all(x["tokens"] == doc["settings"]["lengths"][r["workload"]]
                        for x in r["runs"]), r
         assert "engine arms only (bench --ignore-eos)" in {s["reason"] for s in doc["skipped"]}
+
+
+def test_context_and_long_workloads_are_selectable_and_the_aims_summarised():
+    """ctxqa (a question over a passage in the prompt) and guide (long on its own) are text
+    workloads of their own; the aims' quantities come from a run's rows: qa and ctxqa, the
+    geometric mean over the workloads (the sampled aim when the run samples), the share of the
+    short length's gain a longer one keeps, and each also as the median of per-run ratios."""
+    from skulkp2p.bench.records import aims
+
+    args = parse("--workloads", "ctxqa,guide", "--first-seen")
+    assert args.workloads == ["ctxqa", "guide"]
+    assert all(not c.setup for c in bench_cases(args.workloads, [200]))
+    assert "Passage:" in WORKLOADS["ctxqa"][-1]["content"]
+
+    def run_rows(wl: str, plain: list[float], spec: list[float]) -> list[dict]:
+        def row(arm: str, tok: list[float]) -> dict:
+            return {**_row(wl, arm, sorted(tok)[1], 1.0), "tokens_generated": 200,
+                    "runs": [{"tok_s": t} for t in tok]}
+        return [row("plain", plain), row("spec", spec)]
+
+    labels = ["qa@200", "qa@1000", "ctxqa@200", "ctxqa@1000"]
+    results = [*run_rows("qa@200", [10, 20, 10], [15, 30, 16]),
+               *run_rows("qa@1000", [10, 20, 10], [14, 28, 13]),
+               *run_rows("ctxqa@200", [10, 20, 10], [16, 32, 12]),
+               *run_rows("ctxqa@1000", [10, 20, 10], [13, 26, 12])]
+    for r in results:
+        if r["arm"] == "spec":
+            r["speedup_vs_plain"] = r["tok_s"] / 10
+    doc = {"settings": {"workloads": labels, "lengths": {k: int(k[-4:].strip("@"))
+                                                         for k in labels},
+                        "max_tokens": 200, "first_seen": True, "greedy": True},
+           "results": results}
+    rows = {(r["quantity"].split(" ")[0], r["length"]): r for r in aims(doc, summary(doc))}
+    # medians of tok/s: qa 16/10; within each run: 15/10, 30/20, 16/10
+    assert rows[("qa", 200)]["value"] == 1.6 and rows[("qa", 200)]["met"] is True
+    assert rows[("qa", 200)]["per_run"] == 1.5 and rows[("ctxqa", 200)]["per_run"] == 1.6
+    assert rows[("ctxqa", 1000)]["met"] is False and rows[("ctxqa", 1000)]["aim"] == 1.4
+    assert rows[("geomean", 200)]["value"] == 1.6 and rows[("geomean", 200)]["aim"] is None
+    assert rows[("geomean", 200)]["per_run"] == 1.549  # (1.5 x 1.6) ** 0.5
+    assert rows[("share", 1000)]["value"] == round((1.349 - 1) / (1.6 - 1), 3)
+    assert all(r["first_seen"] for r in rows.values())
+    doc["settings"].update(greedy=False, sampling={"temperature": 0.7})
+    sampled = {(r["quantity"].split(" ")[0], r["length"]): r for r in aims(doc, summary(doc))}
+    assert sampled[("geomean", 200)]["aim"] == 1.5 and sampled[("geomean", 200)]["met"] is True
+    assert sampled[("qa", 200)]["aim"] is None  # the qa and ctxqa aims are greedy figures
+
+
+@pytest.mark.process
+def test_context_and_long_workloads_run_first_seen_and_exact(tiny, tmp_path):
+    """The two workloads through the bench at two lengths, first seen: spec equal to plain
+    token for token, and the aims' table after the summary."""
+    out = tmp_path / "out.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--workloads", "ctxqa,guide", "--max-tokens", "6,12", "--first-seen",
+                   "--runs", "1", "--no-peers", "--no-llama-server", "--json", str(out),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["workloads"] == ["ctxqa@6", "ctxqa@12", "guide@6", "guide@12"]
+    assert {(r["arm"], r["identical_to_plain"]) for r in doc["results"]} == {
+        ("plain", True), ("spec", True)}
+    quantities = [(a["quantity"], a["length"]) for a in doc["aims"]]
+    assert ("ctxqa spec x plain", 6) in quantities and quantities[-1][1] == 12
+    assert "drafting aims (first seen" in proc.stdout

@@ -49,7 +49,7 @@ from skulkp2p.bench.arms.mlx_arms import (
 from skulkp2p.bench.bench_error import BenchError
 from skulkp2p.bench.cases import bench_cases, valid_against
 from skulkp2p.bench.options import DEFAULT_MAX_TOKENS
-from skulkp2p.bench.records import cell_results, summary, summary_table
+from skulkp2p.bench.records import aims, aims_table, cell_results, summary, summary_table
 from skulkp2p.bench.report import (
     fmt,
     loadavg,
@@ -412,7 +412,11 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         }
 
     doc["summary"] = summary(doc)
-    write_document(doc, markdown_tables(doc) + summary_table(doc["summary"]), args.json_out)
+    tables = markdown_tables(doc) + summary_table(doc["summary"])
+    if not settings["structured"] and ring is None:  # the drafting aims' quantities
+        doc["aims"] = aims(doc, doc["summary"])
+        tables += aims_table(doc["aims"])
+    write_document(doc, tables, args.json_out)
     if args.plot:
         plot_speedups(doc, Path(args.plot))
     if mismatched:

@@ -89,6 +89,60 @@ WORKLOADS: dict[str, list[dict[str, str]]] = {
         "in a bottle written in her own handwriting.")}],
 }
 
+# A question over a given context: a passage written for the bench (a village that is not in
+# any corpus, so the model cannot answer from memory), questions whose answers draw on it, some
+# in its own words. What the drafters can copy is in the request itself.
+CONTEXT_PASSAGE = """\
+In the spring of 1987 the village of Kessow, on the northern shore of Lake Tarrin, lost its \
+only bridge to a flood. For eleven years the 640 people of Kessow reached the market town of \
+Brevik by a ferry that a retired fisherman, Aldo Fenn, ran twice a day in a converted herring \
+boat called the Marit. The crossing took forty minutes in calm weather and up to two hours in \
+the autumn storms, and on nine days each winter the lake froze too hard for the boat and too \
+thinly for anyone to walk across.
+
+The village council asked the regional government for a new bridge four times, and was \
+refused each time because the road on the far side carried too little traffic. In 1994 a \
+schoolteacher, Ines Varga, proposed that the village build a footbridge itself. She argued \
+that a narrow bridge for walkers, bicycles and handcarts would cost a tenth of a road bridge \
+and that the villagers could do most of the labour. The council agreed, on the condition that \
+the bridge be paid for without raising local taxes.
+
+The money came from three sources: a lottery run by the school, which raised 41,000 crowns \
+over two years; the sale of a disused grain store to a boat builder for 65,000 crowns; and a \
+grant of 120,000 crowns from a foundation in the capital, which Varga won after writing, by \
+her own count, thirty-one letters. Construction began in May 1996. An engineer from Brevik, \
+Tomas Ruud, gave his time for free and insisted on steel cables instead of the timber trusses \
+of the first design, because ice pushed against the piers every winter.
+
+The Kessow footbridge opened on 14 September 1998. It is 212 metres long and 2.4 metres wide, \
+and it has been closed only twice since, both times for repainting. Aldo Fenn steered the \
+Marit under the bridge on the opening day and then sold her to a museum in Brevik, where she \
+is still on display. A survey in 2010 found that the number of children from Kessow attending \
+the secondary school in Brevik had doubled since the bridge opened.
+"""
+
+WORKLOADS["ctxqa"] = [
+    {"role": "system", "content": "Answer from the passage the user gives. Where the passage "
+                                  "answers a question in its own words, quote them."},
+    {"role": "user", "content": (
+        f"Passage:\n\n{CONTEXT_PASSAGE}\n"
+        "Questions:\n"
+        "1. Why did the regional government refuse to build a new bridge?\n"
+        "2. Where did the money for the footbridge come from, and how much did each source "
+        "give?\n"
+        "3. What did Tomas Ruud change in the design, and why?\n"
+        "4. What happened to the Marit after the bridge opened?\n"
+        "5. In three sentences, what did the bridge change for the village?")}]
+
+# Long on its own: a guide in ten named sections, so that `--max-tokens 200,1000` compares the
+# lengths on text the model chose to write, not on what it writes past EOS (`--ignore-eos`).
+# SmolLM2-135M loops greedy and stops near 500 tokens sampled (docs/bench.md).
+WORKLOADS["guide"] = [{"role": "user", "content": (
+    "Write a complete guide to setting up a freshwater aquarium, in ten numbered sections, each "
+    "with a heading and at least two paragraphs: 1. Choosing a tank, 2. Filters, 3. Heaters and "
+    "lights, 4. Gravel and plants, 5. Cycling the water, 6. Choosing fish, 7. Feeding, "
+    "8. Cleaning, 9. Common diseases, 10. A weekly care checklist.")}]
+
 # A coding agent's session, second turn measured: the first turn (the file, a change asked for,
 # the agent's answer) is in the conversation, and was an earlier request on this node.
 AGENT_SYSTEM = ("You are a coding agent. You edit files in the user's repository. Reply with the "
