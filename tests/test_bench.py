@@ -348,19 +348,19 @@ def test_bench_agent_on_a_tensor_group_hits_the_prefix_cache(tiny, tmp_path):
 
 @pytest.mark.process
 def test_bench_agent_turns_with_and_without_the_prefix_cache(tiny, tmp_path):
-    """`bench --agent`: six turns of one conversation and the shared-prefix pair, four arms
-    (plain, spec, each with the prefix cache off and on) in one run: per-turn TTFT, decode
-    tok/s and cached tokens; every arm's tokens equal plain's. (Timings are reported, not
-    asserted.)"""
+    """`bench --agent`: five turns of one conversation (the turn-5 aim's; the sixth, the
+    longest prompt, runs the same paths) and the shared-prefix pair, four arms (plain, spec,
+    each with the prefix cache off and on) in one run: per-turn TTFT, decode tok/s and cached
+    tokens; every arm's tokens equal plain's. (Timings are reported, not asserted.)"""
     out = tmp_path / "agent.json"
-    proc = run_cli("bench", "--agent", "--model", str(tiny), "--data-dir", str(tmp_path),
-                   "--max-tokens", "6", "--runs", "1", "--prefix-cache-mb", "64",
+    proc = run_cli("bench", "--agent", "--turns", "5", "--model", str(tiny), "--data-dir",
+                   str(tmp_path), "--max-tokens", "6", "--runs", "1", "--prefix-cache-mb", "64",
                    "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["mode"] == "agent" and doc["mismatched"] == []
     assert [t["name"] for t in doc["turns"]] == doc["settings"]["turns"]
-    assert len(doc["turns"]) >= 5
+    assert len(doc["turns"]) == 5
     for i, t in enumerate(doc["turns"]):
         arms = t["arms"]
         assert set(arms) == {"plain", "spec", "plain+prefix", "spec+prefix"}

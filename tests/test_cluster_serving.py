@@ -256,4 +256,4 @@ def greedy_retry(addr: str) -> str:
         except openai.APIStatusError as e:
             if e.status_code != 503 or time.monotonic() > deadline:
                 raise
-        time.sleep(0.5)  # 503 while the placement loads
+        time.sleep(0.1)  # 503 while the placement loads

@@ -191,7 +191,7 @@ def _pipe(addr: str, model: str, arm: str, max_tokens: int = 32, bound_s: float 
             raise AssertionError(f"no answer from {addr} within 35 s ({arm}): {e}") from e
         if status == 200 and "re-placed" not in str(out.get("error")):
             return out
-        time.sleep(0.5)  # 503 while a placement loads
+        time.sleep(0.1)  # 503 while a placement loads
     raise AssertionError(f"no answer from {addr}: {status} {out}")
 
 

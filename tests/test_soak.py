@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.slow,
 
 CLIENTS = 16
 LOAD_S = 100.0  # the longest the clients keep sending
-AFTER_REJOIN_S = 5.0  # they stop this long after the killed node is back (within LOAD_S)
+AFTER_REJOIN_S = 2.0  # they stop this long after the killed node is back (within LOAD_S);
+# the 16 requests in flight then end after it too
 REQUEST_DEADLINE_S = 60.0  # one request, head to [DONE]: past it the client reports a hang
 MAX_TOKENS = 24
 PROMPTS = [

@@ -69,7 +69,7 @@ def _pipe(addr: str, arm: str, max_tokens: int = 32, bound_s: float = FORMS_WITH
             status, out = 0, None
         if status == 200 and "error" not in out:
             return out
-        time.sleep(0.5)  # 503 while a group forms; an error right after a re-placement
+        time.sleep(0.1)  # 503 while a group forms; an error right after a re-placement
     raise AssertionError(f"no answer from {addr} within {bound_s:.0f} s: {status} {out}")
 
 
