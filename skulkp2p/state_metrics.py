@@ -44,6 +44,31 @@ def verify_cost_families(costs: Mapping[str, VerifyCosts]) -> list[Family]:
     return [seconds, relative, measured, calls]
 
 
+def draft_memory_families(stats: Mapping[str, Mapping[str, object]]) -> list[Family]:
+    """Each model's draft memory (its engine's `DraftMemoryShare.stats()`): what it holds,
+    the sequences it shared with and received from the model's other replicas, and the tokens
+    drafted from it, in all and from what other replicas sent."""
+    p = PREFIX + "draft_memory_"
+    held = Family(p + "tokens", "gauge", "Tokens the model's draft memory holds (earlier "
+                  "requests' prompts and outputs).")
+    drafted = Family(p + "drafted_tokens_total", "counter",
+                     "Tokens drafted from the draft memory.")
+    received_drafted = Family(p + "drafted_received_tokens_total", "counter",
+                              "Tokens drafted from what the model's other replicas sent.")
+    received = Family(p + "received_sequences_total", "counter",
+                      "Finished sequences the model's other replicas sent here.")
+    shared = Family(p + "shared_sequences_total", "counter",
+                    "Finished sequences handed to the model's other replicas.")
+    for model, s in sorted(stats.items()):
+        for fam, name in ((held, "tokens"), (drafted, "drafted_tokens"),
+                          (received_drafted, "drafted_received_tokens"),
+                          (received, "received"), (shared, "shared")):
+            value = s.get(name)
+            if isinstance(value, int):
+                fam.add(value, model=model)
+    return [held, drafted, received_drafted, received, shared]
+
+
 def blas_thread_families(counts: PolicyCounts | None) -> list[Family]:
     """The process's OpenBLAS thread policy (engine/cpu/blas_threads.py): forwards per thread
     count, why forwards the timings would run wide ran narrow, switches and guard trips; no

@@ -28,6 +28,7 @@ from skulkp2p.metrics import PREFIX, Family, Registry
 from skulkp2p.state_metrics import (
     blas_thread_families,
     cluster_families,
+    draft_memory_families,
     verify_cost_families,
 )
 
@@ -102,6 +103,7 @@ class Telemetry:
         self._cluster: Callable[[], Mapping[str, Any] | None] | None = None
         self._verify_costs: Callable[[], Mapping[str, VerifyCosts]] | None = None
         self._blas_threads: Callable[[], PolicyCounts | None] | None = None
+        self._draft_memory: Callable[[], Mapping[str, Mapping[str, object]]] | None = None
         r = self.registry = Registry()
         p = PREFIX
         self.requests = r.counter(p + "requests_total", "Requests finished, by outcome "
@@ -152,6 +154,10 @@ class Telemetry:
         """`fn()` -> {model: VerifyCosts} for this node's engines that report a measured
         verify-cost table (the seam's `EngineInfo.verify_costs`)."""
         self._verify_costs = fn
+
+    def watch_draft_memory(self, fn: Callable[[], Mapping[str, Mapping[str, object]]]) -> None:
+        """`fn()` -> {model: its engine's draft memory stats} (`DraftMemoryShare.stats()`)."""
+        self._draft_memory = fn
 
     def watch_blas_threads(self, fn: Callable[[], PolicyCounts | None]) -> None:
         """`fn()` -> the process's OpenBLAS thread policy counters (engine/cpu/blas_threads.py's
@@ -338,6 +344,12 @@ class Telemetry:
             waiting.add(int(info.get("waiting") or 0), model=model)
         fams.append(waiting)
         fams.extend(verify_cost_families(self._live_verify_costs()))
+        if self._draft_memory is not None:
+            try:
+                memory = self._draft_memory()
+            except Exception:  # an engine going away mid-scrape must not break the page
+                memory = {}
+            fams.extend(draft_memory_families(memory))
         if self._blas_threads is not None:
             try:
                 counts = self._blas_threads()

@@ -2,7 +2,8 @@
 `replicas: 2` on n1 and n2, every request sent through n0, the leader, which has no room
 for the model (so killing a replica costs no election). Concurrent clients reach both
 replicas; a conversation's turns land on one and hit its prefix cache, and what it finished
-reaches the other's draft memory; a replica killed
+reaches the other's draft memory, which drafts a retry of it (served there through the node's
+own relay entry, as a router node sends it) with plain decoding's output; a replica killed
 (SIGKILL) mid-stream ends that stream with a clear error and the next request is served by the
 other. Every pid is killed at the end (ProcCluster.close)."""
 
@@ -15,7 +16,7 @@ import threading
 import pytest
 
 from tests.helpers.http_client import call, status_of
-from tests.helpers.procs import ProcCluster, loopback_ips_usable
+from tests.helpers.procs import SECRET, ProcCluster, loopback_ips_usable
 
 pytestmark = pytest.mark.skipif(not loopback_ips_usable(),
                                 reason="needs the 127.0.0.0/8 loopback range (Linux)")
@@ -174,6 +175,57 @@ def test_a_conversation_stays_where_its_cache_is(replicated):
 def draft_memory(c: ProcCluster, i: int) -> dict:
     (m,) = call(c.nodes[i].http, "GET", "/v1/models")[2]["data"]
     return m["draft_memory"]
+
+
+def as_node(c: ProcCluster, i: int, body: dict) -> dict:
+    """A chat request served by node ``i``'s own replica: signed with the cluster secret and
+    marked forwarded, as a router node relays it (a relayed request is never routed again)."""
+    import http.client
+    import json
+
+    from skulkp2p.api.auth import FORWARDED_HEADER, NODE_AUTH_HEADER, NodeAuth
+
+    addr, path = c.nodes[i].http, "/v1/chat/completions"
+    data = json.dumps(body).encode()
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, data, {
+            "Content-Type": "application/json", FORWARDED_HEADER: "1",
+            NODE_AUTH_HEADER: NodeAuth(SECRET).sign("POST", path, addr, data)})
+        resp = conn.getresponse()
+        out = json.loads(resp.read())
+        assert resp.status == 200, out
+        return out
+    finally:
+        conn.close()
+
+
+@pytest.mark.cluster
+def test_what_one_replica_finished_the_other_drafts_from(replicated):
+    """A request decoded plain on replica A reaches B's draft memory over the data plane; the
+    same request served on B then drafts from what it received, with plain decoding's
+    output."""
+    ask = {"model": "llama", "max_tokens": 24, "temperature": 0,
+           "messages": [{"role": "user", "content": "Recite the lighthouse keeper's log."}]}
+
+    def settled() -> bool:  # everything each replica finished has reached the other
+        a, b = draft_memory(replicated, A), draft_memory(replicated, B)
+        return (a["to_share"] == b["to_share"] == 0 and a["shared"] == b["received"]
+                and b["shared"] == a["received"])
+    replicated.wait(settled, 10, "the replicas' draft memories to settle")
+    before = draft_memory(replicated, B)
+    plain = as_node(replicated, A, {**ask, "speculation": "off"})
+    replicated.wait(lambda: draft_memory(replicated, B)["received"] == before["received"] + 1,
+                    10, "B to receive what A finished")
+    retried = as_node(replicated, B, {**ask, "speculation": {"drafter": "lookup", "depth": 6}})
+    assert retried["choices"][0]["message"] == plain["choices"][0]["message"]
+    after = draft_memory(replicated, B)
+    assert after["drafted_received_tokens"] > before["drafted_received_tokens"], after
+    assert retried["speculation"]["accepted"] > 0, retried["speculation"]
+    metrics = call(replicated.nodes[B].http, "GET", "/metrics")[2].decode()
+    assert (f'skulkp2p_draft_memory_drafted_received_tokens_total{{model="llama"}} '
+            f'{after["drafted_received_tokens"]}') in metrics
 
 
 @pytest.mark.cluster

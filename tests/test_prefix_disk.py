@@ -157,6 +157,53 @@ def test_lru_bound(tmp_path):
     again.close()
 
 
+def test_folders_of_superseded_weights_go_when_room_is_needed(tmp_path):
+    """The model's folders under other fingerprints (its weights replaced, another dtype or
+    library version) count against the bound and are removed whole, least recently used first,
+    when room is needed; one a live process holds stays, and so does anything not a store's:
+    another model's folder, a file of someone else's in a superseded folder (its folder stays)."""
+    from skulkp2p.engine.cache.disk_store import store_folder
+
+    one = StoredEntry((0, 1, 2, 3), [_kv(3, 0)], None, 0, None, True)
+
+    def fill(fp: str, n: int = 1) -> Path:
+        store = _store(store_folder(tmp_path, "org/model", fp), fp=fp)
+        for i in range(n):
+            store.put(StoredEntry((i, 1, 2, 3), [_kv(3, i)], None, 0, None, True))
+        store.close()
+        return store.folder
+
+    old, older, foreign = fill("a" * 64), fill("b" * 64), fill("c" * 64)
+    os.utime(_entries(older)[0], (1, 1))  # the least recently used
+    (foreign / "notes.txt").write_text("not the store's")
+    os.utime(_entries(foreign)[0], (2, 2))  # the next
+    other_model = _store(store_folder(tmp_path, "org/other", "d" * 64), fp="d" * 64)
+    other_model.put(one)
+    other_model.close()
+    held = _store(store_folder(tmp_path, "org/model", "e" * 64), fp="e" * 64)  # live: stays
+    held.put(one)
+    held.flush()
+    size = _entries(old)[0].stat().st_size
+
+    # Room for three entries: at the start four superseded ones are too many (the oldest
+    # folder goes); this store's first entry needs room again (the next one's entry goes, but
+    # not the file that is not the store's, nor so its folder).
+    current = _store(store_folder(tmp_path, "org/model", FP), max_bytes=3 * size + size // 2)
+    assert not older.exists() and current.stats()["disk_superseded_removed"] == 1
+    assert len(_entries(foreign)) == 1
+    current.put(one)
+    current.flush()
+    assert foreign.exists() and [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert old.exists() and current.stats()["disk_superseded_removed"] == 1
+    current.close()
+    # A smaller bound at the next start: the rest of what no process holds goes too.
+    again = _store(store_folder(tmp_path, "org/model", FP), max_bytes=size + size // 2)
+    assert not old.exists() and held.folder.exists() and len(again) == 1
+    assert len(_entries(store_folder(tmp_path, "org/other", "d" * 64))) == 1
+    again.close()
+    held.close()
+
+
 def test_a_longer_entry_replaces_its_prefixes_on_disk(tmp_path):
     """The next turn's entry serves the earlier turn's prompts (trimmed): the earlier file goes."""
     store = _store(tmp_path)
@@ -262,6 +309,170 @@ def test_an_engine_started_again_restores_from_disk(tmp_path, tiny_models, famil
     assert warm.usage.cached_tokens > 0 and again.info().detail["prefix_cache"]["disk_hits"] == 1
     assert (warm.tokens, warm.text) == (cold.tokens, cold.text)
     again.close()
+
+
+def test_a_batched_row_reads_its_entry_while_another_row_decodes(tmp_path, tiny_models):
+    """A restarted batched engine: while one row reads its prompt's entry from disk (file,
+    checksum, parse), another row keeps decoding (the read happens before the row takes the
+    model's lock; only the copy into MLX arrays happens under it), and both decode what they
+    decode cold."""
+    import dataclasses
+    import threading
+
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine
+
+    lm = load_model(tiny_models["llama"], "llama", dtype="float32")
+    settings = PrefixDiskSettings(tmp_path, 1 << 30)
+    busy = dataclasses.replace(parse_request({"prompt": "Count the waves:", "max_tokens": 160,
+                                              "disk_cache": False}), ignore_eos=True)
+
+    def run(engine, req, out: list[int] | None = None):
+        generation = engine.generate(req)
+        for chunk in generation:
+            if out is not None:
+                out.extend(chunk.tokens)
+        return generation.result
+
+    first = MlxEngine(lm, 64, prefix_disk=settings, max_batch=4)
+    cold = _generate(first, DOC)
+    cold_busy = run(first, busy)
+    first.close()  # writes what it queued
+
+    again = MlxEngine(lm, 64, prefix_disk=settings, max_batch=4)
+    assert again.prefix_cache is not None and again.prefix_cache.disk is not None
+    disk = again.prefix_cache.disk
+    decoded: list[int] = []  # the busy row's tokens as they come
+    during: list[int] = []  # tokens the busy row decoded while the read went on
+    read = disk.read
+
+    def watched_read(entry):
+        if threading.current_thread() is busy_row:  # (its own prompt: nothing on disk)
+            return read(entry)
+        at = len(decoded)
+        deadline = time.monotonic() + 30
+        while len(decoded) < at + 3 and time.monotonic() < deadline:  # (bounded)
+            time.sleep(0.001)
+        during.append(len(decoded) - at)
+        return read(entry)
+    disk.read = watched_read
+    results: dict[str, object] = {}
+    busy_row = threading.Thread(target=lambda: results.update(busy=run(again, busy, decoded)))
+    busy_row.start()
+    deadline = time.monotonic() + 60
+    while not decoded and time.monotonic() < deadline:
+        time.sleep(0.001)
+    warm = _generate(again, DOC)
+    busy_row.join(120)
+    assert during and during[0] >= 3, during  # the other row decoded meanwhile
+    assert warm.usage.cached_tokens > 0 and again.info().detail["prefix_cache"]["disk_hits"] == 1
+    assert (warm.tokens, warm.text) == (cold.tokens, cold.text)
+    assert results["busy"].tokens == cold_busy.tokens == decoded
+    again.close()
+
+
+def _disk_ring(path: Path, settings: PrefixDiskSettings, max_batch: int = 1):
+    """A 3-stage in-process ring of the tiny llama (frames through the wire codec), every stage
+    with its own prefix cache on disk under `settings`, as a node's stages keep them
+    (node/stages.py): (the last stage's engine, the other stages' workers)."""
+    from skulkp2p.engine.model.stage import StageModel, StageSpan
+    from skulkp2p.engine.parallel.ring.traversal import InProcessLink, RingForward, StageWorker
+    from skulkp2p.engine.runner.mlx_engine import MlxEngine, prefix_disk_store
+
+    spans = [StageSpan(0, 1, 4), StageSpan(1, 3, 4), StageSpan(3, 4, 4)]
+    parts = [load_model(path, "llama", dtype="float32", span=s) for s in spans]
+    workers = [StageWorker(StageModel(p.model, p.span), 1,
+                           PrefixCache(64 << 20, prefix_disk_store(p, settings)))
+               for p in parts[:-1]]
+    link = InProcessLink(workers)
+    last = parts[-1]
+    n = iter(range(10 ** 6))
+    last.make_forward = lambda req, hidden, interrupt: RingForward(
+        StageModel(last.model, last.span), link, term=1, instance="i", request=f"r{next(n)}",
+        hidden=hidden, interrupt=interrupt, prefill_step=64)
+    return MlxEngine(last, 64, prefix_disk=settings, max_batch=max_batch), workers
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_restarted_ring_restores_every_stage_from_disk(tmp_path, tiny_models, max_batch):
+    """Every stage of a pipeline ring keeps its entries on disk, in a folder of its own layer
+    range: a ring started again on the same folders (a restart) restores the prompt on every
+    stage from disk and decodes what the cold run decoded; a request that says no writes
+    nothing on any stage; a stage that lost its folder makes the ring prefill (same output)."""
+    settings = PrefixDiskSettings(tmp_path, 1 << 30)
+    engine, workers = _disk_ring(tiny_models["llama"], settings, max_batch)
+    cold = _generate(engine, DOC)
+    assert cold.usage.cached_tokens == 0
+    for cache in [engine.prefix_cache, *(w.prefix_cache for w in workers)]:
+        cache.close()  # (what a node's SIGTERM does: the queued entries are written)
+    folders = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(folders) == 3 and all(len(_entries(f)) == 1 for f in folders), folders
+
+    engine, workers = _disk_ring(tiny_models["llama"], settings, max_batch)  # a restart
+    warm = _generate(engine, DOC)
+    assert warm.usage.cached_tokens > 0
+    assert (warm.tokens, warm.text) == (cold.tokens, cold.text)
+    assert engine.info().detail["prefix_cache"]["disk_hits"] == 1
+    assert all(w.prefix_cache.disk_hits == 1 for w in workers)
+    off = engine.generate(parse_request({"prompt": "Another text entirely.", "max_tokens": 4,
+                                         "disk_cache": False}))
+    for _ in off:
+        pass
+    for cache in [engine.prefix_cache, *(w.prefix_cache for w in workers)]:
+        cache.close()
+    assert all(len(_entries(f)) == 1 for f in folders)  # nothing of it on any stage's disk
+
+    for f in _entries(folders[1]):  # one stage lost its entries (a new disk, say)
+        f.unlink()
+    engine, workers = _disk_ring(tiny_models["llama"], settings, max_batch)
+    again = _generate(engine, DOC)
+    assert again.usage.cached_tokens == 0 and (again.tokens, again.text) == (cold.tokens,
+                                                                             cold.text)
+    for cache in [engine.prefix_cache, *(w.prefix_cache for w in workers)]:
+        cache.close()
+
+
+@pytest.mark.process
+def test_a_tensor_group_formed_again_restores_every_rank_from_disk(tmp_path, tiny_models):
+    """Each rank of a tensor-parallel group keeps its slices on disk (a folder per model, rank
+    and group size), and the loop's member its index: a group formed again (new rank
+    processes, a new index) restores the prompt on every rank from disk and decodes what the
+    cold group decoded; a request that says no writes nothing on any rank."""
+    from skulkp2p.engine.runner.mlx_engine import prefix_disk_store
+    from tests.helpers.tensor_group import ECHO, Group, generate
+
+    path = tiny_models["llama"]
+    settings = PrefixDiskSettings(tmp_path, 1 << 30)
+
+    def rank_entries() -> list[int]:
+        return [sum(len(_entries(f)) for f in tmp_path.glob(f"*@tp{r}of2-*")) for r in (0, 1)]
+
+    group = Group(path, 2, prefix_cache_mb=64, prefix_disk=settings)
+    try:
+        cold = generate(group.head, "off", max_tokens=12)  # (no index: the ranks keep nothing)
+        index = PrefixCache(64 << 20, prefix_disk_store(group.head, settings))
+        first = generate(group.head, "off", max_tokens=12, prefix_cache=index)
+        index.close()
+        assert first.tokens == cold.tokens
+        deadline = time.monotonic() + 30  # each rank writes its slice behind (bounded wait)
+        while rank_entries() != [1, 1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rank_entries() == [1, 1]
+    finally:
+        group.close()  # (by pid: what was written stays)
+
+    group = Group(path, 2, prefix_cache_mb=64, prefix_disk=settings)
+    index = PrefixCache(64 << 20, prefix_disk_store(group.head, settings))
+    try:
+        again = generate(group.head, "off", max_tokens=12, prefix_cache=index)
+        assert again.usage.cached_tokens > 0 and index.disk_hits == 1
+        assert again.tokens == cold.tokens and again.text == cold.text
+        assert group.forwards[-1].rows < len(group.head.tokenizer.encode(ECHO)) // 2
+        generate(group.head, "off", max_tokens=4, prefix_cache=index, disk_cache=False,
+                 prompt=list(reversed(group.head.tokenizer.encode(ECHO)))[:20])
+        index.close()
+        assert len(index) == 2 and rank_entries() == [1, 1]  # nothing of it on any disk
+    finally:
+        group.close()
 
 
 _WRITER = """

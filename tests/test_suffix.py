@@ -7,6 +7,7 @@ distribution when the memory holds skewed drafts."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -318,3 +319,34 @@ def test_memory_shares_what_it_finished_and_takes_in_what_is_offered():
     off = SuffixMemory(0)  # the draft memory turned off: nothing in, nothing out
     off.offer(out)
     assert off.absorb() == 0 and off.take_finished() == []
+
+
+def test_what_one_replica_finished_drafts_on_another_and_memory_off_shares_nothing(llama):
+    """Two engines of one model as two replicas: what the first finished (decoded plain),
+    handed over as the data plane does, is what the second drafts its retry from, counted as
+    drafted from received memory, with the same tokens as plain. With the draft memory off
+    (`--draft-memory-tokens 0`) an engine has no memory to share: nothing goes out or comes in
+    (node/stages.py shares through `info().draft_memory` only)."""
+    from skulkp2p.node.engines import mlx_engine
+    from skulkp2p.node.stages import LocalPlacements
+
+    a, b = mlx_engine(llama, memory_tokens=4096), mlx_engine(llama, memory_tokens=4096)
+    plain = _run(a, _request("Describe a lighthouse at dusk.", "off", 24))
+    sent, got = a.info().draft_memory, b.info().draft_memory
+    assert sent is not None and got is not None
+    got.offer(sent.take_finished())
+    retry = _run(b, _request("Describe a lighthouse at dusk.", {"drafter": "lookup",
+                                                                 "depth": 6}, 24))
+    assert retry.tokens == plain.tokens
+    stats = got.stats()
+    assert stats["received"] == 1
+    assert stats["drafted_received_tokens"] == stats["drafted_tokens"] > 0, stats
+    assert retry.speculation.accepted > 0
+
+    off = mlx_engine(llama, memory_tokens=0)
+    assert off.info().draft_memory is None
+    local = LocalPlacements(None, "llama", "llama", lambda spec: off)
+    local.workers["llama"] = SimpleNamespace(engine=off)
+    local._took_draft_memory("llama", [list(plain.tokens)])  # a frame in: nowhere to go
+    _run(off, _request("Describe a lighthouse at dusk.", {"drafter": "lookup", "depth": 6}, 24))
+    assert off.memory.take_finished() == [] and off.memory.stats()["received"] == 0

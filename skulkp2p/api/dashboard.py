@@ -71,6 +71,20 @@ def engine_verify_costs(workers: Mapping[str, ModelWorker]) -> dict[str, VerifyC
     return out
 
 
+def engine_draft_memory(workers: Mapping[str, ModelWorker]) -> dict[str, JSONObject]:
+    """The draft memory's stats of each ready model whose engine has one on the seam
+    (`EngineInfo.draft_memory`: the MLX engine's, unless turned off)."""
+    out = {}
+    for model, worker in workers.items():
+        engine = worker.engine
+        if engine is None or worker.state != "ready":
+            continue
+        memory = engine.info().draft_memory
+        if memory is not None:
+            out[model] = memory.stats()
+    return out
+
+
 def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStatus,
                workers: Workers, node_auth: NodeAuth | None = None) -> None:
     """GET /, its assets, /metrics and /v1/stats on `router`. `cluster_status()` returns the
@@ -80,6 +94,7 @@ def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStat
     telemetry.watch_models(lambda: {m: worker_info(w) for m, w in workers().items()})
     telemetry.watch_cluster(cluster_status)
     telemetry.watch_verify_costs(lambda: engine_verify_costs(workers()))
+    telemetry.watch_draft_memory(lambda: engine_draft_memory(workers()))
 
     def status() -> Mapping[str, object] | None:
         try:

@@ -138,7 +138,10 @@ class DraftMemoryShare(Protocol):
         ...
 
     def stats(self) -> JSONObject:
-        """What it holds and what it received ({"sequences", "tokens", "received"})."""
+        """What it holds, received and handed out, and the tokens drafted from it
+        ({"sequences", "tokens", "received", "shared", "to_share": finished here, not yet
+        handed out, "drafted_tokens", "drafted_received_tokens": of those drafted, from what
+        other replicas sent})."""
         ...
 
 

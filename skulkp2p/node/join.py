@@ -88,7 +88,8 @@ def run_join(store: ModelStore, settings: JoinSettings, cluster: NodeConfig) -> 
                 store, settings.model, settings.model_id, load_model,
                 max_queue=settings.max_queue, keepalive_s=settings.sse_keepalive,
                 on_ready=on_ready, prefix_cache_mb=settings.prefix_cache_mb,
-                max_batch=settings.max_batch))
+                max_batch=settings.max_batch,
+                prefix_disk=prefix_disk_settings(store.data_dir, settings.prefix_cache_disk_gb)))
             return await serve_cluster(cluster, serving,
                                        own_want(store, settings.model, cluster.name,
                                                 settings.engine),

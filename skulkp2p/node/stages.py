@@ -24,12 +24,18 @@ from skulkp2p.cluster.node import ClusterNode
 from skulkp2p.cluster.placement import ModelSpec, Placement
 from skulkp2p.cluster.ring_link import DRAFT_MEMORY, RingData, TcpRingLink
 from skulkp2p.engine.cpu import blas_threads
-from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB, Engine, VerifyCosts
+from skulkp2p.engine.protocol import (
+    DEFAULT_PREFIX_CACHE_MB,
+    Engine,
+    PrefixDiskSettings,
+    VerifyCosts,
+)
 from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
 from skulkp2p.wire import PROTOCOL_VERSION, Message, WireValue
 
 if TYPE_CHECKING:
+    from skulkp2p.engine.cache.prefix_cache import PrefixCache
     from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
     from skulkp2p.engine.json_types import JSONValue
     from skulkp2p.engine.model.loaded import LoadedModel
@@ -61,7 +67,7 @@ class LocalPlacements:
                  keepalive_s: float = 10.0, on_ready: Callable[[Engine], None] | None = None,
                  load_stage: Callable[[str, StageSpan], LoadedModel] | None = None,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, prefix_disk: PrefixDiskSettings | None = None):
         self.store = store
         self.own_model = own_model  # as given on the command line (card id or path)
         self.own_id = own_id
@@ -84,6 +90,9 @@ class LocalPlacements:
         # The process's OpenBLAS thread policy, which every engine here shares.
         self.telemetry.watch_blas_threads(blas_threads.counts)
         self.prefix_cache_mb = prefix_cache_mb  # each model's, and each ring stage's own
+        # where a ring stage's entries are also kept on disk (None: memory only); a whole
+        # model's engine gets it from load_model
+        self.prefix_disk = prefix_disk
         self.max_batch = max_batch  # a ring's last stage's (None: the card's, else default)
         self.tensor_roles: dict[str, TensorRole] = {}  # model -> this node's rank of its group
 
@@ -174,7 +183,11 @@ class LocalPlacements:
 
     def _retire(self, model: str) -> None:
         self._roles.pop(model, None)
+        stage = self.ring.stages.get(model)
         self.ring.set_stage(model, None)
+        if stage is not None and stage[0].prefix_cache is not None:
+            # its disk writer writes what is queued and lets go of the folder, off the loop
+            asyncio.get_running_loop().run_in_executor(None, stage[0].prefix_cache.close)
         role = self.tensor_roles.pop(model, None)
         if role is not None:
             role.stop()  # its rank process, by pid: the new placement forms a new group
@@ -210,26 +223,38 @@ class LocalPlacements:
                 loaded.make_forward = self._ring_forward_factory(model, p.ring, loaded)
                 self._stage_reports[model] = {"layers": [span.start, span.end],
                                               "param_bytes": param_bytes(loaded.model)}
-                return mlx_engine(loaded, self.prefix_cache_mb, max_batch=self.max_batch)
+                return mlx_engine(loaded, self.prefix_cache_mb, max_batch=self.max_batch,
+                                  prefix_disk=self.prefix_disk)
             self._ensure_worker(model, placed.source, load)
             return
         loop = asyncio.get_running_loop()
         nxt = p.ring[idx + 1]
 
-        def loaded_stage(fut: asyncio.Future[LoadedModel]) -> None:
-            if fut.cancelled() or self._roles.get(model) != (p.ring, p.layers):
+        def load_with_cache() -> tuple[LoadedModel, PrefixCache | None]:
+            # (off the loop: the cache's folder on disk is indexed from its files' headers)
+            from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
+            from skulkp2p.engine.runner.mlx_engine import prefix_disk_store
+
+            loaded = self.load_stage(spec, span)
+            mb = self.prefix_cache_mb
+            return loaded, PrefixCache(int(mb * MB), prefix_disk_store(
+                loaded, self.prefix_disk)) if mb > 0 else None
+
+        def loaded_stage(fut: asyncio.Future[tuple[LoadedModel, PrefixCache | None]]) -> None:
+            if fut.cancelled():
                 return
             if fut.exception() is not None:
                 log.error("model %s: stage failed to load: %s", model, fut.exception())
                 return
-            from skulkp2p.engine.cache.prefix_cache import MB, PrefixCache
+            loaded, cache = fut.result()
+            if self._roles.get(model) != (p.ring, p.layers):
+                if cache is not None:  # re-placed while it loaded
+                    loop.run_in_executor(None, cache.close)
+                return
             from skulkp2p.engine.model.stage import StageModel, param_bytes
             from skulkp2p.engine.parallel.ring.traversal import StageWorker
 
-            loaded = fut.result()
-            mb = self.prefix_cache_mb
-            worker = StageWorker(StageModel(loaded.model, span), p.term,
-                                 PrefixCache(int(mb * MB)) if mb > 0 else None)
+            worker = StageWorker(StageModel(loaded.model, span), p.term, cache)
             self.ring.set_stage(model, worker, lambda: self._ring_addr(nxt))
             log.info("cluster: model %s: stage %d of %d ready (layers %d-%d, %.1f MB held)",
                      model, idx + 1, len(p.ring), span.start, span.end - 1,
@@ -237,7 +262,7 @@ class LocalPlacements:
             self._report_stage(model, {"layers": [span.start, span.end],
                                        "param_bytes": param_bytes(loaded.model)})
 
-        loop.run_in_executor(None, self.load_stage, spec, span).add_done_callback(loaded_stage)
+        loop.run_in_executor(None, load_with_cache).add_done_callback(loaded_stage)
 
     def _start_tensor(self, model: str, p: Placement, placed: ModelSpec) -> None:
         """This node's rank of a tensor-parallel group (node/tensor_roles.py); on the group's
@@ -286,7 +311,8 @@ class LocalPlacements:
         role = TensorRole(self._cluster, model, p.ring, f"{p.term}.{p.serial}",
                           lambda: self.store.pull(spec),
                           serving_dtype, on_ready=ready,
-                          prefix_cache_mb=self.prefix_cache_mb, on_error=formation_error)
+                          prefix_cache_mb=self.prefix_cache_mb, on_error=formation_error,
+                          prefix_disk=self.prefix_disk)
         self.tensor_roles[model] = role
         role.start()
         if p.entry != self.name:
@@ -303,8 +329,9 @@ class LocalPlacements:
             role.prepare = lambda proc: prepare(loaded, proc)
             if role.ready and role.proc is not None:
                 prepare(loaded, role.proc)
-            # The prefix cache's index here; each rank keeps its own slice of every entry.
-            return MlxEngine(loaded, self.prefix_cache_mb)
+            # The prefix cache's index here; each rank keeps its own slice of every entry (on
+            # its disk too, as this index does).
+            return MlxEngine(loaded, self.prefix_cache_mb, prefix_disk=self.prefix_disk)
         self._ensure_worker(model, placed.source, load)
 
     @staticmethod
@@ -488,8 +515,13 @@ class LocalPlacements:
         for role in self.tensor_roles.values():
             role.stop(publish=False)  # rank processes end by pid with the node
         loop = asyncio.get_running_loop()
+        # a ring stage's prefix cache writes what it queued for the disk (bounded, like the
+        # workers' engines)
+        caches = [c for w, _ in self.ring.stages.values() if (c := w.prefix_cache) is not None]
+        closed = asyncio.gather(*(loop.run_in_executor(None, c.close, timeout) for c in caches))
         results = await asyncio.gather(*(loop.run_in_executor(None, w.stop, timeout)
                                          for w in self.workers.values()))
+        await closed
         return all(results)
 
 

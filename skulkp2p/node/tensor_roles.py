@@ -38,6 +38,7 @@ from skulkp2p.wire import Message, as_int
 if TYPE_CHECKING:
     from skulkp2p.cluster.node import ClusterNode
     from skulkp2p.engine.parallel.tensor.group import RankProcess
+    from skulkp2p.engine.protocol import PrefixDiskSettings
 
 log = logging.getLogger("skulkp2p.node")
 
@@ -50,7 +51,8 @@ class TensorRole:
                  model_path: Callable[[], Path], dtype: Callable[[], str],
                  on_ready: Callable[[Message], None] | None = None,
                  prefix_cache_mb: float = 0.0,
-                 on_error: Callable[[str | None], None] | None = None):
+                 on_error: Callable[[str | None], None] | None = None,
+                 prefix_disk: PrefixDiskSettings | None = None):
         self.node = node
         self.model = model
         self.ring = ring
@@ -65,6 +67,7 @@ class TensorRole:
         self.error: str | None = None
         self.on_error = on_error
         self.prefix_cache_mb = prefix_cache_mb  # each rank's own slice of the prefix cache
+        self.prefix_disk = prefix_disk  # where each rank keeps its slices on disk too (or None)
         # Run (off the loop) once a generation of the group has formed and before any request
         # may use it: the loop's member measures the group's verify-width costs there.
         self.prepare: Callable[[RankProcess], None] | None = None
@@ -230,7 +233,8 @@ class TensorRole:
             return  # the formation moved on while the model was pulled
         proc = RankProcess(path, self.rank, addrs, self.dtype(),
                            label=f"rank {self.rank} of {self.model}",
-                           prefix_cache_mb=self.prefix_cache_mb)
+                           prefix_cache_mb=self.prefix_cache_mb,
+                           prefix_disk=self.prefix_disk, model_id=self.model)
         self.proc = proc
         log.info("tensor: %s: rank %d of %d started (pid %d, generation %d, %s)", self.model,
                  self.rank, len(addrs), proc.pid, gen, addrs[self.rank])

@@ -20,9 +20,13 @@ class Group:
     """N rank processes on 127.0.0.1 and the head model (embedding, norm, head, drafter) that
     runs the decode loop over them, as a group's first member does."""
 
-    def __init__(self, path: Path, n: int, timeout: float = 20.0, prefix_cache_mb: float = 0.0):
+    def __init__(self, path: Path, n: int, timeout: float = 20.0, prefix_cache_mb: float = 0.0,
+                 prefix_disk=None):
+        """`prefix_disk`: where the ranks keep their slices of the prefix cache on disk too
+        (a PrefixDiskSettings; None: memory only)."""
         addrs = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.ranks = [RankProcess(path, r, addrs, "float32", prefix_cache_mb=prefix_cache_mb)
+        self.ranks = [RankProcess(path, r, addrs, "float32", prefix_cache_mb=prefix_cache_mb,
+                                  prefix_disk=prefix_disk, model_id=path.name)
                       for r in range(n)]
         try:
             self.ready = [r.wait_ready(60) for r in self.ranks]

@@ -24,6 +24,7 @@ from skulkp2p.engine.cpu import blas_threads
 from skulkp2p.engine.model.forward import Forward, StageCache
 from skulkp2p.engine.model.stage import StageModel
 from skulkp2p.engine.model.tree import validate_parents
+from skulkp2p.engine.model.trunk import check_hidden
 from skulkp2p.engine.parallel.ring.frames import RingError
 
 if TYPE_CHECKING:
@@ -96,8 +97,7 @@ class RowForward(Forward):
 
     def __init__(self, scheduler: RowsBatch, hidden: str | None,
                  interrupt: Callable[[], None] | None, ring: RingForward | None = None):
-        if hidden not in (None, "after", "before"):
-            raise ValueError(f"hidden must be 'after' or 'before', got {hidden!r}")
+        check_hidden(hidden)
         self.scheduler = scheduler
         self.hidden = hidden
         self.interrupt = interrupt
@@ -169,10 +169,10 @@ class RowForward(Forward):
         self.local.adopt(cache)
         return len(tokens)
 
-    def share_store(self, key: list[int]) -> None:
+    def share_store(self, key: list[int], disk: bool = True) -> None:
         """On a ring, the other stages keep their caches under `key` too (the next frame)."""
         if self.ring is not None:
-            self.ring.share_store(key)
+            self.ring.share_store(key, disk)
 
     def alone(self) -> bool:
         """Whether this row may decode on its own caches: it has not joined the batch, no row

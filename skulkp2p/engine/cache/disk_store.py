@@ -3,7 +3,10 @@
 The memory cache (prefix_cache.py) hands each entry it keeps to `PrefixDiskStore.put`, which
 copies its arrays (contiguous, evaluated: a memory copy, no disk) and queues it; a writer thread
 of its own writes it, so the decode loop never waits on the disk. A lookup that the memory cache
-cannot serve as well as an entry on disk can loads that entry (`load`) on the request's thread.
+cannot serve as well as an entry on disk can loads that entry: its file is read, checked and
+parsed into host arrays without MLX (`read`, which a batched request does before it takes the
+model's lock, `PrefixCache.read_ahead`), and only the copy into MLX arrays (`install`) runs on
+the thread that holds the model.
 
 A file is written whole or not at all: a temporary file beside it, fsync, rename, fsync of the
 folder; a process killed mid-write leaves only the temporary file, removed at the next start.
@@ -34,7 +37,9 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
+import re
 import struct
 import threading
 import time
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import TypeAlias, cast
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import cache as mlx_caches
 from mlx_lm.models.cache import PromptTrie
 
@@ -273,8 +279,79 @@ def write_entry(folder: Path, enc: _Encoded) -> Path:
     return final
 
 
-def read_entry(path: Path, fingerprint: str) -> StoredEntry:
-    """The entry in `path`, checked whole; BadEntry when it is not a whole entry of this
+# safetensors' dtype names -> numpy's (BF16 is read as its 16-bit words: numpy has no bfloat16)
+_HOST_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16,
+                "I16": np.int16, "U32": np.uint32, "I32": np.int32, "U64": np.uint64,
+                "I64": np.int64, "F16": np.float16, "BF16": np.uint16, "F32": np.float32,
+                "F64": np.float64}
+
+
+@dataclass
+class RawEntry:
+    """An entry read and checked without MLX (on any thread, off the model's lock): what the
+    index knows of it, its header, and its arrays as host buffers over the file's bytes
+    (safetensors' dtype name beside each). `install` makes it a StoredEntry (MLX work)."""
+    index: DiskEntry
+    header: dict[str, object]
+    arrays: dict[str, tuple[np.ndarray, str]]
+
+
+def _host_arrays(body: memoryview) -> dict[str, tuple[np.ndarray, str]]:
+    """The arrays of a safetensors buffer as numpy views of it; BadEntry when it is not one."""
+    if len(body) < 8:
+        raise BadEntry("truncated arrays")
+    (n,) = struct.unpack("<Q", body[:8])
+    if n > len(body) - 8:
+        raise BadEntry("truncated arrays")
+    try:
+        table = json.loads(body[8:8 + n].tobytes())
+    except ValueError:
+        raise BadEntry("malformed arrays") from None
+    if not isinstance(table, dict):
+        raise BadEntry("malformed arrays")
+    data = body[8 + n:]
+    out: dict[str, tuple[np.ndarray, str]] = {}
+    for name, info in table.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        span = info.get("data_offsets") if isinstance(info, dict) else None
+        if dtype not in _HOST_DTYPES or not isinstance(shape, list) or not all(
+                type(d) is int and d >= 0 for d in shape) or not isinstance(span, list) \
+                or len(span) != 2 or not all(type(o) is int for o in span):
+            raise BadEntry(f"array {name!r} malformed")
+        host = np.dtype(_HOST_DTYPES[dtype])
+        start, end = span
+        if not 0 <= start <= end <= len(data) or end - start != host.itemsize * math.prod(shape):
+            raise BadEntry(f"array {name!r} out of bounds")
+        out[name] = (np.frombuffer(data[start:end], dtype=host).reshape(shape), dtype)
+    return out
+
+
+def _check_spec(spec: object, arrays: dict[str, tuple[np.ndarray, str]]) -> None:
+    """A cache's spec names a class mlx-lm has and only arrays the entry holds."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("class"), str):
+        raise BadEntry("a malformed cache")
+    _cache_maker(spec["class"])
+    stack: list[object] = [spec.get("state")]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if "a" in value:
+                if value["a"] not in arrays:
+                    raise BadEntry(f"array {value['a']!r} missing")
+            elif isinstance(value.get("t"), list):
+                stack.extend(value["t"])
+            else:
+                raise BadEntry("a malformed state")
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+def read_raw(path: Path, fingerprint: str) -> RawEntry:
+    """The entry in `path`, read and checked whole (checksum, format, fingerprint, the header's
+    caches against its arrays), without MLX; BadEntry when it is not a whole entry of this
     fingerprint."""
     with open(path, "rb") as f:
         data = f.read()
@@ -294,21 +371,39 @@ def read_entry(path: Path, fingerprint: str) -> StoredEntry:
     if header.get("fingerprint") != fingerprint:
         raise BadEntry("another model's entry")
     index = _index_entry(header, len(data), path)
-    loaded = mx.load(io.BytesIO(view[_PREFIX + n:].tobytes()), format="safetensors")
-    if not isinstance(loaded, dict):
-        raise BadEntry("malformed arrays")
-    arrays = loaded
+    arrays = _host_arrays(view[_PREFIX + n:])
     specs = header.get("caches")
     if not isinstance(specs, list):
         raise BadEntry("a malformed header")
+    for spec in [*specs, *([header["mtp"]] if header.get("mtp") is not None else [])]:
+        _check_spec(spec, arrays)
+    if index.has_hidden and "hidden" not in arrays:
+        raise BadEntry("array 'hidden' missing")
+    return RawEntry(index, header, arrays)
+
+
+def install(raw: RawEntry) -> StoredEntry:
+    """A read entry's caches as MLX arrays (copied from the host buffers, evaluated): the MLX
+    work of a load, for the thread that holds the model."""
+    arrays: dict[str, mx.array] = {}
+    for name, (host, dtype) in raw.arrays.items():
+        a = mx.array(host)
+        arrays[name] = a.view(mx.bfloat16) if dtype == "BF16" else a
     try:
-        caches = [_rebuild(s, arrays) for s in specs]
-        mtp = None if header.get("mtp") is None else _rebuild(header["mtp"], arrays)
+        caches = [_rebuild(s, arrays) for s in cast(list[object], raw.header["caches"])]
+        mtp = None if raw.header.get("mtp") is None else _rebuild(raw.header["mtp"], arrays)
     except (TypeError, ValueError, AttributeError) as e:
         raise BadEntry(f"caches cannot be rebuilt: {e}") from None
+    index = raw.index
     hidden = arrays.get("hidden") if index.has_hidden else None
     mx.eval(list(arrays.values()))
     return StoredEntry(index.key, caches, mtp, index.mtp_rows, hidden, index.trimmable)
+
+
+def read_entry(path: Path, fingerprint: str) -> StoredEntry:
+    """The entry in `path`, checked whole; BadEntry when it is not a whole entry of this
+    fingerprint."""
+    return install(read_raw(path, fingerprint))
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -322,6 +417,108 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def cache_identity(model_id: str, dtype: str, part: str = "") -> list[str]:
+    """What besides the weights decides an entry's bits, for `weights_fingerprint`: the model's
+    id and dtype, the part of it held (a ring stage's layers, a tensor rank's shard), the
+    versions of mlx and mlx-lm."""
+    return [model_id, dtype, f"mlx {_version('mlx')}", f"mlx-lm {_version('mlx-lm')}",
+            *([part] if part else [])]
+
+
+def _version(dist: str) -> str:
+    """A library's installed version (what computed the caches), or "unknown"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------ folders
+
+_FP_CHARS = 16  # of the fingerprint, in the folder's name
+_FOLDER = re.compile(r"(.+)-([0-9a-f]{16})")
+
+
+def store_folder(root: Path, model_id: str, fingerprint: str, part: str = "") -> Path:
+    """The folder of a model's entries under `root`: its id (made safe as a name), the part of
+    the model held (a ring stage's layers, after an "@") and the start of its fingerprint."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)[:80] or "_"
+    if part:
+        name += "@" + re.sub(r"[^A-Za-z0-9._-]", "_", part)[:40]
+    return Path(root) / f"{name}-{fingerprint[:_FP_CHARS]}"
+
+
+@dataclass(frozen=True)
+class _Superseded:
+    """A folder of the same model and part under another fingerprint (other weights, dtype or
+    library versions): its entries are never loaded by this store."""
+    path: Path
+    nbytes: int  # its entry files' sizes
+    used: float  # the newest file's time
+
+
+def _superseded(folder: Path) -> list[_Superseded]:
+    """The other folders beside `folder` of the same model and part (a ring stage's layers, a
+    tensor rank's shard: another part's folder may belong to a live neighbour on this data dir)
+    under other fingerprints, least recently used first. Only folders named as `store_folder`
+    names them and holding the lock file every store creates (a live process's lock keeps its
+    folder: remove_superseded)."""
+    m = _FOLDER.fullmatch(folder.name)
+    if m is None:
+        return []
+    out: list[_Superseded] = []
+    try:
+        siblings = list(folder.parent.iterdir())
+    except OSError:
+        return []
+    for path in siblings:
+        other = _FOLDER.fullmatch(path.name)
+        if path == folder or other is None or other.group(1) != m.group(1):
+            continue
+        try:
+            if path.is_symlink() or not path.is_dir() or not (path / LOCK_NAME).is_file():
+                continue
+            files = [f.stat() for f in path.iterdir() if f.name.endswith(SUFFIX)]
+        except OSError:
+            continue
+        out.append(_Superseded(path, sum(f.st_size for f in files),
+                               max((f.st_mtime for f in files), default=0.0)))
+    return sorted(out, key=lambda s: s.used)
+
+
+def remove_superseded(path: Path) -> bool:
+    """Remove a superseded store's folder: its lock taken first (a live process holding it
+    keeps it), then only what a store writes there (entry files that start as entries do,
+    temporary files, the lock file), then the folder if nothing else is left. Whether the
+    folder is gone."""
+    try:
+        fd = _lock(path)
+    except (StoreInUse, OSError):
+        return False
+    try:
+        for f in path.iterdir():
+            if f.name.endswith(TMP_SUFFIX) and f.is_file() and not f.is_symlink():
+                f.unlink(missing_ok=True)
+            elif f.name.endswith(SUFFIX) and f.is_file() and not f.is_symlink():
+                with open(f, "rb") as entry:
+                    ours = entry.read(len(MAGIC)) == MAGIC
+                if ours:
+                    f.unlink(missing_ok=True)
+        (path / LOCK_NAME).unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("prefix cache: removing superseded entries in %s failed: %s", path, e)
+        return False
+    finally:
+        os.close(fd)
+    try:
+        path.rmdir()
+    except OSError:
+        return False  # something not ours is left there: the folder stays
+    return True
 
 
 # ------------------------------------------------------------------------------ the store
@@ -351,6 +548,10 @@ class PrefixDiskStore:
         self.dropped = 0  # queued entries dropped (the queue was full, or the write failed)
         self.loads = 0
         self.refused = 0  # files refused (checksum, format, fingerprint) and removed
+        self.superseded_removed = 0  # folders of the model's other fingerprints removed
+        # The model's folders under other fingerprints, counted against the bound: removed
+        # whole, least recently used first, before any entry of this one when room is needed.
+        self._superseded = _superseded(self.folder)
         self._scan()
         self._thread = threading.Thread(target=self._run, name="prefix-disk-writer",
                                         daemon=True)
@@ -371,7 +572,8 @@ class PrefixDiskStore:
                     "disk_max_bytes": self.max_bytes, "disk_writes": self.writes,
                     "disk_loads": self.loads, "disk_refused": self.refused,
                     "disk_pending": len(self._pending) + int(self._writing),
-                    "disk_dropped": self.dropped}
+                    "disk_dropped": self.dropped,
+                    "disk_superseded_removed": self.superseded_removed}
 
     # ------------------------------------------------------------------------- startup
 
@@ -424,21 +626,41 @@ class PrefixDiskStore:
 
     def load(self, entry: DiskEntry) -> StoredEntry | None:
         """The entry's contents, or None when its file is gone or refused (then removed)."""
+        raw = self.read(entry)
+        return self.install(raw) if raw is not None else None
+
+    def read(self, entry: DiskEntry) -> RawEntry | None:
+        """The entry's file read and checked, without MLX (any thread: the file read, the
+        checksum and the parse happen off the model's lock); None when it is gone or refused
+        (then removed)."""
         try:
-            stored = read_entry(entry.path, self.fingerprint)
+            return read_raw(entry.path, self.fingerprint)
         except (OSError, BadEntry) as e:
-            log.warning("prefix cache: %s refused (%s): removed", entry.path.name, e)
-            with self._lock:
-                self.refused += 1
-                if self._lru.get(entry.key) is entry:
-                    self._remove(entry.key)
-                else:
-                    entry.path.unlink(missing_ok=True)
+            self._refuse(entry, e)
             return None
-        self.touch(entry.key)
+
+    def install(self, raw: RawEntry) -> StoredEntry | None:
+        """A read entry as caches (MLX work: on the thread that holds the model), or None when
+        its caches cannot be rebuilt (its file is then removed)."""
+        try:
+            stored = install(raw)
+        except BadEntry as e:
+            self._refuse(raw.index, e)
+            return None
+        self.touch(raw.index.key)
         with self._lock:
             self.loads += 1
         return stored
+
+    def _refuse(self, entry: DiskEntry, why: Exception) -> None:
+        log.warning("prefix cache: %s refused (%s): removed", entry.path.name, why)
+        with self._lock:
+            self.refused += 1
+            held = self._lru.get(entry.key)
+            if held is not None and held.path == entry.path:
+                self._remove(entry.key)
+            else:
+                entry.path.unlink(missing_ok=True)
 
     def touch(self, key: tuple[int, ...]) -> None:
         """A use: the entry goes last out (its file's time is set by the writer)."""
@@ -574,6 +796,13 @@ class PrefixDiskStore:
         self._forget(key).path.unlink(missing_ok=True)
 
     def _evict(self) -> None:
+        while self._superseded and self.nbytes + sum(
+                s.nbytes for s in self._superseded) > self.max_bytes:
+            old = self._superseded.pop(0)
+            if remove_superseded(old.path):
+                self.superseded_removed += 1
+                log.info("prefix cache: removed %s (%.1f MB), entries of other weights of this "
+                         "model", old.path.name, old.nbytes / 1e6)
         while self.nbytes > self.max_bytes and self._lru:
             self._remove(next(iter(self._lru)))
 

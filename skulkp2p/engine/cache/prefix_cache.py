@@ -5,7 +5,8 @@ disk (disk_store.py: a lookup that an entry on disk serves better loads it into 
 One per model: the MlxEngine owns one for its model (or for the layers it holds, on a ring's last
 stage), and every other ring stage's StageWorker owns one for its own layers. Each is used by one
 thread only, one request at a time (the model's worker thread; a stage's executor thread), so
-there is no lock.
+there is no lock; `read_ahead` alone may run beside it (it reads the disk store, which has a lock
+of its own).
 
 What an entry holds. An entry is stored under a token sequence K and holds the caches after the
 model ran every token of K but the last: the decode loop's state after a prefill (K = the prompt,
@@ -54,10 +55,10 @@ from mlx_lm.models.cache import KVCache, PromptTrie
 
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.cache.caches import CacheEntry
-from skulkp2p.engine.cache.disk_store import DiskEntry, PrefixDiskStore, StoredEntry
+from skulkp2p.engine.cache.disk_store import DiskEntry, PrefixDiskStore, RawEntry, StoredEntry
 from skulkp2p.engine.protocol import DEFAULT_PREFIX_CACHE_MB
 
-__all__ = ["DEFAULT_PREFIX_CACHE_MB", "MB", "PrefixCache", "PrefixHit"]
+__all__ = ["DEFAULT_PREFIX_CACHE_MB", "MB", "PrefixCache", "PrefixHit", "RawEntry"]
 
 log = logging.getLogger("skulkp2p.prefix")
 
@@ -211,16 +212,37 @@ class PrefixCache:
 
     # ---------------------------------------------------------------------------- lookups
 
+    def read_ahead(self, tokens: list[int]) -> RawEntry | None:
+        """The entry on disk that would restore the most positions of `tokens`, read and
+        checked without MLX: called on the request's thread before it takes the model's lock
+        (the only part of this cache that is thread-safe: it reads the disk store, and asks
+        the memory only whether it holds that very entry), so that other requests' rows decode
+        while the file is read. A hint for `fetch`, which plans again under the lock and uses
+        it only where it is still the entry to load. None: no disk, nothing better on disk."""
+        disk = self.disk
+        if disk is None or len(tokens) < 2:
+            return None
+        best: tuple[int, DiskEntry] | None = None
+        for entry, common in disk.candidates(tokens):
+            plan = self._plan(entry, common, False, len(tokens), None)
+            if plan is not None and (best is None or plan[0] > best[0]):
+                best = (plan[0], entry)
+        if best is None or best[1].key in self._lru:  # (a dict lookup: safe off the lock)
+            return None
+        return disk.read(best[1])
+
     def fetch(self, tokens: list[int], *, mtp: bool = False,
-              want: int | None = None) -> PrefixHit | None:
+              want: int | None = None, read: RawEntry | None = None) -> PrefixHit | None:
         """The longest reusable prefix of `tokens` (a prompt whose last token is pending), as
         fresh caches; None when nothing of at least one token is cached. `mtp`: the request
         drafts with the MTP head, whose rows must cover the positions restored too. `want`:
-        exactly this many positions or nothing (a ring stage following the last stage)."""
+        exactly this many positions or nothing (a ring stage following the last stage).
+        `read`: what `read_ahead` read for these tokens (installed if it is the entry on disk
+        to load, else ignored)."""
         found = self._best(list(tokens), mtp, want)
         from_disk = False
-        if self.disk is not None and want is None and self._load_better(
-                list(tokens), mtp, found[1] if found is not None else 0):
+        if self.disk is not None and self._load_better(
+                list(tokens), mtp, found[1] if found is not None else 0, read, want):
             found, from_disk = self._best(list(tokens), mtp, want), True
         if found is None:
             self.misses += 1
@@ -285,20 +307,24 @@ class PrefixCache:
             length = want
         return (length, use_hidden) if length > 0 else None
 
-    def _load_better(self, tokens: list[int], mtp: bool, have: int) -> bool:
-        """Load into memory the entry on disk that restores the most positions of `tokens`,
-        if it restores more than `have` (what memory gives). False when none does or none of
-        those loads (a file refused is removed by the store: a miss, never wrong caches)."""
+    def _load_better(self, tokens: list[int], mtp: bool, have: int,
+                     read: RawEntry | None = None, want: int | None = None) -> bool:
+        """Load into memory the entry on disk that restores the most positions of `tokens`
+        (exactly `want`, when given), if it restores more than `have` (what memory gives);
+        `read`: one read ahead, used when it is that entry's file as indexed now. False when
+        none does or none of those loads (a file refused is removed by the store: a miss,
+        never wrong caches)."""
         assert self.disk is not None
         if len(tokens) < 2:
             return False
         plans: list[tuple[int, DiskEntry]] = []
         for entry, common in self.disk.candidates(tokens):
-            plan = self._plan(entry, common, mtp, len(tokens), None)
+            plan = self._plan(entry, common, mtp, len(tokens), want)
             if plan is not None and plan[0] > have:
                 plans.append((plan[0], entry))
         for _, entry in sorted(plans, key=lambda p: -p[0]):
-            stored = self.disk.load(entry)
+            raw = read if read is not None and read.index == entry else self.disk.read(entry)
+            stored = self.disk.install(raw) if raw is not None else None
             if stored is not None and stored.key == entry.key and self._insert(stored):
                 return True
         return False

@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -196,6 +197,14 @@ class SuffixAutomaton:
 SHARED_SEQUENCES = 32  # finished sequences waiting to go to, or come from, other replicas
 
 
+@dataclass(frozen=True)
+class MemoryIndex:
+    """The memory's automaton with the start offset and key of each entry in its text."""
+    sam: SuffixAutomaton
+    starts: list[int]
+    keys: list[int]
+
+
 class SuffixMemory:
     """Earlier requests' prompts and outputs on this node, for drafting: bounded in tokens,
     least recently used out first. Text lives in this process's memory only, and in the memory
@@ -208,12 +217,16 @@ class SuffixMemory:
         self._outbox: deque[tuple[int, ...]] = deque(maxlen=SHARED_SEQUENCES)
         self._inbox: deque[tuple[int, ...]] = deque(maxlen=SHARED_SEQUENCES)
         self.received = 0  # sequences other replicas offered
+        self.shared = 0  # sequences handed out for the other replicas
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # LRU order
         self._starts: list[int] = []  # start offset of each entry in the automaton's text
         self._keys: list[int] = []
         self.sam = SuffixAutomaton()
         self.hits = 0  # requests that drafted from memory
+        self._from_replicas: set[int] = set()  # keys of entries another replica sent
+        self.drafted = 0  # tokens drafted from memory
+        self.drafted_received = 0  # of those, tokens drafted from entries another replica sent
 
     @property
     def enabled(self) -> bool:
@@ -229,6 +242,7 @@ class SuffixMemory:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._from_replicas.clear()
             self._rebuild()
 
     def take_finished(self) -> list[list[int]]:
@@ -236,6 +250,7 @@ class SuffixMemory:
         with self._lock:
             out = [list(e) for e in self._outbox]
             self._outbox.clear()
+            self.shared += len(out)
         return out
 
     def offer(self, sequences: list[list[int]]) -> None:
@@ -248,8 +263,14 @@ class SuffixMemory:
             self.received += len(got)
 
     def stats(self) -> JSONObject:
-        return {"sequences": len(self._entries), "tokens": self.tokens,
-                "received": self.received}
+        """What it holds, what other replicas sent it and what it handed out for them, and the
+        tokens drafted from it (all of it, and from what other replicas sent)."""
+        with self._lock:
+            return {"sequences": len(self._entries), "tokens": self.tokens,
+                    "received": self.received, "shared": self.shared,
+                    "to_share": len(self._outbox),
+                    "drafted_tokens": self.drafted,
+                    "drafted_received_tokens": self.drafted_received}
 
     def absorb(self) -> int:
         """Take in what other replicas offered (on the thread that adds); how many."""
@@ -257,12 +278,13 @@ class SuffixMemory:
             got = list(self._inbox)
             self._inbox.clear()
         for entry in got:
-            self.add(list(entry), shared=False)
+            self.add(list(entry), shared=False, received=True)
         return len(got)
 
-    def add(self, tokens: list[int], shared: bool = True) -> None:
+    def add(self, tokens: list[int], shared: bool = True, received: bool = False) -> None:
         """Remember one request's prompt + output (a repeat only moves to most recent);
-        ``shared``: also offer it to the model's other replicas."""
+        ``shared``: also offer it to the model's other replicas; ``received``: another replica
+        sent it (drafts from it are counted apart)."""
         if not self.enabled or not tokens:
             return
         entry = tuple(tokens[-self.max_tokens:])
@@ -274,25 +296,43 @@ class SuffixMemory:
                 self._entries.move_to_end(key)
                 return
             self._entries[key] = entry
+            if received:
+                self._from_replicas.add(key)
             if self.tokens > self.max_tokens:
                 # Drop to 3/4 of the bound so that the rebuild is amortised over many adds.
                 target = self.max_tokens * 3 // 4
                 total = self.tokens
                 while self._entries and total > target:
-                    _, old = self._entries.popitem(last=False)
+                    old_key, old = self._entries.popitem(last=False)
+                    self._from_replicas.discard(old_key)
                     total -= len(old)
                 if key not in self._entries:  # one entry larger than the target: keep it
                     self._entries[key] = entry
+                    if received:
+                        self._from_replicas.add(key)
                 self._rebuild()
             else:
                 self._append(key, entry)
 
-    def touch(self, position: int) -> None:
-        """The entry holding automaton position `position` drafted something: most recent."""
+    def index(self) -> MemoryIndex:
+        """The automaton as it is now with the start and key of each entry in it: a drafter
+        keeps this view for its request (a later rebuild makes a new automaton and new lists;
+        an append extends all three alike), so a position it drafts from names its entry."""
         with self._lock:
-            i = bisect_right(self._starts, position) - 1
-            if 0 <= i < len(self._keys) and self._keys[i] in self._entries:
-                self._entries.move_to_end(self._keys[i])
+            return MemoryIndex(self.sam, self._starts, self._keys)
+
+    def drew(self, view: MemoryIndex, position: int, tokens: int) -> None:
+        """A draft of `tokens` tokens came from automaton position `position` of `view`: its
+        entry becomes most recent, and the tokens are counted (apart where another replica
+        sent the entry)."""
+        with self._lock:
+            self.drafted += tokens
+            i = bisect_right(view.starts, position) - 1
+            key = view.keys[i] if 0 <= i < len(view.keys) else None
+            if key is not None and key in self._entries:
+                self._entries.move_to_end(key)
+                if key in self._from_replicas:
+                    self.drafted_received += tokens
 
     def _append(self, key: int, entry: tuple[int, ...]) -> None:
         sam = self.sam
@@ -328,6 +368,7 @@ class SuffixDrafter(InnerDrafter):
         self.memory = memory if memory is not None and memory.enabled else None
         self.long_enough = long_enough  # an own match this long is not compared with memory
         self.sam = SuffixAutomaton()
+        self._mem_index: MemoryIndex | None = None  # the memory as this request walks it
         self._mem_sam: SuffixAutomaton | None = None
         self._mem_state = 0
         self._mem_len = 0
@@ -348,7 +389,8 @@ class SuffixDrafter(InnerDrafter):
         self._ends = {}
         self.cursor = None
         self._following = False
-        self._mem_sam = self.memory.sam if self.memory is not None else None
+        self._mem_index = self.memory.index() if self.memory is not None else None
+        self._mem_sam = self._mem_index.sam if self._mem_index is not None else None
         self._mem_state = self._mem_len = 0
         self._feed(prompt)
         self._prompt_len = len(prompt)
@@ -437,14 +479,16 @@ class SuffixDrafter(InnerDrafter):
             return sam.walk(sam.match, min(k, max(n, self._min_cap))), None
         if kind == "memory":
             # (a match in memory: there is one)
-            assert self._mem_sam is not None and self.memory is not None
+            assert self._mem_sam is not None and self.memory is not None \
+                and self._mem_index is not None
             draft = self._mem_sam.walk(self._mem_state, min(k, n))
             if draft:
                 self.from_memory += len(draft)
                 if not self._used_memory:
                     self._used_memory = True
                     self.memory.hits += 1
-                self.memory.touch(self._mem_sam.pos[self._mem_state])
+                self.memory.drew(self._mem_index, self._mem_sam.pos[self._mem_state],
+                                 len(draft))
             return draft, None
         return [], None
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import mlx.nn as nn
 
 from skulkp2p.engine.cache import caches
-from skulkp2p.engine.cache.prefix_cache import PrefixCache
+from skulkp2p.engine.cache.prefix_cache import PrefixCache, RawEntry
 from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.grammar import Grammar, compile_format, tokenizer_bridge
 from skulkp2p.engine.decode.loop import DecodeStats, decode
@@ -448,8 +448,9 @@ class _PrefixUse:
     prompt when they cannot trim back to it later, and at the end of the request."""
 
     def __init__(self, cache: PrefixCache, forward: Forward, mtp: MtpDrafter | None,
-                 caches_trim: bool, persist: bool = True):
+                 caches_trim: bool, persist: bool = True, read: RawEntry | None = None):
         self.cache = cache
+        self.read = read  # the entry on disk read ahead, off the model's lock (or None)
         self.persist = persist  # its entries may go to disk (the request did not say no)
         self.forward = forward
         # Whether every stage's caches trim (on a ring, other stages may hold recurrent state
@@ -459,7 +460,8 @@ class _PrefixUse:
         self.held = 0  # prompt tokens restored
 
     def restore(self, prompt: list[int]) -> int:
-        hit = self.cache.fetch(prompt, mtp=self.mtp is not None)
+        hit = self.cache.fetch(prompt, mtp=self.mtp is not None, read=self.read)
+        self.read = None  # (its host buffers: not kept past the restore)
         if hit is None:
             self.held = 0
             return 0
@@ -481,20 +483,22 @@ class _PrefixUse:
         if mtp is not None:
             mtp.catch_up()  # the rows it skipped while switched off, in one call
         # A tensor group's ranks keep their slices now (none elsewhere: 0).
-        elsewhere = self.forward.keep_in_group(key)
+        elsewhere = self.forward.keep_in_group(key, self.persist)
         if elsewhere is None:
             return  # some rank could not keep its slice: no entry (a hit would miss there)
         self.cache.store(key, self.forward.cache, None if mtp is None else mtp.cache,
                          None if mtp is None else mtp.last_hidden_row, trim=self.trim,
                          elsewhere_bytes=elsewhere, persist=self.persist)
-        self.forward.share_store(key)  # a ring: the other stages keep theirs too
+        # a ring: the other stages keep theirs too
+        self.forward.share_store(key, self.persist)
 
 
 def stream(loaded: LoadedModel, req: GenerationRequest,
            interrupt: Callable[[], None] | None = None,
            prefix_cache: PrefixCache | None = None, prompt: list[int] | None = None,
            memory: SuffixMemory | None = None,
-           make_forward: Callable[[str | None, Callable[[], None] | None], Forward] | None = None
+           make_forward: Callable[[str | None, Callable[[], None] | None], Forward] | None = None,
+           prefix_read: RawEntry | None = None
            ) -> Generator[Chunk, None, GenerationResult]:
     """Yield chunks as tokens are decoded; return the GenerationResult (finish reason, usage,
     timing, speculation stats) when done.
@@ -504,7 +508,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     `prefix_cache`: the model's prefix cache (None: off), used by one request at a time.
     `prompt`: the prompt's token ids, when the caller has them (default: from the request).
     `make_forward(hidden, interrupt)`: the forward to decode on (a row of a batch,
-    engine/batching/scheduler.py); default a LocalForward of its own, or the ring's."""
+    engine/batching/scheduler.py); default a LocalForward of its own, or the ring's.
+    `prefix_read`: the prefix cache's entry on disk for this prompt, read ahead off the model's
+    lock (`PrefixCache.read_ahead`): the restore only installs it."""
     t0 = time.perf_counter()
     prompt = list(prompt) if prompt is not None else prompt_tokens(loaded, req)
     if len(prompt) >= loaded.context_length:
@@ -530,7 +536,7 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
     calls: ToolCallStream | None = tool_stream(loaded, req)  # None without tools
     prefix = None if prefix_cache is None else _PrefixUse(prefix_cache, forward,
                                                              _mtp_in(drafter), loaded.caches_trim,
-                                                             req.disk_cache)
+                                                             req.disk_cache, prefix_read)
     cached = prefix.restore(prompt) if prefix is not None else 0
     if cached:
         log.debug("prefix cache: %d of %d prompt tokens restored", cached, len(prompt))

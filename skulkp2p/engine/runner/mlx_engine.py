@@ -4,14 +4,19 @@ of a pipeline ring) that generates with the one speculative decode loop."""
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Generator
 from pathlib import Path
 
 from skulkp2p.engine.batching.scheduler import BatchScheduler, batchable
-from skulkp2p.engine.cache.disk_store import PrefixDiskStore, StoreInUse, weights_fingerprint
-from skulkp2p.engine.cache.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache
+from skulkp2p.engine.cache.disk_store import (
+    PrefixDiskStore,
+    StoreInUse,
+    cache_identity,
+    store_folder,
+    weights_fingerprint,
+)
+from skulkp2p.engine.cache.prefix_cache import DEFAULT_PREFIX_CACHE_MB, MB, PrefixCache, RawEntry
 from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
 from skulkp2p.engine.drafting.suffix import SuffixMemory
 from skulkp2p.engine.model.forward import Forward
@@ -60,7 +65,7 @@ class MlxEngine:
         a tensor-parallel group and a model with recurrent or sliding-window layers serve one
         request at a time whatever it says (engine/batching/scheduler.py: batchable).
         `prefix_disk`: where the prefix cache's entries are also kept on disk (None: memory
-        only; a ring stage's or a tensor group's entries are always in memory only)."""
+        only)."""
         if max_batch is None:
             max_batch = int(loaded.runtime.get("max_batch", DEFAULT_MAX_BATCH))
         if max_batch < 1:
@@ -88,7 +93,7 @@ class MlxEngine:
         self.loaded = loaded
         self.id = loaded.id
         self.context_length = loaded.context_length
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB), _disk_store(
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * MB), prefix_disk_store(
             loaded, prefix_disk)) if prefix_cache_mb > 0 else None
         if memory_tokens is None:
             memory_tokens = int(loaded.speculation.get("lookup", {}).get(
@@ -153,15 +158,20 @@ class MlxEngine:
         return Generation(lambda interrupt: self._in_batch(req, interrupt))
 
     def _remembered(self, req: GenerationRequest, interrupt: Callable[[], None],
-                    make_forward: MakeForward | None = None
+                    make_forward: MakeForward | None = None, prompt: list[int] | None = None,
+                    prefix_read: RawEntry | None = None
                     ) -> Generator[Chunk, None, GenerationResult]:
-        """The stream, and its prompt and output into the draft memory when it ends."""
+        """The stream, and its prompt and output into the draft memory when it ends.
+        `prompt`: its tokens when the caller has them; `prefix_read`: the prefix cache's entry
+        on disk for them, read ahead off the model's lock."""
         memory = self.memory if self.memory.enabled else None
         if memory is not None:
             memory.absorb()  # what the model's other replicas finished meanwhile
-        prompt = self._prompt(req)  # once: the stream and the memory share it
+        if prompt is None:
+            prompt = self._prompt(req)  # once: the stream and the memory share it
         result = yield from stream(self.loaded, req, interrupt, self.prefix_cache, prompt,
-                                   memory=memory, make_forward=make_forward)
+                                   memory=memory, make_forward=make_forward,
+                                   prefix_read=prefix_read)
         if memory is not None:
             memory.add(prompt + list(result.tokens))
         return result
@@ -173,6 +183,10 @@ class MlxEngine:
         sched = self.scheduler
         assert sched is not None
         lock = sched.cond
+        prompt = self._prompt(req)
+        # The prompt's entry on disk is read, checked and parsed now, before this row joins
+        # the batch: the other rows decode meanwhile, and under the lock it is only installed.
+        read = self.prefix_cache.read_ahead(prompt) if self.prefix_cache is not None else None
         sched.arrive()  # (before the lock: a lone row sees it at its next step)
         make: MakeForward = sched.forward
         if self.ring:  # each row over its own RingForward (its prefill, its frames' ids)
@@ -182,7 +196,7 @@ class MlxEngine:
             def ring_row(hidden: str | None, interrupt: Callable[[], None] | None) -> Forward:
                 return sched.forward(hidden, interrupt, ring_forward(req, hidden, interrupt))
             make = ring_row
-        steps = self._remembered(req, interrupt, make)
+        steps = self._remembered(req, interrupt, make, prompt, read)
         try:
             with lock:
                 sched.wait_settled()  # a lone row running ahead stops first
@@ -205,17 +219,20 @@ class MlxEngine:
             self.prefix_cache.close()
 
 
-def _disk_store(loaded: LoadedModel, settings: PrefixDiskSettings | None
-                ) -> PrefixDiskStore | None:
-    """The model's entries on disk: a folder per model id and fingerprint of its weights (and
-    of what computes its caches), or None (off, a ring stage or tensor group, or in use by
+def prefix_disk_store(loaded: LoadedModel, settings: PrefixDiskSettings | None
+                      ) -> PrefixDiskStore | None:
+    """The entries on disk of a model, of a ring stage's layers, or of the index a tensor
+    group's loop member keeps (the ranks keep their slices on their own disks: rank.py): a
+    folder per model id and part (a stage's layer range, "tensor-index") and fingerprint of its
+    weights and of what computes its caches (the part included), or None (off, or in use by
     another process)."""
-    if settings is None or settings.max_bytes <= 0 or loaded.make_forward is not None:
+    if settings is None or settings.max_bytes <= 0:
         return None
-    fingerprint = weights_fingerprint(loaded.path, [
-        loaded.id, loaded.dtype, f"mlx {_version('mlx')}", f"mlx-lm {_version('mlx-lm')}"])
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", loaded.id)[:80] or "_"
-    folder = Path(settings.directory) / f"{name}-{fingerprint[:16]}"
+    span = loaded.span
+    part = f"layers{span.start}-{span.end}of{span.total}" if span is not None else (
+        "tensor-index" if loaded.make_forward is not None else "")
+    fingerprint = weights_fingerprint(loaded.path, cache_identity(loaded.id, loaded.dtype, part))
+    folder = store_folder(Path(settings.directory), loaded.id, fingerprint, part)
     try:
         return PrefixDiskStore(folder, settings.max_bytes, fingerprint)
     except StoreInUse as e:
@@ -224,13 +241,3 @@ def _disk_store(loaded: LoadedModel, settings: PrefixDiskSettings | None
         log.warning("prefix cache: cannot use %s (%s); entries in memory only", folder,
                     e.strerror or e)
     return None
-
-
-def _version(dist: str) -> str:
-    """A library's installed version (what computed the caches), or "unknown"."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "unknown"

@@ -72,6 +72,7 @@ class RowRing(Protocol):
     stage: StageModel
     _pending: tuple[int, int] | None
     _store: list[WireValue] | None
+    _store_disk: bool
     _keep: list[WireValue] | None
     traversals: int
     wait_s: float
@@ -111,7 +112,9 @@ class RingRows:
         rows: list[WireValue] = [
             {"request": r.request, "instance": r.instance, "step": r.step,
              "w": len(t), "rollback": list(r._pending) if r._pending else None,
-             "store": r._store, "keep": r._keep} for r, t in zip(rings, tokens, strict=True)]
+             "store": r._store, "keep": r._keep,
+             **({"store_disk": False} if r._store is not None and not r._store_disk else {})}
+            for r, t in zip(rings, tokens, strict=True)]
         payload: WireValue = [[int(v) for v in t] for t in tokens]
         if trees is not None and any(p is not None for p in trees):
             payload = tree_payload(payload, [None if p is None else [int(v) for v in p]
@@ -135,6 +138,7 @@ class RingRows:
         for r, t in zip(rings, tokens, strict=True):
             r.step += 1
             r._pending = r._store = r._keep = None
+            r._store_disk = True
             r.traversals += 1
             r.wait_s += wait
             r.stages_compute_s += others
@@ -222,7 +226,7 @@ class StageRows:
         self.rows.set(lengths)
         for i, r in enumerate(rows):
             if r.get("store"):
-                self._store(i, r["store"])
+                self._store(i, r["store"], r.get("store_disk") is not False)
         tree = None if shapes is None else tree_inputs(lengths, shapes, max(widths))
         out = self.worker.stage.run_batch(x, self.layers, tree=tree)
         mx.eval(out, [a for c in self.layers for a in c.state if a is not None])
@@ -350,12 +354,12 @@ class StageRows:
                              f"width {width}")
         return rows
 
-    def _store(self, i: int, key: object) -> None:
+    def _store(self, i: int, key: object, disk: bool = True) -> None:
         cache = self.worker.prefix_cache
         if cache is not None and isinstance(key, list) and all(
                 layer.keys is not None for layer in self.layers):
             n = self.rows.lengths[i]
-            cache.store(key, [layer.extract(i, n) for layer in self.layers])
+            cache.store(key, [layer.extract(i, n) for layer in self.layers], persist=disk)
 
     def end(self, msg: Frame) -> None:
         """The request's sender closed it: free its row (keeping it first when asked)."""
@@ -379,7 +383,7 @@ class StageRows:
             if msg.get("rollback"):
                 lengths[i] -= int(msg["rollback"][1])
             self.rows.set(lengths)
-            self._store(i, msg["store"])
+            self._store(i, msg["store"], msg.get("store_disk") is not False)
         kept = [j for j in range(len(self.requests)) if j != i]
         for layer in self.layers:
             layer.keep_rows(kept)

@@ -111,7 +111,7 @@ class StageWorker:
                         session.keep_path(int_list(msg["keep"], "keep"))
                     if msg.get("rollback"):
                         session.rollback(*(int(v) for v in msg["rollback"]))
-                    self._store(session, msg["store"])
+                    self._store(session, msg["store"], msg.get("store_disk") is not False)
                 del self.sessions[request]
             return {**msg, "at": self.stage.span.end}
         if step == 0 and known is None:
@@ -143,7 +143,7 @@ class StageWorker:
             keep, dropped = msg["rollback"]
             session.rollback(int(keep), int(dropped))
         if msg.get("store"):
-            self._store(session, msg["store"])
+            self._store(session, msg["store"], msg.get("store_disk") is not False)
         x: list[int] | mx.array
         if self.stage.span.first:
             if not isinstance(raw, list) or not raw:
@@ -161,7 +161,7 @@ class StageWorker:
         return {**header(self.term, instance, request, step, op), "x": packed,
                 "at": self.stage.span.end,
                 "rollback": msg.get("rollback"), "store": msg.get("store"),
-                "keep": msg.get("keep"),
+                "store_disk": msg.get("store_disk"), "keep": msg.get("keep"),
                 "cs": [*seconds_list(msg.get("cs")), round(time.perf_counter() - t0, 6)]}
 
     def _restore(self, session: StageCache, length: int, key: list[int]) -> bool:
@@ -177,9 +177,9 @@ class StageWorker:
         session.adopt(hit.caches)
         return True
 
-    def _store(self, session: StageCache, key: object) -> None:
+    def _store(self, session: StageCache, key: object, disk: bool = True) -> None:
         if self.prefix_cache is not None and isinstance(key, list):
-            self.prefix_cache.store(key, session.cache)
+            self.prefix_cache.store(key, session.cache, persist=disk)
 
 
 class RingForward:
@@ -209,6 +209,7 @@ class RingForward:
         from skulkp2p.engine.model.tree import tree_capable
         self.trees = tree_capable(stage.model)
         self._store: list[WireValue] | None = None
+        self._store_disk = True  # the stages keep that entry on their disk too
         self.link_rows = 0  # hidden rows that crossed into this stage (for reports)
         # Where the time went (for reports): waiting on the traversal, of which the other
         # stages' own compute (they report it in the frame), and this stage's compute.
@@ -227,7 +228,7 @@ class RingForward:
         msg: Frame = {**header(self.term, self.instance, self.request, self.step, op), "x": tokens,
                "at": 0,
                "rollback": list(self._pending) if self._pending else None,
-               "store": self._store, "keep": self._keep, **extra}
+               "store": self._store, "keep": self._keep, **self._store_flags(), **extra}
         t0 = time.perf_counter()
         out = self.link.traverse(msg)
         self.wait_s += time.perf_counter() - t0
@@ -237,6 +238,7 @@ class RingForward:
         self.step += 1
         self._pending = None
         self._store = None
+        self._store_disk = True
         self._keep = None
         return out
 
@@ -263,10 +265,16 @@ class RingForward:
         self.local.adopt(cache)
         return length
 
-    def share_store(self, key: list[int]) -> None:
+    def share_store(self, key: list[int], disk: bool = True) -> None:
         """Have the other stages keep their caches under `key` too (with the next frame, or the
-        end of the request), before they run anything more."""
+        end of the request), before they run anything more; `disk`: on their disk too."""
         self._store = [int(t) for t in key]
+        self._store_disk = disk
+
+    def _store_flags(self) -> Frame:
+        """What a frame carrying `store` says besides the key ("store_disk": false when the
+        request keeps its entries off the disk; absent otherwise)."""
+        return {"store_disk": False} if self._store is not None and not self._store_disk else {}
 
     def prefill(self, tokens: list[int]) -> None:
         import mlx.core as mx
@@ -360,7 +368,7 @@ class RingForward:
     def end_run_ahead(self) -> None:
         return None
 
-    def keep_in_group(self, key: list[int]) -> int:
+    def keep_in_group(self, key: list[int], disk: bool = True) -> int:
         return 0
 
     def close(self) -> None:
@@ -368,7 +376,8 @@ class RingForward:
         msg: Frame = {**header(self.term, self.instance, self.request, self.step, "end"), "at": 0}
         if self._store is not None:  # the stages undo the last rejected drafts, then keep
             msg.update(store=self._store, keep=self._keep,
-                       rollback=list(self._pending) if self._pending else None)
+                       rollback=list(self._pending) if self._pending else None,
+                       **self._store_flags())
         try:
             self.link.send(msg)
         except Exception as e:  # the ring may be gone already; the stages time sessions out

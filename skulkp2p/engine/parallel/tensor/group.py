@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from skulkp2p.engine.cache.caches import CacheEntry
     from skulkp2p.engine.drafting.call_costs import LiveWidthCosts
+    from skulkp2p.engine.protocol import PrefixDiskSettings
 
 log = logging.getLogger("skulkp2p.tensor")
 
@@ -108,10 +109,12 @@ class RankProcess:
 
     def __init__(self, model_path: Path | str, rank: int, addrs: list[str], dtype: str,
                  label: str = "", prefix_cache_mb: float = 0.0,
-                 command_addrs: list[str] | None = None, cpus: frozenset[int] | None = None):
+                 command_addrs: list[str] | None = None, cpus: frozenset[int] | None = None,
+                 prefix_disk: PrefixDiskSettings | None = None, model_id: str = ""):
         """`command_addrs`: where the command link listens and dials (tensor_link.CommandLink:
         a bench's delaying proxy); default ephemeral ports. `cpus`: the cores the process may
-        run on (default: this process's)."""
+        run on (default: this process's). `prefix_disk`: where the rank keeps its slices of the
+        prefix cache's entries on disk too (under `model_id`'s folders; None: memory only)."""
         from skulkp2p.engine.parallel.tensor.rank import write_hostfile
 
         self.rank = rank
@@ -125,6 +128,11 @@ class RankProcess:
         cmd = [sys.executable, "-m", "skulkp2p.engine.parallel.tensor.rank", "--model", str(model_path),
                "--rank", str(rank), "--size", str(self.size), "--hostfile", str(hostfile),
                "--dtype", dtype, "--prefix-cache-mb", str(max(0.0, prefix_cache_mb))]
+        if prefix_disk is not None and prefix_disk.max_bytes > 0:
+            cmd += ["--prefix-cache-disk-dir", str(prefix_disk.directory),
+                    "--prefix-cache-disk-bytes", str(int(prefix_disk.max_bytes))]
+        if model_id:
+            cmd += ["--model-id", model_id]
         self._logits_map: mmap.mmap | None = None
         self.shared_reads = 0  # calls whose logits came through the shared memory
         shared: tuple[int, ...] = ()
@@ -405,11 +413,13 @@ class TensorForward:
             return 0
         return held
 
-    def keep_in_group(self, key: list[int]) -> int | None:
-        """Have every rank keep its caches (after the pending rollback) under `key`, now; the
-        bytes of the largest rank's slice, or None when some rank did not keep it."""
+    def keep_in_group(self, key: list[int], disk: bool = True) -> int | None:
+        """Have every rank keep its caches (after the pending rollback) under `key`, now (on
+        its disk too unless `disk` is False); the bytes of the largest rank's slice, or None
+        when some rank did not keep it."""
         out, _ = self._call({"op": "store", "key": [int(t) for t in key],
-                             "rollback": list(self._pending) if self._pending else None})
+                             "rollback": list(self._pending) if self._pending else None,
+                             **({} if disk else {"disk": False})})
         self._pending = None
         return wire.as_int(out.get("bytes") or 0) if out.get("ok") else None
 
@@ -464,7 +474,7 @@ class TensorForward:
     def end_run_ahead(self) -> None:
         return None
 
-    def share_store(self, key: list[int]) -> None:
+    def share_store(self, key: list[int], disk: bool = True) -> None:
         return None
 
     def close(self) -> None:

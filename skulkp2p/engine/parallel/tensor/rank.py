@@ -30,7 +30,9 @@ rank's slice with no collective, after a 64-row prefill: a rank's own compute, f
 split of the time; every rank runs it at once, as in a call); {"op": "stop"}.
 
 The prefix cache (`--prefix-cache-mb`): every rank keeps its own slice of every entry in its own
-`PrefixCache`, under the keys the loop's member names (it keeps the index and decides hits).
+`PrefixCache`, under the keys the loop's member names (it keeps the index and decides hits),
+and on disk too with `--prefix-cache-disk-dir` (a folder per model, rank and group size: a group
+formed again of as many ranks finds its slices; a store with STORE_MEMORY_ONLY writes none).
 "restore" has every rank fetch the entry for `key` at exactly `length` positions; one all-sum
 of the ranks' misses tells all of them whether anyone missed, and then every rank starts from
 empty caches (the prompt is prefilled whole: never a wrong answer). "store" applies the
@@ -40,6 +42,7 @@ pending rollback and keeps the caches under `key` on every rank.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -57,6 +60,7 @@ if TYPE_CHECKING:  # mlx loads in main, after the CPU switch
     import mlx.nn as nn
 
     from skulkp2p.engine.cache.caches import CacheEntry
+    from skulkp2p.engine.cache.disk_store import PrefixDiskStore
     from skulkp2p.engine.cache.prefix_cache import PrefixCache
     from skulkp2p.engine.parallel.tensor.shard import HeadSlice
 
@@ -66,6 +70,7 @@ COMPUTE_PREFILL = 64
 # A command's header (CommandLink): op, width (restore/store: the key's length), rollback
 # dropped (a probe: its count; a restore: the positions to restore), flags (a run's)
 RUN_RESET, RUN_LOGITS = 1, 2
+STORE_MEMORY_ONLY = 1  # a store's flag: the request keeps its entries off the disk
 
 
 def write_frame(out: BinaryIO, msg: wire.Message) -> None:
@@ -125,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostfile", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0)
+    ap.add_argument("--prefix-cache-disk-dir", default="",
+                    help="where this rank keeps its slices of the prefix cache's entries on "
+                         "disk too (a folder per model, rank and group size); default: memory "
+                         "only")
+    ap.add_argument("--prefix-cache-disk-bytes", type=int, default=0)
+    ap.add_argument("--model-id", default="", help="the model's id (its folder's name on disk)")
     ap.add_argument("--logits-fd", type=int, default=-1,
                     help="rank 0: an inherited descriptor of shared memory where each call's "
                          "logits are left for the process that runs the decode loop, instead "
@@ -189,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                       "active_bytes": mx.get_active_memory(), "pid": os.getpid()})
     shared = _map_logits(args.logits_fd) if args.rank == 0 else None
     cache = make_prompt_cache(model)
-    prefix = PrefixCache(int(args.prefix_cache_mb * MB)) if args.prefix_cache_mb > 0 else None
+    prefix = PrefixCache(int(args.prefix_cache_mb * MB), _disk_store(args)) \
+        if args.prefix_cache_mb > 0 else None
+    if prefix is not None:
+        atexit.register(prefix.close)  # a rank told to stop writes what it queued (SIGKILL: not)
     decoder = wire.FrameDecoder(wire.frame_key(None), wire.DATA_MAX_FRAME)
     inp = sys.stdin.buffer
     times = RankTimes()
@@ -213,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             elif msg.get("op") == "store":
                 key_in = [int(t) for t in msg["key"]]
                 rb = msg.get("rollback") or [0, 0]
-                header = [OP_STORE, len(key_in), int(rb[1]), 0]
+                header = [OP_STORE, len(key_in), int(rb[1]),
+                          STORE_MEMORY_ONLY if msg.get("disk") is False else 0]
             else:
                 rb = msg.get("rollback") or [0, 0]
                 x_in = wire.unpack_array(msg["x"], as_mlx=True).astype(dtype)
@@ -262,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 if dropped:
                     trim(cache, dropped)
-                ok, nbytes = _store(prefix, cache, key, args.rank, args.size, group)
+                ok, nbytes = _store(prefix, cache, key, args.rank, args.size, group,
+                                    persist=not flags & STORE_MEMORY_ONLY)
                 if args.rank == 0:
                     write_frame(out, {"op": "stored", "ok": ok, "bytes": nbytes})
             continue
@@ -422,13 +438,39 @@ def _restore(prefix: PrefixCache | None, model: nn.Module, key: list[int], lengt
     return hit.caches, length
 
 
+def _disk_store(args: argparse.Namespace) -> PrefixDiskStore | None:
+    """This rank's slices of the prefix cache's entries on disk: a folder per model, rank and
+    group size, tied to a fingerprint of the weights and of this shard (None: off, or the
+    folder is in use)."""
+    from skulkp2p.engine.cache.disk_store import (
+        PrefixDiskStore,
+        StoreInUse,
+        cache_identity,
+        store_folder,
+        weights_fingerprint,
+    )
+
+    if not args.prefix_cache_disk_dir or args.prefix_cache_disk_bytes <= 0:
+        return None
+    model_id = args.model_id or Path(args.model).name
+    part = f"tp{args.rank}of{args.size}"
+    fingerprint = weights_fingerprint(Path(args.model),
+                                      cache_identity(model_id, args.dtype, part))
+    folder = store_folder(Path(args.prefix_cache_disk_dir), model_id, fingerprint, part)
+    try:
+        return PrefixDiskStore(folder, args.prefix_cache_disk_bytes, fingerprint)
+    except (StoreInUse, OSError) as e:
+        print(f"tensor_rank: prefix cache entries in memory only ({e})", file=sys.stderr)
+        return None
+
+
 def _store(prefix: PrefixCache | None, cache: list[CacheEntry], key: list[int], rank: int,
-           size: int, group: mx.distributed.Group) -> tuple[bool, int]:
+           size: int, group: mx.distributed.Group, persist: bool = True) -> tuple[bool, int]:
     """Keep this rank's caches under `key`; (whether every rank kept its slice, the bytes of
     the largest rank's entry: what the loop member's index counts against its bound)."""
     import mlx.core as mx
 
-    kept = prefix is not None and prefix.store(key, cache)
+    kept = prefix is not None and prefix.store(key, cache, persist=persist)
     nbytes = (prefix.entry_bytes(key) or 0) if prefix is not None and kept else 0
     row = mx.zeros((2, size), dtype=mx.int64)
     row[0, rank] = int(kept)
