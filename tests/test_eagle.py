@@ -20,22 +20,14 @@ from skulkp2p.engine.model.mtp_conventions import detect_conventions, has_mtp_te
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.models.cards import PACKAGE_CARDS_DIR
 from skulkp2p.training import head_fit
-from tests.helpers.eagle import make_eagle_sidecar
+from tests.helpers.eagle import TEXT, make_eagle_sidecar
+from tests.helpers.eagle import decode_after_text as _decode
 from tests.helpers.sampled import ForwardMemo
 from tests.helpers.stats import goodness_of_fit, two_sample
 
 ALPHA = 1e-3
 SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exactness.py does)
-TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
 SHIPPED = PACKAGE_CARDS_DIR / "sidecars" / "smollm2-135m" / "mtp.safetensors"
-
-
-def _decode(lm, head=None, depth=0, stats=None) -> list[int]:
-    """Greedy tokens after TEXT, with the head drafting at `depth` (plain without a head)."""
-    fwd = LocalForward(lm.model, hidden=head.conventions.hidden if head else None)
-    drafter = MtpDrafter(head) if head else None
-    return list(decode(fwd, lm.tokenizer.encode(TEXT), SamplingParams(), 24, make_rng(0),
-                       drafter, depth, stats))
 
 
 @pytest.fixture(scope="module")

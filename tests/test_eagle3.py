@@ -24,17 +24,8 @@ from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.mtp_conventions import detect_conventions, fused_layers
 from skulkp2p.engine.model.trunk import Trunk, hidden_layers
 from skulkp2p.training import head_fit
-from tests.helpers.eagle import make_eagle_sidecar
-
-TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
-
-
-def _decode(lm, head=None, depth=0, stats=None) -> list[int]:
-    """Greedy tokens after TEXT, with the head drafting at `depth` (plain without a head)."""
-    fwd = LocalForward(lm.model, hidden=head.conventions.hidden if head else None)
-    drafter = MtpDrafter(head) if head else None
-    return list(decode(fwd, lm.tokenizer.encode(TEXT), SamplingParams(), 24, make_rng(0),
-                       drafter, depth, stats))
+from tests.helpers.eagle import TEXT, make_eagle_sidecar
+from tests.helpers.eagle import decode_after_text as _decode
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from urllib.parse import parse_qs
 
@@ -26,7 +26,7 @@ from skulkp2p.api.auth import NODE_AUTH_HEADER, OPEN, READ, NodeAuth
 from skulkp2p.api.errors import ApiError
 from skulkp2p.api.server import HttpRequest, Response, Router
 from skulkp2p.engine.json_types import JSONObject, JSONValue
-from skulkp2p.engine.protocol import VerifyCosts
+from skulkp2p.engine.protocol import EngineInfo, VerifyCosts
 from skulkp2p.metrics import CONTENT_TYPE
 from skulkp2p.runtime.worker import ModelWorker
 from skulkp2p.telemetry import Telemetry
@@ -60,29 +60,22 @@ def engine_verify_costs(workers: Mapping[str, ModelWorker]) -> dict[str, VerifyC
     """The measured verify-cost table of each ready model whose engine reports one on the seam
     (`EngineInfo.verify_costs`: today a tensor-parallel group's, on the member that runs its
     loop); the others are left out, as /v1/models leaves them out."""
-    out = {}
-    for model, worker in workers.items():
-        engine = worker.engine
-        if engine is None or worker.state != "ready":
-            continue
-        costs = engine.info().verify_costs
-        if costs is not None:
-            out[model] = costs
-    return out
+    return {model: info.verify_costs for model, info in _ready_infos(workers)
+            if info.verify_costs is not None}
 
 
 def engine_draft_memory(workers: Mapping[str, ModelWorker]) -> dict[str, JSONObject]:
     """The draft memory's stats of each ready model whose engine has one on the seam
     (`EngineInfo.draft_memory`: the MLX engine's, unless turned off)."""
-    out = {}
+    return {model: info.draft_memory.stats() for model, info in _ready_infos(workers)
+            if info.draft_memory is not None}
+
+
+def _ready_infos(workers: Mapping[str, ModelWorker]) -> Iterator[tuple[str, EngineInfo]]:
+    """(model, its engine's info) for each ready model."""
     for model, worker in workers.items():
-        engine = worker.engine
-        if engine is None or worker.state != "ready":
-            continue
-        memory = engine.info().draft_memory
-        if memory is not None:
-            out[model] = memory.stats()
-    return out
+        if worker.engine is not None and worker.state == "ready":
+            yield model, worker.engine.info()
 
 
 def add_routes(router: Router, telemetry: Telemetry, cluster_status: ClusterStatus,

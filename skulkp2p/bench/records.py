@@ -296,14 +296,21 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
              "| ahead | ours exact |" + (" gain kept |" if kept else ""),
              "|---|---:|---:|---|---|---|" + ("---:|" if kept else "")]
     for r in rows:
-        best = "—" if r["llama_best_ngram"] is None else \
-            f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
-        ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
+        best, ahead = _llama_cells(r)
         lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
                      f"{fmt(r['plain_x_mlx_lm'], '.2f')} | {best} | {ahead} | "
                      f"{'yes' if r['exact'] else 'NO'} |"
                      + (f" {fmt(r.get('gain_kept'), '.0%')} |" if kept else ""))
     return "\n".join(lines) + "\n"
+
+
+def _llama_cells(r: dict[str, Any]) -> tuple[str, str]:
+    """A summary row's llama-server cells: its best n-gram arm against its plain, and whether
+    we are ahead of it ("—" where llama-server did not run)."""
+    best = "—" if r["llama_best_ngram"] is None else \
+        f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
+    ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
+    return best, ahead
 
 
 def _structured_table(rows: list[dict[str, Any]]) -> str:
@@ -312,9 +319,7 @@ def _structured_table(rows: list[dict[str, Any]]) -> str:
              "plain | ahead | ours all valid | llama valid (worst arm) | free_plain valid "
              "| ours exact |", "|---|---:|---:|---|---|---|---:|---:|---|"]
     for r in rows:
-        best = "—" if r["llama_best_ngram"] is None else \
-            f"{fmt(r['llama_best_x_plain'], '.2f')} ({r['llama_best_ngram'][6:]})"
-        ahead = "—" if r["ahead_of_llama"] is None else ("yes" if r["ahead_of_llama"] else "no")
+        best, ahead = _llama_cells(r)
         lines.append(f"| {r['workload']} | {fmt(r['spec_x_plain'], '.2f')} | "
                      f"{fmt(r.get('plain_x_free_plain'), '.2f')} | {best} | {ahead} | "
                      f"{'yes' if r['all_valid'] else 'NO'} | "

@@ -8,7 +8,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import SamplingParams, make_rng
+from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.trunk import Trunk
 from skulkp2p.training import head_init
 
@@ -34,3 +38,15 @@ def make_eagle_sidecar(base: Path, out: Path, vocab_ids: np.ndarray, seed: int =
         noisy[k] = (v.astype(mx.float32) + mx.array(noise)).astype(mx.bfloat16)
     mx.save_safetensors(str(out), noisy)
     return out
+
+
+TEXT = "The river was high after the rain. It carried branches, leaves and once a gate"
+
+
+def decode_after_text(lm: LoadedModel, head=None, depth: int = 0,
+                      stats: DecodeStats | None = None) -> list[int]:
+    """Greedy tokens after TEXT, with the head drafting at `depth` (plain without a head)."""
+    fwd = LocalForward(lm.model, hidden=head.conventions.hidden if head else None)
+    drafter = MtpDrafter(head) if head else None
+    return list(decode(fwd, lm.tokenizer.encode(TEXT), SamplingParams(), 24, make_rng(0),
+                       drafter, depth, stats))
