@@ -76,6 +76,7 @@ def test_not_toml(tmp_path):
     ("[speculation]\nmtp_context_bias = \"some\"\n", "speculation.mtp_context_bias"),
     ("[speculation]\nmtp_min_confidence = 1.0\n", "speculation.mtp_min_confidence"),
     ("[speculation]\nmtp_min_confidence = -0.1\n", "speculation.mtp_min_confidence"),
+    ("[speculation]\nmtp_depth_confidence = 1.0\n", "speculation.mtp_depth_confidence"),
     ("[speculation]\nwarp = 9\n", "speculation.warp"),
     ("[speculation]\nspeculative_multi_node = 1\n", "speculation.speculative_multi_node"),
     ("[speculation.lookup]\nmax_key = \"x\"\n", "speculation.lookup.max_key"),

@@ -280,6 +280,53 @@ def test_min_confidence_drafts_only_sure_guesses_and_stays_exact(eagle_llama):
             MtpDrafter(lm.mtp, min_confidence=bad)
 
 
+class _Depths(MtpDrafter):
+    """The drafter, keeping every round's asked depth, drafted depth, and the head's
+    probability of each draft past the first that it offered."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds: list[tuple[int, int, list[float]]] = []
+
+    def _drafts(self, k):
+        drafts, rows = super()._drafts(k)
+        deeper = [float(mx.softmax(r.astype(mx.float32))[t].item())
+                  for r, t in zip(rows[1:], drafts[1:], strict=True)]
+        self.rounds.append((k, len(drafts), deeper))
+        return drafts, rows
+
+
+def test_depth_confidence_goes_deeper_only_on_sure_guesses_and_stays_exact(eagle_llama):
+    """mtp_depth_confidence: past the first draft the head goes one deeper only while its own
+    probability of the deeper guess is at least the threshold; greedy output is plain
+    decoding's whatever the threshold, alone and with the first-draft threshold too."""
+    base, sidecar, _ = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    plain = _decode(lm)
+    prompt = lm.tokenizer.encode(TEXT)
+
+    def run(threshold: float, first: float = 0.0) -> _Depths:
+        fwd = LocalForward(lm.model, hidden="after")
+        drafter = _Depths(lm.mtp, depth_confidence=threshold, min_confidence=first)
+        out = list(decode(fwd, prompt, SamplingParams(), 24, make_rng(0), drafter, 3))
+        assert out == plain, (threshold, first)
+        return drafter
+
+    deep = run(0.0)
+    assert deep.cut == 0 and any(k == 3 for k, _, _ in deep.rounds)
+    assert all(n == k for k, n, _ in deep.rounds)
+    threshold = float(np.median([p for _, _, ps in deep.rounds for p in ps]))
+    sure = run(threshold)
+    assert sure.cut > 0 and any(n > 1 for _, n, _ in sure.rounds)  # both ways (not vacuous)
+    assert all(p >= threshold for _, _, ps in sure.rounds for p in ps)
+    assert sure.cut == sum(0 < n < k for k, n, _ in sure.rounds)
+    both = run(threshold, first=threshold)
+    assert both.unsure > 0
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="depth_confidence"):
+            MtpDrafter(lm.mtp, depth_confidence=bad)
+
+
 def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
     """In auto the head drafts with the card's mtp_min_confidence (default MTP_MIN_CONFIDENCE);
     an explicit mtp drafter drafts every round whatever the card says (the caller asked for
@@ -295,12 +342,19 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
         drafter, _, _ = _choose_drafter(lm, req, prompt)
         return _mtp_in(drafter).min_confidence
 
+    def depth_threshold(lm, speculation) -> float:
+        req = parse_request({"prompt": TEXT, "max_tokens": 4, "speculation": speculation})
+        drafter, _, _ = _choose_drafter(lm, req, prompt)
+        return _mtp_in(drafter).depth_confidence
+
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
     assert threshold(lm, "auto") == MTP_MIN_CONFIDENCE
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar,
-                    speculation={"mtp_min_confidence": 0.3})
+                    speculation={"mtp_min_confidence": 0.3, "mtp_depth_confidence": 0.4})
     assert threshold(lm, "auto") == 0.3
     assert threshold(lm, {"drafter": "mtp", "depth": 2}) == 0.0
+    assert depth_threshold(lm, "auto") == 0.4
+    assert depth_threshold(lm, {"drafter": "mtp", "depth": 2}) == 0.0
 
 
 @pytest.mark.slow

@@ -162,6 +162,7 @@ SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mtp_context_bias": (int, float),
     # the head drafts only where its guess has at least this probability (engine/drafting/mtp_drafter.py)
     "mtp_min_confidence": (int, float),
+    "mtp_depth_confidence": (int, float),
     "speculative_multi_node": bool,
     "draft_model": str,  # card id or path of a smaller model with the same tokenizer
     "draft_max_depth": int,
@@ -362,8 +363,8 @@ def parse_card(data: dict[str, Any], file: Path) -> Card:
         if key == "mtp_context_bias" and not 0 <= value <= 100:
             raise CardError(f"{file}: field 'speculation.mtp_context_bias' must be a number from "
                             f"0 to 100, got {value}")
-        if key == "mtp_min_confidence" and not 0 <= value < 1:
-            raise CardError(f"{file}: field 'speculation.mtp_min_confidence' must be a number "
+        if key in ("mtp_min_confidence", "mtp_depth_confidence") and not 0 <= value < 1:
+            raise CardError(f"{file}: field 'speculation.{key}' must be a number "
                             f"from 0 up to (not including) 1, got {value}")
         if key in ("mtp_max_depth", "draft_max_depth") and not 1 <= value <= 16:
             raise CardError(f"{file}: field 'speculation.{key}' must be 1..16, got {value}")

@@ -127,11 +127,12 @@ def simulate(preds: list[Predictions], t1: float, t2: float | None,
         p = g.prompt_len  # the prefill emitted tokens[prompt_len]: the first pending token
         while p < last:
             row = p - 1
-            width = 0
+            width = calls = 0
             if g.first_p[row] >= t1:
-                width = 1
-                if t2 is not None and p + 2 <= last and g.second_p[row] >= t2:
-                    width = 2
+                width = calls = 1
+                if t2 is not None and p + 2 <= last:
+                    calls = 2  # the second draft is computed, then kept only if sure enough
+                    width = 2 if g.second_p[row] >= t2 else 1
             right = 0
             if width:
                 drafted[0] += 1
@@ -144,7 +145,7 @@ def simulate(preds: list[Predictions], t1: float, t2: float | None,
             accepted[0] += right >= 1
             accepted[1] += right == 2
             # one head call appends the verified rows; each draft past the first chains once
-            cost += costs[1 + width] + head_cost * max(width, 1)
+            cost += costs[1 + width] + head_cost * max(calls, 1)
             n = min(1 + right, last - p)
             rounds += 1
             tokens += n

@@ -75,15 +75,22 @@ class MtpDrafter(InnerDrafter):
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048, context_bias: float = 0.0,
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, depth_confidence: float = 0.0):
         """`min_confidence`: draft nothing this round when the head gives its own first token
-        less than this probability (the card's `mtp_min_confidence`; 0: always draft)."""
+        less than this probability (the card's `mtp_min_confidence`; 0: always draft).
+        `depth_confidence`: past the first draft, go one token deeper only while the head gives
+        each deeper token at least this probability (the card's `mtp_depth_confidence`; 0: as
+        deep as asked)."""
         if not context_bias >= 0.0:
             raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"MTP min_confidence must be in [0, 1), got {min_confidence!r}")
+        for name, value in (("min_confidence", min_confidence),
+                            ("depth_confidence", depth_confidence)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"MTP {name} must be in [0, 1), got {value!r}")
         self.min_confidence = float(min_confidence)
+        self.depth_confidence = float(depth_confidence)
         self.unsure = 0  # rounds it drafted nothing for want of confidence
+        self.cut = 0  # rounds it drafted fewer tokens than asked for want of confidence
         self.head = head
         # The head computes with its own conventions; these cap the depth and check the forward.
         self.conventions = conventions or head.conventions
@@ -265,9 +272,17 @@ class MtpDrafter(InnerDrafter):
                                 self._cache)
                 self._speculative += 1
                 logits, chained = out.logits[-1], out.chain(chain)[-1]
-            rows.append(self._biased(logits))
-            drafts.append(taken if taken is not None and not biased
-                          else as_token(mx.argmax(rows[-1])))
+            deeper = self._biased(logits)
+            guess = taken if taken is not None and not biased else as_token(mx.argmax(deeper))
+            if self.depth_confidence and _probability(deeper, guess) < self.depth_confidence:
+                # The head's probability of a deeper guess tracks whether it is right, and a
+                # wrong one widens the verify for nothing: the depth follows the head's
+                # confidence round by round (docs/measurements/mtp-sidecars.md, "Depth from
+                # the head's confidence"). Its speculative row is trimmed like the others.
+                self.cut += 1
+                break
+            rows.append(deeper)
+            drafts.append(guess)
         return drafts, rows
 
     def prefetch(self) -> None:

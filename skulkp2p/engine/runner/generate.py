@@ -279,7 +279,8 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     if loaded.mtp is not None:
         model_depth = loaded.mtp.conventions.max_depth
         prior = float(loaded.speculation.get("mtp_prior_acceptance", 0.5))
-        model_drafter = GatedDrafter(_mtp_drafter(loaded, mtp_min_confidence(loaded)), costs,
+        model_drafter = GatedDrafter(_mtp_drafter(loaded, mtp_min_confidence(loaded),
+                                                  mtp_depth_confidence(loaded)), costs,
                                      model_depth, request_id=req.id,
                                      draft_cost=_relative_cost(loaded.mtp, loaded),
                                      prior_accept=prior, prior_weight=MTP_PRIOR_WEIGHT,
@@ -361,12 +362,20 @@ def mtp_min_confidence(loaded: LoadedModel) -> float:
     return float(loaded.speculation.get("mtp_min_confidence", MTP_MIN_CONFIDENCE))
 
 
-def _mtp_drafter(loaded: LoadedModel, min_confidence: float = 0.0) -> MtpDrafter:
-    """`min_confidence`: 0 for an explicit drafter (the caller asked for its drafts)."""
+def mtp_depth_confidence(loaded: LoadedModel) -> float:
+    """Past its first draft the head goes deeper only while it gives each deeper guess at
+    least this probability (the card's `speculation.mtp_depth_confidence`; 0: off)."""
+    return float(loaded.speculation.get("mtp_depth_confidence", 0.0))
+
+
+def _mtp_drafter(loaded: LoadedModel, min_confidence: float = 0.0,
+                 depth_confidence: float = 0.0) -> MtpDrafter:
+    """`min_confidence`, `depth_confidence`: 0 for an explicit drafter (the caller asked for
+    its drafts, as deep as it asked)."""
     from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
     return MtpDrafter(loaded.mtp,
                       context_bias=float(loaded.speculation.get("mtp_context_bias", 0.0)),
-                      min_confidence=min_confidence)
+                      min_confidence=min_confidence, depth_confidence=depth_confidence)
 
 
 def _assistant_usable(loaded: LoadedModel) -> bool:
