@@ -246,3 +246,36 @@ def test_an_eagle3_head_warm_started_from_an_eagle_head_drafts_as_it_does(tiny_m
         rows[name] = np.array(m.mtp(fwd.last_hidden, toks, m.mtp.make_cache(),
                                     all_logits=True).logits)
     np.testing.assert_allclose(rows["eagle3"], rows["eagle"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_stage_without_the_low_layers_loads_the_cards_stage_head(eagle3_llama, tmp_path):
+    """A card's `mtp_stage_sidecar`: one node (every layer) loads the eagle3 head; a ring's
+    later stage and a tensor group's loop member, which lack the low layers it reads, load the
+    stage head instead (its style detected from its tensor names, whatever `mtp_style` says
+    of the eagle3 one). Without one they load no head, as before."""
+    from skulkp2p.engine.model.stage import StageSpan
+    from skulkp2p.engine.runner.loader import open_model
+    from skulkp2p.models.cards import parse_card
+    from skulkp2p.models.store import ModelStore
+
+    base, sidecar, ids = eagle3_llama
+    eagle = make_eagle_sidecar(base, tmp_path / "eagle.safetensors", ids, seed=2)
+    fields = {"id": "t3", "family": "llama", "format": "mlx", "layers": 4, "hidden_size": 64,
+              "kv_heads": 2, "context_length": 4096, "size_bytes": 1_000_000,
+              "source": {"kind": "local", "path": str(base)}}
+
+    def opened(speculation, **where):
+        card = parse_card({**fields, "speculation": speculation}, tmp_path / "t3.toml")
+        store = ModelStore(tmp_path / "data", cards={"t3": card})
+        return open_model(store, "t3", "float32", **where).mtp
+
+    both = {"mtp_sidecar": str(sidecar), "mtp_style": "eagle3",
+            "mtp_stage_sidecar": str(eagle)}
+    whole = opened(both)
+    assert whole is not None and whole.conventions.style == "eagle3"
+    for where in ({"span": StageSpan(2, 4, 4)}, {"head_only": True}):
+        head = opened(both, **where)
+        assert head is not None and head.conventions.style == "eagle", where
+        assert opened({"mtp_sidecar": str(sidecar)}, **where) is None, where
+    first_alone = opened(both, span=StageSpan(0, 4, 4))  # a one-stage "ring": every layer
+    assert first_alone is not None and first_alone.conventions.style == "eagle3"

@@ -153,6 +153,7 @@ RUNTIME_FIELDS: dict[str, type | tuple[type, ...]] = {
 SPECULATION_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mtp_max_depth": int,
     "mtp_sidecar": str,  # path (relative to the card file or absolute) or an hf repo id
+    "mtp_stage_sidecar": str,  # the head where the sidecar's layers are not all held
     "mtp_style": str,  # qwen | deepseek | mimo | eagle (detected from tensor names when absent)
     "mtp_hidden": str,  # after | before the trunk's final norm
     "mtp_concat": str,  # embed_first | hidden_first

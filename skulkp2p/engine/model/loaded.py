@@ -135,7 +135,8 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
                  if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance",
                                                          "mtp_context_bias",
                                                          "mtp_min_confidence",
-                                                         "mtp_depth_confidence")}
+                                                         "mtp_depth_confidence",
+                                                         "mtp_stage_sidecar")}
     if template:
         Trunk(model).body.layers = template
     try:

@@ -35,6 +35,14 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
     dtype = dtype or serving_dtype()
     log.info("loading %s from %s (%s)", resolved.id, path, dtype)
     speculation = dict(card.speculation) if card else {}
+    if speculation.get("mtp_stage_sidecar") and (head_only or (span is not None
+                                                               and not span.first)):
+        # A ring's later stage or a tensor group's loop member lacks the low layers a head
+        # reading several depths of the trunk needs: the card's head for them reads the last
+        # layer only, its conventions detected from its own tensor names.
+        speculation["mtp_sidecar"] = speculation["mtp_stage_sidecar"]
+        for key in STAGE_DETECTED:
+            speculation.pop(key, None)
     sidecar = None
     if speculation.get("mtp_sidecar"):
         sidecar = resolve_sidecar(speculation["mtp_sidecar"], card.file if card else None)
@@ -118,6 +126,8 @@ def resolve_assistant(store: ModelStore, value: str, card_file: Path | None = No
 
 
 SIDECAR_FILE = "mtp.safetensors"
+# The card's head conventions that describe its `mtp_sidecar`, not its `mtp_stage_sidecar`.
+STAGE_DETECTED = ("mtp_style", "mtp_hidden", "mtp_concat", "mtp_norm_offset")
 
 
 def resolve_sidecar(value: str, card_file: Path | None = None) -> Path:
