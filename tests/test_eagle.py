@@ -337,15 +337,16 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
     base, sidecar, _ = eagle_llama
     prompt = [1, 2, 3, 4]
 
-    def threshold(lm, speculation) -> float:
+    def head_drafter(lm, speculation) -> MtpDrafter:
         req = parse_request({"prompt": TEXT, "max_tokens": 4, "speculation": speculation})
         drafter, _, _ = _choose_drafter(lm, req, prompt)
-        return _mtp_in(drafter).min_confidence
+        return _mtp_in(drafter)
+
+    def threshold(lm, speculation) -> float:
+        return head_drafter(lm, speculation).min_confidence
 
     def depth_threshold(lm, speculation) -> float:
-        req = parse_request({"prompt": TEXT, "max_tokens": 4, "speculation": speculation})
-        drafter, _, _ = _choose_drafter(lm, req, prompt)
-        return _mtp_in(drafter).depth_confidence
+        return head_drafter(lm, speculation).depth_confidence
 
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
     assert threshold(lm, "auto") == MTP_MIN_CONFIDENCE

@@ -96,7 +96,7 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
-    from skulkp2p.engine.model.mtp_conventions import has_mtp_tensors
+    from skulkp2p.engine.model.mtp_conventions import CONVENTION_FIELDS, has_mtp_tensors
     from skulkp2p.engine.model.mtp_head import load_mtp_head
 
     if head_only:
@@ -131,12 +131,7 @@ def load_model(path: Path, model_id: str, context_length: int | None = None,
     ctx = context_length or config.get("max_position_embeddings") or config.get(
         "text_config", {}).get("max_position_embeddings") or 4096
     speculation = dict(speculation or {})
-    overrides = {k: v for k, v in speculation.items()
-                 if k.startswith("mtp_") and k not in ("mtp_sidecar", "mtp_prior_acceptance",
-                                                         "mtp_context_bias",
-                                                         "mtp_min_confidence",
-                                                         "mtp_depth_confidence",
-                                                         "mtp_stage_sidecar")}
+    overrides = {k: v for k, v in speculation.items() if k in CONVENTION_FIELDS}
     if template:
         Trunk(model).body.layers = template
     try:

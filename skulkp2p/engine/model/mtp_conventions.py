@@ -196,6 +196,13 @@ def _style_hidden(style: str, config: JSONObject) -> str:
     return "layers:" + ",".join(str(i) for i in fused_layers(n))
 
 
+# The card fields that describe a head's file (its conventions), and the one that caps its depth:
+# what a card may override of what the tensor names and the config give.
+FILE_FIELDS = ("mtp_style", "mtp_hidden", "mtp_concat", "mtp_norm_offset", "mtp_chain",
+               "mtp_zero_first_embed")
+CONVENTION_FIELDS = (*FILE_FIELDS, "mtp_max_depth")
+
+
 def _conventions(style: str, config: JSONObject,
                  overrides: JSONObject | None) -> MtpConventions:
     concat, chain, zero_first = _STYLE_DEFAULTS[style]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
+from skulkp2p.engine.model.mtp_conventions import FILE_FIELDS
 from skulkp2p.engine.model.stage import StageSpan
 from skulkp2p.models.repo_ids import parse_repo_ref
 from skulkp2p.models.store import ModelStore
@@ -41,7 +42,7 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
         # reading several depths of the trunk needs: the card's head for them reads the last
         # layer only, its conventions detected from its own tensor names.
         speculation["mtp_sidecar"] = speculation["mtp_stage_sidecar"]
-        for key in STAGE_DETECTED:
+        for key in FILE_FIELDS:  # (they describe the other head's file)
             speculation.pop(key, None)
     sidecar = None
     if speculation.get("mtp_sidecar"):
@@ -126,8 +127,6 @@ def resolve_assistant(store: ModelStore, value: str, card_file: Path | None = No
 
 
 SIDECAR_FILE = "mtp.safetensors"
-# The card's head conventions that describe its `mtp_sidecar`, not its `mtp_stage_sidecar`.
-STAGE_DETECTED = ("mtp_style", "mtp_hidden", "mtp_concat", "mtp_norm_offset")
 
 
 def resolve_sidecar(value: str, card_file: Path | None = None) -> Path:
