@@ -75,10 +75,10 @@ def _served_in_a_batch(lm: LoadedModel, monkeypatch, drafter, depth: int, n: int
     docstring). Asserts every measured request joined the batch and drafted."""
     chosen = generate._choose_drafter
 
-    def choose(loaded, req, prompt, memory=None):
+    def choose(loaded, req, prompt, rng, memory=None):
         if str(req.id).startswith("measured-"):
             return drafter, depth, None
-        return chosen(loaded, req, prompt, memory)
+        return chosen(loaded, req, prompt, rng, memory)
 
     monkeypatch.setattr(generate, "_choose_drafter", choose)
     engine = MlxEngine(lm, prefix_cache_mb=0, memory_tokens=0, max_batch=TARGETS + len(OTHERS))

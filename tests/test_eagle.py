@@ -339,7 +339,7 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
 
     def head_drafter(lm, speculation) -> MtpDrafter:
         req = parse_request({"prompt": TEXT, "max_tokens": 4, "speculation": speculation})
-        drafter, _, _ = _choose_drafter(lm, req, prompt)
+        drafter, _, _ = _choose_drafter(lm, req, prompt, np.random.default_rng(0))
         return _mtp_in(drafter)
 
     def threshold(lm, speculation) -> float:
@@ -413,7 +413,7 @@ def test_head_starts_its_draft_early_only_where_lookup_has_none(eagle_llama, mon
         if not early:
             monkeypatch.setattr(MtpDrafter, "prefetch", lambda self: None)
         req = parse_request({"prompt": TEXT, "max_tokens": 24})
-        auto, depth, hidden = _choose_drafter(lm, req, prompt)
+        auto, depth, hidden = _choose_drafter(lm, req, prompt, np.random.default_rng(0))
         head = auto.model.inner
         # per round: (the head may draft, lookup offers a draft, head's draft started, drafts)
         rounds: list[tuple[bool, bool, bool, list[int]]] = []

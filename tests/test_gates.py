@@ -338,12 +338,13 @@ def test_prompt_gate_applies_to_lookup_alone(tiny_model, monkeypatch):
     req = parse_request({"prompt": "x", "max_tokens": 8})
     prompt = list(range(40, 90))  # nothing repeats: repetition score 0
     head = load_model(tiny_model("llama", mtp=True), "llama")
-    auto, _, _ = _choose_drafter(head, req, prompt)
+    auto, _, _ = _choose_drafter(head, req, prompt, make_rng(0))
     assert isinstance(auto, LookupThenModel) and auto.lookup.on
     monkeypatch.setattr(head, "speculation", {**head.speculation, "lookup": {"edits": False}})
-    auto, _, _ = _choose_drafter(head, req, prompt)
+    auto, _, _ = _choose_drafter(head, req, prompt, make_rng(0))
     assert not auto.lookup.on
-    alone, _, _ = _choose_drafter(load_model(tiny_model("llama"), "llama"), req, prompt)
+    alone, _, _ = _choose_drafter(load_model(tiny_model("llama"), "llama"), req, prompt,
+                               make_rng(0))
     assert alone.name == "lookup" and not alone.on
 
 

@@ -294,4 +294,4 @@ def test_a_tensor_groups_loop_member_loads_no_assistant_and_says_why(gemma, tmp_
     assert head.assistant is None
     req = parse_request({"prompt": PROMPT, "speculation": {"drafter": "assistant"}})
     with pytest.raises(RequestError, match="not on a tensor-parallel group"):
-        _choose_drafter(head, req, [1, 2])
+        _choose_drafter(head, req, [1, 2], np.random.default_rng(0))

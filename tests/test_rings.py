@@ -156,12 +156,12 @@ def test_card_gate_turns_speculation_off_on_rings(models):
 
     req = parse_request({"prompt": ECHO, "speculation": {"drafter": "mtp"}})
     last = stages(models["llama"], 2)[-1]
-    assert _choose_drafter(last, req, [1, 2])[0] is not None
+    assert _choose_drafter(last, req, [1, 2], make_rng(0))[0] is not None
     gated = type(last)(**{**last.__dict__, "speculation": {"speculative_multi_node": False}})
-    assert _choose_drafter(gated, req, [1, 2]) == (None, 0, None)
+    assert _choose_drafter(gated, req, [1, 2], make_rng(0)) == (None, 0, None)
     single = full(models["llama"])
     solo = type(single)(**{**single.__dict__, "speculation": {"speculative_multi_node": False}})
-    assert _choose_drafter(solo, req, [1, 2])[0] is not None
+    assert _choose_drafter(solo, req, [1, 2], make_rng(0))[0] is not None
 
 
 # ------------------------------------------------------------------------------------------

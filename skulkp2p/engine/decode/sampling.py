@@ -12,6 +12,7 @@ from. Draws come from a per-request numpy Generator, so concurrent requests neve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
@@ -19,8 +20,8 @@ import numpy as np
 
 from skulkp2p.engine.request import SamplingParams
 
-__all__ = ["SamplingParams", "as_floats", "as_token", "as_tokens", "greedy_token", "greedy_tokens", "log_probs",
-           "make_rng", "process_logits", "sample_from", "target_probs"]
+__all__ = ["Coupling", "SamplingParams", "as_floats", "as_token", "as_tokens", "greedy_token", "greedy_tokens", "log_probs",
+           "draw_at", "make_rng", "peek_uniforms", "process_logits", "sample_from", "target_probs"]
 
 
 def process_logits(row: mx.array, history: list[int], params: SamplingParams) -> mx.array:
@@ -117,8 +118,40 @@ def target_probs(row: mx.array, params: SamplingParams) -> np.ndarray:
 
 def sample_from(p: np.ndarray, rng: np.random.Generator) -> int:
     """Inverse-CDF draw; one uniform per token keeps the RNG stream easy to reason about."""
+    return draw_at(p, rng.random())
+
+
+def draw_at(p: np.ndarray, u: float) -> int:
+    """The token the inverse CDF of p (token-id order) gives for the uniform u in [0, 1)."""
     cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
+
+
+def peek_uniforms(rng: np.random.Generator, k: int) -> np.ndarray:
+    """The next k uniforms rng will give, leaving it where it was."""
+    state = rng.bit_generator.state
+    try:
+        return rng.random(k)
+    finally:
+        rng.bit_generator.state = state
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """A sampled request's sampler as a deterministic drafter may read it: the sampling
+    parameters and the request's Generator, whose next uniforms decide the next emitted tokens
+    (one each, in order). Reading ahead never draws: the text is plain sampling's whatever the
+    drafter guesses."""
+    params: SamplingParams
+    rng: np.random.Generator
+
+    def uniforms(self, k: int) -> np.ndarray:
+        return peek_uniforms(self.rng, k)
+
+    def guess(self, logits: mx.array, u: float) -> int:
+        """The drafter's token for one position: its own distribution (the sampler's filters
+        and temperature over `logits`) drawn at the uniform the target's draw will use."""
+        return draw_at(target_probs(logits.reshape(1, -1), self.params), u)
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

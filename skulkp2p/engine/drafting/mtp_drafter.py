@@ -23,6 +23,14 @@ acceptance from 49.0% to 49.8% (docs/measurements/mtp-sidecars.md, "A context bi
 `head probe --context-bias`). The drafts stay deterministic (q = None), so greedy
 and sampled decoding stay exact whatever the bonus.
 
+Sampled requests (`coupling`). The head's argmax is accepted with the target's probability of it,
+which at temperature 0.7 is well below the greedy match rate. Given the request's sampler
+(decode/sampling.py's `Coupling`), the head draws each guess from its own distribution, sharpened
+(`COUPLED_SHARPEN`), at the very uniform the target's draw of that position will use; where the
+head's distribution is close to the target's the two draws name the same token. The drafts are still deterministic given that
+uniform (q = None), and what is emitted is plain sampling's own draw, so a seeded request's text
+is plain decoding's whatever the head guesses.
+
 In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
 cache moves into the batch's `HeadRows` (engine/batching/head_batch.py) and every head call (the
 verified rows after a round, each draft past the first) is handed in there: the rows' calls run
@@ -43,7 +51,7 @@ from skulkp2p.engine.batching.head_batch import HeadCall, HeadRows
 from skulkp2p.engine.batching.row_forward import RowForward
 from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
 from skulkp2p.engine.decode.loop import DecodeStats
-from skulkp2p.engine.decode.sampling import as_floats, as_token, as_tokens
+from skulkp2p.engine.decode.sampling import Coupling, as_floats, as_token, as_tokens
 from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
 from skulkp2p.engine.model.mtp_conventions import MtpConventions
 from skulkp2p.engine.model.mtp_head import MtpHead
@@ -51,6 +59,13 @@ from skulkp2p.engine.model.tree import DraftTree
 
 if TYPE_CHECKING:
     from skulkp2p.engine.model.forward import Forward
+
+# A coupled guess draws from the head's logits scaled by this (its own temperature 0.7 of the
+# request's): a small head is less sure than its target where the target is sure, and on the
+# smollm2-135m head's sampled first drafts at temperature 0.7 the sharper draw matched the
+# target's 35.0% of the time, against 34.0% unsharpened and 32.7% for the argmax
+# (docs/measurements/drafting.md, "Coupled guesses").
+COUPLED_SHARPEN = 1 / 0.7
 
 # The head offers its second choice at a depth as a side branch when the head gives it at least
 # this share of its first choice's probability (gates.build_tree then weighs its width).
@@ -75,12 +90,14 @@ class MtpDrafter(InnerDrafter):
 
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048, context_bias: float = 0.0,
-                 min_confidence: float = 0.0, depth_confidence: float = 0.0):
+                 min_confidence: float = 0.0, depth_confidence: float = 0.0,
+                 coupling: Coupling | None = None):
         """`min_confidence`: draft nothing this round when the head gives its own first token
         less than this probability (the card's `mtp_min_confidence`; 0: always draft).
         `depth_confidence`: past the first draft, go one token deeper only while the head gives
         each deeper token at least this probability (the card's `mtp_depth_confidence`; 0: as
-        deep as asked)."""
+        deep as asked). `coupling`: a sampled request's sampler, read ahead to draw the guesses
+        at the target's own uniforms (None: argmax guesses, as greedy requests take)."""
         if not context_bias >= 0.0:
             raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
         for name, value in (("min_confidence", min_confidence),
@@ -91,6 +108,7 @@ class MtpDrafter(InnerDrafter):
         self.depth_confidence = float(depth_confidence)
         self.unsure = 0  # rounds it drafted nothing for want of confidence
         self.cut = 0  # rounds it drafted fewer tokens than asked for want of confidence
+        self.coupling = coupling
         self.head = head
         # The head computes with its own conventions; these cap the depth and check the forward.
         self.conventions = conventions or head.conventions
@@ -244,15 +262,16 @@ class MtpDrafter(InnerDrafter):
             return [], []
         logits, chained = self._next
         # The batch's forward took each row's argmax; the context bias changes it, so then the
-        # biased row decides.
+        # biased row decides, and a coupled guess is drawn from the row.
+        uniforms = self.coupling.uniforms(k) if self.coupling is not None else None
         biased = bool(self.context_bias and self._seen)
+        known: int | None  # the first row's argmax, when already taken
         if self._ahead is not None:  # (prefetch started it: the same ops, maybe done by now)
             (first, token), self._ahead = self._ahead, None
-            rows, drafts = [first], [as_token(token)]
+            rows, known = [first], as_token(token)
         else:
-            rows = [self._biased(logits)]
-            drafts = [self._next_token if self._next_token is not None and not biased
-                      else as_token(mx.argmax(rows[0]))]
+            rows, known = [self._biased(logits)], None if biased else self._next_token
+        drafts = [self._guess(rows[0], known, uniforms, 0)]
         if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
             # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
             # verify and the head's call for nothing (docs/measurements/drafting.md, "The head's
@@ -273,7 +292,7 @@ class MtpDrafter(InnerDrafter):
                 self._speculative += 1
                 logits, chained = out.logits[-1], out.chain(chain)[-1]
             deeper = self._biased(logits)
-            guess = taken if taken is not None and not biased else as_token(mx.argmax(deeper))
+            guess = self._guess(deeper, None if biased else taken, uniforms, len(drafts))
             if self.depth_confidence and _probability(deeper, guess) < self.depth_confidence:
                 # The head's probability of a deeper guess tracks whether it is right, and a
                 # wrong one widens the verify for nothing: the depth follows the head's
@@ -284,6 +303,14 @@ class MtpDrafter(InnerDrafter):
             rows.append(deeper)
             drafts.append(guess)
         return drafts, rows
+
+    def _guess(self, row: mx.array, argmax: int | None, uniforms: np.ndarray | None,
+               depth: int) -> int:
+        """The draft at `depth` from the head's (biased) logits row: drawn at the target's
+        uniform when coupled, else its argmax (`argmax`, when already taken)."""
+        if uniforms is not None and self.coupling is not None:
+            return self.coupling.guess(row * COUPLED_SHARPEN, float(uniforms[depth]))
+        return argmax if argmax is not None else as_token(mx.argmax(row))
 
     def prefetch(self) -> None:
         """Start evaluating the head's first draft of the next round now, asynchronously, when

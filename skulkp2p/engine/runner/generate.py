@@ -11,13 +11,14 @@ from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING
 
 import mlx.nn as nn
+import numpy as np
 
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.cache.prefix_cache import PrefixCache, RawEntry
 from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.grammar import Grammar, compile_format, tokenizer_bridge
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.sampling import make_rng
+from skulkp2p.engine.decode.sampling import Coupling, make_rng
 from skulkp2p.engine.decode.text import TextAssembler
 from skulkp2p.engine.decode.tool_calls import (
     ToolCallStream,
@@ -231,9 +232,10 @@ def drafts_sampled(loaded: LoadedModel, spec: Speculation) -> bool:
 
 
 def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[int],
-                    memory: SuffixMemory | None = None
+                    rng: np.random.Generator, memory: SuffixMemory | None = None
                     ) -> tuple[Drafter | None, int, str | None]:
-    """(drafter or None, depth, which trunk hidden state the forward must keep).
+    """(drafter or None, depth, which trunk hidden state the forward must keep). `rng`: the
+    request's sampler, which an MTP head reads ahead on a sampled request.
 
     An explicit drafter runs at the asked depth, ungated: the caller asked for it. "auto" wraps
     the available drafters in the gates: prompt lookup where it finds a match, and the model's
@@ -257,7 +259,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
             if loaded.mtp is None:
                 raise RequestError(f"model {loaded.id} has no MTP head (no mtp tensors and no "
                                    "sidecar)", "speculation")
-            return _mtp_drafter(loaded), spec.depth or loaded.mtp.conventions.max_depth, \
+            return _mtp_drafter(loaded, req, rng), spec.depth or loaded.mtp.conventions.max_depth, \
                 loaded.mtp.conventions.hidden
         if spec.drafter == "assistant":
             return _assistant_drafter(loaded, req, explicit=True), spec.depth or \
@@ -279,7 +281,7 @@ def _choose_drafter(loaded: LoadedModel, req: GenerationRequest, prompt: list[in
     if loaded.mtp is not None:
         model_depth = loaded.mtp.conventions.max_depth
         prior = float(loaded.speculation.get("mtp_prior_acceptance", 0.5))
-        model_drafter = GatedDrafter(_mtp_drafter(loaded, mtp_min_confidence(loaded),
+        model_drafter = GatedDrafter(_mtp_drafter(loaded, req, rng, mtp_min_confidence(loaded),
                                                   mtp_depth_confidence(loaded)), costs,
                                      model_depth, request_id=req.id,
                                      draft_cost=_relative_cost(loaded.mtp, loaded),
@@ -368,14 +370,17 @@ def mtp_depth_confidence(loaded: LoadedModel) -> float:
     return float(loaded.speculation.get("mtp_depth_confidence", 0.0))
 
 
-def _mtp_drafter(loaded: LoadedModel, min_confidence: float = 0.0,
-                 depth_confidence: float = 0.0) -> MtpDrafter:
+def _mtp_drafter(loaded: LoadedModel, req: GenerationRequest, rng: np.random.Generator,
+                 min_confidence: float = 0.0, depth_confidence: float = 0.0) -> MtpDrafter:
     """`min_confidence`, `depth_confidence`: 0 for an explicit drafter (the caller asked for
-    its drafts, as deep as it asked)."""
+    its drafts, as deep as it asked). A sampled request's head guesses at the uniforms of
+    `rng`, the request's sampler (sampling.Coupling)."""
     from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
+    coupling = None if req.sampling.greedy else Coupling(req.sampling, rng)
     return MtpDrafter(loaded.mtp,
                       context_bias=float(loaded.speculation.get("mtp_context_bias", 0.0)),
-                      min_confidence=min_confidence, depth_confidence=depth_confidence)
+                      min_confidence=min_confidence, depth_confidence=depth_confidence,
+                      coupling=coupling)
 
 
 def _assistant_usable(loaded: LoadedModel) -> bool:
@@ -528,9 +533,9 @@ def stream(loaded: LoadedModel, req: GenerationRequest,
         interrupt()
     default_max = int(loaded.runtime.get("max_tokens", 256))
     max_tokens = min(req.max_tokens or default_max, loaded.context_length - len(prompt))
-    drafter, depth, hidden = _choose_drafter(loaded, req, prompt, memory)
-    grammar = constraint(loaded, req)
     rng = make_rng(req.sampling.seed)
+    drafter, depth, hidden = _choose_drafter(loaded, req, prompt, rng, memory)
+    grammar = constraint(loaded, req)
     stats = DecodeStats()
     eos = set() if req.ignore_eos else set(loaded.tokenizer.eos_token_ids)
     text = TextAssembler(loaded.tokenizer, req.stop)

@@ -1,0 +1,127 @@
+"""Coupled guesses on sampled requests (sampling.Coupling): a deterministic drafter reads the
+request's next uniforms ahead and draws its guesses with them. The loop must spend exactly one
+uniform per emitted token, in order, for those to be the uniforms the target's draws use: a
+drafter that knows the target's own distribution is then always right. The MTP head draws each
+guess from its own distribution at those uniforms, and the text stays plain sampling's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from skulkp2p.engine.decode.drafter_seam import Drafter
+from skulkp2p.engine.decode.loop import DecodeStats, decode
+from skulkp2p.engine.decode.sampling import (
+    Coupling,
+    SamplingParams,
+    draw_at,
+    make_rng,
+    peek_uniforms,
+    process_logits,
+    sample_from,
+    target_probs,
+)
+from skulkp2p.engine.drafting.mtp_drafter import COUPLED_SHARPEN, MtpDrafter
+from skulkp2p.engine.model.forward import LocalForward
+from skulkp2p.engine.model.loaded import load_model
+from skulkp2p.engine.model.trunk import Trunk
+from tests.helpers.eagle import TEXT, make_eagle_sidecar
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, seed=7)
+
+
+def test_peeking_draws_nothing_and_names_the_next_draws():
+    rng = make_rng(3)
+    ahead = peek_uniforms(rng, 5)
+    assert ahead.tolist() == peek_uniforms(rng, 5).tolist()  # the Generator did not move
+    p = np.random.default_rng(0).dirichlet(np.ones(50))
+    assert [draw_at(p, u) for u in ahead] == [sample_from(p, rng) for _ in range(5)]
+
+
+class TargetCopy(Drafter):
+    """Guesses with the target's own distribution (the model run on the whole history) at the
+    uniforms the coupling reads ahead: right every time if, and only if, the loop draws each
+    emitted token with the next uniform."""
+
+    name = "target-copy"
+
+    def __init__(self, model, coupling: Coupling):
+        self.model, self.coupling = model, coupling
+
+    def propose(self, history, k):
+        uniforms = self.coupling.uniforms(k)
+        drafts: list[int] = []
+        for u in uniforms:
+            tokens = history + drafts
+            row = self.model(mx.array([tokens]))[:, -1, :]
+            p = target_probs(process_logits(row, tokens, self.coupling.params),
+                             self.coupling.params)
+            drafts.append(draw_at(p, float(u)))
+        return drafts, None
+
+
+def test_the_loop_draws_each_emitted_token_with_the_next_uniform(tiny_models):
+    lm = load_model(tiny_models["llama"], "tiny", dtype="float32")
+    prompt = lm.tokenizer.encode(TEXT)
+    plain = list(decode(LocalForward(lm.model), prompt, SAMPLED, 20, make_rng(SAMPLED.seed)))
+    rng = make_rng(SAMPLED.seed)
+    stats = DecodeStats()
+    out = list(decode(LocalForward(lm.model), prompt, SAMPLED, 20, rng,
+                      TargetCopy(lm.model, Coupling(SAMPLED, rng)), 3, stats))
+    assert out == plain
+    drafted, accepted = sum(stats.drafted_at), sum(stats.accepted_at)
+    # (a uniform out of step would make the guesses right about one time in the support's size)
+    assert drafted >= 10 and accepted == drafted, (accepted, drafted)
+
+
+class Recording(MtpDrafter):
+    """The head's logits rows and the uniforms its coupling read, per round."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds: list[tuple[list[int], list[mx.array], list[float] | None]] = []
+
+    def _drafts(self, k):
+        ahead = None if self.coupling is None else self.coupling.uniforms(k).tolist()
+        drafts, rows = super()._drafts(k)
+        self.rounds.append((drafts, rows, ahead))
+        return drafts, rows
+
+
+@pytest.fixture(scope="module")
+def eagle_llama(tiny_models, tmp_path_factory):
+    base = tiny_models["llama"]
+    vocab = int(Trunk(load_model(base, "base").model).embed_tokens.weight.shape[0])
+    ids = np.sort(np.random.default_rng(1).choice(vocab, 96, replace=False)).astype(np.int32)
+    return base, make_eagle_sidecar(base, tmp_path_factory.mktemp("eagle") / "e.safetensors", ids)
+
+
+def test_the_head_draws_its_guesses_at_the_targets_uniforms(eagle_llama):
+    base, sidecar = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    prompt = lm.tokenizer.encode(TEXT)
+    plain = list(decode(LocalForward(lm.model), prompt, SAMPLED, 24, make_rng(SAMPLED.seed)))
+
+    def run(coupled: bool) -> Recording:
+        rng = make_rng(SAMPLED.seed)
+        drafter = Recording(lm.mtp, coupling=Coupling(SAMPLED, rng) if coupled else None)
+        out = list(decode(LocalForward(lm.model, hidden="after"), prompt, SAMPLED, 24, rng,
+                          drafter, 3))
+        assert out == plain, coupled
+        return drafter
+
+    coupled = run(True)
+    assert len(coupled.rounds) >= 6
+    argmax_differs = 0
+    for drafts, rows, ahead in coupled.rounds:
+        assert ahead is not None
+        for token, row, u in zip(drafts, rows, ahead, strict=False):
+            assert token == draw_at(target_probs(row.reshape(1, -1) * COUPLED_SHARPEN,
+                                                 SAMPLED), u)
+            argmax_differs += token != int(mx.argmax(row).item())
+    assert argmax_differs > 0  # (the guesses are draws, not the argmax under another name)
+    alone = run(False)
+    for drafts, rows, ahead in alone.rounds:
+        assert ahead is None
+        assert drafts == [int(mx.argmax(r).item()) for r in rows]
