@@ -548,6 +548,16 @@ def test_bench_sampled_runs_seeded_and_equal_plain_run_by_run(tiny, tmp_path):
     assert "mlx_lm" in {s["arm"] for s in doc["skipped"]
                         if s["reason"] == "greedy only (bench --temperature)"}
     assert docs[1]["settings"]["plain_text"] == doc["settings"]["plain_text"]
+    # --unseeded: no seed goes out, so no arm's text is compared with plain's.
+    out = tmp_path / "unseeded.json"
+    proc = run_cli("bench", "--model", str(tiny), "--data-dir", str(tmp_path / "data"),
+                   "--max-tokens", "16", "--runs", "1", "--workloads", "echo",
+                   "--temperature", "0.7", "--unseeded", "--no-llama-server", "--json",
+                   str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    unseeded = json.loads(out.read_text())
+    assert unseeded["settings"]["sampling"]["seeds"].startswith("none")
+    assert all(r["identical_to_plain"] is None for r in unseeded["results"])
 
 
 @pytest.mark.process
@@ -555,6 +565,7 @@ def test_bench_sampled_runs_seeded_and_equal_plain_run_by_run(tiny, tmp_path):
     (("--temperature", "-1"), "--temperature: must be a finite number >= 0"),
     (("--temperature", "nan"), "--temperature: must be a finite number >= 0"),
     (("--temperature", "0.7", "--agent"), "--temperature runs the workloads on one node"),
+    (("--unseeded",), "--unseeded leaves the seed out of sampled requests"),
 ])
 def test_bench_sampled_bad_options_one_line(bad, message):
     proc = run_cli("bench", *bad, timeout=60)

@@ -14,6 +14,7 @@ from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.loop import DecodeStats, decode
 from skulkp2p.engine.decode.sampling import (
     Coupling,
+    DraftDraws,
     SamplingParams,
     draw_at,
     make_rng,
@@ -125,3 +126,58 @@ def test_the_head_draws_its_guesses_at_the_targets_uniforms(eagle_llama):
     for drafts, rows, ahead in alone.rounds:
         assert ahead is None
         assert drafts == [int(mx.argmax(r).item()) for r in rows]
+
+
+# --- unseeded: the head's guesses drawn from its q, q handed to the verifier --------------------
+
+
+def test_drawn_guesses_hand_their_q_and_threshold_on_the_heads_top(eagle_llama):
+    base, sidecar = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    prompt = lm.tokenizer.encode(TEXT)
+    unseeded = SamplingParams(temperature=0.8, top_k=40)
+
+    class Handed(Recording):
+        def propose(self, history, k):
+            drafts, q = super().propose(history, k)
+            self.handed.append((drafts, q))
+            return drafts, q
+
+    drafter = Handed(lm.mtp, draws=DraftDraws(unseeded, make_rng(5)))
+    drafter.handed = []
+    assert not drafter.capabilities.branches  # (a tree's nodes are deterministic)
+    out = list(decode(LocalForward(lm.model, hidden="after"), prompt, unseeded, 24, make_rng(6),
+                      drafter, 3))
+    assert len(out) == 24 and len(drafter.handed) >= 6
+    for (drafts, rows, _), (handed, q) in zip(drafter.rounds, drafter.handed, strict=True):
+        assert handed == drafts and q is not None and len(q) == len(drafts)
+        for token, row, qi in zip(drafts, rows, q, strict=True):
+            np.testing.assert_array_equal(qi, target_probs(row.reshape(1, -1), unseeded))
+            assert qi[token] > 0.0
+    row = drafter.rounds[0][1][0]
+    top = float(mx.softmax(row.astype(mx.float32))[int(mx.argmax(row).item())].item())
+    assert drafter._sureness(row, int(np.argmin(np.array(row)))) == pytest.approx(top)
+    with pytest.raises(ValueError, match="not both"):
+        MtpDrafter(lm.mtp, coupling=Coupling(SAMPLED, make_rng(0)),
+                   draws=DraftDraws(unseeded, make_rng(0)))
+
+
+def test_requests_get_the_heads_mode_their_sampling_asks_for(eagle_llama):
+    from skulkp2p.engine.runner.generate import _choose_drafter, _mtp_in
+    from skulkp2p.formats.pipe_format import parse_request
+
+    base, sidecar = eagle_llama
+    lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
+    for body, mode in (({}, None), ({"temperature": 0.7, "seed": 3}, "coupled"),
+                       ({"temperature": 0.7}, "draws")):
+        for speculation in ("auto", {"drafter": "mtp"}):
+            req = parse_request({"prompt": TEXT, "max_tokens": 4, "speculation": speculation,
+                                 **body})
+            rng = make_rng(req.sampling.seed)
+            drafter = _mtp_in(_choose_drafter(lm, req, [1, 2, 3], rng)[0])
+            assert drafter is not None
+            got = ("coupled" if drafter.coupling is not None
+                   else "draws" if drafter.draws is not None else None)
+            assert got == mode, (body, speculation)
+            if drafter.coupling is not None:
+                assert drafter.coupling.rng is rng  # the request's own sampler

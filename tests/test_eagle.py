@@ -12,7 +12,13 @@ import pytest
 from mlx_lm import stream_generate
 
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.sampling import SamplingParams, make_rng, process_logits, target_probs
+from skulkp2p.engine.decode.sampling import (
+    DraftDraws,
+    SamplingParams,
+    make_rng,
+    process_logits,
+    target_probs,
+)
 from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
 from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
@@ -223,6 +229,43 @@ def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
 
     spec, stats = first_two(head, 1_000_000)
     plain, _ = first_two(None, 0)
+    drafted, accepted = sum(stats.drafted_at), sum(stats.accepted_at)
+    assert 0 < accepted < drafted  # both the accept and the reject paths ran
+    assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA
+    assert two_sample(spec, plain) > ALPHA
+
+
+@pytest.mark.slow
+def test_eagle_head_drawing_from_its_q_keeps_the_sampled_distribution(tiny_models, tmp_path):
+    """An unseeded sampled request's head draws its guesses from its q and hands q to the
+    verifier (sampling.DraftDraws): the first two tokens still come as plain sampling's. The
+    head's vocabulary is the target's likeliest token and one unlikely one, so q is far from p
+    and both min(1, p/q) acceptances and residual draws happen."""
+    base = tiny_models["llama"]
+    lm = _sharpened(load_model(base, "tiny", dtype="float32"))
+    params = SamplingParams(temperature=1.0, top_k=30)
+    prompt = lm.tokenizer.encode(TEXT)
+    p1 = probs_after(lm.model, prompt, params)
+    likely, unlikely = int(np.argmax(p1)), int(np.argsort(p1)[-5])
+    sidecar = make_eagle_sidecar(base, tmp_path / "eagle.safetensors",
+                                 np.array(sorted({likely, unlikely}), np.int32), seed=3)
+    lm = _sharpened(load_model(base, "tiny", dtype="float32", sidecar=sidecar))
+    head = lm.mtp
+    head.restrict_vocab(head.vocab_ids)
+    n = 700
+    stats, spec = DecodeStats(), []
+    draws = DraftDraws(params, make_rng(11))
+    for i in range(n):  # (drafts drawn at random: no memo of call sequences to replay)
+        steps = decode(LocalForward(lm.model, hidden="after"), prompt, params, 5,
+                       make_rng(2_000_000 + i), MtpDrafter(head, draws=draws), 2, stats)
+        spec.append((next(steps), next(steps)))
+        steps.close()
+    memo = ForwardMemo(lambda: LocalForward(lm.model))
+    plain = []
+    for i in range(n):
+        steps = decode(memo.forward(), prompt, params, 5, make_rng(i))
+        plain.append((next(steps), next(steps)))
+        steps.close()
     drafted, accepted = sum(stats.drafted_at), sum(stats.accepted_at)
     assert 0 < accepted < drafted  # both the accept and the reject paths ran
     assert goodness_of_fit((s[0] for s in spec), p1) > ALPHA

@@ -95,6 +95,9 @@ def run_bench(args: argparse.Namespace, store: ModelStore) -> int:
             or getattr(args, "nodes", 1) > 1 or getattr(args, "engine", "mlx") != "mlx"):
         raise BenchError("--temperature runs the workloads on one node (no --agent, "
                          "--concurrency, --nodes or --engine served)")
+    if getattr(args, "unseeded", False) and not getattr(args, "temperature", 0.0) > 0.0:
+        raise BenchError("--unseeded leaves the seed out of sampled requests: it needs "
+                         "--temperature")
     if getattr(args, "replicas", None) is not None:
         if not getattr(args, "concurrency", None):
             raise BenchError("--replicas needs --concurrency N")
@@ -301,6 +304,7 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     memory_tokens = 0 if first_seen else getattr(args, "draft_memory_tokens", None)
     temperature = getattr(args, "temperature", 0.0)
     sampled = temperature > 0.0
+    unseeded = bool(getattr(args, "unseeded", False))
     settings = {
         "max_tokens": args.max_tokens, "runs": args.runs, "statistic": "median",
         "lengths": {c.label: c.max_tokens for c in cases},
@@ -311,8 +315,10 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
         "warmup": f"each arm once, {min(WARMUP_TOKENS, args.max_tokens)} tokens",
         "order": "interleaved: run r of every workload and arm before run r+1",
         "greedy": not sampled, "chat_template": True,
-        "sampling": {"temperature": temperature, "seeds": f"{args.seed} + run index, the same "
-                     "for every arm; acceptance summed over all runs"} if sampled else None,
+        "sampling": {"temperature": temperature,
+                     "seeds": "none: every request unseeded, no text compared with plain's"
+                     if unseeded else f"{args.seed} + run index, the same for every arm",
+                     "acceptance": "summed over all runs"} if sampled else None,
         "workloads": workloads, "arms": [a.name for a in arms],
         "sessions": {c.label: len(c.setup) for c in cases if c.setup},
         "fresh": "a fresh engine (empty draft memory) or llama-server per measured request; "
@@ -338,7 +344,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
     def document(complete: bool) -> tuple[dict[str, Any], list[str]]:
         results, cell_skips, mismatched = cell_results(
             cells, arms, workloads, sampled,
-            frozenset(a.name for a in arms if drafts_deterministic(a, loaded)))
+            frozenset(() if unseeded else
+                      (a.name for a in arms if drafts_deterministic(a, loaded))))
         plain_text = {wl: cells[(wl, "plain")].runs[0].text[:400]
                       for wl in workloads if cells[(wl, "plain")].runs}
         return {
@@ -371,7 +378,8 @@ def _run_loaded(args: argparse.Namespace, store: ModelStore, engine: dict[str, A
                         run = execute(arm, model_of(arm), draft, case.messages,
                                       case.max_tokens, args.draft_tokens, case.setup,
                                       memory_tokens, getattr(args, "peer", None),
-                                      Sampling(temperature, args.seed + r) if sampled else None,
+                                      Sampling(temperature, None if unseeded else args.seed + r)
+                                      if sampled else None,
                                       case.schema, getattr(args, "ignore_eos", False))
                 except SkipArm as e:
                     cell.skip = str(e)

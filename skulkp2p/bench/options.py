@@ -117,6 +117,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "statistically); the peer arms are greedy only and are skipped")
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature: run r of every arm uses seed SEED + r (default 0)")
+    p.add_argument("--unseeded", action="store_true",
+                   help="with --temperature: the requests carry no seed, as most clients' do "
+                        "(an MTP head then draws its guesses from its own distribution and "
+                        "the verifier is given it); no arm's text is compared with plain's, "
+                        "since none is the same (exactness is tested statistically)")
     p.add_argument("--runs", type=_positive, default=DEFAULT_RUNS,
                    help=f"measured runs per arm and workload; the median counts "
                         f"(default {DEFAULT_RUNS})")

@@ -461,8 +461,11 @@ class LocalPlacements:
                     return f"node {name} {why}"
             now = self._held(model)
             if now is None or now.ring != ring:
-                gone = [n for n in ring if now is None or n not in now.ring]
-                without = f" without node {', '.join(gone)}" if gone and now else ""
+                # Named from the whole new placement: it may hold no replica on this node (a
+                # model that fits one node goes to one), and then this node is among them.
+                placed = node.started_core.placements().get(model)
+                gone = [n for n in ring if placed is not None and n not in placed.holders]
+                without = f" without node {', '.join(gone)}" if gone else ""
                 return f"model {model} was re-placed{without}; retry"
             return None
 

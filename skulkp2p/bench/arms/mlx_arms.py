@@ -172,9 +172,9 @@ class SkipArm(Exception):
 @dataclass(frozen=True)
 class Sampling:
     """bench --temperature T --seed S: every engine request samples at T with seed S (the
-    run's: S + run index, the same for every arm of that run)."""
+    run's: S + run index, the same for every arm of that run); None: unseeded (--unseeded)."""
     temperature: float
-    seed: int
+    seed: int | None
 
 
 def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation: Any,
@@ -190,7 +190,9 @@ def engine_request(messages: list[dict[str, str]], max_tokens: int, speculation:
     body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
                             "speculation": speculation}
     if sampling is not None:
-        body.update(temperature=sampling.temperature, seed=sampling.seed)
+        body.update(temperature=sampling.temperature)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
     if schema is not None:
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "bench", "schema": schema}}

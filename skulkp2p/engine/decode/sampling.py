@@ -20,7 +20,7 @@ import numpy as np
 
 from skulkp2p.engine.request import SamplingParams
 
-__all__ = ["Coupling", "SamplingParams", "as_floats", "as_token", "as_tokens", "greedy_token", "greedy_tokens", "log_probs",
+__all__ = ["Coupling", "DraftDraws", "SamplingParams", "as_floats", "as_token", "as_tokens", "greedy_token", "greedy_tokens", "log_probs",
            "draw_at", "make_rng", "peek_uniforms", "process_logits", "sample_from", "target_probs"]
 
 
@@ -152,6 +152,22 @@ class Coupling:
         """The drafter's token for one position: its own distribution (the sampler's filters
         and temperature over `logits`) drawn at the uniform the target's draw will use."""
         return draw_at(target_probs(logits.reshape(1, -1), self.params), u)
+
+
+@dataclass(frozen=True)
+class DraftDraws:
+    """A drafter's own draws from its distribution q, with its own Generator, for a sampled
+    request whose text need not be reproducible (no seed): the verifier is given q and accepts
+    with min(1, p/q), which keeps Σ min(p, q) of the drafts where a deterministic draft keeps
+    p(draft)."""
+    params: SamplingParams
+    rng: np.random.Generator
+
+    def draw(self, logits: mx.array) -> tuple[int, np.ndarray]:
+        """(token, q): q the sampler's filters and temperature over `logits`, the token drawn
+        from it."""
+        q = target_probs(logits.reshape(1, -1), self.params)
+        return sample_from(q, self.rng), q
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

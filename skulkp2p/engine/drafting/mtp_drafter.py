@@ -31,6 +31,13 @@ head's distribution is close to the target's the two draws name the same token. 
 uniform (q = None), and what is emitted is plain sampling's own draw, so a seeded request's text
 is plain decoding's whatever the head guesses.
 
+Unseeded sampled requests (`draws`). Their text need not be reproducible, so the head draws each
+guess from its own distribution q with a Generator of its own and hands q to the verifier, which
+accepts with min(1, p/q): Σ min(p, q) of the first drafts are kept, more than a coupled guess
+keeps (docs/measurements/drafting.md, "Coupled guesses"). A draft must then be a plain draw from
+the q handed over, so the confidence thresholds read the head's top probability, not that of
+the token drawn, and the head offers no side branches (a tree's nodes are deterministic).
+
 In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
 cache moves into the batch's `HeadRows` (engine/batching/head_batch.py) and every head call (the
 verified rows after a round, each draft past the first) is handed in there: the rows' calls run
@@ -41,6 +48,7 @@ out and catches up alone.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
@@ -51,7 +59,7 @@ from skulkp2p.engine.batching.head_batch import HeadCall, HeadRows
 from skulkp2p.engine.batching.row_forward import RowForward
 from skulkp2p.engine.decode.drafter_seam import DrafterCapabilities
 from skulkp2p.engine.decode.loop import DecodeStats
-from skulkp2p.engine.decode.sampling import Coupling, as_floats, as_token, as_tokens
+from skulkp2p.engine.decode.sampling import Coupling, DraftDraws, as_floats, as_token, as_tokens
 from skulkp2p.engine.drafting.drafter import Branch, InnerDrafter
 from skulkp2p.engine.model.mtp_conventions import MtpConventions
 from skulkp2p.engine.model.mtp_head import MtpHead
@@ -91,13 +99,15 @@ class MtpDrafter(InnerDrafter):
     def __init__(self, head: MtpHead, conventions: MtpConventions | None = None,
                  prefill_step: int = 2048, context_bias: float = 0.0,
                  min_confidence: float = 0.0, depth_confidence: float = 0.0,
-                 coupling: Coupling | None = None):
+                 coupling: Coupling | None = None, draws: DraftDraws | None = None):
         """`min_confidence`: draft nothing this round when the head gives its own first token
         less than this probability (the card's `mtp_min_confidence`; 0: always draft).
         `depth_confidence`: past the first draft, go one token deeper only while the head gives
         each deeper token at least this probability (the card's `mtp_depth_confidence`; 0: as
-        deep as asked). `coupling`: a sampled request's sampler, read ahead to draw the guesses
-        at the target's own uniforms (None: argmax guesses, as greedy requests take)."""
+        deep as asked). `coupling`: a seeded sampled request's sampler, read ahead to draw the
+        guesses at the target's own uniforms. `draws`: an unseeded sampled request's, to draw
+        the guesses from the head's q and hand q to the verifier. Neither: argmax guesses, as
+        greedy requests take."""
         if not context_bias >= 0.0:
             raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
         for name, value in (("min_confidence", min_confidence),
@@ -108,7 +118,14 @@ class MtpDrafter(InnerDrafter):
         self.depth_confidence = float(depth_confidence)
         self.unsure = 0  # rounds it drafted nothing for want of confidence
         self.cut = 0  # rounds it drafted fewer tokens than asked for want of confidence
+        if coupling is not None and draws is not None:
+            raise ValueError("MTP drafts are coupled to the target's draws or drawn from q, "
+                             "not both")
         self.coupling = coupling
+        self.draws = draws
+        self._q: list[np.ndarray] = []  # with draws: the q each guess of the round came from
+        if draws is not None:
+            self.capabilities = dataclasses.replace(self.capabilities, branches=False)
         self.head = head
         # The head computes with its own conventions; these cap the depth and check the forward.
         self.conventions = conventions or head.conventions
@@ -250,7 +267,10 @@ class MtpDrafter(InnerDrafter):
             mx.eval(self._cache.keys, self._cache.values, *(self._next or ()))
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], list[np.ndarray] | None]:
-        return self._drafts(k)[0], None
+        drafts = self._drafts(k)[0]
+        if self.draws is None or not drafts:
+            return drafts, None
+        return drafts, self._q[:len(drafts)]
 
     def _drafts(self, k: int) -> tuple[list[int], list[mx.array]]:
         """The head's greedy chain of up to k tokens and its logits row at each depth."""
@@ -264,6 +284,7 @@ class MtpDrafter(InnerDrafter):
         # The batch's forward took each row's argmax; the context bias changes it, so then the
         # biased row decides, and a coupled guess is drawn from the row.
         uniforms = self.coupling.uniforms(k) if self.coupling is not None else None
+        self._q = []
         biased = bool(self.context_bias and self._seen)
         known: int | None  # the first row's argmax, when already taken
         if self._ahead is not None:  # (prefetch started it: the same ops, maybe done by now)
@@ -272,7 +293,7 @@ class MtpDrafter(InnerDrafter):
         else:
             rows, known = [self._biased(logits)], None if biased else self._next_token
         drafts = [self._guess(rows[0], known, uniforms, 0)]
-        if self.min_confidence and _probability(rows[0], drafts[0]) < self.min_confidence:
+        if self.min_confidence and self._sureness(rows[0], drafts[0]) < self.min_confidence:
             # A guess the head itself doubts is mostly wrong, and a wrong one costs a wider
             # verify and the head's call for nothing (docs/measurements/drafting.md, "The head's
             # confidence").
@@ -293,7 +314,7 @@ class MtpDrafter(InnerDrafter):
                 logits, chained = out.logits[-1], out.chain(chain)[-1]
             deeper = self._biased(logits)
             guess = self._guess(deeper, None if biased else taken, uniforms, len(drafts))
-            if self.depth_confidence and _probability(deeper, guess) < self.depth_confidence:
+            if self.depth_confidence and self._sureness(deeper, guess) < self.depth_confidence:
                 # The head's probability of a deeper guess tracks whether it is right, and a
                 # wrong one widens the verify for nothing: the depth follows the head's
                 # confidence round by round (docs/measurements/mtp-sidecars.md, "Depth from
@@ -310,7 +331,19 @@ class MtpDrafter(InnerDrafter):
         uniform when coupled, else its argmax (`argmax`, when already taken)."""
         if uniforms is not None and self.coupling is not None:
             return self.coupling.guess(row * COUPLED_SHARPEN, float(uniforms[depth]))
+        if self.draws is not None:
+            token, q = self.draws.draw(row)
+            self._q.append(q)
+            return token
         return argmax if argmax is not None else as_token(mx.argmax(row))
+
+    def _sureness(self, row: mx.array, guess: int) -> float:
+        """What the confidence thresholds compare: the head's probability of its guess, or of
+        its top token when the guess is a draw from q (a threshold on the token drawn would
+        keep drafts that are no longer distributed as q)."""
+        if self.draws is None:
+            return _probability(row, guess)
+        return _probability(row, as_token(mx.argmax(row)))
 
     def prefetch(self) -> None:
         """Start evaluating the head's first draft of the next round now, asynchronously, when

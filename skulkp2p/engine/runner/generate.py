@@ -18,7 +18,7 @@ from skulkp2p.engine.cache.prefix_cache import PrefixCache, RawEntry
 from skulkp2p.engine.decode.drafter_seam import Drafter
 from skulkp2p.engine.decode.grammar import Grammar, compile_format, tokenizer_bridge
 from skulkp2p.engine.decode.loop import DecodeStats, decode
-from skulkp2p.engine.decode.sampling import Coupling, make_rng
+from skulkp2p.engine.decode.sampling import Coupling, DraftDraws, make_rng
 from skulkp2p.engine.decode.text import TextAssembler
 from skulkp2p.engine.decode.tool_calls import (
     ToolCallStream,
@@ -221,9 +221,10 @@ def speculation_allowed(loaded: LoadedModel) -> bool:
 
 
 def drafts_sampled(loaded: LoadedModel, spec: Speculation) -> bool:
-    """Whether a sampled request's drafts would be drawn from a draft distribution q (a draft
-    model, the Gemma assistant) rather than chosen deterministically (lookup, an MTP head); a
-    request that does not draft has none."""
+    """Whether a seeded sampled request's drafts would be drawn from a draft distribution q (a
+    draft model, the Gemma assistant) rather than chosen deterministically (lookup, an MTP
+    head, whose guesses are coupled to the target's draws; it draws from its q only where the
+    request has no seed, and so no text to keep); a request that does not draft has none."""
     if spec.mode == "off":
         return False
     if spec.mode == "explicit":
@@ -373,14 +374,22 @@ def mtp_depth_confidence(loaded: LoadedModel) -> float:
 def _mtp_drafter(loaded: LoadedModel, req: GenerationRequest, rng: np.random.Generator,
                  min_confidence: float = 0.0, depth_confidence: float = 0.0) -> MtpDrafter:
     """`min_confidence`, `depth_confidence`: 0 for an explicit drafter (the caller asked for
-    its drafts, as deep as it asked). A sampled request's head guesses at the uniforms of
-    `rng`, the request's sampler (sampling.Coupling)."""
+    its drafts, as deep as it asked). A seeded sampled request's head guesses at the uniforms
+    of `rng`, the request's sampler (sampling.Coupling), so its text is plain sampling's; an
+    unseeded one's draws from the head's q and hands q to the verifier (sampling.DraftDraws),
+    which keeps more of its drafts."""
     from skulkp2p.engine.drafting.mtp_drafter import MtpDrafter
-    coupling = None if req.sampling.greedy else Coupling(req.sampling, rng)
+    sampling = req.sampling
+    coupling = draws = None
+    if not sampling.greedy:
+        if sampling.seed is not None:
+            coupling = Coupling(sampling, rng)
+        else:
+            draws = DraftDraws(sampling, make_rng(None))
     return MtpDrafter(loaded.mtp,
                       context_bias=float(loaded.speculation.get("mtp_context_bias", 0.0)),
                       min_confidence=min_confidence, depth_confidence=depth_confidence,
-                      coupling=coupling)
+                      coupling=coupling, draws=draws)
 
 
 def _assistant_usable(loaded: LoadedModel) -> bool:
