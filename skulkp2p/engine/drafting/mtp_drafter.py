@@ -23,20 +23,21 @@ acceptance from 49.0% to 49.8% (docs/measurements/mtp-sidecars.md, "A context bi
 `head probe --context-bias`). The drafts stay deterministic (q = None), so greedy
 and sampled decoding stay exact whatever the bonus.
 
-Sampled requests (`coupling`). The head's argmax is accepted with the target's probability of it,
+Seeded sampled requests (`coupling`). The head's argmax is accepted with the target's probability of it,
 which at temperature 0.7 is well below the greedy match rate. Given the request's sampler
 (decode/sampling.py's `Coupling`), the head draws each guess from its own distribution, sharpened
 (`COUPLED_SHARPEN`), at the very uniform the target's draw of that position will use; where the
-head's distribution is close to the target's the two draws name the same token. The drafts are still deterministic given that
-uniform (q = None), and what is emitted is plain sampling's own draw, so a seeded request's text
-is plain decoding's whatever the head guesses.
+head's distribution is close to the target's the two draws name the same token. The drafts are still
+deterministic given that uniform (q = None), and what is emitted is plain sampling's own draw, so a
+seeded request's text is plain decoding's whatever the head guesses.
 
 Unseeded sampled requests (`draws`). Their text need not be reproducible, so the head draws each
 guess from its own distribution q with a Generator of its own and hands q to the verifier, which
-accepts with min(1, p/q): Σ min(p, q) of the first drafts are kept, more than a coupled guess
-keeps (docs/measurements/drafting.md, "Coupled guesses"). A draft must then be a plain draw from
-the q handed over, so the confidence thresholds read the head's top probability, not that of
-the token drawn, and the head offers no side branches (a tree's nodes are deterministic).
+accepts with min(1, p/q): Σ min(p, q) of the first drafts are kept, more than a coupled guess keeps
+(docs/measurements/drafting.md, "Coupled guesses, and drafts drawn from the head's q"). A draft must
+then be a plain draw from the q handed over, so the confidence thresholds read the head's top
+probability, not that of the token drawn, and the head offers no side branches (a tree's nodes are
+deterministic).
 
 In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
 cache moves into the batch's `HeadRows` (engine/batching/head_batch.py) and every head call (the
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 # request's): a small head is less sure than its target where the target is sure, and on the
 # smollm2-135m head's sampled first drafts at temperature 0.7 the sharper draw matched the
 # target's 35.0% of the time, against 34.0% unsharpened and 32.7% for the argmax
-# (docs/measurements/drafting.md, "Coupled guesses").
+# (docs/measurements/drafting.md, "Coupled guesses, and drafts drawn from the head's q").
 COUPLED_SHARPEN = 1 / 0.7
 
 # The head offers its second choice at a depth as a side branch when the head gives it at least
