@@ -190,14 +190,13 @@ def _sharpened(lm):
     return lm
 
 
-@pytest.mark.slow
-def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
-    """Sampled decoding with the head's (deterministic) drafts emits the first two tokens as
-    plain sampling does. The head's vocabulary is the target's likeliest next token and one
-    unlikely token, so its drafts are accepted in some samples and rejected in others."""
-    base = tiny_models["llama"]
+SAMPLED_T1 = SamplingParams(temperature=1.0, top_k=30)
+
+
+def _two_token_head(base, tmp_path, params: SamplingParams):
+    """(sharpened model with a head, the head, prompt, p of the first token): the head's
+    vocabulary is the target's likeliest first token and one unlikely one."""
     lm = _sharpened(load_model(base, "tiny", dtype="float32"))
-    params = SamplingParams(temperature=1.0, top_k=30)
     prompt = lm.tokenizer.encode(TEXT)
     p1 = probs_after(lm.model, prompt, params)
     likely, unlikely = int(np.argmax(p1)), int(np.argsort(p1)[-5])
@@ -206,6 +205,16 @@ def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
     lm = _sharpened(load_model(base, "tiny", dtype="float32", sidecar=sidecar))
     head = lm.mtp
     head.restrict_vocab(head.vocab_ids)  # again: its rows of the sharpened lm_head
+    return lm, head, prompt, p1
+
+
+@pytest.mark.slow
+def test_eagle_head_keeps_the_sampled_distribution(tiny_models, tmp_path):
+    """Sampled decoding with the head's (deterministic) drafts emits the first two tokens as
+    plain sampling does. The head's vocabulary is the target's likeliest next token and one
+    unlikely token, so its drafts are accepted in some samples and rejected in others."""
+    params = SAMPLED_T1
+    lm, head, prompt, p1 = _two_token_head(tiny_models["llama"], tmp_path, params)
 
     n = 1500
 
@@ -241,17 +250,8 @@ def test_eagle_head_drawing_from_its_q_keeps_the_sampled_distribution(tiny_model
     verifier (sampling.DraftDraws): the first two tokens still come as plain sampling's. The
     head's vocabulary is the target's likeliest token and one unlikely one, so q is far from p
     and both min(1, p/q) acceptances and residual draws happen."""
-    base = tiny_models["llama"]
-    lm = _sharpened(load_model(base, "tiny", dtype="float32"))
-    params = SamplingParams(temperature=1.0, top_k=30)
-    prompt = lm.tokenizer.encode(TEXT)
-    p1 = probs_after(lm.model, prompt, params)
-    likely, unlikely = int(np.argmax(p1)), int(np.argsort(p1)[-5])
-    sidecar = make_eagle_sidecar(base, tmp_path / "eagle.safetensors",
-                                 np.array(sorted({likely, unlikely}), np.int32), seed=3)
-    lm = _sharpened(load_model(base, "tiny", dtype="float32", sidecar=sidecar))
-    head = lm.mtp
-    head.restrict_vocab(head.vocab_ids)
+    params = SAMPLED_T1
+    lm, head, prompt, p1 = _two_token_head(tiny_models["llama"], tmp_path, params)
     n = 700
     stats, spec = DecodeStats(), []
     draws = DraftDraws(params, make_rng(11))
