@@ -20,8 +20,9 @@ import numpy as np
 
 from skulkp2p.engine.request import SamplingParams
 
-__all__ = ["Coupling", "DraftDraws", "SamplingParams", "as_floats", "as_token", "as_tokens", "greedy_token", "greedy_tokens", "log_probs",
-           "draw_at", "make_rng", "peek_uniforms", "process_logits", "sample_from", "target_probs"]
+__all__ = ["Coupling", "DraftDraws", "SamplingParams", "as_floats", "as_token", "as_tokens",
+           "draw_at", "greedy_token", "greedy_tokens", "log_probs", "make_rng", "peek_uniforms",
+           "process_logits", "sample_from", "target_probs"]
 
 
 def process_logits(row: mx.array, history: list[int], params: SamplingParams) -> mx.array:

@@ -23,19 +23,19 @@ acceptance from 49.0% to 49.8% (docs/measurements/mtp-sidecars.md, "A context bi
 `head probe --context-bias`). The drafts stay deterministic (q = None), so greedy
 and sampled decoding stay exact whatever the bonus.
 
-Seeded sampled requests (`coupling`). The head's argmax is accepted with the target's probability of it,
-which at temperature 0.7 is well below the greedy match rate. Given the request's sampler
+Seeded sampled requests (`coupling`). The head's argmax is accepted with the target's probability
+of it, which at temperature 0.7 is well below the greedy match rate. Given the request's sampler
 (decode/sampling.py's `Coupling`), the head draws each guess from its own distribution, sharpened
 (`COUPLED_SHARPEN`), at the very uniform the target's draw of that position will use; where the
-head's distribution is close to the target's the two draws name the same token. The drafts are still
-deterministic given that uniform (q = None), and what is emitted is plain sampling's own draw, so a
-seeded request's text is plain decoding's whatever the head guesses.
+head's distribution is close to the target's the two draws name the same token. The drafts are
+still deterministic given that uniform (q = None), and what is emitted is plain sampling's own
+draw, so a seeded request's text is plain decoding's whatever the head guesses.
 
 Unseeded sampled requests (`draws`). Their text need not be reproducible, so the head draws each
 guess from its own distribution q with a Generator of its own and hands q to the verifier, which
 accepts with min(1, p/q): Σ min(p, q) of the first drafts are kept, more than a coupled guess keeps
-(docs/measurements/drafting.md, "Coupled guesses, and drafts drawn from the head's q"). A draft must
-then be a plain draw from the q handed over, so the confidence thresholds read the head's top
+(docs/measurements/drafting.md, "Coupled guesses, and drafts drawn from the head's q"). A draft
+must then be a plain draw from the q handed over, so the confidence thresholds read the head's top
 probability, not that of the token drawn, and the head offers no side branches (a tree's nodes are
 deterministic).
 
@@ -274,7 +274,8 @@ class MtpDrafter(InnerDrafter):
         return drafts, self._q[:len(drafts)]
 
     def _drafts(self, k: int) -> tuple[list[int], list[mx.array]]:
-        """The head's greedy chain of up to k tokens and its logits row at each depth."""
+        """The head's chain of up to k guesses (argmax, coupled or drawn) and its logits row at
+        each depth."""
         k = min(k, self.conventions.max_depth)
         if k <= 0:
             return [], []
