@@ -437,3 +437,17 @@ def test_the_real_openai_and_anthropic_clients_pass_the_checks(node):
         msg = ant.messages.create(model="fake", max_tokens=2,
                                   messages=[{"role": "user", "content": "tokens=2"}])
         assert msg.content[0].text == "w0 w1 "
+
+
+def test_an_error_mid_upload_reaches_the_client_still_sending(node):
+    """An error that ends the connection while the client still sends its body (here a chunk
+    size line too long, then 512 KiB more): the server reads what keeps coming and drops it
+    before it closes (a lingering close), so the client finishes sending and reads the 400
+    instead of a reset."""
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+           b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"2;" + b"e" * 5000 + b"\r\n" + b"x" * (512 * 1024))
+    for _ in range(3):
+        r = _one(node.port, [raw[i:i + 16384] for i in range(0, len(raw), 16384)])
+        assert r.status == 400 and "chunk size line too long" in r.json()["error"]["message"]
+    assert node.script.started == []

@@ -44,6 +44,12 @@ class ServerConfig:
     write_timeout: float = 60.0  # a client that reads nothing for this long is dropped
     max_connections: int = 1024
     read_size: int = 65536
+    # After an error that ends a connection mid-request, the client's bytes still coming are
+    # read and dropped for up to this long (and this many bytes) before the close: a socket
+    # closed with input unread sends a reset, which can reach the client while it still sends
+    # the request and cost it the error response.
+    linger_timeout: float = 2.0
+    linger_bytes: int = 1 << 20
     # Host headers answered besides the server's own addresses (http.HostPolicy): "name" (any
     # port), "name:port", or "*" (any Host at all).
     allowed_hosts: tuple[str, ...] = ()
@@ -364,12 +370,34 @@ class HttpServer:
                 _protocol_errors.note(client.rpartition(":")[0] or client,
                                       f"HTTP {e.status}: {e.message}")
                 await self._send_error(writer, conn, ApiError(e.status, e.message))
+                if e.status != 408:  # (a client too slow to send gets no more time)
+                    await self._linger(reader, writer)
                 return
             req = HttpRequest(request.method, request.target, path, query, request.headers,
                               body, client)
             await self._handle(reader, writer, conn, req, handler, refusal)
             if conn.must_close:
                 return
+
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Half-close, then read and drop what the client still sends (bounded) so that the
+        close that follows sends no reset ahead of the response (a lingering close)."""
+        if writer.can_write_eof():
+            writer.write_eof()
+        deadline = time.monotonic() + self.config.linger_timeout
+        left = self.config.linger_bytes
+        while left > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                data = await asyncio.wait_for(reader.read(min(left, self.config.read_size)),
+                                              remaining)
+            except (TimeoutError, ConnectionError, OSError):
+                return
+            if not data:
+                return
+            left -= len(data)
 
     async def _read_head(self, reader: asyncio.StreamReader, conn: http.ServerConnection,
                          first: bool) -> http.Request | None:
