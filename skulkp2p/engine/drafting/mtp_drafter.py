@@ -345,7 +345,8 @@ class MtpDrafter(InnerDrafter):
         keep drafts that are no longer distributed as q)."""
         if self.draws is None:
             return _probability(row, guess)
-        return _probability(row, as_token(mx.argmax(row)))
+        top = row.astype(mx.float32)  # (the top's probability in one read, no argmax first)
+        return cast(float, mx.exp(mx.max(top) - mx.logsumexp(top)).item())
 
     def prefetch(self) -> None:
         """Start evaluating the head's first draft of the next round now, asynchronously, when
