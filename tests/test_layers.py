@@ -30,7 +30,7 @@ ENGINE_ROOMS: dict[str, set[str]] = {
                                "engine.drafting"},
 }
 ENGINE_ROOMS["engine.runner"] = set(ENGINE_ROOMS)  # builds an engine from all the rooms
-ENGINE_BELOW = {"skulkp2p", "wire", "models", "progress"}  # what any room may import outside engine
+ENGINE_BELOW = {"skulkp2p", "wire", "models", "progress", "atomic_file"}  # what any room may import outside engine
 
 # Rooms whose modules may import mlx at the top; every other module of the package imports with
 # mlx blocked (mlx loads only when a model does, on its worker thread).
@@ -42,6 +42,7 @@ SEAM = {"engine"}  # what the layers that only run engines may see of the engine
 # The layers above the engine: area -> areas it may import ("skulkp2p" is the package itself).
 AREAS: dict[str, set[str]] = {
     "wire": set(), "progress": set(), "metrics": set(), "ports": set(), "ratelog": set(),
+    "atomic_file": set(),
     "netfault": {"ports"},
     "models": {"wire", "progress"},
     "state_metrics": SEAM | {"engine.cpu", "metrics"},
@@ -49,7 +50,7 @@ AREAS: dict[str, set[str]] = {
     "formats": SEAM | {"engine.decode"},
     "runtime": SEAM | {"telemetry"},
     "served": SEAM | {"engine.decode", "formats", "models", "progress", "ports"},
-    "cluster": {"wire", "models", "engine.parallel.ring", "ratelog"},  # ring: sans-I/O protocol
+    "cluster": {"wire", "models", "engine.parallel.ring", "ratelog", "atomic_file"},  # ring: sans-I/O protocol
     "api": SEAM | {"formats", "runtime", "metrics", "telemetry", "state_metrics", "engine.cpu",
                    "ratelog"},
     "pipe": SEAM | {"formats", "runtime", "models"},

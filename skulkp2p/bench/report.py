@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from skulkp2p import atomic_file
 from skulkp2p.bench.bench_error import BenchError
 
 # --------------------------------------------------------------------------------------------
@@ -69,9 +70,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    """`text` to `path`, whole or not at all (an interrupted run leaves the old file)."""
+    atomic_file.write_atomic(path, (text.encode("utf-8"),))
 
 
 def write_document(doc: dict[str, Any], table: str, json_out: str | None) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
 
+from skulkp2p.atomic_file import write_atomic
 from skulkp2p.wire import Message
 
 log = logging.getLogger("skulkp2p.cluster")
@@ -193,27 +194,7 @@ def from_json(data: bytes) -> DurableState:
 def save_state(path: Path, state: DurableState, cluster: str) -> None:
     """Write atomically and durably (raises OSError; the caller decides what a failure means)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(to_json(state, cluster))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:  # the rename itself survives a power cut only once the directory is on disk
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return  # a platform without directory fds (Windows): the rename is what we get
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    write_atomic(path, (to_json(state, cluster),), mode=0o600)
 
 
 def load_state(path: Path, node: str, cluster: str) -> DurableState | None:

@@ -54,6 +54,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_caches
 from mlx_lm.models.cache import PromptTrie
 
+from skulkp2p.atomic_file import TMP_SUFFIX, write_atomic
 from skulkp2p.engine.cache.caches import CacheEntry, State
 
 log = logging.getLogger("skulkp2p.prefix")
@@ -63,7 +64,6 @@ MAGIC = b"SKPFXC1\n"
 _DIGEST = 32
 _PREFIX = len(MAGIC) + _DIGEST + 8  # magic, digest, header length
 SUFFIX = ".entry"
-TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
 _NS = "disk"
 # Entries queued and not yet written may hold at most this many bytes (or the store's bound if
@@ -264,18 +264,7 @@ def write_entry(folder: Path, enc: _Encoded) -> Path:
     for part in (length, header, body):
         digest.update(part)
     final = folder / entry_name(enc.key)
-    tmp = folder / f".{final.name}.{os.getpid()}{TMP_SUFFIX}"
-    try:
-        with open(tmp, "wb") as f:
-            for part in (MAGIC, digest.digest(), length, header, body):
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(folder)
+    write_atomic(final, (MAGIC, digest.digest(), length, header, body))
     return final
 
 
@@ -404,19 +393,6 @@ def read_entry(path: Path, fingerprint: str) -> StoredEntry:
     """The entry in `path`, checked whole; BadEntry when it is not a whole entry of this
     fingerprint."""
     return install(read_raw(path, fingerprint))
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def cache_identity(model_id: str, dtype: str, part: str = "") -> list[str]:
