@@ -1,8 +1,9 @@
 """The EAGLE-style drafting head (engine/model/mtp_head.py, style "eagle"): a random head of that kind
 on a tiny model loads from its own tensor names (fc bias, reduced vocabulary) and drafts exactly
-(greedy byte-identical at depths 1-3; sampled output keeps the target's distribution); the head
-shipped for smollm2-135m loads as that kind and decodes byte-identically to plain decoding and
-to mlx-lm's generate (slow)."""
+(greedy byte-identical at depths 1-3; sampled output keeps the target's distribution); the two
+heads shipped for smollm2-135m (its card's EAGLE-3-class head, and the EAGLE-style head for its
+ring stages) load as their kinds and decode byte-identically to plain decoding and to mlx-lm's
+generate (slow)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ from tests.helpers.stats import goodness_of_fit, two_sample
 
 ALPHA = 1e-3
 SHARPEN = 3.0  # peaked rows, as a trained model has (as tests/test_sampling_exactness.py does)
-SHIPPED = PACKAGE_CARDS_DIR / "sidecars" / "smollm2-135m" / "mtp.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -402,38 +402,49 @@ def test_auto_thresholds_the_head_and_explicit_does_not(eagle_llama):
 
 
 @pytest.mark.slow
-def test_shipped_eagle_head_is_greedy_exact_on_smollm2(smollm2_path):
+def test_shipped_heads_are_greedy_exact_on_smollm2(smollm2_path):
+    """The default card's two heads, each with the card's own [speculation] as serving loads
+    it: its EAGLE-3-class head (one node) and the EAGLE-style head its ring stages and tensor
+    groups draft with (`mtp_stage_sidecar`)."""
+    from skulkp2p.engine.model.mtp_conventions import FILE_FIELDS
+    from skulkp2p.engine.runner.loader import resolve_sidecar
     from skulkp2p.formats.pipe_format import parse_request
     from skulkp2p.models.cards import load_card
     from tests.helpers.pipe_result import generate
 
-    # The card's own [speculation] (its mtp_context_bias among it), as serving loads it.
     card = load_card(PACKAGE_CARDS_DIR / "smollm2-135m.toml")
-    lm = load_model(smollm2_path, "smollm2-135m", dtype="float32", sidecar=SHIPPED,
-                    speculation={k: v for k, v in card.speculation.items() if k != "mtp_sidecar"})
-    assert lm.mtp is not None and lm.mtp.conventions.style == "eagle"
     # One prompt (a second one took every path this one takes): its answer repeats itself, so
     # in auto both lookup and the head draft, and every drafter's drafts are accepted in some
     # rounds and rejected in others (asserted below).
     messages = [{"role": "user", "content": "Write a short poem about a fox in the snow."}]
-    prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ref = []
-    for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=64):
-        if r.token in lm.tokenizer.eos_token_ids:
-            break
-        ref.append(r.token)
-    # Compared with mlx-lm's tokens, so with plain decoding's (test_fast_path.py and
-    # test_trees.py check ours equal mlx-lm's on SmolLM2 float32).
-    assert len(ref) > 10
-    # auto drafts with the head at the card's depth (1) beside lookup; explicit, at depth 3.
-    for spec in ({"drafter": "mtp", "depth": 3}, "auto"):
-        out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
-                                          "speculation": spec}))
-        assert out["tokens"] == ref, spec
-        counts = out["speculation"].get("by_drafter") or {"mtp": out["speculation"]}
-        assert set(counts) == ({"lookup", "mtp"} if spec == "auto" else {"mtp"}), spec
-        for name, c in counts.items():
-            assert c["drafted"] > c["accepted"] > 0, (spec, name, c)
+    ref: list[int] = []
+    for field, style in (("mtp_sidecar", "eagle3"), ("mtp_stage_sidecar", "eagle")):
+        speculation = {k: v for k, v in card.speculation.items()
+                       if k not in ("mtp_sidecar", "mtp_stage_sidecar")}
+        if field == "mtp_stage_sidecar":  # (those describe the card's head, as the loader has it)
+            speculation = {k: v for k, v in speculation.items() if k not in FILE_FIELDS}
+        lm = load_model(smollm2_path, "smollm2-135m", dtype="float32",
+                        sidecar=resolve_sidecar(card.speculation[field], card.file),
+                        speculation=speculation)
+        assert lm.mtp is not None and lm.mtp.conventions.style == style
+        prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not ref:
+            for r in stream_generate(lm.model, lm.tokenizer, mx.array(prompt), max_tokens=64):
+                if r.token in lm.tokenizer.eos_token_ids:
+                    break
+                ref.append(r.token)
+            # Compared with mlx-lm's tokens, so with plain decoding's (test_fast_path.py and
+            # test_trees.py check ours equal mlx-lm's on SmolLM2 float32).
+            assert len(ref) > 10
+        # auto drafts with the head at the card's depth (1) beside lookup; explicit, at depth 3.
+        for spec in ({"drafter": "mtp", "depth": 3}, "auto"):
+            out = generate(lm, parse_request({"messages": messages, "max_tokens": 64,
+                                              "speculation": spec}))
+            assert out["tokens"] == ref, (style, spec)
+            counts = out["speculation"].get("by_drafter") or {"mtp": out["speculation"]}
+            assert set(counts) == ({"lookup", "mtp"} if spec == "auto" else {"mtp"}), spec
+            for name, c in counts.items():
+                assert c["drafted"] > c["accepted"] > 0, (style, spec, name, c)
 
 
 def test_head_starts_its_draft_early_only_where_lookup_has_none(eagle_llama, monkeypatch):

@@ -32,7 +32,9 @@ from tests.helpers.procs import kill, listening_port
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
-HEAD = ("skulkp2p/cards/sidecars/smollm2-135m/mtp.safetensors",
+HEAD = ("skulkp2p/cards/sidecars/smollm2-135m-eagle3/mtp.safetensors",
+        "skulkp2p/cards/sidecars/smollm2-135m-eagle3/mtp.provenance.toml",
+        "skulkp2p/cards/sidecars/smollm2-135m/mtp.safetensors",
         "skulkp2p/cards/sidecars/smollm2-135m/mtp.provenance.toml")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
