@@ -406,8 +406,7 @@ def test_shipped_heads_are_greedy_exact_on_smollm2(smollm2_path):
     """The default card's two heads, each with the card's own [speculation] as serving loads
     it: its EAGLE-3-class head (one node) and the EAGLE-style head its ring stages and tensor
     groups draft with (`mtp_stage_sidecar`)."""
-    from skulkp2p.engine.model.mtp_conventions import FILE_FIELDS
-    from skulkp2p.engine.runner.loader import resolve_sidecar
+    from skulkp2p.engine.runner.loader import head_speculation, resolve_sidecar
     from skulkp2p.formats.pipe_format import parse_request
     from skulkp2p.models.cards import load_card
     from tests.helpers.pipe_result import generate
@@ -418,13 +417,10 @@ def test_shipped_heads_are_greedy_exact_on_smollm2(smollm2_path):
     # rounds and rejected in others (asserted below).
     messages = [{"role": "user", "content": "Write a short poem about a fox in the snow."}]
     ref: list[int] = []
-    for field, style in (("mtp_sidecar", "eagle3"), ("mtp_stage_sidecar", "eagle")):
-        speculation = {k: v for k, v in card.speculation.items()
-                       if k not in ("mtp_sidecar", "mtp_stage_sidecar")}
-        if field == "mtp_stage_sidecar":  # (those describe the card's head, as the loader has it)
-            speculation = {k: v for k, v in speculation.items() if k not in FILE_FIELDS}
+    for stage, style in ((False, "eagle3"), (True, "eagle")):
+        speculation = head_speculation(card.speculation, stage)  # as open_model loads it
         lm = load_model(smollm2_path, "smollm2-135m", dtype="float32",
-                        sidecar=resolve_sidecar(card.speculation[field], card.file),
+                        sidecar=resolve_sidecar(speculation["mtp_sidecar"], card.file),
                         speculation=speculation)
         assert lm.mtp is not None and lm.mtp.conventions.style == style
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from skulkp2p.engine.json_types import JSONValue
 from skulkp2p.engine.model.loaded import LoadedModel, load_model
 from skulkp2p.engine.model.mtp_conventions import FILE_FIELDS
 from skulkp2p.engine.model.stage import StageSpan
@@ -28,6 +31,20 @@ def serving_dtype() -> str:
     return blas.fast_path_report()["dtype"]
 
 
+def head_speculation(speculation: Mapping[str, JSONValue], stage: bool
+                     ) -> dict[str, JSONValue]:
+    """A card's [speculation] for where it loads: on a `stage` (a ring's later stage, a tensor
+    group's loop member), which lacks the low layers a head reading several depths of the trunk
+    needs, the card's `mtp_stage_sidecar` is the head, its conventions detected from its own
+    tensor names."""
+    out = dict(speculation)
+    if stage and out.get("mtp_stage_sidecar"):
+        out["mtp_sidecar"] = out["mtp_stage_sidecar"]
+        for key in FILE_FIELDS:  # (they describe the other head's file)
+            out.pop(key, None)
+    return out
+
+
 def open_model(store: ModelStore, spec: str, dtype: str | None = None,
                span: StageSpan | None = None, head_only: bool = False) -> LoadedModel:
     resolved = store.resolve(spec, fetch=True)  # a card id, a path or a repository id
@@ -35,15 +52,10 @@ def open_model(store: ModelStore, spec: str, dtype: str | None = None,
     card = resolved.card
     dtype = dtype or serving_dtype()
     log.info("loading %s from %s (%s)", resolved.id, path, dtype)
-    speculation = dict(card.speculation) if card else {}
-    if speculation.get("mtp_stage_sidecar") and (head_only or (span is not None
-                                                               and not span.first)):
-        # A ring's later stage or a tensor group's loop member lacks the low layers a head
-        # reading several depths of the trunk needs: the card's head for them reads the last
-        # layer only, its conventions detected from its own tensor names.
-        speculation["mtp_sidecar"] = speculation["mtp_stage_sidecar"]
-        for key in FILE_FIELDS:  # (they describe the other head's file)
-            speculation.pop(key, None)
+    # (card fields checked by type when the card loaded: mtp_sidecar, draft_model are str)
+    speculation: dict[str, Any] = head_speculation(card.speculation if card else {},
+                                                   head_only or (span is not None
+                                                                 and not span.first))
     sidecar = None
     if speculation.get("mtp_sidecar"):
         sidecar = resolve_sidecar(speculation["mtp_sidecar"], card.file if card else None)
