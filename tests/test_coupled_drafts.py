@@ -1,8 +1,8 @@
 """Coupled guesses on sampled requests (sampling.Coupling): a deterministic drafter reads the
-request's next uniforms ahead and draws its guesses with them. The loop must spend exactly one
-uniform per emitted token, in order, for those to be the uniforms the target's draws use: a
-drafter that knows the target's own distribution is then always right. The MTP head draws each
-guess from its own distribution at those uniforms, and the text stays plain sampling's."""
+request's next exponentials ahead and races its guesses with them. The loop must spend exactly
+one vector of exponentials per emitted token, in order, for those to be the ones the target's
+draws use: a drafter that knows the target's own distribution is then always right. The MTP head
+races each guess from its own distribution with them, and the text stays plain sampling's."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from skulkp2p.engine.decode.sampling import (
     Coupling,
     DraftDraws,
     SamplingParams,
-    draw_at,
+    draw_with,
     make_rng,
-    peek_uniforms,
+    peek_noise,
     process_logits,
     sample_from,
     target_probs,
@@ -28,16 +28,46 @@ from skulkp2p.engine.model.forward import LocalForward
 from skulkp2p.engine.model.loaded import load_model
 from skulkp2p.engine.model.trunk import Trunk
 from tests.helpers.eagle import TEXT, make_eagle_sidecar
+from tests.helpers.stats import goodness_of_fit
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, seed=7)
 
 
 def test_peeking_draws_nothing_and_names_the_next_draws():
     rng = make_rng(3)
-    ahead = peek_uniforms(rng, 5)
-    assert ahead.tolist() == peek_uniforms(rng, 5).tolist()  # the Generator did not move
+    ahead = peek_noise(rng, 5, 50)
+    assert ahead.tolist() == peek_noise(rng, 5, 50).tolist()  # the Generator did not move
     p = np.random.default_rng(0).dirichlet(np.ones(50))
-    assert [draw_at(p, u) for u in ahead] == [sample_from(p, rng) for _ in range(5)]
+    assert [draw_with(p, e) for e in ahead] == [sample_from(p, rng) for _ in range(5)]
+
+
+def test_a_draw_is_distributed_as_p():
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0])
+    rng = make_rng(11)
+    # (goodness_of_fit also fails outright on a draw of the entry of probability 0)
+    assert goodness_of_fit([sample_from(p, rng) for _ in range(20_000)], p) > 1e-4
+
+
+def _race_agreement(p: np.ndarray, q: np.ndarray) -> float:
+    """The chance that races of p and of q over the same exponentials name the same token."""
+    return float(sum(1.0 / np.sum(np.maximum(p / p[i], q / q[i]))
+                     for i in range(len(p)) if p[i] > 0 and q[i] > 0))
+
+
+def test_a_coupled_guess_agrees_as_the_race_says_whatever_the_token_order():
+    # q a smoothed p with its mass in the lower ids: an inverse CDF in token-id order shifts
+    # every interval and agrees less than the race, which does not see the order
+    p = np.array([0.05, 0.1, 0.5, 0.2, 0.15])
+    q = np.array([0.15, 0.15, 0.4, 0.15, 0.15])
+    want = _race_agreement(p, q)
+    n = 20_000
+    noise = make_rng(5).standard_exponential((n, len(p)))
+    for order in (np.arange(len(p)), np.array([4, 2, 0, 3, 1])):
+        agree = np.mean([draw_with(p[order], e) == draw_with(q[order], e) for e in noise])
+        assert abs(agree - want) < 5 * np.sqrt(want * (1 - want) / n), (order, agree, want)
+    cp, cq = np.cumsum(p), np.cumsum(q)  # a shared uniform names i where both intervals hold it
+    inverse_cdf = np.sum(np.clip(np.minimum(cp, cq) - np.maximum(cp - p, cq - q), 0.0, None))
+    assert want > inverse_cdf + 0.02  # (what the race buys over a shared uniform here)
 
 
 class TargetCopy(Drafter):
@@ -51,14 +81,16 @@ class TargetCopy(Drafter):
         self.model, self.coupling = model, coupling
 
     def propose(self, history, k):
-        uniforms = self.coupling.uniforms(k)
         drafts: list[int] = []
-        for u in uniforms:
+        noise = None
+        for depth in range(k):
             tokens = history + drafts
             row = self.model(mx.array([tokens]))[:, -1, :]
             p = target_probs(process_logits(row, tokens, self.coupling.params),
                              self.coupling.params)
-            drafts.append(draw_at(p, float(u)))
+            if noise is None:
+                noise = self.coupling.noise(k, len(p))
+            drafts.append(draw_with(p, noise[depth]))
         return drafts, None
 
 
@@ -72,20 +104,22 @@ def test_the_loop_draws_each_emitted_token_with_the_next_uniform(tiny_models):
                       TargetCopy(lm.model, Coupling(SAMPLED, rng)), 3, stats))
     assert out == plain
     drafted, accepted = sum(stats.drafted_at), sum(stats.accepted_at)
-    # (a uniform out of step would make the guesses right about one time in the support's size)
+    # (exponentials out of step would make the guesses right about one time in the support's size)
     assert drafted >= 10 and accepted == drafted, (accepted, drafted)
 
 
 class Recording(MtpDrafter):
-    """The head's logits rows and the uniforms its coupling read, per round."""
+    """The head's logits rows and the exponentials its coupling read, per round."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rounds: list[tuple[list[int], list[mx.array], list[float] | None]] = []
+        self.rounds: list[tuple[list[int], list[mx.array], np.ndarray | None]] = []
 
     def _drafts(self, k):
-        ahead = None if self.coupling is None else self.coupling.uniforms(k).tolist()
         drafts, rows = super()._drafts(k)
+        # (peeking draws nothing, so after the head's round it reads what the round read)
+        ahead = (None if self.coupling is None or not rows
+                 else self.coupling.noise(k, rows[0].shape[-1]))
         self.rounds.append((drafts, rows, ahead))
         return drafts, rows
 
@@ -98,7 +132,7 @@ def eagle_llama(tiny_models, tmp_path_factory):
     return base, make_eagle_sidecar(base, tmp_path_factory.mktemp("eagle") / "e.safetensors", ids)
 
 
-def test_the_head_draws_its_guesses_at_the_targets_uniforms(eagle_llama):
+def test_the_head_races_its_guesses_with_the_targets_exponentials(eagle_llama):
     base, sidecar = eagle_llama
     lm = load_model(base, "tiny", dtype="float32", sidecar=sidecar)
     prompt = lm.tokenizer.encode(TEXT)
@@ -116,10 +150,12 @@ def test_the_head_draws_its_guesses_at_the_targets_uniforms(eagle_llama):
     assert len(coupled.rounds) >= 6
     argmax_differs = 0
     for drafts, rows, ahead in coupled.rounds:
+        if not drafts:
+            continue
         assert ahead is not None
-        for token, row, u in zip(drafts, rows, ahead, strict=False):
-            assert token == draw_at(target_probs(row.reshape(1, -1) * COUPLED_SHARPEN,
-                                                 SAMPLED), u)
+        for token, row, e in zip(drafts, rows, ahead, strict=False):
+            assert token == draw_with(target_probs(row.reshape(1, -1) * COUPLED_SHARPEN,
+                                                   SAMPLED), e)
             argmax_differs += token != int(mx.argmax(row).item())
     assert argmax_differs > 0  # (the guesses are draws, not the argmax under another name)
     alone = run(False)

@@ -91,8 +91,8 @@ def verify_one(row: mx.array, draft: int, q: np.ndarray | None, params: Sampling
     """Decide one draft token against the target row: (token to emit, accepted?).
 
     Greedy: accept when the draft is the plain choice. Sampled with a deterministic draft (q
-    one-hot, q None here): draw the token exactly as plain decoding does, one uniform through
-    the same inverse CDF, and accept when it is the draft. That is exact (the emitted token is
+    one-hot, q None here): draw the token exactly as plain decoding does, the same race over
+    the next exponentials, and accept when it is the draft. That is exact (the emitted token is
     p-distributed and the draft is accepted with probability p(draft), as Leviathan's rule), and
     it is coupled to plain decoding: a seeded request emits the same tokens whatever was drafted,
     so its output does not depend on the gates' timing, the node, or the placement. Sampled with

@@ -3,8 +3,8 @@
 Greedy requests keep the children the target's own choices name (tree.greedy_walk; with a
 repetition penalty each node's row is processed with its path first). Sampled requests whose
 node's children are all deterministic (the suffix drafter's branches, an MTP head's top-k: q
-one-hot) draw the node's token exactly as plain decoding does (one uniform, the same inverse
-CDF over p, the target distribution at the node with the request's own temperature,
+one-hot) draw the node's token exactly as plain decoding does (the same race over the next
+exponentials, over p, the target distribution at the node with the request's own temperature,
 top-p/top-k/min-p and repetition penalty over the history along the path) and follow the child
 that names it, if any. The emitted token is p-distributed and child t is kept with probability
 p(t), and the draw is the one plain decoding makes, so a seeded request's output does not depend
@@ -37,7 +37,7 @@ from skulkp2p.engine.decode.sampling import (
 def draw_child(p: np.ndarray, tokens: list[int], rng: np.random.Generator
                ) -> tuple[int | None, int]:
     """Deterministic children (q one-hot): (index of the child whose token plain decoding's own
-    draw from p names, or None; that token). One uniform, as plain decoding draws."""
+    draw from p names, or None; that token). One draw, as plain decoding's."""
     token = sample_from(p, rng)
     return (tokens.index(token) if token in tokens else None), token
 

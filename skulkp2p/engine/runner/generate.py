@@ -374,7 +374,7 @@ def mtp_depth_confidence(loaded: LoadedModel) -> float:
 def _mtp_drafter(loaded: LoadedModel, req: GenerationRequest, rng: np.random.Generator,
                  min_confidence: float = 0.0, depth_confidence: float = 0.0) -> MtpDrafter:
     """`min_confidence`, `depth_confidence`: 0 for an explicit drafter (the caller asked for
-    its drafts, as deep as it asked). A seeded sampled request's head guesses at the uniforms
+    its drafts, as deep as it asked). A seeded sampled request's head guesses with the exponentials
     of `rng`, the request's sampler (sampling.Coupling), so its text is plain sampling's; an
     unseeded one's draws from the head's q and hands q to the verifier (sampling.DraftDraws),
     which keeps more of its drafts."""
