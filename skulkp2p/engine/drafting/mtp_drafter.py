@@ -28,16 +28,17 @@ of it, which at temperature 0.7 is well below the greedy match rate. Given the r
 (decode/sampling.py's `Coupling`), the head draws each guess from its own distribution, sharpened
 (`COUPLED_SHARPEN`), with the very exponentials the target's draw of that position will race
 (sampling.py); where the head's distribution is close to the target's the two draws name the same
-token. The drafts are still deterministic given those exponentials (q = None), and what is emitted is plain sampling's own
-draw, so a seeded request's text is plain decoding's whatever the head guesses.
+token. The drafts are still deterministic given those exponentials (q = None), and what is
+emitted is plain sampling's own draw, so a seeded request's text is plain decoding's whatever the
+head guesses.
 
 Unseeded sampled requests (`draws`). Their text need not be reproducible, so the head draws each
 guess from its own distribution q with a Generator of its own and hands q to the verifier, which
 accepts with min(1, p/q): Σ min(p, q) of the first drafts are kept, a little more than a coupled
-guess keeps (docs/measurements/drafting.md, "Coupled guesses, and drafts drawn from the head's q"). A draft
-must then be a plain draw from the q handed over, so the confidence thresholds read the head's top
-probability, not that of the token drawn, and the head offers no side branches (a tree's nodes are
-deterministic).
+guess keeps (docs/measurements/drafting.md, "Coupled guesses, and drafts drawn from the head's
+q"). A draft must then be a plain draw from the q handed over, so the confidence thresholds read
+the head's top probability, not that of the token drawn, and the head offers no side branches (a
+tree's nodes are deterministic).
 
 In a batch. Once the request's row is in a batch (its forward a joined scheduler row), its head
 cache moves into the batch's `HeadRows` (engine/batching/head_batch.py) and every head call (the
@@ -106,8 +107,8 @@ class MtpDrafter(InnerDrafter):
         `depth_confidence`: past the first draft, go one token deeper only while the head gives
         each deeper token at least this probability (the card's `mtp_depth_confidence`; 0: as
         deep as asked). `coupling`: a seeded sampled request's sampler, read ahead to draw the
-        guesses with the target's own exponentials. `draws`: an unseeded sampled request's, to draw
-        the guesses from the head's q and hand q to the verifier. Neither: argmax guesses, as
+        guesses with the target's own exponentials. `draws`: an unseeded sampled request's, to
+        draw the guesses from the head's q and hand q to the verifier. Neither: argmax guesses, as
         greedy requests take."""
         if not context_bias >= 0.0:
             raise ValueError(f"MTP context_bias must be a number >= 0, got {context_bias!r}")
