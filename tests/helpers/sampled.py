@@ -12,7 +12,12 @@ import numpy as np
 
 from skulkp2p.engine.cache import caches
 from skulkp2p.engine.decode.drafter_seam import Drafter, DrafterCapabilities
-from skulkp2p.engine.decode.sampling import SamplingParams, process_logits, target_probs
+from skulkp2p.engine.decode.sampling import (
+    SamplingParams,
+    draw_with,
+    process_logits,
+    target_probs,
+)
 from skulkp2p.engine.model.forward import Forward, LocalForward
 from skulkp2p.engine.model.tree import DraftTree
 from tests.helpers.stats import goodness_of_fit
@@ -22,8 +27,8 @@ def draws_from(p: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
     """n draws from p: the tokens n calls of sampling.sample_from(p, rng) give, in one go (the
     same exponentials: an [n, V] block is what n calls of V give, raced the same way). For the
     draft tokens of the unit tests; the verifier still draws its own."""
-    noise = np.maximum(rng.standard_exponential((n, len(p))), np.finfo(np.float64).tiny)
-    return np.argmax(p[None] / noise, axis=1)
+    return np.array([draw_with(p, e) for e in rng.standard_exponential((n, len(p)))],
+                    dtype=np.int64)
 
 
 def probs_after(model, history: list[int], params: SamplingParams) -> np.ndarray:
